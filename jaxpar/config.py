@@ -1,0 +1,70 @@
+"""One typed record of a training run: every flag of train.py, with its default and meaning."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Config:
+    # what to train
+    strategy: str = "single"  # single | ddp | dp | pipeline (jaxpar.strategy.STRATEGIES)
+    model: str = "convnet"  # linear | mlp | convnet | alexnet (models.NAMES)
+    dataset: str = "synthetic"  # synthetic | mnist | cifar10 | npz (jaxpar.data.DATASETS)
+    data_dir: str | None = None  # IDX folder for mnist, or the tfds data dir
+    data_path: str | None = None  # the .npz file for --dataset npz
+    train_split: str = "train"  # tfds split syntax, e.g. 'test[:8000]'
+    eval_split: str = "test"  # tfds split syntax, e.g. 'test[8000:]'; '' skips evaluation
+    image_size: int | None = None  # resize images to this side (alexnet: 64 by default, 224 in DeepSpeed's tutorial)
+    # how to train
+    batch_size: int = 64  # the GLOBAL batch, the same meaning for every strategy
+    eval_batch_size: int = 1000  # evaluation batch (reference step, one device)
+    epochs: int = 1  # passes over the training split
+    steps: int | None = None  # stop after this many steps in all (None: run the epochs)
+    optimizer: str = "adadelta"  # sgd | adam | adamw | adadelta (PyTorch defaults)
+    lr: float | None = None  # None: the optimizer's default (sgd 0.01, adam/adamw 1e-3, adadelta 1.0)
+    momentum: float = 0.9  # sgd only
+    weight_decay: float | None = None  # None: torch's default (0, adamw 0.01)
+    gamma: float = 0.7  # StepLR(step_size=1 epoch, gamma) as in PyTorch's MNIST example; 1.0 = constant
+    seed: int = 0  # parameters, dropout and shuffling all derive from it
+    shuffle: bool = True  # DistributedSampler(shuffle=...)
+    drop_last: bool = False  # drop the last, smaller batch (otherwise it is padded and masked)
+    precision: str = "fp32"  # fp32 | bf16 (bf16 compute, fp32 master weights and optimizer state)
+    # devices and processes
+    cpu_devices: int | None = None  # simulate this many CPU devices (set before JAX starts)
+    num_devices: int | None = None  # use only the first N devices (default: all)
+    cpu_collectives: str = "gloo"  # gloo | mpi: CPU collectives across processes
+    # DistributedDataParallel
+    allreduce: str = "psum"  # psum | ring | reduce_broadcast | all_to_all
+    bucket_cap_mb: float = 25.0  # gradient bucket size (torch's bucket_cap_mb); 0 = one leaf per bucket
+    overlap: bool = True  # issue each bucket's reduction from inside the backward pass
+    grad_accum: int = 1  # micro-steps per optimizer step, reduced once (torch's no_sync)
+    grad_comm_dtype: str | None = None  # bf16: compress gradients for communication
+    spmd: str = "shard_map"  # shard_map | pmap front end
+    # DataParallel
+    loss_on_device: bool = False  # each device computes its own loss; only scalars are gathered
+    print_shapes: bool = False  # print the tutorial's "In Model" / "Outside" lines
+    output_device: int = 0  # the master device
+    # pipeline
+    num_stages: int = 2
+    micro_batches: int = 4
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
+    virtual_stages: int = 1  # model chunks per stage (interleaved)
+    partition_method: str = "parameters"  # parameters | uniform | type:REGEX | profile
+    activation_checkpoint_interval: int = 0
+    # runs, files and reports
+    init_torch: str | None = None  # start from a PyTorch state dict saved as .npz
+    export_torch: str | None = None  # write the trained weights as a PyTorch state dict .npz
+    metrics_out: str | None = None  # JSON lines of per-step and per-epoch metrics
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0  # steps between checkpoints (0: only at the end and on SIGTERM/SIGINT)
+    resume: bool = False  # continue from the latest complete checkpoint in --checkpoint-dir
+    report: bool = False  # print the run report (memory, communication, schedule) at the end
+    log_every: int = 50  # steps between log lines / metrics records
+    quiet: bool = False  # no progress bar or per-epoch lines (the summary line still prints)
+
+    def replace(self, **changes) -> "Config":
+        return dataclasses.replace(self, **changes)
+
+
+DEFAULT_LR = {"sgd": 0.01, "adam": 1e-3, "adamw": 1e-3, "adadelta": 1.0}

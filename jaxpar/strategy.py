@@ -1,0 +1,62 @@
+"""The contract every strategy keeps, and the registry behind `--strategy`."""
+from __future__ import annotations
+
+import importlib
+from typing import Any, Protocol
+
+import jax
+
+from jaxpar.step import TrainState
+from jaxpar.types import Batch, Metrics
+
+# name -> "module:function" building it; imported lazily so a strategy's deps load only when used
+STRATEGIES = {
+    "single": "jaxpar.single:build",
+    "ddp": "jaxpar.ddp:build",
+    "dp": "jaxpar.data_parallel:build",
+    "pipeline": "jaxpar.pipeline:build",
+}
+
+
+class Strategy(Protocol):
+    """A way to run the reference step on many devices; `unplace(step(init(s)))` equals the reference step."""
+
+    name: str
+
+    def init(self, state: TrainState) -> Any:
+        """Place the canonical state on the devices."""
+
+    def put_batch(self, batch: Batch) -> Any:
+        """Pad, mask, shard or scatter this process's rows of the global batch (runs ahead, on the loader thread)."""
+
+    def step(self, placed: Any, batch: Any) -> tuple[Any, Metrics]:
+        """One training step; metrics as the reference's (loss, correct, count)."""
+
+    def unplace(self, placed: Any) -> TrainState:
+        """The canonical single-device state (params and opt_state with the reference's tree structure)."""
+
+    def describe(self) -> str:
+        """One line: devices, mesh, algorithm."""
+
+    def report(self, placed: Any) -> dict:
+        """Extras for --report (communication, memory, schedule)."""
+
+
+def get_builder(name: str):
+    """The `build(model, tx, cfg) -> Strategy` function registered under `name`."""
+    if name not in STRATEGIES:
+        raise ValueError(f"strategy={name!r} is not known; use one of {', '.join(STRATEGIES)}.")
+    module, fn = STRATEGIES[name].split(":")
+    return getattr(importlib.import_module(module), fn)
+
+
+def to_device(tree: Any, device) -> Any:
+    """A copy of `tree` committed to one device (fully gathered first when it spans several processes)."""
+    def one(a):
+        if isinstance(a, jax.Array) and not a.is_fully_addressable:
+            from jax.experimental import multihost_utils
+
+            a = multihost_utils.process_allgather(a, tiled=True)
+        return jax.device_put(a, device)
+
+    return jax.tree.map(one, tree)

@@ -1,0 +1,220 @@
+"""The training loop behind train.py: data, model, optimizer and a strategy, run for epochs or steps.
+
+Roughly:
+    data, model, tx = ...; strategy = build(model, tx, cfg); placed = strategy.init(state)
+    for epoch: for batch in loader(put=strategy.put_batch): placed, metrics = strategy.step(placed, batch)
+               evaluate(strategy.unplace(placed).params)
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxpar.config import DEFAULT_LR, Config
+from jaxpar.optim import OPTIMIZERS, make_optimizer
+from jaxpar.step import TrainState, init_state, make_eval_step
+from jaxpar.strategy import STRATEGIES, get_builder
+
+
+def validate(cfg: Config) -> None:
+    """Reject a bad configuration before any work starts (names, ranges); strategies check their own rules."""
+    import models
+    from jaxpar.data import DATASETS
+    from jaxpar.precision import PRECISIONS
+
+    choices = {"strategy": STRATEGIES, "model": models.NAMES, "dataset": DATASETS, "optimizer": OPTIMIZERS,
+               "precision": PRECISIONS}
+    for field, valid in choices.items():
+        value = getattr(cfg, field)
+        if value not in valid:
+            raise ValueError(f"--{field} {value!r} is not known; use one of: {', '.join(valid)}.")
+    for field in ("batch_size", "epochs", "eval_batch_size", "log_every"):
+        if getattr(cfg, field) < 1:
+            raise ValueError(f"--{field.replace('_', '-')} {getattr(cfg, field)} must be >= 1.")
+    if cfg.steps is not None and cfg.steps < 1:
+        raise ValueError(f"--steps {cfg.steps} must be >= 1 (or leave it out to run whole epochs).")
+    if cfg.lr is not None and not cfg.lr > 0:
+        raise ValueError(f"--lr {cfg.lr} must be > 0.")
+    if cfg.dataset == "npz" and not cfg.data_path:
+        raise ValueError("--dataset npz needs --data-path FILE.npz holding arrays x and y.")
+    if cfg.resume and not cfg.checkpoint_dir:
+        raise ValueError("--resume needs --checkpoint-dir DIR (the run's checkpoint folder).")
+
+
+def model_kwargs(cfg: Config, x_shape: tuple, num_classes: int) -> dict:
+    """The model's constructor arguments for this data: input size and class count."""
+    features = int(np.prod(x_shape[1:]))
+    if cfg.model == "linear":
+        return {"input_size": features, "output_size": num_classes}
+    if cfg.model == "mlp":
+        return {"in_features": features, "hidden_dim": 128, "out_features": num_classes}
+    return {"num_classes": num_classes} if cfg.model == "alexnet" else {}
+
+
+def make_model(cfg: Config, x_shape: tuple, num_classes: int) -> nnx.Module:
+    """The model named by cfg, freshly initialised from the seed or loaded from --init-torch."""
+    import models
+
+    kwargs = model_kwargs(cfg, x_shape, num_classes)
+    if cfg.init_torch:
+        return models.from_torch_state_dict(cfg.model, load_npz(cfg.init_torch, "--init-torch"), **kwargs)
+    return models.get(cfg.model, rngs=nnx.Rngs(cfg.seed), **kwargs)
+
+
+def load_npz(path: str, flag: str) -> dict[str, np.ndarray]:
+    try:
+        with np.load(path) as f:
+            return dict(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{flag} {path!r} could not be read as .npz ({e}); pass a file written by np.savez.") from e
+
+
+def make_tx(cfg: Config, steps_per_epoch: int) -> optax.GradientTransformation:
+    """The optimizer with StepLR(step_size=1 epoch, gamma) folded into its learning rate."""
+    lr = DEFAULT_LR[cfg.optimizer] if cfg.lr is None else cfg.lr
+    if cfg.gamma != 1.0:
+        lr = optax.exponential_decay(lr, transition_steps=max(steps_per_epoch, 1), decay_rate=cfg.gamma,
+                                     staircase=True)
+    return make_optimizer(cfg.optimizer, lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+
+def evaluate(eval_step, params, dataset, batch_size: int) -> dict[str, float]:
+    """Mean loss and accuracy of `params` over `dataset`, in fixed-size batches (the last one padded, w=0)."""
+    n = len(dataset.y)
+    totals = np.zeros(3)
+    for start in range(0, n, batch_size):
+        idx = np.arange(start, min(start + batch_size, n))
+        pad = batch_size - len(idx) if n > batch_size else 0
+        rows = np.concatenate([idx, np.zeros(pad, idx.dtype)])
+        batch = {"x": dataset.x[rows], "y": dataset.y[rows], "idx": rows.astype(np.int32),
+                 "w": np.concatenate([np.ones(len(idx)), np.zeros(pad)]).astype(np.float32)}
+        aux = eval_step(params, batch)
+        totals += [float(aux["loss_sum"]), float(aux["correct"]), float(aux["count"])]
+    return {"eval_loss": totals[0] / max(totals[2], 1), "eval_accuracy": totals[1] / max(totals[2], 1)}
+
+
+class MetricsWriter:
+    """JSON lines to --metrics-out (process 0 only); a no-op without a path."""
+
+    def __init__(self, path: str | None, enabled: bool):
+        self.f = open(path, "a") if path and enabled else None
+
+    def write(self, record: dict) -> None:
+        if self.f:
+            self.f.write(json.dumps(record) + "\n")
+            self.f.flush()
+
+    def close(self) -> None:
+        if self.f:
+            self.f.close()
+
+
+def run(cfg: Config) -> dict[str, Any]:
+    """Train as `cfg` says and return the summary (also printed as one line by process 0)."""
+    from tqdm import tqdm
+
+    from jaxpar import data as data_lib
+    from jaxpar.loader import Loader
+    from jaxpar.sampler import DistributedSampler
+
+    validate(cfg)
+    nproc, rank = jax.process_count(), jax.process_index()
+    main_process = rank == 0
+    if cfg.batch_size % nproc:
+        raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by the {nproc} processes; "
+                         f"use a multiple of {nproc}.")
+    load = lambda split: data_lib.load(cfg.dataset, split, data_dir=cfg.data_dir, data_path=cfg.data_path,  # noqa
+                                       model=cfg.model, image_size=cfg.image_size, seed=cfg.seed)
+    train_set = load(cfg.train_split)
+    eval_set = load(cfg.eval_split) if cfg.eval_split else None
+    sampler = DistributedSampler(len(train_set.y), num_replicas=nproc, rank=rank, shuffle=cfg.shuffle,
+                                 seed=cfg.seed, drop_last=cfg.drop_last)
+    local_batch = cfg.batch_size // nproc
+    steps_per_epoch = (len(sampler) // local_batch if cfg.drop_last else math.ceil(len(sampler) / local_batch))
+    if steps_per_epoch == 0:
+        raise ValueError(f"--batch-size {cfg.batch_size} with --drop-last leaves no batch from "
+                         f"{len(train_set.y)} samples; lower the batch size or drop --drop-last.")
+
+    model = make_model(cfg, train_set.x.shape, train_set.num_classes)
+    tx = make_tx(cfg, steps_per_epoch)
+    graphdef, state = init_state(model, tx, cfg.seed)
+    strategy = get_builder(cfg.strategy)(model, tx, cfg)
+    placed = strategy.init(state)
+    eval_step = make_eval_step(graphdef)
+    writer = MetricsWriter(cfg.metrics_out, main_process)
+    log = print if main_process and not cfg.quiet else (lambda *a, **k: None)
+    log(f"jaxpar: {cfg.strategy} on {strategy.describe()}; model {cfg.model} "
+        f"({sum(a.size for a in jax.tree.leaves(state.params)):,} params); {len(train_set.y)} training samples")
+
+    total_steps = steps_per_epoch * cfg.epochs if cfg.steps is None else cfg.steps
+    step, epoch, samples, t_start, t_first = 0, 0, 0, time.perf_counter(), None
+    last: dict[str, Any] = {}
+    while step < total_steps:
+        sampler.set_epoch(epoch)
+        loader = Loader(train_set, local_batch, sampler, drop_last=cfg.drop_last, put=strategy.put_batch)
+        bar = tqdm(total=min(len(loader), total_steps - step), desc=f"epoch {epoch}", leave=False,
+                   disable=cfg.quiet or not main_process)
+        loss_sum = count = 0.0
+        for batch in loader:
+            placed, metrics = strategy.step(placed, batch)
+            step += 1
+            if t_first is None:  # the first step compiles: throughput counts from its end
+                jax.block_until_ready(metrics)
+                t_first = time.perf_counter()
+            else:
+                samples += int(metrics["count"])
+            loss_sum += float(metrics["loss"]) * float(metrics["count"])
+            count += float(metrics["count"])
+            bar.update(1)
+            if step % cfg.log_every == 0:
+                bar.set_postfix(loss=f"{loss_sum / count:.4f}")
+                writer.write({"step": step, "epoch": epoch, "loss": float(metrics["loss"])})
+            if step >= total_steps:
+                break
+        bar.close()
+        last = {"epoch": epoch, "step": step, "train_loss": loss_sum / max(count, 1)}
+        if eval_set is not None:
+            params = strategy.unplace(placed).params
+            last.update(evaluate(eval_step, params, eval_set, cfg.eval_batch_size))
+        writer.write(last)
+        log(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in last.items()))
+        epoch += 1
+
+    elapsed = time.perf_counter() - (t_first or t_start)
+    final = strategy.unplace(placed)
+    summary = {"strategy": cfg.strategy, "model": cfg.model, "devices": jax.device_count(), "processes": nproc,
+               "steps": step, "epochs": epoch, **{k: v for k, v in last.items() if k not in ("epoch", "step")},
+               "samples_per_s": samples / elapsed if samples else float("nan"),
+               "time_s": time.perf_counter() - t_start}
+    if cfg.report:
+        summary["report"] = strategy.report(placed)
+    if cfg.export_torch and main_process:
+        export_torch(graphdef, final, cfg.export_torch)
+    writer.write({"summary": summary_line(summary)})
+    writer.close()
+    if main_process:
+        print(summary_line(summary))
+    summary["state"] = final
+    return summary
+
+
+def export_torch(graphdef, state: TrainState, path: str) -> None:
+    """Write the trained weights as a PyTorch state dict (.npz of numpy arrays under torch's keys)."""
+    import models
+
+    np.savez(path, **models.to_torch_state_dict(nnx.merge(graphdef, state.params)))
+
+
+def summary_line(s: dict) -> str:
+    keys = ("strategy", "model", "devices", "processes", "steps", "epochs", "train_loss", "eval_loss",
+            "eval_accuracy", "samples_per_s", "time_s")
+    return "summary: " + " ".join(f"{k}={s[k]:.4g}" if isinstance(s[k], float) else f"{k}={s[k]}"
+                                  for k in keys if k in s)
+

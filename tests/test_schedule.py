@@ -1,0 +1,242 @@
+"""Structural tests of jaxpar.schedule: schedules as data, no devices."""
+import ast
+import dataclasses
+import pathlib
+import sys
+from fractions import Fraction
+
+import pytest
+
+from jaxpar import schedule as sch
+from jaxpar.schedule import Action, Op, ScheduleError
+
+STAGES, MICROBATCHES = (1, 2, 3, 4), (1, 2, 3, 4, 8)
+GENERATORS = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3)]
+ONE_F_ONE_B_2x3 = """\
+tick      0   1   2   3   4   5   6   7
+stage 0   F0  F1  .   B0  F2  B1  .   B2
+stage 1   .   F0  B0  F1  B1  F2  B2  ."""
+
+
+def acts(text):
+    return [Action.parse(x) for x in text.split()]
+
+
+def with_grid(schedule, rows):
+    """The schedule with a hand-edited grid (rows of cell texts, '.' = bubble); steps re-derived."""
+    grid = tuple(tuple(None if c == "." else Action.parse(f"{s}{c}") for s, c in enumerate(row.split()))
+                 for row in rows)
+    return dataclasses.replace(schedule, grid=grid, steps=())
+
+
+def bubble(schedule):
+    idle = sum(a is None for row in schedule.grid for a in row)
+    return Fraction(idle, schedule.num_stages * schedule.num_ticks)
+
+
+@pytest.mark.parametrize("name,V", GENERATORS)
+@pytest.mark.parametrize("S", STAGES)
+@pytest.mark.parametrize("M", MICROBATCHES)
+def test_every_generator_validates(name, V, S, M):
+    s = sch.make(name, S, M, V)
+    assert sch.validate(s) is s
+    sch.validate(sch.add_communication(s))
+    assert (s.num_stages, s.num_microbatches, s.virtual_stages) == (S, M, V)
+    for st in range(S):  # each stage runs every (micro-batch, chunk) forward and backward once
+        assert sum(row[st] is not None for row in s.grid) == 2 * M * V
+    assert [len(r) for r in s.table()] == [S] * s.num_ticks
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("S", STAGES)
+@pytest.mark.parametrize("M", MICROBATCHES)
+def test_bubble_gpipe_1f1b(name, S, M):
+    s = sch.make(name, S, M)
+    assert s.num_ticks == 2 * (M + S - 1)
+    assert bubble(s) == Fraction(S - 1, M + S - 1)
+    assert sch.bubble_fraction(s) == pytest.approx((S - 1) / (M + S - 1))
+
+
+@pytest.mark.parametrize("V", [2, 3, 4])
+@pytest.mark.parametrize("S", STAGES)
+@pytest.mark.parametrize("M", MICROBATCHES + (5, 6, 7))
+def test_bubble_interleaved(V, S, M):
+    s = sch.interleaved_1f1b(S, M, V)
+    assert s.num_ticks == 2 * max(V * M + S - 1, V * S + M - 1)
+    expected = Fraction(S - 1, V * M + S - 1) if M >= S else Fraction(V * (S - M) + M - 1, V * S + M - 1)
+    assert bubble(s) == expected
+    flat = sch.one_f_one_b(S, M)
+    if S >= 2 and M >= 2:  # interleaving pays off once there are two micro-batches and two stages
+        assert sch.bubble_fraction(s) < sch.bubble_fraction(flat)
+    else:
+        assert sch.bubble_fraction(s) == pytest.approx(sch.bubble_fraction(flat))
+
+
+def test_interleaved_with_one_chunk_is_1f1b():
+    assert sch.make("interleaved", 3, 4, 1).grid == sch.one_f_one_b(3, 4).grid
+
+
+def test_interleaved_megatron_order():
+    # S | M: groups of S micro-batches, chunk 0 then chunk 1 forwards, warm-up 2*(S-s-1) + (V-1)*S on stage s
+    s = sch.interleaved_1f1b(2, 4, 2)
+    prog0 = [a for row in s.grid for a in row[:1] if a]
+    assert prog0[:6] == acts("0F0 0F1 0F0c1 0F1c1 0F2 0B0c1")
+    assert [a for row in s.grid for a in row[1:] if a][:5] == acts("1F0 1F1 1F0c1 1B0c1 1F1c1")
+
+
+@pytest.mark.parametrize("S", STAGES)
+@pytest.mark.parametrize("M", MICROBATCHES)
+def test_peak_inflight(S, M):
+    assert sch.peak_inflight(sch.one_f_one_b(S, M)) == [min(S - s, M) for s in range(S)]
+    assert sch.peak_inflight(sch.gpipe(S, M)) == [M] * S
+    assert sch.peak_inflight(sch.one_f_one_b(S, M))[0] <= S
+
+
+def test_grid_text_and_table():
+    s = sch.one_f_one_b(2, 3)
+    assert sch.grid_text(s) == str(s) == ONE_F_ONE_B_2x3
+    assert s.table()[:3] == [[(1, 0, 0), (0, 0, 0)], [(1, 1, 0), (1, 0, 0)], [(0, 0, 0), (2, 0, 0)]]
+    assert s.table(idle=(0, -1, -1))[0][1] == (0, -1, -1)
+    assert sch.interleaved_1f1b(2, 2, 2).table()[2][0] == (sch.FORWARD, 0, 1)
+    marked = sch.grid_text(s, (3, 0)).splitlines()
+    assert ">B0<" in marked[1] and marked[-1].strip() == "^"
+    assert marked[-1].index("^") == marked[0].index(" 3 ") + 1
+
+
+def test_transfers_and_buffer_slots():
+    s = sch.one_f_one_b(2, 3)
+    assert [(x.kind, repr(x.src), repr(x.dst), x.send_tick, x.use_tick) for x in sch.transfers(s)][:3] == [
+        ("act", "0F0", "1F0", 0, 1), ("act", "0F1", "1F1", 1, 3), ("grad", "1B0", "0B0", 2, 3)]
+    assert sch.buffer_slots(s, "act") == [0, 1]
+    assert sch.buffer_slots(s, "grad") == [1, 0]
+    assert sch.buffer_slots(s) == [1, 1]
+    assert sch.buffer_slots(sch.gpipe(3, 4), "act") == [0, 1, 1]  # consumed at the next tick
+    assert sch.buffer_slots(sch.one_f_one_b(1, 4)) == [0]
+    one = sch.interleaved_1f1b(1, 2, 2)  # F0 F0c1 B0c1 F1 B0 F1c1 B1c1 B1: chunk to chunk on one stage
+    assert [(x.send_tick, x.use_tick) for x in sch.transfers(one)] == [(0, 1), (2, 4), (3, 5), (6, 7)]
+    assert sch.buffer_slots(one) == [2]  # gradient 0 (ticks 3-4) overlaps activation 1 (ticks 4-5)
+    for x in sch.transfers(sch.interleaved_1f1b(4, 8, 2)):
+        assert x.use_tick > x.send_tick
+    with pytest.raises(ValueError, match="kind="):
+        sch.buffer_slots(s, "activation")
+
+
+def test_action_repr_and_parse():
+    assert repr(Action(1, Op.F, 3)) == "1F3" == str(Action(1, Op.F, 3))
+    assert repr(Action(1, Op.B, 3, 1)) == "1B3c1"
+    assert repr(Action(0, Op.OPT)) == "0OPT" and repr(Action(2, Op.SEND_ACT, 0)) == "2SA0"
+    for a in [Action(1, Op.F, 3), Action(0, Op.RECV_GRAD, 2, 3), Action(4, Op.REDUCE_GRADS), Action(0, Op.LOAD, 7)]:
+        assert Action.parse(repr(a)) == a
+    for bad in ("F3", "1X3"):
+        with pytest.raises(ValueError, match=f"text='{bad}' is not an action"):
+            Action.parse(bad)
+
+
+def test_add_communication():
+    c = sch.add_communication(sch.one_f_one_b(2, 3))
+    assert c.grid == sch.one_f_one_b(2, 3).grid and sch.add_communication(c) == c
+    assert sch.stage_program(c, 0) == [acts(x) for x in [
+        "0L0 0F0 0SA0", "0L1 0F1 0SA1", "", "0RG0 0B0", "0L2 0F2 0SA2", "0RG1 0B1", "", "0RG2 0B2 0RED 0OPT"]]
+    assert sch.stage_program(c, 1)[1:3] == [acts("1L0 1RA0 1F0"), acts("1B0 1SG0")]
+    ring = sch.add_communication(sch.interleaved_1f1b(2, 2, 2))  # stage 1 chunk 0 -> stage 0 chunk 1
+    flat = [a for row in ring.steps for ins in row for a in ins]
+    assert Action(1, Op.SEND_ACT, 0, 0) in flat and Action(0, Op.RECV_ACT, 0, 1) in flat
+    assert Action(0, Op.LOAD, 0, 0) in flat and Action(1, Op.LOAD, 0, 1) in flat  # inputs, labels
+    with pytest.raises(ValueError, match="stage=2"):
+        sch.stage_program(c, 2)
+
+
+def test_swapped_backward_fails_rule_2():
+    s = sch.one_f_one_b(2, 3)
+    bad = with_grid(s, ["F0 .", "F1 B0", ". F0", "B0 F1", "F2 B1", "B1 F2", ". B2", "B2 ."])
+    with pytest.raises(ScheduleError) as e:
+        sch.validate(bad)
+    assert e.value.rule == 2 and e.value.cells == [(1, 1)]
+    msg = str(e.value).splitlines()
+    assert msg[0].startswith("rule 2 (F runs before B") and "1B0 at tick 1" in msg[0]
+    assert ">B0<" in msg[3] and msg[3].startswith("stage 1") and msg[-1].strip() == "^"
+
+
+@pytest.mark.parametrize("rows,rule", [
+    (["F0 F0", ". B0", "B0 ."], 3),            # stage 1 forwards at the same tick as stage 0
+    (["F0 .", ". F0", "B0 B0"], 4),            # stage 0 backwards at the same tick as stage 1
+    (["F0 .", ". F0", ". B0", "B0 .", "B0 ."], 1),  # a backward twice
+    (["F0 .", ". F0", ". B0"], 1),             # a backward missing
+    (["F0 .", ". F0", ". B0", "B0 .", ". F1"], 1),  # micro-batch out of range
+])
+def test_rules_1_3_4(rows, rule):
+    with pytest.raises(ScheduleError, match=f"^rule {rule} ") as e:
+        sch.validate(with_grid(sch.gpipe(2, 1), rows))
+    assert e.value.rule == rule
+
+
+def test_rule_5_wrong_stage_and_stale_steps():
+    s = sch.gpipe(2, 1)
+    grid = list(s.grid)
+    grid[0] = (Action(1, Op.F, 0), None)
+    with pytest.raises(ScheduleError, match="^rule 5 "):
+        sch.validate(dataclasses.replace(s, grid=tuple(grid), steps=()))
+    with pytest.raises(ScheduleError, match="^rule 5 "):  # steps that disagree with the grid
+        sch.validate(dataclasses.replace(s, grid=tuple(reversed(s.grid))))
+
+
+def test_dry_run_detects_deadlock():
+    c = sch.add_communication(sch.one_f_one_b(2, 3))
+    steps = [list(map(list, row)) for row in c.steps]
+    steps[0][0].insert(0, steps[3][0].pop(0))  # stage 0 waits for gradient 0 before sending activation 0
+    bad = dataclasses.replace(c, steps=tuple(tuple(map(tuple, row)) for row in steps))
+    with pytest.raises(ScheduleError, match=r"^rule 6 .*stage 0 blocks at 0RG0 \(tick 0\) waiting for 1SG0") as e:
+        sch.validate(bad)
+    assert e.value.cells == [(0, 0), (1, 1)]
+    assert ">F0<" in str(e.value)
+    steps = [list(map(list, row)) for row in c.steps]
+    steps[3][0].pop(0)  # gradient 0 is sent but never received
+    with pytest.raises(ScheduleError, match="^rule 6 .*never received"):
+        sch.validate(dataclasses.replace(c, steps=tuple(tuple(map(tuple, row)) for row in steps)))
+
+
+def test_programs_that_deadlock():
+    # stage 0 waits for 1B0 before forwarding 1; stage 1 waits for 0F1 before its B0
+    with pytest.raises(ScheduleError, match="^rule 6 .*deadlock at tick 1") as e:
+        sch.from_programs([acts("0F0 0B0 0F1 0B1"), acts("1F1 1F0 1B0 1B1")])
+    assert e.value.cells == [(1, 0), (1, 1)]
+    with pytest.raises(ScheduleError, match="^rule 1 .*0B1 never runs"):
+        sch.from_programs([acts("0F0 0F1 0B0"), acts("1F0 1F1 1B0 1B1")])
+    custom = sch.from_programs([acts("0F0 0F1 0B0 0B1"), acts("1F0 1B0 1F1 1B1")])
+    assert sch.validate(custom).num_ticks == 6
+
+
+def test_render_png(tmp_path):
+    for s in (sch.one_f_one_b(4, 8), sch.interleaved_1f1b(2, 4, 2)):
+        path = tmp_path / f"{s.name}.png"
+        assert sch.render(s, str(path)) == str(path)
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+
+
+def test_render_without_matplotlib(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match=r"pip install jaxpar\[plot\]"):
+        sch.render(sch.gpipe(2, 2), str(tmp_path / "x.png"))
+
+
+@pytest.mark.parametrize("args,match", [
+    (("pipedream", 2, 2), "name='pipedream'"),
+    (("1f1b", 0, 2), "num_stages=0 must be an int >= 1"),
+    (("gpipe", 2, 0), "num_microbatches=0"),
+    (("1f1b", 2, "4"), "num_microbatches='4'"),
+    (("1f1b", True, 4), "num_stages=True"),
+    (("interleaved", 2, 4, 0), "virtual_stages=0"),
+    (("gpipe", 2, 4, 2), "virtual_stages=2 .*use name='interleaved'"),
+])
+def test_make_argument_errors(args, match):
+    with pytest.raises(ValueError, match=match):
+        sch.make(*args)
+
+
+def test_no_jax_import():
+    root = pathlib.Path(sch.__file__).parent
+    for name in ("schedule.py", "schedule_render.py"):
+        tree = ast.parse((root / name).read_text())
+        mods = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        mods |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert not {m for m in mods if m.split(".")[0] in ("jax", "numpy", "flax")}, name

@@ -62,6 +62,7 @@ class Config:
     report: bool = False  # print the run report (memory, communication, schedule) at the end
     log_every: int = 50  # steps between log lines / metrics records
     quiet: bool = False  # no progress bar or per-epoch lines (the summary line still prints)
+    checkpoint_keep: int = 2  # complete checkpoints kept in --checkpoint-dir (older ones are deleted)
 
     def replace(self, **changes) -> "Config":
         return dataclasses.replace(self, **changes)

@@ -7,10 +7,9 @@ Roughly:
 """
 from __future__ import annotations
 
-import json
+import dataclasses
 import math
-import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -46,6 +45,13 @@ def validate(cfg: Config) -> None:
         raise ValueError("--dataset npz needs --data-path FILE.npz holding arrays x and y.")
     if cfg.resume and not cfg.checkpoint_dir:
         raise ValueError("--resume needs --checkpoint-dir DIR (the run's checkpoint folder).")
+    if cfg.checkpoint_every < 0:
+        raise ValueError(f"--checkpoint-every {cfg.checkpoint_every} must be >= 0 (0: save only at the end "
+                         "and on SIGTERM/SIGINT).")
+    if cfg.checkpoint_every and not cfg.checkpoint_dir:
+        raise ValueError(f"--checkpoint-every {cfg.checkpoint_every} needs --checkpoint-dir DIR to save into.")
+    if cfg.checkpoint_keep < 1:
+        raise ValueError(f"--checkpoint-keep {cfg.checkpoint_keep} must be >= 1 (complete checkpoints kept).")
 
 
 def model_kwargs(cfg: Config, x_shape: tuple, num_classes: int) -> dict:
@@ -65,7 +71,7 @@ def make_model(cfg: Config, x_shape: tuple, num_classes: int) -> nnx.Module:
     kwargs = model_kwargs(cfg, x_shape, num_classes)
     if cfg.init_torch:
         return models.from_torch_state_dict(cfg.model, load_npz(cfg.init_torch, "--init-torch"), **kwargs)
-    return models.get(cfg.model, rngs=nnx.Rngs(cfg.seed), **kwargs)
+    return models.get(cfg.model, seed=cfg.seed, **kwargs)
 
 
 def load_npz(path: str, flag: str) -> dict[str, np.ndarray]:
@@ -100,27 +106,35 @@ def evaluate(eval_step, params, dataset, batch_size: int) -> dict[str, float]:
     return {"eval_loss": totals[0] / max(totals[2], 1), "eval_accuracy": totals[1] / max(totals[2], 1)}
 
 
-class MetricsWriter:
-    """JSON lines to --metrics-out (process 0 only); a no-op without a path."""
-
-    def __init__(self, path: str | None, enabled: bool):
-        self.f = open(path, "a") if path and enabled else None
-
-    def write(self, record: dict) -> None:
-        if self.f:
-            self.f.write(json.dumps(record) + "\n")
-            self.f.flush()
-
-    def close(self) -> None:
-        if self.f:
-            self.f.close()
+class Diverged(RuntimeError):
+    """The training loss became NaN or infinite: the run stops, and the last good checkpoint stays the latest."""
 
 
-def run(cfg: Config) -> dict[str, Any]:
-    """Train as `cfg` says and return the summary (also printed as one line by process 0)."""
+def prepare_outputs(cfg: Config, state: TrainState):
+    """Check every path the run will write -- checkpoint dir (writable, same model, something to resume), the
+    metrics and export files -- before anything is written; returns the Checkpointer (or None)."""
+    from jaxpar import checkpoint
+
+    ckpt = None
+    if cfg.checkpoint_dir:
+        ckpt = checkpoint.Checkpointer(cfg.checkpoint_dir, checkpoint.run_info(cfg, state), resume=cfg.resume,
+                                       keep=cfg.checkpoint_keep)
+    for flag, path in (("--metrics-out", cfg.metrics_out), ("--export-torch", cfg.export_torch)):
+        if path:
+            checkpoint.writable_file(path, flag)
+    return ckpt
+
+
+def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict[str, Any]:
+    """Train as `cfg` says and return the summary (also printed as one line by process 0).
+
+    `on_step(step, metrics)` runs after every step (tests use it to send signals at a chosen step).
+    """
     from tqdm import tqdm
 
     from jaxpar import data as data_lib
+    from jaxpar import report
+    from jaxpar.checkpoint import StopSignals
     from jaxpar.loader import Loader
     from jaxpar.sampler import DistributedSampler
 
@@ -145,64 +159,120 @@ def run(cfg: Config) -> dict[str, Any]:
     model = make_model(cfg, train_set.x.shape, train_set.num_classes)
     tx = make_tx(cfg, steps_per_epoch)
     graphdef, state = init_state(model, tx, cfg.seed)
-    strategy = get_builder(cfg.strategy)(model, tx, cfg)
+    strategy = get_builder(cfg.strategy)(model, tx, cfg)  # validates the strategy's own rules
+    ckpt = prepare_outputs(cfg, state)
+    position = {"epoch": 0, "sampler": None, "loss_sum": 0.0, "count": 0.0}
+    if ckpt is not None and cfg.resume:
+        state, position = ckpt.restore(state)
+    # every check passed: from here on the run writes
     placed = strategy.init(state)
     eval_step = make_eval_step(graphdef)
-    writer = MetricsWriter(cfg.metrics_out, main_process)
+    writer = report.MetricsWriter(cfg.metrics_out if main_process else None)
     log = print if main_process and not cfg.quiet else (lambda *a, **k: None)
+    step, epoch = int(state.step), int(position["epoch"])
     log(f"jaxpar: {cfg.strategy} on {strategy.describe()}; model {cfg.model} "
-        f"({sum(a.size for a in jax.tree.leaves(state.params)):,} params); {len(train_set.y)} training samples")
+        f"({sum(a.size for a in jax.tree.leaves(state.params)):,} params); {len(train_set.y)} training samples"
+        + (f"; resumed from step {step} (epoch {epoch}) in {cfg.checkpoint_dir}" if cfg.resume else ""))
+    for note in ckpt.notes if ckpt is not None and main_process else ():
+        print(f"jaxpar: note: resuming with a changed setting ({note}); the run will not match the original.")
+    writer.write({"event": "start", "strategy": cfg.strategy, "model": cfg.model, "devices": jax.device_count(),
+                  "processes": nproc, "describe": strategy.describe(), "step": step,
+                  "config": dataclasses.asdict(cfg)})
+
+    def save() -> None:
+        data = {"epoch": epoch, "sampler": sampler.state_dict(), "loss_sum": loss_sum, "count": count}
+        if not ckpt.save(step, strategy.unplace(placed), data):
+            raise Diverged(f"step {step} left non-finite parameters; not saved. " + _kept(cfg, ckpt))
 
     total_steps = steps_per_epoch * cfg.epochs if cfg.steps is None else cfg.steps
-    step, epoch, samples, t_start, t_first = 0, 0, 0, time.perf_counter(), None
+    clock, stopped, start_step = report.Clock(), None, step
     last: dict[str, Any] = {}
-    while step < total_steps:
-        sampler.set_epoch(epoch)
-        loader = Loader(train_set, local_batch, sampler, drop_last=cfg.drop_last, put=strategy.put_batch)
-        bar = tqdm(total=min(len(loader), total_steps - step), desc=f"epoch {epoch}", leave=False,
-                   disable=cfg.quiet or not main_process)
-        loss_sum = count = 0.0
-        for batch in loader:
-            placed, metrics = strategy.step(placed, batch)
-            step += 1
-            if t_first is None:  # the first step compiles: throughput counts from its end
-                jax.block_until_ready(metrics)
-                t_first = time.perf_counter()
-            else:
-                samples += int(metrics["count"])
-            loss_sum += float(metrics["loss"]) * float(metrics["count"])
-            count += float(metrics["count"])
-            bar.update(1)
-            if step % cfg.log_every == 0:
-                bar.set_postfix(loss=f"{loss_sum / count:.4f}")
-                writer.write({"step": step, "epoch": epoch, "loss": float(metrics["loss"])})
-            if step >= total_steps:
-                break
-        bar.close()
-        last = {"epoch": epoch, "step": step, "train_loss": loss_sum / max(count, 1)}
-        if eval_set is not None:
-            params = strategy.unplace(placed).params
-            last.update(evaluate(eval_step, params, eval_set, cfg.eval_batch_size))
-        writer.write(last)
-        log(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in last.items()))
-        epoch += 1
-
-    elapsed = time.perf_counter() - (t_first or t_start)
-    final = strategy.unplace(placed)
-    summary = {"strategy": cfg.strategy, "model": cfg.model, "devices": jax.device_count(), "processes": nproc,
-               "steps": step, "epochs": epoch, **{k: v for k, v in last.items() if k not in ("epoch", "step")},
-               "samples_per_s": samples / elapsed if samples else float("nan"),
-               "time_s": time.perf_counter() - t_start}
-    if cfg.report:
-        summary["report"] = strategy.report(placed)
-    if cfg.export_torch and main_process:
-        export_torch(graphdef, final, cfg.export_torch)
-    writer.write({"summary": summary_line(summary)})
-    writer.close()
+    resume_sampler, loss_sum, count = position["sampler"], position["loss_sum"], position["count"]
+    try:
+        with StopSignals(enabled=ckpt is not None) as signals:
+            while step < total_steps and stopped is None:
+                sampler.set_epoch(epoch)
+                if resume_sampler is not None:  # continue mid-epoch where the checkpoint left off
+                    sampler.load_state_dict(resume_sampler)
+                    resume_sampler = None
+                else:
+                    loss_sum = count = 0.0
+                loader = Loader(train_set, local_batch, sampler, drop_last=cfg.drop_last, put=strategy.put_batch)
+                bar = tqdm(total=min(len(loader), total_steps - step), desc=f"epoch {epoch}", leave=False,
+                           disable=cfg.quiet or not main_process)
+                for batch in loader:
+                    placed, metrics = strategy.step(placed, batch)
+                    step += 1
+                    loss, n = float(metrics["loss"]), float(metrics["count"])  # reads back: the step is done
+                    clock.tick(n)
+                    if not math.isfinite(loss):
+                        writer.write({"event": "diverged", "step": step, "loss": loss, "checkpoint": _saved(ckpt)})
+                        raise Diverged(f"the training loss became {loss} at step {step} (epoch {epoch}); stopped. "
+                                       + _kept(cfg, ckpt) + " Lower --lr, or check the data for NaN values.")
+                    loss_sum, count = loss_sum + loss * n, count + n
+                    bar.update(1)
+                    if step % cfg.log_every == 0:
+                        bar.set_postfix(loss=f"{loss_sum / count:.4f}")
+                        writer.write({"event": "step", "step": step, "epoch": epoch, "loss": loss,
+                                      "train_loss": loss_sum / count, **clock.window()})
+                    if on_step is not None:
+                        on_step(step, metrics)
+                    stopped = signals.agreed()
+                    if ckpt is not None and (stopped or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
+                        save()
+                    if stopped or step >= total_steps:
+                        break
+                bar.close()
+                last = {"epoch": epoch, "step": step, "train_loss": loss_sum / max(count, 1)}
+                if stopped:
+                    break
+                if eval_set is not None:
+                    params = strategy.unplace(placed).params
+                    last.update(evaluate(eval_step, params, eval_set, cfg.eval_batch_size))
+                writer.write({"event": "epoch", **last})
+                log(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in last.items()))
+                epoch += 1
+            if ckpt is not None and not stopped and ckpt.saved_step != step:
+                save()  # the end of the run is always saved
+        final = strategy.unplace(placed)
+        summary = {"strategy": cfg.strategy, "model": cfg.model, "devices": jax.device_count(), "processes": nproc,
+                   "precision": cfg.precision, "describe": strategy.describe(), "steps": step, "epochs": epoch,
+                   **{k: v for k, v in last.items() if k not in ("epoch", "step")}, **clock.total(),
+                   "resumed_from": start_step if cfg.resume else None, "stopped": stopped}
+        if stopped:
+            writer.write({"event": "stopped", "step": step, "signal": stopped, "checkpoint": _saved(ckpt)})
+            if main_process:
+                print(f"jaxpar: {stopped} at step {step}: checkpoint saved in {cfg.checkpoint_dir}; "
+                      "continue with the same command plus --resume.")
+        if cfg.report:
+            summary["report"] = strategy.report(placed)
+            summary["memory"] = report.memory_rows(summary["report"])
+            if main_process:
+                print(report.table(summary, summary["report"], summary["memory"]))
+        if cfg.export_torch and main_process and not stopped:
+            export_torch(graphdef, final, cfg.export_torch)
+        writer.write({"event": "summary", **{k: v for k, v in summary.items() if k not in ("report", "memory")},
+                      "summary": summary_line(summary)})
+    finally:
+        writer.close()
+        if ckpt is not None:
+            ckpt.close()  # waits for an asynchronous save: the last good checkpoint is complete on disk
     if main_process:
         print(summary_line(summary))
     summary["state"] = final
     return summary
+
+
+def _saved(ckpt) -> int | None:
+    return None if ckpt is None else ckpt.saved_step
+
+
+def _kept(cfg: Config, ckpt) -> str:
+    if ckpt is None:
+        return "Nothing was saved (no --checkpoint-dir)."
+    if ckpt.saved_step is None:
+        return f"No checkpoint was saved yet in {cfg.checkpoint_dir}."
+    return f"The last good checkpoint, step {ckpt.saved_step}, stays in {cfg.checkpoint_dir}."
 
 
 def export_torch(graphdef, state: TrainState, path: str) -> None:

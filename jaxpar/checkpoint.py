@@ -1,0 +1,259 @@
+"""Checkpoints: the canonical TrainState, the data position and what the run was, saved atomically with orbax.
+
+A checkpoint is strategy-agnostic: it holds `strategy.unplace(placed)` (params, optimizer state with its step
+count -- which drives the lr schedule --, step, and the PRNG key as raw key data), so any strategy and any
+process count can resume it with `strategy.init(state)`. Layout of `--checkpoint-dir D` (orbax's):
+
+    D/<step>/state   the TrainState leaves, in jax.tree order, as numpy arrays
+    D/<step>/meta    JSON: model, optimizer, leaf names/shapes/dtypes, the data position, the run's config
+
+orbax writes a step into `D/<step>.orbax-checkpoint-tmp-*` and renames it when complete, so a run killed while
+saving leaves the previous checkpoints intact; only renamed (complete) steps are ever listed or restored.
+Every process calls `save` (orbax's save is collective); the arrays are replicated host copies, which orbax writes
+from process 0 only.
+
+Roughly:
+    ckpt = Checkpointer(dir, run_info(cfg, state), resume=cfg.resume)   # checks only: writes nothing
+    state, position = ckpt.restore(state)                                # when resuming
+    ckpt.save(step, strategy.unplace(placed), position); ...; ckpt.close()
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import tempfile
+import threading
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxpar.step import TrainState
+
+FORMAT = 1  # bump when the layout changes
+# Config fields that change the trajectory: a resume that changes them still runs, with a printed note
+TRAJECTORY_FIELDS = ("dataset", "train_split", "batch_size", "lr", "gamma", "seed", "shuffle", "drop_last",
+                     "precision", "momentum", "weight_decay", "image_size")
+
+
+def _is_key(a) -> bool:
+    return isinstance(a, jax.Array) and jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)
+
+
+def leaf_specs(state: TrainState) -> dict[str, list]:
+    """{leaf path: [shape, dtype]} of the state, PRNG keys as their raw uint32 key data."""
+    specs = {}
+    for path, a in jax.tree_util.tree_flatten_with_path(state)[0]:
+        a = jax.random.key_data(a) if _is_key(a) else a
+        specs[jax.tree_util.keystr(path)] = [list(a.shape), str(a.dtype)]
+    return specs
+
+
+def run_info(cfg, state: TrainState) -> dict[str, Any]:
+    """What a checkpoint records about its run, and what a resuming run must match."""
+    params = jax.tree.leaves(state.params)
+    return {"format": FORMAT, "model": cfg.model, "optimizer": cfg.optimizer,
+            "param_count": int(sum(np.size(a) for a in params)), "leaves": leaf_specs(state),
+            "config": dataclasses.asdict(cfg)}
+
+
+def to_host(state: TrainState) -> list[np.ndarray]:
+    """The state's leaves as host numpy arrays (typed PRNG keys as their key data)."""
+    return [np.asarray(jax.random.key_data(a) if _is_key(a) else a) for a in jax.tree.leaves(state)]
+
+
+def from_host(template: TrainState, leaves: list[np.ndarray]) -> TrainState:
+    """Rebuild a TrainState shaped like `template` from host leaves (key data rewrapped as typed keys)."""
+    flat, treedef = jax.tree.flatten(template)
+    out = [jax.random.wrap_key_data(np.asarray(v), impl=jax.random.key_impl(t)) if _is_key(t) else np.asarray(v)
+           for t, v in zip(flat, leaves)]
+    return jax.tree.unflatten(treedef, out)
+
+
+def finite(leaves: list[np.ndarray]) -> bool:
+    """True when every floating-point leaf is finite (a state worth saving)."""
+    return all(bool(np.isfinite(a).all()) for a in leaves if np.issubdtype(a.dtype, np.floating))
+
+
+def _probe(directory: str) -> None:
+    """Create and remove a file in `directory`: the only reliable writability test (os.access lies to root)."""
+    fd, name = tempfile.mkstemp(prefix=".jaxpar-probe-", dir=directory)
+    os.close(fd)
+    os.remove(name)
+
+
+def writable_dir(path: str, flag: str) -> None:
+    """Raise a ValueError unless `path` is, or could be created as, a writable directory. Writes nothing lasting."""
+    target = os.path.abspath(path)
+    existing = target
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        what = "is a file" if existing == target else f"lies under the file {existing!r}"
+        raise ValueError(f"{flag} {path!r} {what}, but it must be a directory; pass a directory path.")
+    try:
+        _probe(existing)
+    except OSError as e:
+        raise ValueError(f"{flag} {path!r} is not writable ({e.strerror} in {existing!r}); "
+                         "pass a directory this user can write to.") from None
+
+
+def writable_file(path: str, flag: str) -> None:
+    """Raise a ValueError unless `path` can be written as a file: its folder exists and is writable."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path!r} is a directory, but it must be a file; pass a file path.")
+    if not os.path.isdir(folder):
+        raise ValueError(f"{flag} {path!r}: its folder {folder!r} does not exist; create it first or pass "
+                         "a path in an existing folder.")
+    try:
+        _probe(folder)
+    except OSError as e:
+        raise ValueError(f"{flag} {path!r} is not writable ({e.strerror} in {folder!r}); "
+                         "pass a path this user can write to.") from None
+
+
+def _manager(directory: str, keep: int | None = None, read_only: bool = False):
+    import orbax.checkpoint as ocp
+
+    options = ocp.CheckpointManagerOptions(max_to_keep=None if read_only else keep, create=not read_only,
+                                           read_only=read_only, cleanup_tmp_directories=not read_only,
+                                           save_interval_steps=0 if read_only else 1)
+    return ocp.CheckpointManager(os.path.abspath(directory), options=options)
+
+
+def latest_step(directory: str) -> int | None:
+    """The step of the newest COMPLETE checkpoint in `directory`, or None (also for a missing directory)."""
+    if not os.path.isdir(directory):
+        return None
+    return _manager(directory, read_only=True).latest_step()
+
+
+def read_meta(directory: str, step: int) -> dict:
+    """The JSON record saved with checkpoint `step`."""
+    import orbax.checkpoint as ocp
+
+    try:
+        return _manager(directory, read_only=True).restore(step, args=ocp.args.Composite(
+            meta=ocp.args.JsonRestore()))["meta"]
+    except Exception as e:  # a foreign or damaged step folder
+        raise ValueError(f"--checkpoint-dir {directory!r}: step {step} has no readable jaxpar metadata ({e}); "
+                         "pass another --checkpoint-dir or remove that step's folder.") from None
+
+
+def check_compatible(meta: dict, info: dict, directory: str) -> list[str]:
+    """Raise a ValueError when checkpoint `meta` belongs to another model or optimizer; return notes on changes
+    of the config fields that alter the trajectory (the run goes on, but will not match the original)."""
+    where = f"--checkpoint-dir {directory!r} holds a checkpoint of"
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{where} format {meta.get('format')!r}, but this jaxpar reads format {FORMAT}; "
+                         "pass another --checkpoint-dir.")
+    if meta["model"] != info["model"]:
+        raise ValueError(f"{where} model {meta['model']!r} ({meta['param_count']:,} params), not "
+                         f"--model {info['model']!r}; pass --model {meta['model']} or another --checkpoint-dir.")
+    if meta["optimizer"] != info["optimizer"]:
+        raise ValueError(f"{where} optimizer {meta['optimizer']!r}, not --optimizer {info['optimizer']!r}; "
+                         f"pass --optimizer {meta['optimizer']} or another --checkpoint-dir.")
+    saved, now = meta["leaves"], info["leaves"]
+    if saved != now:
+        diff = next((k for k in now if saved.get(k) != now[k]), None) or next(k for k in saved if k not in now)
+        raise ValueError(f"{where} model {meta['model']!r} with {diff} = {saved.get(diff, 'absent')} (shape, dtype), "
+                         f"but this run has {now.get(diff, 'absent')}; pass the data/model flags of that run "
+                         "or another --checkpoint-dir.")
+    old, new = meta.get("config", {}), info["config"]
+    return [f"--{f.replace('_', '-')} was {old[f]!r}, now {new[f]!r}" for f in TRAJECTORY_FIELDS
+            if f in old and old[f] != new.get(f)]
+
+
+class Checkpointer:
+    """The checkpoints of one run in `directory`. Construction only checks (writes nothing); `save` creates the
+    folder on first use."""
+
+    def __init__(self, directory: str, info: dict, *, resume: bool, keep: int = 2):
+        writable_dir(directory, "--checkpoint-dir")
+        self.directory, self.info, self.keep = directory, info, keep
+        self.latest = latest_step(directory)
+        self.notes: list[str] = []
+        if self.latest is not None:
+            self.notes = check_compatible(read_meta(directory, self.latest), info, directory)
+            if not resume:
+                raise ValueError(f"--checkpoint-dir {directory!r} already holds checkpoints up to step "
+                                 f"{self.latest}; pass --resume to continue that run, or another (empty) "
+                                 "--checkpoint-dir to start afresh.")
+        elif resume:
+            raise ValueError(f"--resume: --checkpoint-dir {directory!r} holds no complete checkpoint to resume; "
+                             "drop --resume to start a new run there, or pass the folder of an earlier run.")
+        self.saved_step = self.latest
+        self._mgr = None
+
+    def restore(self, template: TrainState) -> tuple[TrainState, dict]:
+        """(state, data position) of the latest checkpoint, the state shaped like `template`."""
+        import orbax.checkpoint as ocp
+
+        specs = list(self.info["leaves"].values())
+        abstract = {"leaves": [np.zeros(shape, jax.numpy.dtype(dtype)) for shape, dtype in specs]}
+        out = _manager(self.directory, read_only=True).restore(self.latest, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+        return from_host(template, out["state"]["leaves"]), out["meta"]["data"]
+
+    def save(self, step: int, state: TrainState, data: dict) -> bool:
+        """Save `state` (canonical layout) and the data position as checkpoint `step`; every process calls it.
+        A state with a non-finite parameter is not saved (returns False): the last good checkpoint stays latest."""
+        import orbax.checkpoint as ocp
+
+        leaves = to_host(state)
+        if not finite(leaves[:len(jax.tree.leaves(state.params))]):
+            return False
+        if self._mgr is None:
+            self._mgr = _manager(self.directory, keep=self.keep)
+        meta = {**self.info, "step": int(step), "data": data, "processes": jax.process_count()}
+        self._mgr.save(int(step), args=ocp.args.Composite(
+            state=ocp.args.StandardSave({"leaves": leaves}), meta=ocp.args.JsonSave(meta)))
+        self.saved_step = int(step)
+        return True
+
+    def close(self) -> None:
+        """Wait for the last (asynchronous) save to be complete on disk."""
+        if self._mgr is not None:
+            self._mgr.wait_until_finished()
+            self._mgr.close()
+            self._mgr = None
+
+
+class StopSignals:
+    """While active, SIGTERM and SIGINT only set a flag: the loop saves a checkpoint at the next step boundary and
+    ends cleanly (exit status 0: the run stopped in a resumable state; launchers do not count it as a failure).
+    A second signal gets the previous handler (SIGINT: KeyboardInterrupt; SIGTERM: the default, exit 143)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+        signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
+
+    def __enter__(self) -> "StopSignals":
+        if self.enabled:
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+    def agreed(self) -> str | None:
+        """The signal's name when this or ANY process got one (all processes must stop at the same step: the
+        save is collective); None to go on. One tiny all-gather per step with several processes."""
+        if not self.enabled:
+            return None
+        got = self.received or 0
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            got = int(np.max(multihost_utils.process_allgather(np.int32(got))))
+        return signal.Signals(got).name if got else None

@@ -1,0 +1,106 @@
+"""One epoch of host batches in the sampler's order, optionally placed on devices ahead of time.
+
+`put` (e.g. `strategy.put_batch`, which device_puts with the step's sharding) runs on a background thread
+`prefetch` batches ahead of the consumer: the analog of DataLoader(pin_memory=True) + .to(non_blocking=True).
+The sampler's offset advances only as the consumer receives batches, so `sampler.state_dict()` taken after
+k batches resumes exactly at batch k, however far the thread has run ahead.
+
+    for batch in Loader(train_set, 64, sampler, put=strategy.put_batch):
+        state, metrics = strategy.step(state, batch)
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from jaxpar.sampler import DistributedSampler
+
+_END = object()  # the producer's last message
+
+
+class _Failure:
+    """An exception raised on the producer thread, carried to the consumer to be re-raised there."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+_POLL_S = 0.05  # how often a blocked producer checks whether the consumer has gone
+_JOIN_S = 1.0  # how long a closing consumer waits for a put() in flight (the thread is a daemon anyway)
+
+
+class Loader:
+    """Iterates batches {"x", "y", "idx" int32 global indices} of `batch_size` rows (this process's share)
+    from `sampler`'s offset to the end of its epoch; yields `put(batch)` when `put` is given."""
+
+    def __init__(self, dataset: Any, batch_size: int, sampler: DistributedSampler, *, drop_last: bool = False,
+                 put: Callable[[dict], Any] | None = None, prefetch: int = 2):
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+            raise ValueError(f"{batch_size=} must be an integer >= 1; use this process's share of the batch.")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, (int, np.integer)) or prefetch < 0:
+            raise ValueError(f"{prefetch=} must be an integer >= 0 (0: call put on the consumer's thread).")
+        if len(dataset.x) != len(dataset.y) or sampler.num_samples != len(dataset.y):
+            raise ValueError(f"the sampler covers {sampler.num_samples} samples but the dataset has "
+                             f"{len(dataset.y)} (x: {len(dataset.x)}); build the sampler with len(dataset).")
+        self.dataset, self.batch_size, self.sampler = dataset, int(batch_size), sampler
+        self.drop_last, self.put, self.prefetch = drop_last, put, int(prefetch)
+
+    def __len__(self) -> int:
+        """Batches left in this epoch from the sampler's current offset (all of them at offset 0)."""
+        rest = len(self.sampler) - self.sampler.offset
+        return rest // self.batch_size if self.drop_last else -(-rest // self.batch_size)
+
+    def gather(self, idx: np.ndarray) -> dict[str, np.ndarray]:
+        """The host batch of global indices `idx` (fancy indexing into the dataset's arrays)."""
+        return {"x": self.dataset.x[idx], "y": self.dataset.y[idx], "idx": idx.astype(np.int32)}
+
+    def __iter__(self) -> Iterator[Any]:
+        plan = self.sampler.batch_plan(self.batch_size, self.drop_last)
+        if self.put is None or self.prefetch == 0:
+            for idx in plan:
+                batch = self.gather(idx)
+                batch = batch if self.put is None else self.put(batch)
+                self.sampler.offset += len(idx)
+                yield batch
+            return
+        yield from self._threaded(plan)
+
+    def _threaded(self, plan: list[np.ndarray]) -> Iterator[Any]:
+        q: queue.Queue = queue.Queue(maxsize=self.prefetch)
+        stop = threading.Event()
+
+        def send(item: Any) -> bool:  # False once the consumer has gone
+            while not stop.is_set():
+                try:
+                    q.put(item, timeout=_POLL_S)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        def produce() -> None:
+            try:
+                for idx in plan:
+                    if stop.is_set() or not send((idx, self.put(self.gather(idx)))):
+                        return
+                send(_END)
+            except BaseException as e:  # noqa: BLE001 -- re-raised on the consumer's thread
+                send(_Failure(e))
+
+        thread = threading.Thread(target=produce, name="jaxpar-loader", daemon=True)
+        thread.start()
+        try:
+            while True:
+                item = q.get()
+                if item is _END:
+                    return
+                if isinstance(item, _Failure):
+                    raise item.error
+                idx, batch = item
+                self.sampler.offset += len(idx)  # consumed: only now does the position move
+                yield batch
+        finally:  # normal end, an error, or the consumer broke out (generator closed)
+            stop.set()
+            thread.join(_JOIN_S)

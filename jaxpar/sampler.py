@@ -1,0 +1,114 @@
+"""torch.utils.data.DistributedSampler's index plan, plus a resumable position within the epoch.
+
+Each epoch: a permutation of range(num_samples) (or range order without shuffle), padded by wrap-around to
+a multiple of num_replicas (or trimmed with drop_last), then every num_replicas-th index from `rank`:
+
+    indices = perm(seed, epoch) + perm[:padding]      # or perm[:total_size] with drop_last
+    mine = indices[rank::num_replicas]                # all ranks get len(self) indices
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterator
+
+import numpy as np
+
+
+def _check_int(name: str, value: Any, low: int, rule: str, fix: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ValueError(f"{name}={value!r} must be an integer {rule}; {fix}")
+    return int(value)
+
+
+class DistributedSampler:
+    """Which samples this rank reads, epoch by epoch, and how far into the epoch it is (`offset`).
+
+    With shuffle=False the indices equal torch's exactly. With shuffle=True the permutation comes from
+    numpy's Generator seeded by (seed, epoch): torch draws randperm from a torch.Generator seeded with
+    seed + epoch, whose stream numpy cannot reproduce, so shuffled orders differ from torch's (but have
+    the same structure: one permutation per epoch, shared by all ranks, padded and strided the same way).
+
+    Beyond torch: `offset` counts this rank's samples already consumed in the current epoch;
+    `batches()` (and jaxpar.loader.Loader) advance it, `state_dict()` / `load_state_dict()` carry it, so a
+    run resumes mid-epoch at the next unseen batch.
+    """
+
+    def __init__(self, num_samples: int, num_replicas: int = 1, rank: int = 0, shuffle: bool = True,
+                 seed: int = 0, drop_last: bool = False):
+        self.num_samples = _check_int("num_samples", num_samples, 1, ">= 1", "the dataset must not be empty.")
+        self.num_replicas = _check_int("num_replicas", num_replicas, 1, ">= 1",
+                                       "use the number of processes (jax.process_count()).")
+        self.rank = _check_int("rank", rank, 0, f"in [0, {num_replicas=})",
+                               "use this process's index (jax.process_index()).")
+        if self.rank >= self.num_replicas:
+            raise ValueError(f"{rank=} must be in [0, {num_replicas=}); use this process's index "
+                             f"(jax.process_index()) and the process count as num_replicas.")
+        self.seed = _check_int("seed", seed, 0, ">= 0", "numpy seeds must be non-negative.")
+        self.shuffle, self.drop_last = bool(shuffle), bool(drop_last)
+        self.epoch, self.offset = 0, 0
+        if self.drop_last and self.num_samples % self.num_replicas:
+            self.per_replica = math.ceil((self.num_samples - self.num_replicas) / self.num_replicas)  # torch's
+        else:
+            self.per_replica = math.ceil(self.num_samples / self.num_replicas)
+        self.total_size = self.per_replica * self.num_replicas
+
+    def __len__(self) -> int:
+        """Samples per rank per epoch (torch's len(sampler)), whatever the offset."""
+        return self.per_replica
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch's permutation; a different epoch starts at offset 0, the same one keeps it
+        (so `load_state_dict(s); set_epoch(s["epoch"])` resumes where s left off)."""
+        epoch = _check_int("epoch", epoch, 0, ">= 0", "count epochs from 0.")
+        if epoch != self.epoch:
+            self.epoch, self.offset = epoch, 0
+
+    def indices(self) -> np.ndarray:
+        """This rank's whole epoch of indices (int64 [len(self)]), ignoring the offset."""
+        n = self.num_samples
+        order = np.random.default_rng((self.seed, self.epoch)).permutation(n) if self.shuffle else np.arange(n)
+        if self.drop_last:
+            order = order[:self.total_size]
+        elif self.total_size > n:  # wrap around, repeating the whole list when padding exceeds it (torch)
+            padding = self.total_size - n
+            order = np.concatenate([order, np.tile(order, math.ceil(padding / n))[:padding]])
+        return order[self.rank:self.total_size:self.num_replicas]
+
+    def __iter__(self) -> Iterator[int]:
+        """The indices not yet consumed this epoch (from `offset`); iterating does not advance it."""
+        return iter(self.indices()[self.offset:].tolist())
+
+    def batch_plan(self, batch_size: int, drop_last: bool = False) -> list[np.ndarray]:
+        """The rest of the epoch from `offset` cut into batches of `batch_size` (the last one shorter,
+        or dropped with drop_last). A plan only: nothing advances."""
+        batch_size = _check_int("batch_size", batch_size, 1, ">= 1", "use this process's batch size.")
+        rest = self.indices()[self.offset:]
+        stop = len(rest) - len(rest) % batch_size if drop_last else len(rest)
+        return [rest[i:i + batch_size] for i in range(0, stop, batch_size)]
+
+    def batches(self, batch_size: int, drop_last: bool = False) -> Iterator[np.ndarray]:
+        """batch_plan's batches, advancing `offset` as each one is handed out (i.e. consumed)."""
+        for batch in self.batch_plan(batch_size, drop_last):
+            self.offset += len(batch)
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this rank stands: epoch, offset, seed, and the settings the offset is relative to."""
+        return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed, "num_samples": self.num_samples,
+                "num_replicas": self.num_replicas, "shuffle": self.shuffle, "drop_last": self.drop_last}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at `state`'s epoch, offset and seed. The settings that define the epoch's indices must
+        match (any rank's state fits: all ranks consume in step)."""
+        for key in ("num_samples", "num_replicas", "shuffle", "drop_last"):
+            if key in state and state[key] != getattr(self, key):
+                raise ValueError(f"state {key}={state[key]!r} differs from this sampler's {key}="
+                                 f"{getattr(self, key)!r}, so its offset means other samples; resume with the "
+                                 f"same data, process count and flags, or start the epoch over (set_epoch).")
+        self.seed = _check_int("seed", state.get("seed", self.seed), 0, ">= 0", "pass a state from state_dict().")
+        self.epoch = _check_int("epoch", state["epoch"], 0, ">= 0", "pass a state from state_dict().")
+        offset = state["offset"]
+        self.offset = _check_int("offset", offset, 0, f"in [0, {len(self)}]", "pass a state from state_dict().")
+        if self.offset > len(self):
+            raise ValueError(f"{offset=} must be in [0, {len(self)}] (samples per rank per epoch); pass a state "
+                             f"from state_dict() of a sampler over the same data.")

@@ -1,0 +1,113 @@
+"""jaxpar.sampler.DistributedSampler: torch's index plan, shuffling per epoch, and mid-epoch resume."""
+import math
+
+import numpy as np
+import pytest
+
+from jaxpar.sampler import DistributedSampler
+
+
+def torch_indices(n, num_replicas, rank, drop_last):
+    """torch.utils.data.DistributedSampler.__iter__ with shuffle=False, written out as the reference."""
+    if drop_last and n % num_replicas != 0:
+        num_samples = math.ceil((n - num_replicas) / num_replicas)
+    else:
+        num_samples = math.ceil(n / num_replicas)
+    total_size = num_samples * num_replicas
+    indices = list(range(n))
+    if not drop_last:
+        padding_size = total_size - len(indices)
+        if padding_size <= len(indices):
+            indices += indices[:padding_size]
+        else:
+            indices += (indices * math.ceil(padding_size / len(indices)))[:padding_size]
+    else:
+        indices = indices[:total_size]
+    assert len(indices) == total_size
+    indices = indices[rank:total_size:num_replicas]
+    assert len(indices) == num_samples
+    return indices
+
+
+@pytest.mark.parametrize("n, replicas", [(10, 3), (12, 4), (3, 8), (1, 4), (7, 7), (2, 5), (11, 2)])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_equals_torch_without_shuffle(n, replicas, drop_last):
+    for rank in range(replicas):
+        s = DistributedSampler(n, replicas, rank, shuffle=False, drop_last=drop_last)
+        want = torch_indices(n, replicas, rank, drop_last)
+        assert s.indices().tolist() == want and list(s) == want and len(s) == len(want)
+    if n == 3 and replicas == 8 and not drop_last:  # padding (5) exceeds n: the list repeats whole
+        assert [DistributedSampler(3, 8, r, shuffle=False).indices()[0] for r in range(8)] == [0, 1, 2] * 2 + [0, 1]
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_ranks_cover_the_data_disjointly(drop_last):
+    n, replicas = 103, 4
+    per_rank = [DistributedSampler(n, replicas, r, seed=3, drop_last=drop_last).indices() for r in range(replicas)]
+    assert len({len(p) for p in per_rank}) == 1  # all ranks equal length
+    every = np.concatenate(per_rank)
+    if drop_last:  # 100 distinct samples, the 3 left over dropped
+        assert len(every) == 100 and len(set(every.tolist())) == 100
+    else:  # all 103 samples, 1 repeated to pad to 104
+        assert len(every) == 104 and set(every.tolist()) == set(range(n))
+        assert np.bincount(every).max() == 2 and (np.bincount(every) == 2).sum() == 1
+
+
+def test_shuffle_per_epoch_and_seed():
+    s = DistributedSampler(50, 2, 1, seed=5)
+    first = s.indices()
+    assert not np.array_equal(first, np.arange(1, 50, 2))  # shuffled
+    assert np.array_equal(first, DistributedSampler(50, 2, 1, seed=5).indices())  # deterministic
+    s.set_epoch(1)
+    assert not np.array_equal(s.indices(), first)  # set_epoch changes the order
+    s.set_epoch(0)
+    assert np.array_equal(s.indices(), first)
+    assert not np.array_equal(DistributedSampler(50, 2, 1, seed=6).indices(), first)
+    other = DistributedSampler(50, 2, 0, seed=5)
+    assert sorted(np.concatenate([first, other.indices()]).tolist()) == list(range(50))  # one shared permutation
+
+
+def test_batches_and_resume_mid_epoch():
+    s = DistributedSampler(37, 2, 0, seed=1)
+    s.set_epoch(3)
+    epoch = s.indices()
+    plan = s.batch_plan(4)
+    assert [len(b) for b in plan] == [4, 4, 4, 4, 3] and np.array_equal(np.concatenate(plan), epoch)
+    assert [len(b) for b in s.batch_plan(4, drop_last=True)] == [4] * 4
+    it = s.batches(4)
+    seen = [next(it), next(it)]
+    assert s.offset == 8  # advanced by what was handed out, nothing more
+    state = s.state_dict()
+    assert state["epoch"] == 3 and state["offset"] == 8 and state["seed"] == 1
+
+    resumed = DistributedSampler(37, 2, 0, seed=0)  # the seed (and so the order) comes from the state
+    resumed.load_state_dict(state)
+    resumed.set_epoch(3)  # the same epoch keeps the position
+    assert resumed.batch_plan(4)[0].tolist() == epoch[8:12].tolist()
+    rest = list(resumed.batches(4))
+    assert [len(b) for b in rest] == [4, 4, 3]
+    assert np.concatenate(seen + rest).tolist() == epoch.tolist()  # nothing repeated, nothing skipped
+    assert list(resumed) == [] and resumed.offset == len(resumed)  # the epoch is consumed
+    resumed.set_epoch(4)  # a new epoch starts over
+    assert resumed.offset == 0 and len(list(resumed)) == 19
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_samples=0), "num_samples=0 must be an integer >= 1"),
+    (dict(num_samples=10, num_replicas=0), "num_replicas=0"),
+    (dict(num_samples=10, num_replicas=4, rank=4), "rank=4 must be in \\[0, num_replicas=4\\)"),
+    (dict(num_samples=10, rank=-1), "rank=-1"),
+    (dict(num_samples=10, seed=-3), "seed=-3 must be an integer >= 0"),
+    (dict(num_samples=2.5), "num_samples=2.5"),
+])
+def test_invalid_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DistributedSampler(**kwargs)
+
+
+def test_load_state_dict_checks_the_settings():
+    state = DistributedSampler(20, 2, 0).state_dict()
+    with pytest.raises(ValueError, match="num_replicas=2 differs .* num_replicas=4"):
+        DistributedSampler(20, 4, 0).load_state_dict(state)
+    with pytest.raises(ValueError, match="offset=11 must be in \\[0, 10\\]"):
+        DistributedSampler(20, 2, 0).load_state_dict({**state, "offset": 11})

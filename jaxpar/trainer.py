@@ -36,22 +36,25 @@ def validate(cfg: Config) -> None:
             raise ValueError(f"--{field} {value!r} is not known; use one of: {', '.join(valid)}.")
     for field in ("batch_size", "epochs", "eval_batch_size", "log_every"):
         if getattr(cfg, field) < 1:
-            raise ValueError(f"--{field.replace('_', '-')} {getattr(cfg, field)} must be >= 1.")
+            raise ValueError(f"--{field.replace('_', '-')} {getattr(cfg, field)} must be >= 1; pass a positive count.")
     if cfg.steps is not None and cfg.steps < 1:
         raise ValueError(f"--steps {cfg.steps} must be >= 1 (or leave it out to run whole epochs).")
     if cfg.lr is not None and not cfg.lr > 0:
-        raise ValueError(f"--lr {cfg.lr} must be > 0.")
+        raise ValueError(f"--lr {cfg.lr} must be > 0; pass a positive learning rate, or leave it out for the "
+                         f"optimizer's default ({DEFAULT_LR[cfg.optimizer]}).")
     if cfg.dataset == "npz" and not cfg.data_path:
-        raise ValueError("--dataset npz needs --data-path FILE.npz holding arrays x and y.")
+        raise ValueError("--dataset npz needs --data-path FILE.npz; pass a file holding arrays x and y "
+                         "(np.savez(path, x=..., y=...)).")
     if cfg.resume and not cfg.checkpoint_dir:
-        raise ValueError("--resume needs --checkpoint-dir DIR (the run's checkpoint folder).")
+        raise ValueError("--resume needs --checkpoint-dir DIR; pass the checkpoint folder of the run to continue.")
     if cfg.checkpoint_every < 0:
-        raise ValueError(f"--checkpoint-every {cfg.checkpoint_every} must be >= 0 (0: save only at the end "
-                         "and on SIGTERM/SIGINT).")
+        raise ValueError(f"--checkpoint-every {cfg.checkpoint_every} must be >= 0; pass a step count, or 0 to "
+                         "save only at the end and on SIGTERM/SIGINT.")
     if cfg.checkpoint_every and not cfg.checkpoint_dir:
         raise ValueError(f"--checkpoint-every {cfg.checkpoint_every} needs --checkpoint-dir DIR to save into.")
     if cfg.checkpoint_keep < 1:
-        raise ValueError(f"--checkpoint-keep {cfg.checkpoint_keep} must be >= 1 (complete checkpoints kept).")
+        raise ValueError(f"--checkpoint-keep {cfg.checkpoint_keep} must be >= 1; pass how many complete "
+                         "checkpoints to keep.")
 
 
 def model_kwargs(cfg: Config, x_shape: tuple, num_classes: int) -> dict:
@@ -161,15 +164,16 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
     graphdef, state = init_state(model, tx, cfg.seed)
     strategy = get_builder(cfg.strategy)(model, tx, cfg)  # validates the strategy's own rules
     ckpt = prepare_outputs(cfg, state)
-    position = {"epoch": 0, "sampler": None, "loss_sum": 0.0, "count": 0.0}
+    position = {"loss_sum": 0.0, "count": 0.0}
     if ckpt is not None and cfg.resume:
         state, position = ckpt.restore(state)
+        sampler.load_state_dict(sampler_state(position["sampler"], sampler))
     # every check passed: from here on the run writes
     placed = strategy.init(state)
     eval_step = make_eval_step(graphdef)
     writer = report.MetricsWriter(cfg.metrics_out if main_process else None)
     log = print if main_process and not cfg.quiet else (lambda *a, **k: None)
-    step, epoch = int(state.step), int(position["epoch"])
+    step, epoch = int(state.step), sampler.epoch
     log(f"jaxpar: {cfg.strategy} on {strategy.describe()}; model {cfg.model} "
         f"({sum(a.size for a in jax.tree.leaves(state.params)):,} params); {len(train_set.y)} training samples"
         + (f"; resumed from step {step} (epoch {epoch}) in {cfg.checkpoint_dir}" if cfg.resume else ""))
@@ -180,23 +184,18 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
                   "config": dataclasses.asdict(cfg)})
 
     def save() -> None:
-        data = {"epoch": epoch, "sampler": sampler.state_dict(), "loss_sum": loss_sum, "count": count}
+        data = {"sampler": sampler.state_dict(), "loss_sum": loss_sum, "count": count}
         if not ckpt.save(step, strategy.unplace(placed), data):
             raise Diverged(f"step {step} left non-finite parameters; not saved. " + _kept(cfg, ckpt))
 
     total_steps = steps_per_epoch * cfg.epochs if cfg.steps is None else cfg.steps
-    clock, stopped, start_step = report.Clock(), None, step
+    clock, stopped, start_step, epoch_done = report.Clock(), None, step, True
     last: dict[str, Any] = {}
-    resume_sampler, loss_sum, count = position["sampler"], position["loss_sum"], position["count"]
+    loss_sum, count = position["loss_sum"], position["count"]  # the epoch's running train loss
     try:
         with StopSignals(enabled=ckpt is not None) as signals:
             while step < total_steps and stopped is None:
-                sampler.set_epoch(epoch)
-                if resume_sampler is not None:  # continue mid-epoch where the checkpoint left off
-                    sampler.load_state_dict(resume_sampler)
-                    resume_sampler = None
-                else:
-                    loss_sum = count = 0.0
+                sampler.set_epoch(epoch)  # a resumed epoch keeps the checkpoint's offset
                 loader = Loader(train_set, local_batch, sampler, drop_last=cfg.drop_last, put=strategy.put_batch)
                 bar = tqdm(total=min(len(loader), total_steps - step), desc=f"epoch {epoch}", leave=False,
                            disable=cfg.quiet or not main_process)
@@ -226,17 +225,20 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
                 last = {"epoch": epoch, "step": step, "train_loss": loss_sum / max(count, 1)}
                 if stopped:
                     break
+                epoch_done = len(loader) == 0  # else --steps ended the run mid-epoch
                 if eval_set is not None:
                     params = strategy.unplace(placed).params
                     last.update(evaluate(eval_step, params, eval_set, cfg.eval_batch_size))
                 writer.write({"event": "epoch", **last})
                 log(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in last.items()))
-                epoch += 1
+                if epoch_done:
+                    epoch, loss_sum, count = epoch + 1, 0.0, 0.0
             if ckpt is not None and not stopped and ckpt.saved_step != step:
                 save()  # the end of the run is always saved
         final = strategy.unplace(placed)
         summary = {"strategy": cfg.strategy, "model": cfg.model, "devices": jax.device_count(), "processes": nproc,
-                   "precision": cfg.precision, "describe": strategy.describe(), "steps": step, "epochs": epoch,
+                   "precision": cfg.precision, "describe": strategy.describe(), "steps": step,
+                   "epochs": epoch + (not epoch_done or bool(stopped)),
                    **{k: v for k, v in last.items() if k not in ("epoch", "step")}, **clock.total(),
                    "resumed_from": start_step if cfg.resume else None, "stopped": stopped}
         if stopped:
@@ -261,6 +263,22 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
         print(summary_line(summary))
     summary["state"] = final
     return summary
+
+
+def sampler_state(saved: dict, sampler) -> dict:
+    """The checkpoint's sampler position for this run's sampler; another process count gets the same GLOBAL
+    position (samples consumed by all ranks together), as the global batch is the same."""
+    if saved["num_replicas"] == sampler.num_replicas:
+        return saved
+    old = saved["num_replicas"]
+    done = saved["offset"] >= -(-saved["num_samples"] // old) if not saved["drop_last"] else False
+    consumed = saved["offset"] * old
+    if not done and consumed % sampler.num_replicas:
+        raise ValueError(f"the checkpoint stopped after {consumed} samples of epoch {saved['epoch']} with {old} "
+                         f"processes, which {sampler.num_replicas} processes cannot split evenly; resume with "
+                         f"{old} processes (or a count dividing {consumed}).")
+    offset = len(sampler) if done else min(consumed // sampler.num_replicas, len(sampler))
+    return {**saved, "num_replicas": sampler.num_replicas, "offset": offset}
 
 
 def _saved(ckpt) -> int | None:

@@ -1,0 +1,211 @@
+"""Stop and resume: a run stopped (SIGTERM, SIGINT, kill -9, even during a save) and resumed with --resume ends
+with parameters and optimizer state BIT-identical to the run that was never stopped."""
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from jaxpar import checkpoint, trainer
+from jaxpar.config import Config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+N_STEPS = 7  # 60 samples / batch 16 = 4 steps per epoch (the 4th padded): stops and resumes cross an epoch
+STRATEGIES = {  # kept small: the mlp, few devices
+    "single": {},
+    "ddp": {"num_devices": 4},
+    "dp": {"num_devices": 2},
+    "pipeline": {"num_stages": 2, "micro_batches": 2, "num_devices": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def npz(tmp_path_factory) -> str:
+    """A tiny learnable data set: 60 samples of 12 features, 3 classes."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(60, 12)).astype(np.float32)
+    y = np.argmax(x[:, :3], -1).astype(np.int32)
+    path = str(tmp_path_factory.mktemp("data") / "tiny.npz")
+    np.savez(path, x=x, y=y)
+    return path
+
+
+def config(npz: str, strategy: str = "single", **kw) -> Config:
+    """Adam with a per-epoch lr decay (StepLR): the resumed optimizer count must drive the schedule."""
+    base = dict(strategy=strategy, model="mlp", dataset="npz", data_path=npz, eval_split="", batch_size=16,
+                steps=N_STEPS, optimizer="adam", lr=0.01, gamma=0.5, log_every=1, quiet=True)
+    return Config(**{**base, **STRATEGIES[strategy], **kw})
+
+
+def leaves(state) -> list[np.ndarray]:
+    return [np.asarray(a) for a in checkpoint.to_host(state)]
+
+
+def assert_bit_identical(a, b, what: str) -> None:
+    la, lb = leaves(a), leaves(b)
+    assert len(la) == len(lb)
+    for i, (x, y) in enumerate(zip(la, lb)):
+        assert x.dtype == y.dtype and np.array_equal(x, y), f"{what}: leaf {i} differs"
+
+
+def signal_at(step: int, signum: int = signal.SIGTERM):
+    def on_step(s, metrics):
+        if s == step:
+            os.kill(os.getpid(), signum)
+    return on_step
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(npz, tmp_path_factory):
+    """The reference run of each strategy (cached per module); single's also saves every 2 steps, keeping 2."""
+    cache = {}
+
+    def get(strategy: str):
+        if strategy not in cache:
+            kw = {}
+            if strategy == "single":
+                cache["single_ckpt"] = str(tmp_path_factory.mktemp("every") / "ckpt")
+                kw = dict(checkpoint_dir=cache["single_ckpt"], checkpoint_every=2, checkpoint_keep=2)
+            cache[strategy] = trainer.run(config(npz, strategy, **kw))["state"]
+        return cache[strategy]
+    get.cache = cache
+    return get
+
+
+@pytest.mark.parametrize("strategy", [s for s in STRATEGIES if s != "single"])  # single: the subprocess tests
+def test_stop_by_signal_and_resume_is_bit_identical(strategy, npz, uninterrupted, tmp_path):
+    k = random.Random().randint(1, N_STEPS - 1)  # a random step, printed on failure
+    signum = signal.SIGTERM if k % 2 else signal.SIGINT
+    ckpt = str(tmp_path / "ckpt")
+    stopped = trainer.run(config(npz, strategy, checkpoint_dir=ckpt), on_step=signal_at(k, signum))
+    assert stopped["stopped"] == signal.Signals(signum).name and stopped["steps"] == k, (k, stopped)
+    assert checkpoint.latest_step(ckpt) == k
+    full = uninterrupted(strategy)
+    assert not np.array_equal(leaves(stopped["state"])[0], leaves(full)[0])  # k steps really differ from N
+    resumed = trainer.run(config(npz, strategy, checkpoint_dir=ckpt, resume=True))
+    assert resumed["resumed_from"] == k and resumed["steps"] == N_STEPS
+    assert_bit_identical(resumed["state"], full, f"{strategy}, stopped at step {k} by {signum!r}")
+    assert checkpoint.latest_step(ckpt) == N_STEPS  # the end of a run is saved too
+
+
+def test_checkpoint_every_and_keep(uninterrupted):
+    uninterrupted("single")  # ran with --checkpoint-every 2 --checkpoint-keep 2
+    ckpt = uninterrupted.cache["single_ckpt"]
+    steps = sorted(int(d) for d in os.listdir(ckpt) if d.isdigit())
+    assert steps == [6, 7]  # saved at 2, 4, 6 and the end (7); the oldest deleted
+
+
+def test_roundtrip_restores_typed_key_and_optimizer_count(npz, tmp_path):
+    cfg = config(npz)
+    tx = trainer.make_tx(cfg, steps_per_epoch=4)
+    import models
+    from jaxpar.step import init_state
+
+    _, state = init_state(models.get("mlp", in_features=12, hidden_dim=8, out_features=3), tx, seed=7)
+    state = state._replace(step=state.step + 5, opt_state=jax.tree.map(lambda a: a + 3, state.opt_state))
+    _, template = init_state(models.get("mlp", in_features=12, hidden_dim=8, out_features=3), tx, seed=0)
+    info = checkpoint.run_info(cfg, state)
+    ckpt = checkpoint.Checkpointer(str(tmp_path / "c"), info, resume=False)
+    assert ckpt.save(5, state, {"epoch": 1, "sampler": {"epoch": 1, "offset": 16}})
+    ckpt.close()
+    restored, data = checkpoint.Checkpointer(str(tmp_path / "c"), info, resume=True).restore(template)
+    assert jax.dtypes.issubdtype(restored.key.dtype, jax.dtypes.prng_key)
+    assert np.array_equal(jax.random.key_data(restored.key), jax.random.key_data(jax.random.key(7)))
+    assert not np.array_equal(jax.random.key_data(template.key), jax.random.key_data(restored.key))
+    assert int(restored.step) == 5 and data == {"epoch": 1, "sampler": {"epoch": 1, "offset": 16}}
+    assert_bit_identical(restored, state, "roundtrip")
+
+
+def test_resume_under_another_strategy(npz, uninterrupted, tmp_path):
+    """The checkpoint is strategy-agnostic: DDP's is resumed by the single-device step (float32-close)."""
+    ckpt = str(tmp_path / "ckpt")
+    trainer.run(config(npz, "ddp", checkpoint_dir=ckpt), on_step=signal_at(3))
+    resumed = trainer.run(config(npz, "single", checkpoint_dir=ckpt, resume=True))
+    assert resumed["resumed_from"] == 3
+    for a, b in zip(leaves(resumed["state"]), leaves(uninterrupted("single"))):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+    x = np.random.default_rng(1).normal(size=(64, 12)).astype(np.float32)
+    x[40] = np.nan  # batch 3 (rows 32..47, no shuffle): step 3's loss is NaN
+    path = str(tmp_path / "nan.npz")
+    np.savez(path, x=x, y=np.argmax(x[:, :3], -1).astype(np.int32))
+    ckpt, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
+    cfg = config(path, checkpoint_dir=ckpt, checkpoint_every=1, shuffle=False, metrics_out=metrics)
+    with pytest.raises(trainer.Diverged, match=r"became nan at step 3 .*last good checkpoint, step 2"):
+        trainer.run(cfg)
+    assert checkpoint.latest_step(ckpt) == 2
+    assert '"event": "diverged"' in open(metrics).read()
+    restored, _ = checkpoint.Checkpointer(ckpt, checkpoint.run_info(cfg, _template(cfg)), resume=True).restore(
+        _template(cfg))
+    assert all(np.isfinite(a).all() for a in leaves(restored)[:4])
+
+
+def _template(cfg):
+    import models
+    from jaxpar.step import init_state
+
+    return init_state(models.get("mlp", in_features=12, hidden_dim=128, out_features=3),
+                      trainer.make_tx(cfg, 4), cfg.seed)[1]
+
+
+def cli(npz: str, ckpt: str, *extra: str) -> list[str]:
+    return [sys.executable, os.path.join(ROOT, "train.py"), "--model", "mlp", "--dataset", "npz", "--data-path", npz,
+            "--eval-split", "", "--batch-size", "16", "--steps", str(N_STEPS), "--optimizer", "adam", "--lr", "0.01",
+            "--gamma", "0.5", "--log-every", "1", "--quiet", "--checkpoint-dir", ckpt, *extra]
+
+
+def test_sigterm_to_a_real_process_then_resume(npz, uninterrupted, tmp_path):
+    """SIGTERM or SIGINT from outside at a random moment: exit status 0, then --resume ends bit-identical."""
+    ckpt, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
+    k = random.Random().randint(1, N_STEPS - 2)
+    signum = random.choice([signal.SIGTERM, signal.SIGINT])
+    proc = subprocess.Popen(cli(npz, ckpt, "--metrics-out", metrics, "--checkpoint-every", "2"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if os.path.exists(metrics) and f'"step": {k},' in open(metrics).read():
+            proc.send_signal(signum)
+            break
+        time.sleep(0.01)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out
+    stop = checkpoint.latest_step(ckpt)
+    assert f"{signum.name} at step" in out and k <= stop < N_STEPS, (k, stop, out)
+    resumed = trainer.run(config(npz, checkpoint_dir=ckpt, resume=True))
+    assert resumed["resumed_from"] == stop
+    assert_bit_identical(resumed["state"], uninterrupted("single"), f"{signum.name} at step {stop}")
+
+
+KILL_DURING_SAVE = """
+import os, signal, sys
+from orbax.checkpoint._src.path import atomicity
+async def killed_before_rename(self, *args, **kwargs):  # every byte of the step is written; the rename is not
+    if os.path.basename(str(self._final_path)) == sys.argv[1]:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return await original(self, *args, **kwargs)
+original = atomicity.AtomicRenameTemporaryPath.finalize
+atomicity.AtomicRenameTemporaryPath.finalize = killed_before_rename
+import train
+train.main(sys.argv[2:])
+"""
+
+
+def test_kill_9_during_a_save_loses_nothing(npz, uninterrupted, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    argv = cli(npz, ckpt, "--checkpoint-every", "2")[2:]
+    proc = subprocess.run([sys.executable, "-c", KILL_DURING_SAVE, "4", *argv], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+    assert any(d.startswith("4.orbax-checkpoint-tmp") for d in os.listdir(ckpt)), os.listdir(ckpt)  # died mid-save
+    assert checkpoint.latest_step(ckpt) == 2  # the half-written step 4 is not a checkpoint
+    resumed = trainer.run(config(npz, checkpoint_dir=ckpt, resume=True))
+    assert resumed["resumed_from"] == 2
+    assert_bit_identical(resumed["state"], uninterrupted("single"), "kill -9 during the save of step 4")
+    assert not any("tmp" in d for d in os.listdir(ckpt))  # the next run cleaned the leftovers

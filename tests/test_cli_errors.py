@@ -1,0 +1,161 @@
+"""Wrong invocations of train.py: each is answered by ONE line that names the value, the rule and the fix, exit
+status 2, and nothing written (no metrics file, checkpoint folder or exported weights appear)."""
+import os
+import re
+
+import numpy as np
+import pytest
+
+import train
+from jaxpar import checkpoint, devices, idx, trainer
+from jaxpar.config import Config
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Data files (good, truncated, corrupt, missing), a checkpoint of a linear model, an unwritable path."""
+    root = tmp_path_factory.mktemp("cli")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 5)).astype(np.float32)
+    np.savez(root / "ok.npz", x=x, y=(x[:, 0] > 0).astype(np.int32))
+    np.savez(root / "no_y.npz", x=x)
+    images, labels = rng.integers(0, 256, (20, 28, 28), np.uint8), rng.integers(0, 10, 20).astype(np.uint8)
+    for name, cut in (("mnist_ok", None), ("mnist_truncated", -100), ("mnist_corrupt", 0)):
+        folder = root / name
+        folder.mkdir()
+        idx.write_idx(folder / "t10k-labels-idx1-ubyte", labels)
+        idx.write_idx(folder / "t10k-images-idx3-ubyte", images)
+        data = (folder / "t10k-images-idx3-ubyte").read_bytes()
+        if cut == 0:  # a wrong magic number: not an IDX file
+            data = b"\x50\x4b\x03\x04" + data[4:]
+        elif cut:
+            data = data[:cut]
+        (folder / "t10k-images-idx3-ubyte").write_bytes(data)
+    (root / "mnist_no_labels").mkdir()
+    idx.write_idx(root / "mnist_no_labels" / "t10k-images-idx3-ubyte", images)
+    (root / "empty").mkdir()
+    (root / "a_file").write_text("not a folder")
+    ckpt = str(root / "linear_ckpt")
+    trainer.run(Config(model="linear", dataset="npz", data_path=str(root / "ok.npz"), eval_split="", batch_size=16,
+                       steps=1, quiet=True, checkpoint_dir=ckpt))
+    return {k.replace(".", "_"): str(root / k) for k in ("ok.npz", "no_y.npz", "mnist_ok", "mnist_truncated", "mnist_corrupt",
+                                       "mnist_no_labels", "empty", "a_file")} | {"ckpt": ckpt, "root": str(root)}
+
+
+BASE = ["--model", "linear", "--dataset", "npz", "--data-path", "{ok_npz}", "--eval-split", "", "--batch-size", "16",
+        "--steps", "1", "--quiet"]
+MNIST = ["--dataset", "mnist", "--model", "linear", "--train-split", "test", "--eval-split", "", "--steps", "1",
+         "--quiet"]
+
+# (id, argv (later flags override BASE's), patterns the one-line message must contain: the value ... the fix)
+CASES = [
+    ("unknown strategy", ["--strategy", "fsdp"], ["'fsdp'", "use one of", "ddp"]),
+    ("unknown model", ["--model", "resnet50"], ["'resnet50'", "use one of", "mlp"]),
+    ("unknown dataset", ["--dataset", "imagenet"], ["'imagenet'", "use one of", "mnist"]),
+    ("unknown optimizer", ["--optimizer", "lamb"], ["'lamb'", "use one of", "adamw"]),
+    ("unknown precision", ["--precision", "fp8"], ["'fp8'", "use one of", "bf16"]),
+    ("zero batch", ["--batch-size", "0"], ["--batch-size 0", ">= 1"]),
+    ("zero steps", ["--steps", "0"], ["--steps 0", ">= 1", "leave it out"]),
+    ("negative lr", ["--lr", "-0.1"], ["--lr -0.1", "> 0"]),
+    ("stages more than layers", ["--strategy", "pipeline", "--model", "mlp", "--num-stages", "4",
+                                 "--num-devices", "8"], ["4", "3 layers", "at most 3 stages"]),
+    ("devices not divisible by stages", ["--strategy", "pipeline", "--model", "mlp", "--num-stages", "3",
+                                         "--num-devices", "8"], ["num_devices=8", "num_stages=3", "use --num-devices"]),
+    ("unknown schedule", ["--strategy", "pipeline", "--model", "mlp", "--schedule", "zigzag"],
+     ["'zigzag'", "use one of", "1f1b"]),
+    ("zero micro-batches", ["--strategy", "pipeline", "--model", "mlp", "--micro-batches", "0"],
+     ["micro", "0", ">= 1"]),
+    ("more devices than present", ["--strategy", "ddp", "--num-devices", "9"], ["9", "8 devices", "pass fewer"]),
+    ("unknown all-reduce", ["--strategy", "ddp", "--allreduce", "tree"], ["'tree'", "use one of", "ring"]),
+    ("zero grad-accum", ["--strategy", "ddp", "--grad-accum", "0"], ["grad_accum=0", ">= 1", "use 1"]),
+    ("npz without --data-path", ["--data-path", ""], ["--data-path", "npz", "x and y"]),
+    ("npz file missing", ["--data-path", "{root}/nope.npz"], ["nope.npz", "could not be read", "np.savez"]),
+    ("npz without labels", ["--data-path", "{no_y_npz}"], ["no_y.npz", "'y'", "together"]),
+    ("mnist folder missing", MNIST + ["--data-dir", "{root}/no_such_folder"], ["no_such_folder", "not a folder",
+                                                                                "--data-dir"]),
+    ("mnist labels file missing", MNIST + ["--data-dir", "{mnist_no_labels}"], ["t10k-labels-idx1-ubyte",
+                                                                                 "add those files"]),
+    ("mnist IDX truncated", MNIST + ["--data-dir", "{mnist_truncated}"], ["t10k-images-idx3-ubyte", "truncated",
+                                                                           "re-download"]),
+    ("mnist IDX corrupt", MNIST + ["--data-dir", "{mnist_corrupt}"], ["t10k-images-idx3-ubyte", "magic number",
+                                                                       "not an IDX file"]),
+    ("tfds data absent offline", ["--dataset", "cifar10", "--model", "linear", "--data-dir", "{empty}"],
+     ["cifar10", "not prepared", "tfds build cifar10"]),
+    ("checkpoint dir under a file", ["--checkpoint-dir", "{a_file}/ckpt"], ["a_file", "must be a directory",
+                                                                            "pass a directory"]),
+    ("checkpoint dir not writable", ["--checkpoint-dir", "/proc/jaxpar_ckpt"], ["/proc/jaxpar_ckpt", "not writable",
+                                                                                "pass a directory"]),
+    ("checkpoint dir of another model", ["--model", "mlp", "--checkpoint-dir", "{ckpt}", "--resume"],
+     ["'linear'", "not --model 'mlp'", "pass --model linear or another --checkpoint-dir"]),
+    ("checkpoint dir in use without --resume", ["--checkpoint-dir", "{ckpt}"], ["up to step 1", "pass --resume"]),
+    ("--resume with nothing to resume", ["--checkpoint-dir", "{empty}", "--resume"], ["empty", "no complete checkpoint",
+                                                                                       "drop --resume"]),
+    ("--resume without --checkpoint-dir", ["--resume", "--checkpoint-dir", ""], ["--resume needs --checkpoint-dir"]),
+    ("negative --checkpoint-every", ["--checkpoint-every", "-1"], ["--checkpoint-every -1", ">= 0"]),
+    ("--init-torch missing", ["--init-torch", "{root}/w.npz"], ["w.npz", "could not be read", "np.savez"]),
+    ("--export-torch into a missing folder", ["--export-torch", "{root}/no/w.npz"], ["does not exist", "create it"]),
+    ("--metrics-out is a folder", ["--metrics-out", "{empty}"], ["empty", "is a directory", "pass a file path"]),
+]
+
+
+def outputs(files: dict, case: str) -> dict[str, str]:
+    """Where this case's run would write: none of these may exist afterwards."""
+    folder = os.path.join(files["root"], "out", re.sub(r"\W+", "_", case))
+    os.makedirs(folder, exist_ok=True)
+    return {"--metrics-out": f"{folder}/metrics.jsonl", "--export-torch": f"{folder}/weights.npz",
+            "--checkpoint-dir": f"{folder}/ckpt"}
+
+
+def run_main(argv: list[str], capsys) -> tuple[int, str]:
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(argv)
+    return exit_info.value.code, capsys.readouterr().err
+
+
+def check_answer(code: int, err: str, patterns: list[str]) -> None:
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, f"not one line:\n{err}"
+    assert lines[0].startswith("train.py: error: "), lines[0]
+    for p in patterns:
+        assert p in lines[0], f"{p!r} missing from: {lines[0]}"
+    assert re.search(r"\b(use|pass|drop|set|add|create|re-download|choose|leave|fix|lower|write)\b", lines[0]), \
+        f"no fix in: {lines[0]}"
+
+
+def test_at_least_twenty_cases():
+    assert len(CASES) >= 20 and len({c[0] for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case,argv,patterns", CASES, ids=[c[0] for c in CASES])
+def test_wrong_invocation(case, argv, patterns, files, capsys):
+    out = outputs(files, case)
+    flags = {k: v for k, v in out.items() if k not in argv}  # the case's own paths win
+    full = [a.format(**files) for a in BASE + [a for kv in flags.items() for a in kv] + argv]
+    ckpt_before = sorted(os.listdir(files["ckpt"]))
+    code, err = run_main(full, capsys)
+    check_answer(code, err, [p.format(**files) for p in patterns])
+    assert not any(os.path.exists(p) for p in out.values()), [p for p in out.values() if os.path.exists(p)]
+    assert sorted(os.listdir(files["ckpt"])) == ckpt_before  # the existing checkpoint is untouched
+    assert os.listdir(files["empty"]) == []
+
+
+def test_cpu_devices_with_accelerators_present(monkeypatch, files, capsys):
+    """--cpu-devices simulates CPU devices; where a GPU backend is up it is refused (simulated backend)."""
+    import jax
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    out = outputs(files, "cpu devices")
+    argv = [a.format(**files) for a in BASE] + ["--cpu-devices", "8"] + [a for kv in out.items() for a in kv]
+    code, err = run_main(argv, capsys)
+    check_answer(code, err, ["--cpu-devices 8", "gpu accelerators", "drop --cpu-devices"])
+    assert not any(os.path.exists(p) for p in out.values())
+    with pytest.raises(ValueError, match="gpu accelerators"):  # the function itself, with a fake backend
+        devices.setup(Config(cpu_devices=8))
+
+
+def test_writable_checks_write_nothing(tmp_path):
+    checkpoint.writable_dir(str(tmp_path / "a" / "b"), "--checkpoint-dir")
+    checkpoint.writable_file(str(tmp_path / "m.jsonl"), "--metrics-out")
+    assert os.listdir(tmp_path) == []

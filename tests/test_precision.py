@@ -1,0 +1,88 @@
+"""--precision bf16: bfloat16 compute, float32 master parameters and optimizer state (what torch AMP does)."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import models
+from jaxpar.config import Config
+from jaxpar.optim import make_optimizer
+from jaxpar.precision import compute_dtype
+from jaxpar.step import init_state, make_train_step
+from jaxpar.strategy import get_builder
+
+FEATURES, CLASSES, BATCH = 20, 4, 32
+
+
+def data(n: int, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, FEATURES)).astype(np.float32)
+    y = np.argmax(x @ rng.normal(size=(FEATURES, CLASSES)), -1).astype(np.int32)  # a learnable teacher
+    return {"x": x, "y": y, "idx": np.arange(n, dtype=np.int32)}
+
+
+def mlp():
+    return models.get("mlp", seed=0, in_features=FEATURES, hidden_dim=64, out_features=CLASSES)
+
+
+def train(precision: str, steps: int = 30):
+    tx = make_optimizer("adam", 1e-2)
+    graphdef, state = init_state(mlp(), tx, seed=0)
+    step = make_train_step(graphdef, tx, compute_dtype(precision))
+    batches = data(steps * BATCH)
+    losses = []
+    for i in range(steps):
+        batch = {k: v[i * BATCH:(i + 1) * BATCH] for k, v in batches.items()}
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return state, np.array(losses), step, batch
+
+
+def float_dtypes(tree) -> set:
+    return {a.dtype for a in jax.tree.leaves(tree) if jnp.issubdtype(a.dtype, jnp.floating)}
+
+
+def test_bf16_tracks_fp32_and_keeps_float32_master_state():
+    s32, l32, _, _ = train("fp32")
+    s16, l16, step16, batch = train("bf16")
+    # bf16 really computes in bf16: its matmuls take bf16 operands and its losses are not fp32's
+    assert "bf16" in str(jax.make_jaxpr(step16)(s16, batch))
+    assert not np.array_equal(l16, l32)
+    # ... and still tracks fp32: both learn, and the curves stay close step by step
+    assert l32[-5:].mean() < 0.6 * l32[:5].mean() and l16[-5:].mean() < 0.6 * l16[:5].mean()
+    np.testing.assert_allclose(l16, l32, atol=0.05, rtol=0.05)
+    # master params and optimizer state stay float32
+    assert float_dtypes(s16.params) == {jnp.dtype(jnp.float32)}
+    assert float_dtypes(s16.opt_state) == {jnp.dtype(jnp.float32)}
+
+
+@functools.lru_cache(maxsize=None)
+def one_step(strategy_name: str, precision: str, **cfg_kw):
+    """(params, loss) after one SGD step of `strategy_name` from the same initial state and batch."""
+    cfg = Config(strategy=strategy_name, model="mlp", optimizer="sgd", precision=precision, **dict(cfg_kw))
+    tx = make_optimizer("sgd", 0.5, momentum=0.0)
+    model = mlp()
+    _, state = init_state(model, tx, seed=0)
+    strategy = get_builder(strategy_name)(model, tx, cfg)
+    placed, metrics = strategy.step(strategy.init(state), strategy.put_batch(data(BATCH, seed=1)))
+    return strategy.unplace(placed).params, float(metrics["loss"])
+
+
+def max_diff(a, b) -> float:
+    return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+@pytest.mark.parametrize("name,kw", [("ddp", {}), ("dp", {"num_devices": 2}), ("pipeline", {"num_stages": 2, "micro_batches": 4})])
+def test_every_strategy_honours_precision(name, kw):
+    """A builder that ignored cfg.precision would give bit-identical fp32 and bf16 runs: each step is deterministic."""
+    (ref32, loss32), (ref16, loss16) = one_step("single", "fp32"), one_step("single", "bf16")
+    bf16_error = max_diff(ref16, ref32)
+    assert bf16_error > 1e-6  # bf16 really changes the reference's step
+    (p32, l32), (p16, l16) = one_step(name, "fp32", **kw), one_step(name, "bf16", **kw)
+    assert max_diff(p16, p32) > 0.1 * bf16_error  # the flag reached the strategy's compute ...
+    assert max_diff(p16, p32) < 10 * bf16_error  # ... as bf16 rounding, not as another computation
+    assert abs(l16 - loss16) < 10 * abs(loss16 - loss32) + 1e-4
+    assert float_dtypes(p16) == {jnp.dtype(jnp.float32)}  # master params stay float32

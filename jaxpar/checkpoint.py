@@ -115,12 +115,26 @@ def writable_file(path: str, flag: str) -> None:
 
 
 def _manager(directory: str, keep: int | None = None, read_only: bool = False):
+    import logging
+
     import orbax.checkpoint as ocp
 
+    if read_only:  # orbax warns "Given directory is read only" for every reader: a choice here, not news
+        logging.getLogger("absl").addFilter(_ReadOnlyNote())
     options = ocp.CheckpointManagerOptions(max_to_keep=None if read_only else keep, create=not read_only,
                                            read_only=read_only, cleanup_tmp_directories=not read_only,
                                            save_interval_steps=0 if read_only else 1)
     return ocp.CheckpointManager(os.path.abspath(directory), options=options)
+
+
+class _ReadOnlyNote:
+    def filter(self, record) -> bool:
+        return "read only" not in str(record.msg)
+
+    def __eq__(self, other) -> bool:  # one filter however many readers (logging skips equal filters)
+        return isinstance(other, _ReadOnlyNote)
+
+    __hash__ = object.__hash__
 
 
 def latest_step(directory: str) -> int | None:

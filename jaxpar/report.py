@@ -10,7 +10,8 @@
     {"event": "summary", ...the run summary's numbers...}
 
 "loss" is that step's mean loss, "train_loss" the mean over the epoch so far, "samples_per_s" and "step_time_s"
-cover the steps since the previous record (the first, compiling step excluded). bench/plot.py reads these files.
+cover the steps since the previous record (compiling steps, evaluation and saves left out: see Clock).
+bench/plot.py reads these files.
 """
 from __future__ import annotations
 
@@ -46,32 +47,38 @@ def _plain(x: Any) -> Any:
 
 
 class Clock:
-    """Steps, samples and seconds, excluding the first (compiling) step; `window()` since the last call."""
+    """Steps, samples and seconds of training steps only. Not timed: the first step of each batch size (it
+    compiles: a strategy that does not pad compiles the last, smaller batch again) and, after `skip()`, the
+    time spent since the last step (evaluation, checkpoint saves). `window()` covers the steps since its
+    last call, `total()` the whole run."""
 
     def __init__(self):
-        self.t0 = self.t_mark = None
-        self.steps = self.samples = self.w_steps = self.w_samples = 0
+        self.mark, self.sizes = None, set()
+        self.steps = self.samples = self.seconds = 0
+        self.w_steps = self.w_samples = self.w_seconds = 0
 
     def tick(self, samples: float) -> None:
         """Call after a step whose results were read back (so its time is really spent)."""
         now = time.perf_counter()
-        if self.t0 is None:  # the first step compiles: time counts from its end
-            self.t0 = self.t_mark = now
-            return
-        self.steps, self.samples = self.steps + 1, self.samples + samples
-        self.w_steps, self.w_samples = self.w_steps + 1, self.w_samples + samples
+        if samples in self.sizes and self.mark is not None:
+            dt = now - self.mark
+            self.steps, self.samples, self.seconds = self.steps + 1, self.samples + samples, self.seconds + dt
+            self.w_steps, self.w_samples, self.w_seconds = self.w_steps + 1, self.w_samples + samples, self.w_seconds + dt
+        self.sizes.add(samples)
+        self.mark = now
+
+    def skip(self) -> None:
+        """Leave the time since the last step out (call after work that is not training)."""
+        self.mark = time.perf_counter()
 
     def window(self) -> dict[str, float]:
         """samples_per_s and step_time_s since the previous window (NaN before any timed step)."""
-        now = time.perf_counter()
-        dt = now - self.t_mark if self.t_mark is not None else 0.0
-        out = _rates(self.w_samples, self.w_steps, dt)
-        self.t_mark, self.w_steps, self.w_samples = now, 0, 0
+        out = _rates(self.w_samples, self.w_steps, self.w_seconds)
+        self.w_steps = self.w_samples = self.w_seconds = 0
         return out
 
     def total(self) -> dict[str, float]:
-        dt = time.perf_counter() - self.t0 if self.t0 is not None else 0.0
-        return _rates(self.samples, self.steps, dt)
+        return _rates(self.samples, self.steps, self.seconds)
 
 
 def _rates(samples: float, steps: int, dt: float) -> dict[str, float]:
@@ -102,24 +109,47 @@ def memory_rows(strategy_report: dict, devices: Iterable | None = None) -> list[
     return memory.memory_report(None if devices is None else list(devices))
 
 
+def _communication(r: dict) -> list[tuple[str, Any]]:
+    """Rows for the communication a strategy reports: modelled (cost model) and measured (compiled HLO)."""
+    rows = []
+    if "model_bytes_sent_per_device" in r:
+        rows.append(("comm/step, cost model", f"{_mib(r['model_bytes_sent_per_device'])} sent per device in "
+                     f"{r.get('model_steps_per_step', '?')} collective steps ({r.get('allreduce', '?')}, "
+                     f"{r.get('buckets', '?')} buckets)"))
+    if "hlo_bytes_sent_per_device" in r:
+        kinds = ", ".join(f"{n} {k}" for k, n in r.get("hlo_collectives", {}).items()) or "no collectives"
+        rows.append(("comm/step, compiled HLO", f"{_mib(r['hlo_bytes_sent_per_device'])} sent per device; {kinds}"))
+    if "bubble_fraction" in r:
+        rows.append(("pipeline bubble", f"{100 * r['bubble_fraction']:.1f} % of {r.get('ticks', '?')} ticks "
+                     f"({r.get('schedule', '?')})"))
+    return rows
+
+
+_SHOWN = {"memory", "devices", "processes", "model_bytes_sent_per_device", "model_steps_per_step", "hlo_bytes_sent_per_device",
+          "hlo_collectives", "bubble_fraction", "ticks"}
+
+
 def table(summary: dict, strategy_report: dict, mem: list[dict] | None = None) -> str:
-    """The --report table: one `name  value` row per line, memory one row per device, then the strategy's own
-    report entries (communication from the cost model and the compiled HLO, pipeline bubble, ...)."""
+    """The --report table: one `name  value` row per line. Run, throughput, memory per device (devices holding
+    nothing left out), communication per step (cost model and compiled HLO), pipeline bubble, then the rest of
+    the strategy's report."""
+    step_time = summary.get("step_time_s")
     rows = [("strategy", summary.get("strategy")), ("describe", summary.get("describe")),
-            ("devices", summary.get("devices")), ("processes", summary.get("processes")),
-            ("precision", summary.get("precision")), ("steps", summary.get("steps")),
-            ("samples/s", summary.get("samples_per_s")),
-            ("step time", f"{summary['step_time_s'] * 1e3:.2f} ms" if _num(summary.get("step_time_s")) else "-")]
+            ("devices", strategy_report.get("devices", summary.get("devices"))),
+            ("processes", summary.get("processes")), ("precision", summary.get("precision")),
+            ("steps", summary.get("steps")), ("samples/s", summary.get("samples_per_s")),
+            ("step time", f"{step_time * 1e3:.2f} ms" if _num(step_time) else "-")]
     for r in mem or []:
-        live = f"live {_mib(r.get('live_bytes'))}"
-        peak = f", allocator peak {_mib(r['peak_bytes'])}" if r.get("peak_bytes") is not None else ""
-        rows.append((f"memory {r['device']}", live + peak))
-    for k, v in strategy_report.items():
-        if k not in ("memory", "devices"):
-            rows.append((k.replace("_", " "), _value(v)))
+        if r.get("live_bytes") or r.get("peak_bytes"):
+            peak = f", allocator peak {_mib(r['peak_bytes'])}" if r.get("peak_bytes") is not None else ""
+            rows.append((f"memory {r['device']}", f"live {_mib(r.get('live_bytes'))}{peak}"))
+    rows += _communication(strategy_report)
+    rows += [(k.replace("_", " "), v) for k, v in strategy_report.items() if k not in _SHOWN]
+    rows = [(k, _value(v)) for k, v in rows]
     width = max(len(k) for k, _ in rows)
-    line = "-" * min(width + 2 + max(len(_value(v)) for _, v in rows), 100)
-    return "\n".join(["run report", line] + [f"{k:<{width}}  {_value(v)}" for k, v in rows] + [line])
+    line = "-" * min(width + 2 + max(len(v) for _, v in rows), 100)
+    indent = "\n" + " " * (width + 2)  # multi-line values (a bucket plan) stay in the value column
+    return "\n".join(["run report", line] + [f"{k:<{width}}  {v.replace(chr(10), indent)}" for k, v in rows] + [line])
 
 
 def _num(x) -> bool:

@@ -219,6 +219,7 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
                     stopped = signals.agreed()
                     if ckpt is not None and (stopped or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
                         save()
+                        clock.skip()
                     if stopped or step >= total_steps:
                         break
                 bar.close()
@@ -229,6 +230,7 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
                 if eval_set is not None:
                     params = strategy.unplace(placed).params
                     last.update(evaluate(eval_step, params, eval_set, cfg.eval_batch_size))
+                clock.skip()
                 writer.write({"event": "epoch", **last})
                 log(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in last.items()))
                 if epoch_done:

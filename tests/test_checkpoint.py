@@ -1,5 +1,6 @@
 """Stop and resume: a run stopped (SIGTERM, SIGINT, kill -9, even during a save) and resumed with --resume ends
 with parameters and optimizer state BIT-identical to the run that was never stopped."""
+import json
 import os
 import random
 import signal
@@ -161,19 +162,53 @@ def cli(npz: str, ckpt: str, *extra: str) -> list[str]:
             "--gamma", "0.5", "--log-every", "1", "--quiet", "--checkpoint-dir", ckpt, *extra]
 
 
-def test_sigterm_to_a_real_process_then_resume(npz, uninterrupted, tmp_path):
+PACED = """
+import sys, time
+from jaxpar import report
+_tick = report.Clock.tick
+def paced(self, samples):  # 0.2 s per step: a signal sent after step k arrives before the run is over
+    time.sleep(0.2)
+    _tick(self, samples)
+report.Clock.tick = paced
+import train
+train.main()
+"""
+
+
+@pytest.fixture(scope="module")
+def paced(tmp_path_factory) -> str:
+    """train.py with steps paced to 0.2 s (the tiny model would finish before a signal lands)."""
+    path = tmp_path_factory.mktemp("paced") / "paced_train.py"
+    path.write_text(PACED)
+    return str(path)
+
+
+def records(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        lines = f.read().split("\n")[:-1]  # a line still being written has no newline yet
+    return [json.loads(line) for line in lines]
+
+
+def wait_for(predicate, proc, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        assert proc.poll() is None, f"exited with {proc.returncode} before the signal: {proc.communicate()[0]}"
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_sigterm_to_a_real_process_then_resume(npz, paced, uninterrupted, tmp_path):
     """SIGTERM or SIGINT from outside at a random moment: exit status 0, then --resume ends bit-identical."""
     ckpt, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
     k = random.Random().randint(1, N_STEPS - 2)
     signum = random.choice([signal.SIGTERM, signal.SIGINT])
-    proc = subprocess.Popen(cli(npz, ckpt, "--metrics-out", metrics, "--checkpoint-every", "2"),
+    proc = subprocess.Popen([sys.executable, paced] + cli(npz, ckpt, "--metrics-out", metrics,
+                                                          "--checkpoint-every", "2")[2:],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 240
-    while time.time() < deadline and proc.poll() is None:
-        if os.path.exists(metrics) and f'"step": {k},' in open(metrics).read():
-            proc.send_signal(signum)
-            break
-        time.sleep(0.01)
+    wait_for(lambda: any(r.get("step", 0) >= k for r in records(metrics) if r["event"] == "step"), proc)
+    proc.send_signal(signum)
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out
     stop = checkpoint.latest_step(ckpt)
@@ -209,3 +244,64 @@ def test_kill_9_during_a_save_loses_nothing(npz, uninterrupted, tmp_path):
     assert resumed["resumed_from"] == 2
     assert_bit_identical(resumed["state"], uninterrupted("single"), "kill -9 during the save of step 4")
     assert not any("tmp" in d for d in os.listdir(ckpt))  # the next run cleaned the leftovers
+
+
+def worker(launcher_pid: int, rank: int) -> int:
+    """The pid of the launcher's child process with RANK=`rank`."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if ppid == launcher_pid and f"RANK={rank}".encode() in env:
+            return int(pid)
+    raise AssertionError(f"no rank {rank} child of {launcher_pid}")
+
+
+def test_two_processes_kill_9_restart_then_sigterm_then_resume(npz, paced, tmp_path):
+    """2 processes (DDP, 2 CPU devices each) under jaxpar.launch: kill -9 of rank 1 at a random step -> the
+    launcher restarts both with --resume; SIGTERM to rank 1 alone -> both agree on a step, save together, exit 0;
+    a last --resume finishes. The parameters are bit-identical to an uninterrupted 2-process run."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # --cpu-devices 2 per process instead
+
+    def launch(ckpt: str, *extra: str, restarts: int = 0) -> subprocess.Popen:
+        argv = [sys.executable, "-m", "jaxpar.launch", "--nproc-per-node", "2", "--max-restarts", str(restarts),
+                "--term-timeout", "2", paced] + cli(npz, ckpt, "--cpu-devices", "2", "--strategy", "ddp", *extra)[2:]
+        return subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def finish(proc: subprocess.Popen) -> str:
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out
+        return out
+
+    ref, ckpt, metrics = str(tmp_path / "ref"), str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
+    finish(launch(ref))
+    rng = random.Random()
+    k = rng.randint(3, 4)
+    proc = launch(ckpt, "--checkpoint-every", "2", "--metrics-out", metrics, restarts=1)
+    wait_for(lambda: any(r.get("step", 0) >= k for r in records(metrics) if r["event"] == "step"), proc)
+    os.kill(worker(proc.pid, 1), signal.SIGKILL)
+    starts = lambda: [r for r in records(metrics) if r["event"] == "start"]  # noqa: E731
+    wait_for(lambda: len(starts()) == 2, proc)  # the restarted group (rank 0 appends to the same file)
+    resumed = starts()[1]["step"]
+    assert 2 <= resumed <= k and resumed % 2 == 0, (k, resumed)
+    k2 = rng.randint(resumed + 1, N_STEPS - 1)
+    after = lambda: records(metrics)[records(metrics).index(starts()[1]):]  # noqa: E731
+    wait_for(lambda: any(r.get("step", 0) >= k2 for r in after() if r["event"] == "step"), proc)
+    os.kill(worker(proc.pid, 1), signal.SIGTERM)  # one process only: the other must stop at the same step
+    out = finish(proc)
+    stop = checkpoint.latest_step(ckpt)
+    assert "restarting all 2" in out and "SIGTERM at step" in out and k2 <= stop < N_STEPS, (k, k2, stop, out)
+    assert [r["step"] for r in records(metrics) if r["event"] == "stopped"] == [stop]
+    finish(launch(ckpt, "--resume"))
+
+    cfg = config(npz, "ddp")
+    template = _template(cfg)
+    info = checkpoint.run_info(cfg, template)
+    a, _ = checkpoint.Checkpointer(ref, info, resume=True).restore(template)
+    b, _ = checkpoint.Checkpointer(ckpt, info, resume=True).restore(template)
+    assert checkpoint.latest_step(ref) == checkpoint.latest_step(ckpt) == N_STEPS
+    assert_bit_identical(b, a, f"2 processes: kill -9 at {k}, resumed at {resumed}, SIGTERM at {stop}")

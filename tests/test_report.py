@@ -1,0 +1,88 @@
+"""What a run tells: --metrics-out JSON lines, the --report table, and bench/plot.py's PNGs from those files."""
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from jaxpar import report, trainer
+from jaxpar.config import Config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import plot  # noqa: E402  (bench/plot.py)
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two short runs (single, ddp) with --report and --metrics-out; 2 epochs of 3 steps, eval on x_test."""
+    root = tmp_path_factory.mktemp("report")
+    rng = np.random.default_rng(0)
+    x, xt = rng.normal(size=(48, 10)).astype(np.float32), rng.normal(size=(20, 10)).astype(np.float32)
+    np.savez(root / "d.npz", x=x, y=np.argmax(x[:, :3], -1), x_test=xt, y_test=np.argmax(xt[:, :3], -1))
+    out = {}
+    for strategy, kw in (("single", {}), ("ddp", {"num_devices": 4})):
+        path = str(root / f"{strategy}.jsonl")
+        cfg = Config(strategy=strategy, model="mlp", dataset="npz", data_path=str(root / "d.npz"), batch_size=16,
+                     epochs=2, optimizer="adam", log_every=2, quiet=True, report=True, metrics_out=path, **kw)
+        out[strategy] = (trainer.run(cfg), path)
+    out["root"] = str(root)
+    return out
+
+
+def read(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_metrics_out_records_every_log_step_and_epoch(runs):
+    summary, path = runs["single"]
+    recs = read(path)
+    assert [r["event"] for r in recs][0] == "start" and recs[-1]["event"] == "summary"
+    assert recs[0]["config"]["strategy"] == "single" and recs[0]["step"] == 0
+    steps = [r for r in recs if r["event"] == "step"]
+    assert [r["step"] for r in steps] == [2, 4, 6]  # --log-every 2 over 6 steps
+    for r in steps:
+        assert {"epoch", "loss", "train_loss", "samples_per_s", "step_time_s"} <= r.keys()
+        assert np.isfinite(r["loss"]) and r["train_loss"] > 0
+    assert np.isfinite(steps[-1]["samples_per_s"]) and steps[-1]["step_time_s"] > 0
+    epochs = [r for r in recs if r["event"] == "epoch"]
+    assert [(r["epoch"], r["step"]) for r in epochs] == [(0, 3), (1, 6)]
+    assert all(0 <= r["eval_accuracy"] <= 1 and np.isfinite(r["eval_loss"]) for r in epochs)
+    assert recs[-1]["eval_loss"] == pytest.approx(summary["eval_loss"]) and recs[-1]["steps"] == 6
+
+
+def test_report_table(runs, capsys):
+    summary, _ = runs["single"]
+    text = report.table(summary, summary["report"], summary["memory"])
+    for row in ("strategy", "devices", "samples/s", "step time", "memory cpu:0"):
+        assert row in text
+    assert "memory cpu:1" not in text  # devices holding nothing are left out
+    ddp, _ = runs["ddp"]
+    text = report.table(ddp, ddp["report"], ddp["memory"])
+    assert "comm/step, cost model" in text and "comm/step, compiled HLO" in text, text
+    assert "all-reduce" in text and "memory cpu:3" in text
+    pipe = report.table({"strategy": "pipeline", "steps": 3, "step_time_s": 0.01},
+                        {"devices": 4, "bubble_fraction": 0.25, "ticks": 12, "schedule": "1f1b"})
+    assert "pipeline bubble  25.0 % of 12 ticks (1f1b)" in pipe
+
+
+def test_plot_draws_every_chart(runs, tmp_path):
+    ar = tmp_path / "allreduce.jsonl"
+    ar.write_text("".join(json.dumps({"algorithm": a, "bytes": b, "busbw": bw}) + "\n"
+                          for a in ("psum", "ring") for b, bw in ((1 << 10, 0.1), (1 << 20, 2.0), (1 << 24, 3.5))))
+    out = str(tmp_path / "plots")
+    written = plot.main(["--out", out, runs["single"][1], runs["ddp"][1], "--allreduce", str(ar),
+                         "--schedule", "1f1b", "--stages", "4", "--micro-batches", "8"])
+    names = sorted(os.path.basename(p) for p in written)
+    assert names == ["allreduce_busbw.png", "loss.png", "pipeline_1f1b.png", "throughput.png"]
+    for p in written:
+        with open(p, "rb") as f:
+            assert f.read(8) == PNG and os.path.getsize(p) > 5000
+    assert plot.run_labels([runs["single"][1], runs["ddp"][1]]) == {runs["single"][1]: "single",
+                                                                    runs["ddp"][1]: "ddp"}
+    with pytest.raises(ValueError, match="no {'algorithm', 'bytes', 'busbw'} records"):
+        plot.plot_busbw([{"x": 1}], str(tmp_path / "x.png"))

@@ -1,0 +1,148 @@
+"""Bucket plans follow torch DDP's rule; one collective per bucket reaches the compiled HLO."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxpar import collectives as C
+from jaxpar import comm_cost as K
+from jaxpar.buckets import MiB, BucketPlan, flatten_bucket, plan_buckets, reduce_buckets, unflatten_bucket
+from jaxpar.mesh import DATA
+
+KiB = 1024
+
+
+def test_first_bucket_is_the_last_layers_and_closes_at_one_mib():
+    sizes = [300 * KiB] * 10  # forward order: leaf 9 is the last layer
+    plan = plan_buckets(sizes, bucket_cap_mb=2)
+    assert [list(b) for b in plan] == [[9, 8, 7, 6], [5, 4, 3, 2, 1, 0]]  # 1200 KiB >= 1 MiB closes bucket 0
+    assert [b.nbytes for b in plan.buckets] == [1200 * KiB, 1800 * KiB]  # the rest stays under 2 MiB: left over
+    assert plan.first_bucket_bytes == MiB and plan.bucket_cap_bytes == 2 * MiB
+    assert [b.limit for b in plan.buckets] == [MiB, 2 * MiB]
+
+
+def test_explicit_forward_order_is_reversed():
+    sizes = [600 * KiB, 600 * KiB, 10, 600 * KiB]
+    plan = plan_buckets(sizes, bucket_cap_mb=25, order=[3, 0, 2, 1])  # forward: 3, 0, 2, 1
+    assert list(plan) == [(1, 2, 0), (3,)]
+
+
+def test_a_leaf_is_never_split_and_a_cap_sized_leaf_opening_a_bucket_is_alone():
+    sizes = [5 * MiB, 100, 100, 30 * MiB, 100, 200 * KiB]
+    plan = plan_buckets(sizes, bucket_cap_mb=10)
+    assert list(plan) == [(5, 4, 3), (2, 1, 0)]  # torch: the leaf crossing the limit stays in its bucket
+    assert sorted(i for b in plan for i in b) == list(range(len(sizes)))
+    alone = plan_buckets([100, 30 * MiB, 2 * MiB], bucket_cap_mb=10)
+    assert list(alone) == [(2,), (1,), (0,)]  # 30 MiB opens a bucket: past the cap at once, closed alone
+
+
+def test_zero_or_tiny_cap_gives_one_leaf_per_bucket():
+    sizes = [10, 20, 0, 40]
+    for cap in (0, 1e-9):
+        assert list(plan_buckets(sizes, bucket_cap_mb=cap)) == [(3,), (2,), (1,), (0,)]
+
+
+def test_dtypes_are_bucketed_apart():
+    tree = {"a": jnp.zeros(100, jnp.float32), "b": jnp.zeros(100, jnp.bfloat16), "c": jnp.zeros(100, jnp.float32),
+            "d": jnp.zeros(100, jnp.bfloat16), "e": jnp.zeros(10, jnp.int32)}
+    plan = plan_buckets(tree, bucket_cap_mb=25)
+    assert {b.dtype: b.leaves for b in plan.buckets} == {"int32": (4,), "bfloat16": (3, 1), "float32": (2, 0)}
+    assert [b.dtype for b in plan.buckets] == ["int32", "bfloat16", "float32"]  # when each is complete
+    tiny = plan_buckets(tree, bucket_cap_mb=600 / MiB, first_bucket_mb=300 / MiB)  # each dtype: 300 B, then 600 B
+    assert list(tiny) == [(4,), (2,), (3, 1), (0,)]
+    for b in tiny.buckets:
+        assert len({np.dtype(tree["abcde"[i]].dtype).name for i in b.leaves}) == 1
+
+
+def test_plan_reads_names_from_tree_paths_and_prints_a_table():
+    params = {"features": [{"kernel": jnp.zeros((3, 3, 3, 8)), "bias": jnp.zeros(8)}],
+              "classifier": {"kernel": jnp.zeros((8, 10)), "bias": jnp.zeros(10)}}
+    plan = plan_buckets(params)
+    assert [i.name for i in plan.leaves] == ["classifier.bias", "classifier.kernel", "features.0.bias",
+                                             "features.0.kernel"]
+    assert plan.leaves[3].shape == (3, 3, 3, 8) and plan.leaves[3].nbytes == 3 * 3 * 3 * 8 * 4
+    text = str(plan)
+    assert "1 buckets, 4 leaves" in text and "features.0.kernel" in text and "KiB" in text
+    assert isinstance(plan, BucketPlan) and len(plan) == 1 and plan[0] == (3, 2, 1, 0)
+
+
+def test_bad_plans_name_the_fix():
+    with pytest.raises(ValueError, match="order="):
+        plan_buckets([1, 2, 3], order=[0, 1, 1])
+    with pytest.raises(ValueError, match="bucket_cap_mb=-1"):
+        plan_buckets([1, 2], bucket_cap_mb=-1)
+    with pytest.raises(ValueError, match="one dtype"):
+        flatten_bucket([jnp.zeros(2), jnp.zeros(2, jnp.int32)])
+    with pytest.raises(ValueError, match="buf.shape"):
+        unflatten_bucket(jnp.zeros(5), [(2,), (2,)])
+    with pytest.raises(ValueError, match="plan was made for 2 leaves"):
+        reduce_buckets([jnp.zeros(3)], plan_buckets([jnp.zeros(3), jnp.zeros(1)]), lambda b: b)
+
+
+def test_flatten_unflatten_round_trip():
+    leaves = [jnp.arange(6.0).reshape(2, 3), jnp.float32(7.0), jnp.arange(4.0).reshape(2, 1, 2), jnp.zeros(0)]
+    buf = flatten_bucket(leaves)
+    assert buf.shape == (11,)
+    back = unflatten_bucket(buf, [a.shape for a in leaves])
+    for a, b in zip(leaves, back):
+        assert a.shape == b.shape
+        np.testing.assert_array_equal(a, b)
+
+
+GRADS = {"w1": (300,), "b1": (5, 7), "k": (10,), "s": (), "w2": (1000,)}  # float32 except k: int32
+N = 4
+
+
+def per_device_grads():
+    rng = np.random.default_rng(1)
+    g = {k: rng.normal(size=(N, *s)).astype(np.float32) for k, s in GRADS.items()}
+    g["k"] = rng.integers(-9, 9, size=(N, 10)).astype(np.int32)
+    for v in g.values():
+        assert len({v[i].tobytes() for i in range(N)}) == N, "per-device gradients must differ"
+    return g
+
+
+def bucket_step(plan, algorithm):
+    def body(g):
+        g = jax.tree.map(lambda a: a[0], g)
+        out = reduce_buckets(g, plan, lambda flat: C.all_reduce(flat, DATA, algorithm))
+        return jax.tree.map(lambda a: a[None], out)
+
+    mesh = Mesh(np.array(jax.devices()[:N]), (DATA,))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(DATA), out_specs=P(DATA)))
+
+
+@pytest.mark.parametrize("algorithm", ["psum", "ring"])
+def test_one_collective_per_bucket_and_the_sums_are_right(algorithm):
+    grads = per_device_grads()
+    plan = plan_buckets(jax.tree.map(lambda a: a[0], grads), bucket_cap_mb=1300 / MiB, first_bucket_mb=1000 / MiB)
+    assert list(plan) == [(4,), (1,), (3, 2, 0)], str(plan)  # [w2], [k] (int32, complete first), [w1, s, b1]
+    step = bucket_step(plan, algorithm)
+    out = step(grads)
+    for k, v in grads.items():
+        want = np.broadcast_to(v.sum(0), v.shape)
+        if v.dtype == np.int32:
+            np.testing.assert_array_equal(out[k], want)
+        else:
+            np.testing.assert_allclose(out[k], want, rtol=1e-6, atol=1e-5)
+    lowered = step.lower(grads)
+    emitted = {"psum": "all-reduce", "ring": "collective-permute"}[algorithm]
+    per_bucket = 1 if algorithm == "psum" else 2 * (N - 1)
+    assert [c.kind for c in K.hlo_collectives(lowered)] == [emitted] * per_bucket * len(plan)
+    ran = K.hlo_collectives(lowered.compile())
+    if algorithm == "ring":  # XLA keeps every collective-permute
+        assert len(ran) == 2 * (N - 1) * len(plan)
+        assert sum(K.hlo_bytes_per_device(lowered.compile())) == N * sum(
+            K.comm_cost("ring", N, b.nbytes, itemsize=4).sent_per_device for b in plan.buckets)
+    else:  # XLA's all-reduce combiner may merge buckets into one op, but moves every bucket's buffer
+        assert {c.kind for c in ran} == {"all-reduce"} and len(ran) == len(plan)
+
+
+def test_one_leaf_per_bucket_is_one_collective_per_leaf():
+    grads = per_device_grads()
+    plan = plan_buckets(jax.tree.map(lambda a: a[0], grads), bucket_cap_mb=0)
+    assert len(plan) == len(GRADS)
+    lowered = bucket_step(plan, "psum").lower(grads)
+    assert len(K.hlo_collectives(lowered)) == len(GRADS)

@@ -1,0 +1,179 @@
+"""Every all-reduce algorithm equals psum and its numpy twin; the cost model matches the compiled HLO."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxpar import collectives as C
+from jaxpar import comm_cost as K
+from jaxpar.mesh import DATA
+
+
+def submesh(n):
+    return Mesh(np.array(jax.devices()[:n]), (DATA,))
+
+
+def per_device_inputs(n, shape, dtype, seed=0):
+    """xs[i] is device i's input; the rows must differ or an equivalence test could not fail."""
+    rng = np.random.default_rng(seed)
+    if np.dtype(dtype) == np.int32:
+        xs = rng.integers(-50, 50, size=(n, *shape)).astype(np.int32)
+    else:
+        xs = (rng.normal(size=(n, *shape)) * 3).astype(dtype)
+    assert len({xs[i].tobytes() for i in range(n)}) == n, "per-device inputs must differ"
+    return xs
+
+
+def run_all(xs, comm_dtype=None):
+    """Every algorithm x op on the stacked inputs, one compile; returns {(alg, op): per-device outputs}."""
+    def body(x):
+        x = x[0]
+        return {(a, op): C.all_reduce(x, DATA, a, op, comm_dtype)[None] for a in C.ALGORITHMS for op in C.OPS}
+
+    f = jax.jit(jax.shard_map(body, mesh=submesh(len(xs)), in_specs=P(DATA), out_specs=P(DATA)))
+    return {k: np.asarray(v) for k, v in f(xs).items()}
+
+
+CASES = [(n, shape, np.float32) for n in (1, 2, 3, 4, 8) for shape in [(), (7,), (2, 3, 4)]]
+CASES += [(n, (2, 3, 5), dt) for n in (3, 8) for dt in (np.int32, jnp.bfloat16)]
+
+
+@pytest.mark.parametrize("n,shape,dtype", CASES)
+def test_every_algorithm_equals_psum_and_its_twin(n, shape, dtype):
+    xs = per_device_inputs(n, shape, dtype)
+    out = run_all(xs)
+    exact_sum = xs.astype(np.float64).sum(0)
+    for (alg, op), got in out.items():
+        assert got.shape == (n, *shape)
+        assert (got == got[0]).all(), f"{alg} {op}: devices disagree"  # replicas must stay in lockstep
+        psum = out[("psum", op)]
+        assert got.dtype == psum.dtype, (alg, op)
+        ref = C.REFERENCES[alg](xs, op)
+        if np.dtype(dtype) == np.int32 and op == "sum":
+            np.testing.assert_array_equal(got, psum)
+            np.testing.assert_array_equal(got, ref)
+        elif np.dtype(dtype) == np.float32 or np.dtype(dtype) == np.int32:
+            np.testing.assert_allclose(got, psum, rtol=1e-6, atol=1e-5, err_msg=f"{alg} {op}")
+            if alg != "psum" and op == "sum":  # the twin adds in the device's order: bit for bit
+                np.testing.assert_array_equal(got, ref, err_msg=f"{alg} twin")
+            else:
+                np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-5, err_msg=f"{alg} twin")
+        else:  # bf16: N roundings of 2^-8 each
+            want = exact_sum / (n if op == "mean" else 1)
+            np.testing.assert_allclose(got.astype(np.float32), np.broadcast_to(want, got.shape), rtol=0.05, atol=0.3)
+            np.testing.assert_allclose(got.astype(np.float32), ref.astype(np.float32), rtol=0.02, atol=0.1)
+    if np.dtype(dtype) != np.int32:  # sum and mean really differ, and mean = sum / N
+        np.testing.assert_allclose(out[("ring", "mean")].astype(np.float32),
+                                   out[("ring", "sum")].astype(np.float32) / n, rtol=0.01, atol=1e-5)
+    if n > 1:
+        assert not np.allclose(out[("ring", "sum")], xs), "the all-reduce must change the inputs"
+
+
+def test_comm_dtype_follows_torch_bf16_compress_hook():
+    n = 4
+    xs = per_device_inputs(n, (7,), np.float32)
+    out = run_all(xs, comm_dtype=jnp.bfloat16)
+    bf = xs.astype(jnp.bfloat16)
+    for alg in C.ALGORITHMS:
+        s, m = out[(alg, "sum")], out[(alg, "mean")]
+        assert s.dtype == np.float32 and m.dtype == np.float32  # cast back to the input dtype
+        want_m = C.REFERENCES["ring" if alg == "psum" else alg](bf / n, "sum").astype(np.float32)  # divide first
+        np.testing.assert_allclose(m, want_m, rtol=0.02, atol=0.05)
+        np.testing.assert_allclose(s, xs.sum(0)[None].repeat(n, 0), rtol=0.05, atol=0.2)
+        assert not np.array_equal(s, xs.sum(0)[None].repeat(n, 0))  # bf16 rounding really happened
+
+
+def test_bad_arguments_name_the_fix():
+    with pytest.raises(ValueError, match="algorithm='tree'"):
+        C.all_reduce(jnp.ones(3), DATA, "tree")
+    with pytest.raises(ValueError, match="op='max'"):
+        C.all_reduce(jnp.ones(3), DATA, "ring", "max")
+    with pytest.raises(ValueError, match="no cost model"):
+        K.comm_cost("tree", 4, 100)
+
+
+def test_cost_model_numbers():
+    s = 1000
+    ring = K.comm_cost("ring", 8, s)
+    assert (ring.steps, ring.sent_per_device, ring.master_sent) == (14, 2 * 7 / 8 * s, 2 * 7 / 8 * s)
+    rb = K.comm_cost("reduce_broadcast", 8, s)
+    assert (rb.steps, rb.sent_per_device, rb.master_sent) == (14, s, 7 * s)
+    a2a = K.comm_cost("all_to_all", 8, s)
+    assert (a2a.steps, a2a.sent_per_device, a2a.master_sent) == (7, 7 * s, 7 * s)
+    ps = K.comm_cost("psum", 8, s)
+    assert ps.source == "xla" and ps.sent_per_device == ring.sent_per_device and ring.source == "model"
+    assert K.comm_cost("ring", 4, 7 * 4, itemsize=4).sent_per_device == 6 * 2 * 4  # 7 -> 4 chunks of 2 padded
+    assert K.comm_cost("ring", 1, s).sent_per_device == 0
+    assert K.bus_bandwidth(10.0, 8) == 10.0 * 14 / 8
+    assert ring.time(1e-3, 1e3) == pytest.approx(14e-3 + 1.75)
+
+
+def compiled(alg, n, size, dtype=jnp.float32):
+    f = jax.jit(jax.shard_map(lambda x: C.ALGORITHMS[alg](x, DATA), mesh=submesh(n), in_specs=P(DATA),
+                              out_specs=P(DATA)))
+    return f.lower(jax.ShapeDtypeStruct((n * size,), dtype)).compile()
+
+
+@pytest.mark.parametrize("n,size", [(4, 256), (4, 257), (8, 64), (8, 61)])
+def test_ring_sends_two_n_minus_one_over_n_of_the_buffer(n, size):
+    hlo = compiled("ring", n, size)
+    colls = K.hlo_collectives(hlo)
+    assert [c.kind for c in colls] == ["collective-permute"] * 2 * (n - 1)
+    want = K.comm_cost("ring", n, 4 * size, itemsize=4).sent_per_device
+    assert want == 2 * (n - 1) * 4 * -(-size // n)
+    if size % n == 0:
+        assert want == 2 * (n - 1) / n * 4 * size  # the lower bound, exactly
+    assert K.hlo_bytes_per_device(hlo) == [want] * n
+    assert K.hlo_bytes_per_device(hlo, direction="received") == [want] * n
+
+
+def test_other_algorithms_bytes_in_the_hlo():
+    n, size = 4, 100
+    s = 4 * size
+    rb = compiled("reduce_broadcast", n, size)
+    assert len(K.hlo_collectives(rb)) == 2 * (n - 1)
+    assert K.hlo_bytes_per_device(rb) == [(n - 1) * s] + [s] * (n - 1)  # the root is the bottleneck
+    assert K.hlo_bytes_per_device(rb, direction="received") == [(n - 1) * s] + [s] * (n - 1)
+    a2a = compiled("all_to_all", n, size)
+    assert len(K.hlo_collectives(a2a)) == n - 1
+    assert K.hlo_bytes_per_device(a2a) == [(n - 1) * s] * n
+    ps = K.hlo_collectives(compiled("psum", n, size))
+    assert [(c.kind, c.shape, c.dtype, c.nbytes) for c in ps] == [("all-reduce", (size,), "f32", s)]
+    assert K.hlo_bytes_per_device(compiled("psum", n, size)) == [2 * (n - 1) / n * s] * n
+
+
+def test_bf16_ring_moves_two_byte_words():
+    n, size = 4, 256
+    colls = K.hlo_collectives(compiled("ring", n, size, jnp.bfloat16))
+    assert {c.dtype for c in colls} == {"u16"}  # XLA:CPU would widen a bf16 ppermute to f32
+    assert sum(c.nbytes for c in colls) == 2 * (n - 1) * 2 * size // n
+
+
+ASYNC_HLO = """HloModule m, num_partitions=4
+ENTRY %e {
+  %cp-start = (f32[8]{0}, f32[8]{0}, u32[], u32[]) collective-permute-start(f32[8]{0} %p), channel_id=1, source_target_pairs={{0,1},{1,2},{2,3},{3,0}}
+  %cp-done = f32[8]{0} collective-permute-done((f32[8]{0}, f32[8]{0}, u32[], u32[]) %cp-start)
+  %ar-start = (f32[16]{0}, bf16[4]{0}) all-reduce-start(f32[16]{0} %a, bf16[4]{0} %b), replica_groups={{0,1,2,3}}, to_apply=%add
+  %ar-done = (f32[16]{0}, bf16[4]{0}) all-reduce-done((f32[16]{0}, bf16[4]{0}) %ar-start)
+  %ag-start = (f32[2]{0}, f32[4]{0}) all-gather-start(f32[2]{0} %c), replica_groups=[2,2]<=[4], dimensions={0}
+  %ag-done = f32[4]{0} all-gather-done((f32[2]{0}, f32[4]{0}) %ag-start)
+  ROOT %rs = f32[2]{0} reduce-scatter(f32[8]{0} %d), replica_groups={}, dimensions={0}, to_apply=%add
+}"""
+
+
+def test_hlo_parser_counts_async_pairs_once_and_splits_combined_ops():
+    colls = K.hlo_collectives(ASYNC_HLO)
+    assert [(c.name, c.kind, c.shape, c.dtype, c.nbytes) for c in colls] == [
+        ("cp-start", "collective-permute", (8,), "f32", 32),
+        ("ar-start", "all-reduce", (16,), "f32", 64),
+        ("ar-start", "all-reduce", (4,), "bf16", 8),
+        ("ag-start", "all-gather", (4,), "f32", 16),
+        ("rs", "reduce-scatter", (2,), "f32", 8),
+    ]
+    assert colls[0].pairs == ((0, 1), (1, 2), (2, 3), (3, 0))
+    assert colls[3].groups == ((0, 1), (2, 3))
+    assert K.hlo_num_devices(ASYNC_HLO) == 4
+    # permute 32 + all-reduce 2*3/4*72 + all-gather 1/2*16 + reduce-scatter 3*8
+    assert K.hlo_bytes_per_device(ASYNC_HLO) == [32 + 108 + 8 + 24] * 4

@@ -1,0 +1,179 @@
+"""DDP training throughput: jaxpar DDP per algorithm vs one device vs PyTorch DDP, same model, same global batch.
+
+    python bench/ddp.py                                  # ConvNet, 2 simulated CPU devices, global batch 128 and 256
+    python bench/ddp.py --devices 4 --batches 256 --steps 10 --algorithms psum,ring --no-torch
+
+jaxpar: the strategy's own step (put_batch once, then `steps` timed steps after 2 compiling/warm-up ones),
+samples/s = global batch x steps / seconds, best of --repeats (the machine is shared: the best run is the one
+least disturbed); samples/CPU-s divides by the CPU time of all the run's threads and processes instead, a
+measure of work that other load on the machine disturbs less. One device: jaxpar's single strategy, the same
+process and thread pool. PyTorch: torch's DistributedDataParallel over gloo, --devices processes x 1 thread
+(torch.multiprocessing spawn), the same ConvNet (PyTorch's examples/mnist Net), the same global batch split
+evenly, Adadelta, dropout on. Ratios are against the one-device run and against PyTorch DDP.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--devices", type=int, default=2, help="simulated CPU devices = torch processes (default 2)")
+    p.add_argument("--batches", default="128,256", help="global batch sizes, comma separated")
+    p.add_argument("--algorithms", default="psum,ring,reduce_broadcast,all_to_all", help="comma separated")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per run")
+    p.add_argument("--repeats", type=int, default=3, help="runs per configuration; the best counts")
+    p.add_argument("--torch", action=argparse.BooleanOptionalAction, default=True, help="also PyTorch DDP")
+    return p.parse_args(argv)
+
+
+# ---- PyTorch DDP: one spawned process per rank ---------------------------------------------------------------
+
+def _torch_net():
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class Net(nn.Module):  # pytorch/examples mnist/main.py
+        def __init__(self):
+            super().__init__()
+            self.conv1, self.conv2 = nn.Conv2d(1, 32, 3, 1), nn.Conv2d(32, 64, 3, 1)
+            self.dropout1, self.dropout2 = nn.Dropout(0.25), nn.Dropout(0.5)
+            self.fc1, self.fc2 = nn.Linear(9216, 128), nn.Linear(128, 10)
+
+        def forward(self, x):
+            x = F.max_pool2d(F.relu(self.conv2(F.relu(self.conv1(x)))), 2)
+            x = self.fc2(self.dropout2(F.relu(self.fc1(self.dropout1(x).flatten(1)))))
+            return F.log_softmax(x, dim=1)
+
+    return Net()
+
+
+def _torch_worker(rank: int, world: int, port: int, batch: int, steps: int, repeats: int, out) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(_torch_net())
+    opt = torch.optim.Adadelta(model.parameters(), lr=1.0)
+    x, y = torch.randn(batch // world, 1, 28, 28), torch.randint(0, 10, (batch // world,))
+
+    def step():
+        opt.zero_grad()
+        F.nll_loss(model(x), y).backward()
+        opt.step()
+
+    for _ in range(2):
+        step()
+    for _ in range(repeats):
+        dist.barrier()
+        t, cpu = time.perf_counter(), time.process_time()
+        for _ in range(steps):
+            step()
+        dist.barrier()
+        out.put((rank, time.perf_counter() - t, time.process_time() - cpu))
+    dist.destroy_process_group()
+
+
+def torch_ddp(world: int, batch: int, steps: int, repeats: int) -> tuple[float, float]:
+    """(samples/s, samples per CPU-second of all ranks), best of `repeats`."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    os.environ["OMP_NUM_THREADS"] = "1"
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    mp.start_processes(_torch_worker, args=(world, port, batch, steps, repeats, out), nprocs=world,
+                       start_method="spawn")
+    runs: dict[int, list] = {}
+    while not out.empty():
+        rank, wall, cpu = out.get()
+        runs.setdefault(rank, []).append((wall, cpu))
+    per_repeat = list(zip(*runs.values()))  # [(rank0 (wall, cpu), rank1 (wall, cpu)), ...]
+    return (max(batch * steps / max(w for w, _ in r) for r in per_repeat),
+            max(batch * steps / sum(c for _, c in r) for r in per_repeat))
+
+
+# ---- jaxpar ---------------------------------------------------------------------------------------------------
+
+def jaxpar_run(strategy, state, batch: dict, steps: int, repeats: int) -> tuple[float, float]:
+    """(samples/s, samples per CPU-second of the process), best of `repeats`."""
+    import jax
+
+    placed, pb = strategy.init(state), strategy.put_batch(batch)
+    for _ in range(2):
+        placed, metrics = strategy.step(placed, pb)
+    jax.block_until_ready((placed, metrics))
+    best = (0.0, 0.0)
+    for _ in range(repeats):
+        t, cpu = time.perf_counter(), time.process_time()
+        for _ in range(steps):
+            placed, metrics = strategy.step(placed, pb)
+        jax.block_until_ready((placed, metrics))
+        n = len(batch["y"]) * steps
+        best = (max(best[0], n / (time.perf_counter() - t)), max(best[1], n / (time.process_time() - cpu)))
+    return best
+
+
+def main(argv=None) -> None:
+    args = parse(argv)
+    from jaxpar.mesh import simulate_cpu_devices
+
+    simulate_cpu_devices(args.devices)
+    import jax
+    import numpy as np
+
+    import models
+    from jaxpar.config import Config
+    from jaxpar.strategy import get_builder
+    from jaxpar.trainer import make_tx
+
+    print(f"jax {jax.__version__} on {jax.device_count()} {jax.default_backend()} devices; os.cpu_count()="
+          f"{os.cpu_count()}; ConvNet, Adadelta, {args.steps} steps x best of {args.repeats}")
+    rows = []
+    for batch_size in [int(b) for b in args.batches.split(",")]:
+        rng = np.random.default_rng(0)
+        batch = {"x": rng.normal(size=(batch_size, 28, 28, 1)).astype(np.float32),
+                 "y": rng.integers(0, 10, batch_size).astype(np.int32), "idx": np.arange(batch_size, dtype=np.int32)}
+        base = Config(model="convnet", optimizer="adadelta", batch_size=batch_size, num_devices=args.devices, gamma=1.0)
+        configs = {"single": base} | {f"ddp {a}": base.replace(strategy="ddp", allreduce=a)
+                                      for a in args.algorithms.split(",")}
+        speed = {}
+        for name, cfg in configs.items():
+            model = models.get("convnet")
+            tx = make_tx(cfg, 100)
+            from jaxpar.step import init_state
+
+            _, state = init_state(model, tx, cfg.seed)
+            speed[name] = jaxpar_run(get_builder(cfg.strategy)(model, tx, cfg), state, batch, args.steps, args.repeats)
+            print(f"  batch {batch_size} {name}: {speed[name][0]:.0f} samples/s, {speed[name][1]:.0f} per CPU-s",
+                  flush=True)
+        if args.torch:
+            speed[f"torch DDP gloo {args.devices}x1"] = torch_ddp(args.devices, batch_size, args.steps, args.repeats)
+        rows.append((batch_size, speed))
+
+    torch_name = f"torch DDP gloo {args.devices}x1"
+    print(f"\n| global batch | run | samples/s | vs single | vs torch DDP | samples/CPU-s | vs single | vs torch DDP |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    for batch_size, speed in rows:
+        for name, v in speed.items():
+            label = name if name.startswith(("single", "torch")) else f"{name} ({args.devices} dev)"
+            cells = []
+            for k in (0, 1):
+                vs_torch = f"{v[k] / speed[torch_name][k]:.2f}x" if torch_name in speed else "-"
+                cells.append(f"{v[k]:.0f} | {v[k] / speed['single'][k]:.2f}x | {vs_torch}")
+            print(f"| {batch_size} | {label} | {' | '.join(cells)} |")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    main()

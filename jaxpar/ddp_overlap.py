@@ -1,0 +1,157 @@
+"""Gradient buckets reduced from inside the backward pass (torch DDP's autograd hooks), and the proof in the HLO.
+
+Roughly, for a bucket plan [b0, b1, ...] (b0 holds the last layers' leaves and is reduced first):
+    forward:   p[b], tok = hook(p[b], acc[b], tok)   for b in reversed(plan), before the model uses p
+    backward:  hook's bwd:  flat = concat(ct[b] + acc[b]) + tok';  flat = all_reduce(flat);  ct[b] = split(flat)
+so bucket b's collective depends only on its own gradients and can run while earlier layers' gradients are
+still being computed. `tok` is an exact 0.0 that carries a data dependency from one bucket's reduced buffer
+to the next one's input: the reductions stay one collective per bucket, issued in plan order (torch's single
+communication stream); without it XLA's all-reduce combiner merges independent reductions into one.
+"""
+from __future__ import annotations
+
+import re
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.buckets import flatten_bucket, reduce_buckets, unflatten_bucket
+
+Reduce = Callable[[jax.Array], jax.Array]  # flat bucket buffer -> its sum over the data axis
+Plan = Sequence[Sequence[int]]  # buckets of leaf indices (into jax.tree.leaves(params)), in reduction order
+
+
+def forward_leaf_order(model: nnx.Module) -> list[int]:
+    """Indices of `jax.tree.leaves(nnx.split(model)[1])` in the order the forward pass first uses them.
+
+    The order comes from the model's `layers` sequence (models.as_layers): each layer's leaves, layer by
+    layer. Leaves that no layer in `layers` holds, and every leaf of a model without `layers`, follow in
+    flatten (path-sorted) order, which is not the forward order in general (AlexNet's `classifier` sorts
+    before `features`).
+    """
+    _, state = nnx.split(model)
+    paths = [_path_of(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    where = {id(node): path for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Module)}
+    order: list[int] = []
+    for layer in getattr(model, "layers", None) or ():
+        prefix = where.get(id(layer))
+        if prefix is None:  # a parameter-free layer built on the fly (ReLU(), Flatten())
+            continue
+        order += [i for i, p in enumerate(paths) if p[:len(prefix)] == tuple(prefix) and i not in order]
+    return order + [i for i in range(len(paths)) if i not in order]
+
+
+def leaf_names(params) -> list[str]:
+    """'conv1.kernel'-style names of the leaves of an nnx.State, in flatten order (for plans and reports)."""
+    return [".".join(map(str, _path_of(p))) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+
+
+def _path_of(keypath) -> tuple:
+    keys = []
+    for k in keypath:
+        name = getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))
+        keys.append(name)
+    return tuple(keys[:-1] if keys and keys[-1] == "value" else keys)  # drop the Variable's `.value`
+
+
+def zero_after(*xs: jax.Array) -> jax.Array:
+    """An exact float32 0.0 that XLA cannot compute before every x exists (nothing compares > inf, not even NaN)."""
+    firsts = [x.reshape(-1)[:1].astype(jnp.float32) for x in xs if x.size]
+    if not firsts:
+        return jnp.zeros((), jnp.float32)
+    return jnp.where(jnp.concatenate(firsts).max() > jnp.inf, 1.0, 0.0).astype(jnp.float32)
+
+
+def reduce_bucket(leaves: Sequence[jax.Array], token: jax.Array, reduce: Reduce):
+    """(reduced leaves, next token): the bucket flattened into one buffer, one collective, split back."""
+    flat = reduce(flatten_bucket(leaves) + token.astype(leaves[0].dtype))
+    return unflatten_bucket(flat, [g.shape for g in leaves]), zero_after(flat)
+
+
+def reduce_after_backward(grads: list[jax.Array], plan: Plan, reduce: Reduce) -> list[jax.Array]:
+    """Overlap off: every bucket reduced, in plan order, only once ALL local gradients exist."""
+    token = [zero_after(*grads)]
+
+    def chained(flat: jax.Array) -> jax.Array:  # buckets.reduce_buckets calls it once per bucket, in order
+        out = reduce(flat + token[0].astype(flat.dtype))
+        token[0] = zero_after(out)
+        return out
+
+    return reduce_buckets(list(grads), plan, chained)
+
+
+def _bucket_hook(reduce: Reduce):
+    """identity(leaves, acc, token) whose backward reduces (cotangent + acc) with one collective."""
+
+    @jax.custom_vjp
+    def hook(leaves, acc, token):
+        return leaves, token
+
+    def fwd(leaves, acc, token):
+        return (leaves, token), acc
+
+    def bwd(acc, cts):
+        ct_leaves, ct_token = cts
+        if acc is not None:  # micro-steps before the last one: their local sums join this reduction
+            ct_leaves = [c + a for c, a in zip(ct_leaves, acc)]
+        reduced, token = reduce_bucket(ct_leaves, ct_token, reduce)
+        return reduced, jax.tree.map(jnp.zeros_like, acc), token
+
+    hook.defvjp(fwd, bwd)
+    return hook
+
+
+def hook_buckets(leaves: list[jax.Array], plan: Plan, reduce: Reduce, acc: list[jax.Array] | None = None):
+    """`leaves` with each bucket wrapped in its reduction hook; the gradient w.r.t. them is reduced in place.
+
+    Applied in forward order (the last bucket first), so the backward meets the first bucket first and the
+    token chain orders the reductions b0, b1, ...
+    """
+    hook = _bucket_hook(reduce)
+    out, token = list(leaves), jnp.zeros((), jnp.float32)
+    for bucket in reversed(plan):
+        part_acc = None if acc is None else [acc[i] for i in bucket]
+        wrapped, token = hook([leaves[i] for i in bucket], part_acc, token)
+        for i, w in zip(bucket, wrapped):
+            out[i] = w
+    return out
+
+
+# ---- reading the compiled schedule -------------------------------------------------------------------------
+
+COLLECTIVES = ("all-reduce", "collective-permute", "all-to-all", "all-gather", "reduce-scatter")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
+
+
+def entry_schedule(hlo_text: str) -> list[tuple[str, str, str]]:
+    """(name, opcode, result shape) of the entry computation's instructions in scheduled order.
+
+    `hlo_text` is `jitted.lower(...).compile().as_text()`: the module after scheduling, whose entry
+    computation lists instructions in the order they are issued.
+    """
+    lines = hlo_text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("ENTRY")), None)
+    if start is None:
+        raise ValueError("hlo_text has no ENTRY computation; pass compiled.as_text() of a jitted function.")
+    out = []
+    for line in lines[start + 1:]:
+        if line.startswith("}"):
+            break
+        m = _INSTR.match(line)
+        if m:
+            name, shape, opcode = m.group(1), m.group(2), m.group(3)
+            out.append((name, opcode.removesuffix("-start"), shape))
+    return out
+
+
+def collective_positions(schedule: list[tuple[str, str, str]], kinds: Sequence[str] = COLLECTIVES) -> list[int]:
+    """Positions in `schedule` of the collective instructions (async *-start counts, *-done does not)."""
+    return [i for i, (_, op, _) in enumerate(schedule) if op in kinds]
+
+
+def producer_positions(schedule: list[tuple[str, str, str]], shape: str,
+                       opcodes: Sequence[str] = ("dot", "convolution", "fusion", "custom-call")) -> list[int]:
+    """Positions of compute instructions whose result shape is `shape` (e.g. 'f32[16,32]': a weight gradient)."""
+    return [i for i, (_, op, s) in enumerate(schedule) if op in opcodes and s.split("{")[0] == shape]

@@ -1,0 +1,86 @@
+"""Joining a multi-process run with jax.distributed: JAX's own settings, torchrun's environment, or a cluster's.
+
+Where the settings come from, first match wins:
+
+    JAX_COORDINATOR_ADDRESS (+ JAX_NUM_PROCESSES, JAX_PROCESS_ID)   JAX's own variables
+    MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK (LOCAL_RANK)          torchrun / jaxpar.launch;
+                                                                     RANK = node_rank * nproc_per_node + local_rank
+    Slurm (srun), Open MPI (mpirun), Kubernetes indexed jobs         jax.distributed.initialize()'s own detection
+
+and nothing at all (or a world of one) is a single process: no-op. The coordinator is JAX's (gRPC); the
+collectives are XLA's: gloo or MPI on CPU (set before the backend starts), NCCL on GPUs.
+"""
+from __future__ import annotations
+
+import os
+from typing import Mapping, NamedTuple
+
+CPU_COLLECTIVES = ("gloo", "mpi")
+
+
+class Rendezvous(NamedTuple):
+    """How this process joins: `source` names where it came from; None fields are left to JAX to detect."""
+
+    source: str  # "jax" | "torch" | "slurm" | "ompi" | "k8s"
+    coordinator: str | None = None  # host:port of process 0's coordinator
+    num_processes: int | None = None
+    process_id: int | None = None
+
+
+def _int(env: Mapping[str, str], name: str) -> int:
+    try:
+        return int(env[name])
+    except ValueError:
+        raise ValueError(f"{name}={env[name]!r} must be an integer; fix the launcher's environment.") from None
+
+
+def detect(env: Mapping[str, str] | None = None) -> Rendezvous | None:
+    """The rendezvous `env` describes, or None for a single process."""
+    env = os.environ if env is None else env
+    if env.get("JAX_COORDINATOR_ADDRESS"):
+        n = _int(env, "JAX_NUM_PROCESSES") if "JAX_NUM_PROCESSES" in env else None
+        pid = _int(env, "JAX_PROCESS_ID") if "JAX_PROCESS_ID" in env else None
+        return None if n == 1 else Rendezvous("jax", env["JAX_COORDINATOR_ADDRESS"], n, pid)
+    if "WORLD_SIZE" in env and ("RANK" in env or "LOCAL_RANK" in env):
+        world = _int(env, "WORLD_SIZE")
+        if world <= 1:
+            return None
+        if "RANK" in env:
+            rank = _int(env, "RANK")
+        else:  # rank = node_rank * nproc_per_node + local_rank
+            node_key = "GROUP_RANK" if "GROUP_RANK" in env else "NODE_RANK"
+            node = _int(env, node_key) if node_key in env else 0
+            rank = _int(env, "LOCAL_RANK") + (node * _int(env, "LOCAL_WORLD_SIZE") if node else 0)
+        if not 0 <= rank < world:
+            raise ValueError(f"RANK={rank} must be in [0, WORLD_SIZE={world}); fix the launcher's environment.")
+        for name in ("MASTER_ADDR", "MASTER_PORT"):
+            if not env.get(name):
+                raise ValueError(f"WORLD_SIZE={world} needs {name} (process 0's address and port); set it or "
+                                 "start the processes with python -m jaxpar.launch.")
+        return Rendezvous("torch", f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}", world, rank)
+    if "SLURM_JOB_ID" in env and "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        return Rendezvous("slurm")
+    if "OMPI_MCA_orte_hnp_uri" in env and int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
+        return Rendezvous("ompi")
+    if "KUBERNETES_SERVICE_HOST" in env and "JOB_COMPLETION_INDEX" in env:  # an indexed Job, as JAX expects
+        return Rendezvous("k8s")
+    return None
+
+
+def initialize(cfg=None, env: Mapping[str, str] | None = None) -> Rendezvous | None:
+    """Join the run the environment describes (before JAX's backend starts); returns how, or None if alone.
+
+    `cfg.cpu_collectives` (gloo | mpi) picks XLA:CPU's cross-process collectives. Calling it again is a no-op.
+    """
+    import jax
+
+    rdv = detect(env)
+    if rdv is None or jax.distributed.is_initialized():
+        return rdv
+    collectives = getattr(cfg, "cpu_collectives", None) or "gloo"
+    if collectives not in CPU_COLLECTIVES:
+        raise ValueError(f"cpu_collectives={collectives!r} is not known; use one of {', '.join(CPU_COLLECTIVES)}.")
+    jax.config.update("jax_cpu_collectives_implementation", collectives)
+    jax.distributed.initialize(coordinator_address=rdv.coordinator, num_processes=rdv.num_processes,
+                               process_id=rdv.process_id)
+    return rdv

@@ -1,0 +1,252 @@
+"""DistributedDataParallel equals the single-device reference step, whatever the algorithm, devices, buckets,
+overlap, front end, accumulation; the compiled HLO has one reduction per bucket, issued inside the backward.
+
+The problem: a tiny 3-layer MLP with dropout (per-sample keys), SGD with momentum, 5 steps of a 16-sample global batch
+whose last batch has 13 samples (padded with w = 0 rows: on 8 devices, whole devices hold padding only).
+"""
+from __future__ import annotations
+
+import itertools
+import os
+
+import numpy as np
+import pytest
+
+SIZES = (16, 16, 16, 16, 13)
+ALGORITHMS = ("psum", "ring", "reduce_broadcast", "all_to_all")
+DEVICES = (1, 2, 4, 8)
+CAPS = (0.0, 25.0)  # one leaf per bucket; torch's default 25 MB (one bucket for this model)
+
+
+def problem():
+    """(graphdef, tx, state, global batches), seeded: the same in every process (test_multiprocess uses it)."""
+    import optax
+    from flax import nnx
+
+    from jaxpar.step import init_state
+    from models.layers import Dropout, Linear, ReLU
+    from models.nets import Layered
+
+    class Tiny(Layered):
+        def __init__(self, rngs):
+            self.fc1, self.drop, self.fc2 = Linear(12, 20, rngs=rngs), Dropout(0.3, salt=1), Linear(20, 16, rngs=rngs)
+            self.fc3 = Linear(16, 10, rngs=rngs)
+
+        @property
+        def layers(self):
+            return (self.fc1, ReLU(), self.drop, self.fc2, ReLU(), self.fc3)
+
+    tx = optax.sgd(0.1, momentum=0.9)
+    graphdef, state = init_state(Tiny(nnx.Rngs(0)), tx, seed=0)
+    rng, batches, start = np.random.default_rng(0), [], 0
+    for n in SIZES:
+        batches.append({"x": rng.normal(size=(n, 12)).astype(np.float32), "y": rng.integers(0, 10, n).astype(np.int32),
+                        "idx": np.arange(start, start + n, dtype=np.int32)})
+        start += n
+    return graphdef, tx, state, batches
+
+
+def leaves(tree):
+    import jax
+
+    return [np.asarray(a) for a in jax.tree.leaves(tree)]
+
+
+def run_ddp(n: int, rows: slice = slice(None), **options):
+    """(DDP instance, placed state) after the steps on `n` devices, feeding `rows` of each global batch."""
+    from jaxpar.ddp import DistributedDataParallel
+    from jaxpar.mesh import make_mesh
+
+    graphdef, tx, state, batches = problem()
+    ddp = DistributedDataParallel(graphdef, tx, make_mesh(n), batch_size=max(SIZES), **options)
+    placed = ddp.init(state)
+    for b in batches:
+        placed, metrics = ddp.step(placed, ddp.put_batch({k: v[rows] for k, v in b.items()}))
+    assert float(metrics["count"]) == SIZES[-1]  # padding rows never count
+    return ddp, placed
+
+
+def assert_per_device_gradients_differ():
+    """The premise: each device's local gradient (of its own rows) differs, so only the reduction agrees them."""
+    import jax
+
+    from jaxpar.step import grad_of_sum
+
+    graphdef, _, state, batches = problem()
+    local_grad = jax.jit(lambda b: grad_of_sum(graphdef, state.params, b, state.key, state.step)[1])
+    grads = [leaves(local_grad({k: v[i * 4:(i + 1) * 4] for k, v in batches[0].items()})) for i in range(4)]
+    for g, h in itertools.combinations(grads, 2):
+        assert max(np.abs(a - b).max() for a, b in zip(g, h)) > 1e-3
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Parameters after the reference steps, once the premises hold: per-device gradients differ, and the
+    parameters really move."""
+    from jaxpar.step import make_train_step
+
+    assert_per_device_gradients_differ()
+    graphdef, tx, state, batches = problem()
+    init = leaves(state.params)
+    step = make_train_step(graphdef, tx)
+    for b in batches:
+        state, _ = step(state, b)
+    out = leaves(state.params)
+    assert max(np.abs(a - b).max() for a, b in zip(out, init)) > 1e-2
+    return out
+
+
+def assert_replicas_identical(placed, spmd: str):
+    """Every device holds the same parameters, bit for bit."""
+    import jax
+
+    for a in jax.tree.leaves(placed.params):
+        shards = [np.asarray(s.data) for s in a.addressable_shards]
+        if spmd == "pmap":
+            shards = list(shards[0]) if len(shards) == 1 else [s.reshape(s.shape[1:]) for s in shards]
+        for s in shards[1:]:
+            np.testing.assert_array_equal(shards[0], s)
+
+
+def _pairwise_configs():
+    """16 runs covering every (algorithm, N) pair and every pair of any two factors (strength-2 covering array).
+
+    JAXPAR_FULL_MATRIX=1 runs the whole cross product (128 compiles: minutes on a laptop core).
+    """
+    if os.environ.get("JAXPAR_FULL_MATRIX"):
+        return list(itertools.product(ALGORITHMS, DEVICES, CAPS, (True, False), ("shard_map", "pmap")))
+    return [(ALGORITHMS[a], DEVICES[n], CAPS[(a ^ n) & 1], not ((a >> 1) ^ (n >> 1)) & 1,
+             ("shard_map", "pmap")[((a & 1) ^ (n >> 1) ^ (a >> 1)) & 1]) for a in range(4) for n in range(4)]
+
+
+@pytest.mark.parametrize("allreduce, n, cap, overlap, spmd", _pairwise_configs())
+def test_ddp_equals_reference(reference, allreduce, n, cap, overlap, spmd):
+    ddp, placed = run_ddp(n, allreduce=allreduce, bucket_cap_mb=cap, overlap=overlap, spmd=spmd)
+    assert_replicas_identical(placed, spmd)
+    for a, b in zip(leaves(ddp.unplace(placed).params), reference):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert len(ddp.plan) == (6 if cap == 0 else 1)
+
+
+@pytest.mark.parametrize("n, overlap, allreduce", [(2, True, "ring"), (4, False, "psum")])
+def test_grad_accumulation_equals_one_big_step(reference, n, overlap, allreduce):
+    """K=2 micro-steps per device (no_sync, one reduction) == the reference step on the whole global batch."""
+    ddp, placed = run_ddp(n, allreduce=allreduce, bucket_cap_mb=0, overlap=overlap, grad_accum=2)
+    assert ddp.put_batch(problem()[3][-1])["w"].shape == (16,)  # 13 rows padded to a multiple of n * K
+    for a, b in zip(leaves(ddp.unplace(placed).params), reference):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_communication_is_close_but_compressed(reference):
+    ddp, placed = run_ddp(4, allreduce="ring", bucket_cap_mb=0, grad_comm_dtype="bf16")
+    assert_replicas_identical(placed, "shard_map")
+    got = leaves(ddp.unplace(placed).params)
+    assert max(np.abs(a - b).max() for a, b in zip(got, reference)) > 1e-6  # really sent in bf16
+    for a, b in zip(got, reference):
+        np.testing.assert_allclose(a, b, rtol=0, atol=5e-3)
+
+
+def test_put_batch_pads_with_zero_weight_rows():
+    from jaxpar.ddp import DistributedDataParallel
+    from jaxpar.mesh import make_mesh
+
+    graphdef, tx, _, batches = problem()
+    ddp = DistributedDataParallel(graphdef, tx, make_mesh(4))  # no batch_size: pad to a multiple of 4
+    pb = ddp.put_batch(batches[-1])
+    w = np.asarray(pb["w"])
+    assert w.shape == (16,) and w.sum() == 13 and not w[13:].any()
+    assert pb["x"].sharding.spec[0] == "data" and not np.asarray(pb["x"])[13:].any()
+
+
+def _schedule(**options):
+    """(bucket plan, entry schedule, HLO text) of the compiled step on 4 devices, one leaf per bucket."""
+    from jaxpar import ddp_overlap
+
+    ddp, placed = run_ddp(4, bucket_cap_mb=0, **options)
+    text = ddp.hlo(placed)
+    return ddp.plan, ddp_overlap.entry_schedule(text), text
+
+
+@pytest.mark.parametrize("allreduce", ["psum", "ring"])
+def test_hlo_one_reduction_per_bucket_inside_the_backward(allreduce):
+    """Overlap on: each bucket is one reduction (psum: one all-reduce; ring: 2(N-1) collective-permutes), plus
+    the metrics' all-reduce; the first is issued before the first layer's weight gradient (the backward's last
+    one) is computed."""
+    from jaxpar.comm_cost import comm_cost, hlo_bytes_per_device
+    from jaxpar.ddp_overlap import collective_positions, producer_positions
+
+    plan, schedule, text = _schedule(allreduce=allreduce, overlap=True)
+    reduce_ops = collective_positions(schedule, ["all-reduce"])
+    permutes = collective_positions(schedule, ["collective-permute"])
+    if allreduce == "psum":
+        assert len(reduce_ops) == len(plan) + 1 and not permutes
+    else:
+        assert len(permutes) == len(plan) * 2 * (4 - 1) and len(reduce_ops) == 1
+        # the ring moves exactly 2(N-1)/N x S per device (chunks padded to N | size), plus the metrics' psum
+        modelled = sum(comm_cost("ring", 4, b.nbytes, 4).sent_per_device for b in plan.buckets)
+        assert hlo_bytes_per_device(text, 4) == [modelled + 2 * 3 / 4 * 12] * 4
+    first_layer_grad = producer_positions(schedule, "f32[12,20]")[0]  # fc1.kernel's gradient
+    assert min(reduce_ops + permutes) < first_layer_grad
+
+
+def test_hlo_no_overlap_reduces_after_the_backward():
+    from jaxpar.ddp_overlap import collective_positions, producer_positions
+
+    plan, schedule, _ = _schedule(allreduce="psum", overlap=False)
+    reduce_ops = collective_positions(schedule)
+    assert len(reduce_ops) == len(plan) + 1
+    assert min(reduce_ops) > producer_positions(schedule, "f32[12,20]")[0]
+
+
+def test_forward_leaf_order_follows_layers_not_names():
+    """Buckets follow the forward pass (`layers`), not the path-sorted flatten order."""
+    import jax
+    from flax import nnx
+
+    from jaxpar.ddp import bucket_plan
+    from jaxpar.ddp_overlap import forward_leaf_order, leaf_names
+    from models.layers import Linear, ReLU
+    from models.nets import Layered
+
+    class Backwards(Layered):  # 'z_in' sorts after 'a_out' but runs first
+        def __init__(self, rngs):
+            self.z_in, self.a_out = Linear(3, 4, rngs=rngs), Linear(4, 2, rngs=rngs)
+
+        @property
+        def layers(self):
+            return (self.z_in, ReLU(), self.a_out)
+
+    model = Backwards(nnx.Rngs(0))
+    names = leaf_names(nnx.split(model)[1])
+    order = forward_leaf_order(model)
+    assert [names[i] for i in order] == ["z_in.bias", "z_in.kernel", "a_out.bias", "a_out.kernel"]
+    plan = bucket_plan(nnx.split(model)[1], 0, order)
+    assert [names[b[0]] for b in plan] == ["a_out.kernel", "a_out.bias", "z_in.kernel", "z_in.bias"]
+    assert len(jax.tree.leaves(nnx.split(model)[1])) == 4
+
+
+def test_bad_options_name_the_fix():
+    from jaxpar.ddp import DistributedDataParallel
+
+    graphdef, tx, _, _ = problem()
+    with pytest.raises(ValueError, match="allreduce='tree' is not known; use one of psum"):
+        DistributedDataParallel(graphdef, tx, allreduce="tree")
+    with pytest.raises(ValueError, match="grad_accum=0 must be >= 1"):
+        DistributedDataParallel(graphdef, tx, grad_accum=0)
+    with pytest.raises(ValueError, match="spmd='xmap' is not known"):
+        DistributedDataParallel(graphdef, tx, spmd="xmap")
+
+
+def test_build_from_config():
+    import optax
+    from flax import nnx
+
+    import models
+    from jaxpar.config import Config
+    from jaxpar.strategy import get_builder
+
+    model = models.get("mlp", in_features=12, hidden_dim=8, out_features=10)
+    cfg = Config(strategy="ddp", num_devices=2, allreduce="ring", bucket_cap_mb=0, overlap=False, batch_size=6)
+    ddp = get_builder("ddp")(model, optax.sgd(0.1), cfg)
+    assert (ddp.mesh.size, ddp.allreduce, ddp.overlap, ddp.share) == (2, "ring", False, 6)
+    assert ddp.leaf_order == [0, 1, 2, 3]  # layers/0 then layers/2

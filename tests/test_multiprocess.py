@@ -1,0 +1,189 @@
+"""DDP across processes: 2 processes x 2 CPU devices (gloo) == 1 process x 4 devices == one device; a dead rank
+stops jaxpar.launch within seconds; the rendezvous environment is read as torchrun / JAX / clusters write it.
+
+This file is also the worker the launched processes run: `python tests/test_multiprocess.py train OUT` (5 DDP
+steps on this process's rows, parameters to OUT.rank<r>.npz) or `... hang` (join, then wait in collectives).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from test_ddp import SIZES, problem  # the tiny seeded problem; last batch 13 = 7 + 6 rows on two processes
+
+ROOT = Path(__file__).resolve().parents[1]
+SPMD = ("shard_map", "pmap")
+
+
+def run_ddp(mesh, rank: int = 0, nproc: int = 1, spmd: str = "shard_map"):
+    """Parameter leaves after the DDP steps, this process feeding rows rank::nproc (DistributedSampler's)."""
+    import jax
+
+    from jaxpar.ddp import DistributedDataParallel
+
+    graphdef, tx, state, batches = problem()
+    ddp = DistributedDataParallel(graphdef, tx, mesh, allreduce="ring", bucket_cap_mb=0, spmd=spmd,
+                                  batch_size=max(SIZES))
+    placed = ddp.init(state)
+    for b in batches:
+        placed, _ = ddp.step(placed, ddp.put_batch({k: v[rank::nproc] for k, v in b.items()}))
+    return [np.asarray(a) for a in jax.tree.leaves(ddp.unplace(placed).params)]
+
+
+def worker(mode: str, out: str | None = None) -> None:
+    from jaxpar import distributed
+    from jaxpar.mesh import make_mesh, simulate_cpu_devices
+
+    simulate_cpu_devices(2)
+    distributed.initialize()
+    import jax
+
+    rank, nproc = jax.process_index(), jax.process_count()
+    print(f"pid={os.getpid()} process {rank}/{nproc} devices={jax.device_count()}", flush=True)
+    if mode == "hang":  # wait in collectives until killed
+        import jax.numpy as jnp
+        from jax.experimental import multihost_utils
+
+        while True:
+            multihost_utils.process_allgather(jnp.ones(4))
+            time.sleep(0.2)
+    for spmd in SPMD:
+        np.savez(f"{out}.{spmd}.rank{rank}.npz", *run_ddp(make_mesh(), rank, nproc, spmd))
+
+
+def launch(script: str, *args: str) -> subprocess.Popen:
+    """python -m jaxpar.launch --nproc-per-node 2 script args..., output (both streams) piped."""
+    cmd = [sys.executable, "-m", "jaxpar.launch", "--nproc-per-node", "2", "--term-timeout", "3", script, *args]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def reference_leaves():
+    import jax
+
+    from jaxpar.step import make_train_step
+
+    graphdef, tx, state, batches = problem()
+    step = make_train_step(graphdef, tx)
+    for b in batches:
+        state, _ = step(state, b)
+    return [np.asarray(a) for a in jax.tree.leaves(state.params)]
+
+
+def test_two_processes_equal_one_process_and_one_device(tmp_path):
+    import jax
+
+    from jaxpar.mesh import make_mesh
+
+    proc = launch(__file__, "train", str(tmp_path / "params"))  # both front ends, one launch
+    ref = reference_leaves()  # meanwhile, in this process
+    init = [np.asarray(a) for a in jax.tree.leaves(problem()[2].params)]
+    assert max(np.abs(a - b).max() for a, b in zip(ref, init)) > 1e-2  # training moves the parameters
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    assert "[rank 0] " in out and "[rank 1] " in out and "process 1/2 devices=4" in out, out
+    for spmd in SPMD:
+        four = run_ddp(make_mesh(4), spmd=spmd)
+        ranks = [np.load(tmp_path / f"params.{spmd}.rank{r}.npz") for r in range(2)]
+        two = [ranks[0][f"arr_{i}"] for i in range(len(ref))]
+        for a, b in zip(two, [ranks[1][f"arr_{i}"] for i in range(len(ref))]):
+            np.testing.assert_array_equal(a, b)  # both processes hold the same replica, bit for bit
+        for a, b, c in zip(two, four, ref):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-6)
+
+
+def test_train_py_two_processes_equal_one_process_and_one_device(tmp_path):
+    """The real data path: train.py under jaxpar.launch (DistributedSampler per rank, a padded last batch)."""
+    import train
+
+    common = ["--model", "mlp", "--train-split", "train[:64]", "--eval-split", "", "--batch-size", "24",
+              "--optimizer", "sgd", "--allreduce", "ring", "--quiet"]  # batches 24, 24, 16: 12, 12, 8 per rank
+    proc = launch("train.py", "--cpu-devices", "2", "--strategy", "ddp", *common,
+                  "--export-torch", str(tmp_path / "two.npz"))
+    train.main(["--strategy", "ddp", "--num-devices", "4", *common, "--export-torch", str(tmp_path / "four.npz")])
+    train.main(["--strategy", "single", *common, "--export-torch", str(tmp_path / "one.npz")])
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and "processes=2" in out, out
+    two, four, one = (np.load(tmp_path / f"{n}.npz") for n in ("two", "four", "one"))
+    assert sorted(two) == sorted(one) and len(one) == 4
+    for k in one:
+        np.testing.assert_allclose(two[k], four[k], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(two[k], one[k], rtol=1e-5, atol=1e-6)
+
+
+def test_killing_one_rank_stops_the_launcher(tmp_path):
+    proc = launch(__file__, "hang")
+    pids, lines, t0 = {}, [], time.monotonic()
+    while len(pids) < 2:
+        line = proc.stdout.readline()
+        assert line and time.monotonic() - t0 < 120, "".join(lines)
+        lines.append(line)
+        if "pid=" in line:
+            pids[line.split("]")[0]] = int(line.split("pid=")[1].split()[0])
+    time.sleep(1.0)  # both inside their collectives loop
+    os.kill(pids["[rank 1"], signal.SIGKILL)
+    t_kill = time.monotonic()
+    proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert time.monotonic() - t_kill < 30
+    with pytest.raises(ProcessLookupError):  # the surviving rank was stopped too
+        os.kill(pids["[rank 0"], 0)
+
+
+def test_launcher_restarts_with_resume_and_reports_failure(tmp_path):
+    """--max-restarts: the group restarts once with --resume appended; without restarts the status comes back."""
+    script = tmp_path / "flaky.py"
+    script.write_text("import os, sys\n"
+                      "if os.environ['RESTART_COUNT'] == '0' and os.environ['RANK'] == '1':\n"
+                      "    sys.exit(3)\n"
+                      "print('args', sys.argv[1:], 'world', os.environ['WORLD_SIZE'])\n")
+    run = [sys.executable, "-m", "jaxpar.launch", "--nproc-per-node", "2"]
+    ok = subprocess.run(run + ["--max-restarts", "1", str(script), "--x"], cwd=ROOT, capture_output=True, text=True,
+                        timeout=60)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "[rank 1] args ['--x', '--resume'] world 2" in ok.stdout and "restarting all 2" in ok.stderr
+    failed = subprocess.run(run + [str(script)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert failed.returncode == 3 and "stopped all" in failed.stderr
+
+
+def test_rendezvous_from_environment():
+    from jaxpar.distributed import Rendezvous, detect
+
+    torch_env = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "WORLD_SIZE": "8", "RANK": "5", "LOCAL_RANK": "1"}
+    assert detect(torch_env) == Rendezvous("torch", "10.0.0.1:29500", 8, 5)
+    no_rank = {**torch_env, "GROUP_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
+    del no_rank["RANK"]
+    assert detect(no_rank) == Rendezvous("torch", "10.0.0.1:29500", 8, 5)  # node 1 x 4 per node + local 1
+    assert detect({"JAX_COORDINATOR_ADDRESS": "h:1234", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}) == \
+        Rendezvous("jax", "h:1234", 2, 1)
+    assert detect({"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "4"}) == Rendezvous("slurm")
+    assert detect({"OMPI_MCA_orte_hnp_uri": "x", "OMPI_COMM_WORLD_SIZE": "2"}) == Rendezvous("ompi")
+    assert detect({}) is None and detect({**torch_env, "WORLD_SIZE": "1", "RANK": "0"}) is None
+    with pytest.raises(ValueError, match="RANK=8 must be in"):
+        detect({**torch_env, "RANK": "8"})
+    with pytest.raises(ValueError, match="needs MASTER_PORT"):
+        detect({k: v for k, v in torch_env.items() if k != "MASTER_PORT"})
+
+
+def test_launcher_environment_and_resume():
+    from jaxpar.launch import command, parser, rank_env
+
+    args = parser().parse_args(["--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "4", "--master-port", "1",
+                                "train.py", "--strategy", "ddp"])
+    env = rank_env(args, local_rank=2, restart=0)
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["GROUP_RANK"]) == ("6", "8", "2", "1")
+    assert command(args, restart=0)[-2:] == ["--strategy", "ddp"]
+    assert command(args, restart=1)[-1] == "--resume"
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    worker(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)

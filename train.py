@@ -55,16 +55,17 @@ def parse(argv=None) -> Config:
 def main(argv=None) -> dict:
     """Parse, set up devices, train; returns the run summary. User errors exit with status 2."""
     cfg = parse(argv)
+    from jaxpar import devices, trainer  # importing JAX does not start its backend yet
+
     try:
-        from jaxpar import devices
-
         devices.setup(cfg)  # simulated CPU devices and jax.distributed, before JAX's backend starts
-        from jaxpar import trainer
-
         return trainer.run(cfg)
     except ValueError as e:  # user errors: one line, exit status 2 (as argparse does)
         print(f"train.py: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except trainer.Diverged as e:  # the loss went NaN: the last good checkpoint is kept
+        print(f"train.py: stopped: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

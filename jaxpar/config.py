@@ -56,7 +56,7 @@ class Config:
     init_torch: str | None = None  # start from a PyTorch state dict saved as .npz
     export_torch: str | None = None  # write the trained weights as a PyTorch state dict .npz
     metrics_out: str | None = None  # JSON lines of per-step and per-epoch metrics
-    checkpoint_dir: str | None = None
+    checkpoint_dir: str | None = None  # folder of orbax checkpoints (atomic; the newest --checkpoint-keep kept)
     checkpoint_every: int = 0  # steps between checkpoints (0: only at the end and on SIGTERM/SIGINT)
     resume: bool = False  # continue from the latest complete checkpoint in --checkpoint-dir
     report: bool = False  # print the run report (memory, communication, schedule) at the end

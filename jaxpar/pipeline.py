@@ -230,10 +230,14 @@ class Pipeline:
 
     def report(self, s: TrainState | None = None) -> dict:
         """Partition, bubble fraction, activation buffers (planned and measured during the last step)."""
+        pm = self.module
         out = {"partition": self.module.describe(), "schedule": self.schedule.name,
                "ticks": self.schedule.num_ticks, "bubble_fraction": schedule_lib.bubble_fraction(self.schedule),
                "peak_inflight": schedule_lib.peak_inflight(self.schedule),
-               "activation_slots": list(self.plan.act_slots), "grad_slots": list(self.plan.grad_slots)}
+               "activation_slots": list(self.plan.act_slots), "grad_slots": list(self.plan.grad_slots),
+               "stage_params": [sum(pm.part_sizes[v] for v in range(s, pm.num_parts, pm.num_stages))
+                                for s in range(pm.num_stages)],
+               "param_buffer_floats_per_stage": pm.virtual_stages * pm.flat_size}  # padded to the largest part
         if self._info is not None:
             per_slot = self._info["micro_batch"] * self._info["boundary"] * 4
             out["activation_bytes_per_stage"] = (self.plan.num_act + self.plan.num_grad + 2) * per_slot

@@ -141,7 +141,8 @@ class PipelineModule:
                  f"{self.num_stages} stages x {self.virtual_stages} chunks, partition_method={self.partition_method!r}"]
         for v in range(self.num_parts):
             r = self.part_layers(v)
-            where = f"stage {v % self.num_stages}" + (f" chunk {v // self.num_stages}" if self.virtual_stages > 1 else "")
+            s, c = self._place(v)
+            where = f"stage {s}" + (f" chunk {c}" if self.virtual_stages > 1 else "")
             lines.append(f"  {where}: layers {r.start}-{r.stop - 1} {sum(self.layer_params[i] for i in r):>12,} params"
                          f"  {' '.join(self.names[i] for i in r)}")
         return "\n".join(lines)

@@ -1,0 +1,100 @@
+"""The PyTorch tutorial models in Flax NNX: registry, layer view, PyTorch state-dict conversion.
+
+    model = models.get("convnet", seed=0)           # NHWC input, model(x, keys=None)
+    layers = models.as_layers(model)                 # flat sequence; composition == model
+    sd = models.to_torch_state_dict(model)           # torch keys and layouts, numpy arrays
+    model = models.from_torch_state_dict("convnet", sd)
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping
+
+import jax
+import numpy as np
+from flax import nnx
+
+from models.convert import check_state_dict, load_torch_state_dict, to_torch_state_dict, torch_shapes
+from models.layers import (CONV_IMPLS, AdaptiveAvgPool2d, Conv2d, Dropout, Flatten, Linear, LogSoftmax,
+                           MaxPool2d, ReLU, default_conv_impl)
+from models.nets import MLP, AlexNet, ConvNet, LinearModel, as_layers
+
+NAMES = ("linear", "mlp", "convnet", "alexnet")
+_CLASSES: dict[str, Callable[..., nnx.Module]] = {
+    "linear": LinearModel, "mlp": MLP, "convnet": ConvNet, "alexnet": AlexNet}
+ALEXNET_IMAGE_SIZE = 64  # smallest convenient size (>= 63); DeepSpeed's tutorial uses 224
+
+
+def _check_name(name: str) -> None:
+    if name not in _CLASSES:
+        raise ValueError(f"unknown model {name=}; use one of {NAMES}")
+
+
+def get(name: str, *, seed: int = 0, **kwargs: Any) -> nnx.Module:
+    """Build model `name` with PyTorch's default init from nnx.Rngs(seed); kwargs go to its constructor."""
+    _check_name(name)
+    return _CLASSES[name](**kwargs, rngs=nnx.Rngs(seed))
+
+
+def abstract(name: str, **kwargs: Any) -> nnx.Module:
+    """Model `name` with ShapeDtypeStruct weights (nnx.eval_shape): shapes and counts, no memory."""
+    return nnx.eval_shape(lambda: get(name, **kwargs))
+
+
+def num_params(model: nnx.Module) -> int:
+    """Number of parameters (works on abstract models too)."""
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def input_shape(name: str, image_size: int | None = None, **kwargs: Any) -> tuple[int, ...]:
+    """Default shape of one sample: linear (input_size,), mlp (in_features,), convnet (28, 28, 1),
+    alexnet (image_size or 64, same, 3)."""
+    _check_name(name)
+    if name == "alexnet":
+        size = ALEXNET_IMAGE_SIZE if image_size is None else image_size
+        if size < 63:
+            raise ValueError(f"{image_size=} must be >= 63 for alexnet (its features shrink to 0x0 below)")
+        return (size, size, 3)
+    if image_size is not None:
+        raise ValueError(f"{image_size=} is only for alexnet; {name} takes a fixed input")
+    if name == "convnet":
+        return (28, 28, 1)
+    model = abstract(name, **kwargs)
+    return (model.fc.in_features,) if name == "linear" else (model.layers[0].in_features,)
+
+
+def kwargs_from_state_dict(name: str, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """Constructor kwargs read off a PyTorch state dict's shapes: sizes of linear / mlp, num_classes."""
+    shape = lambda k: tuple(np.shape(state_dict[k])) if k in state_dict else None  # noqa: E731
+    if name == "linear" and shape("fc.weight") and len(shape("fc.weight")) == 2:
+        out, inp = shape("fc.weight")
+        return dict(input_size=inp, output_size=out)
+    if name == "mlp" and shape("0.weight") and shape("2.weight") and len(shape("2.weight")) == 2:
+        (hidden, inp), (out, _) = shape("0.weight"), shape("2.weight")
+        return dict(in_features=inp, hidden_dim=hidden, out_features=out)
+    if name in ("convnet", "alexnet"):
+        last = "fc2.weight" if name == "convnet" else "classifier.6.weight"
+        if shape(last) and len(shape(last)) == 2:
+            return dict(num_classes=shape(last)[0])
+    return {}
+
+
+def from_torch_state_dict(name: str, state_dict: Mapping[str, Any], **kwargs: Any) -> nnx.Module:
+    """Model `name` holding a PyTorch state dict's weights. Sizes not in kwargs are read off the dict.
+
+    Raises ValueError naming the key on missing/unexpected keys or wrong shapes.
+    """
+    _check_name(name)
+    kwargs = {**kwargs_from_state_dict(name, state_dict), **kwargs}
+    model = abstract(name, **kwargs)  # every weight is overwritten: skip the random init
+    load_torch_state_dict(model, state_dict, name)
+    return model
+
+
+__all__ = [
+    "NAMES", "get", "abstract", "num_params", "input_shape", "as_layers", "from_torch_state_dict",
+    "to_torch_state_dict", "torch_shapes", "kwargs_from_state_dict",
+    "LinearModel", "MLP", "ConvNet", "AlexNet",
+    "Conv2d", "Linear", "ReLU", "MaxPool2d", "AdaptiveAvgPool2d", "Flatten", "LogSoftmax", "Dropout",
+    "CONV_IMPLS", "default_conv_impl",
+]

@@ -1,0 +1,75 @@
+"""PyTorch state dicts <-> NNX models: torch's keys and layouts, no torch import.
+
+Conv2d weight OIHW <-> kernel HWIO; Linear weight [out, in] <-> kernel [in, out]; biases as they are.
+The Flatten in front of the first Linear flattens in NCHW order, so fc1 / classifier.1 rows need no
+permutation.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import jax
+import numpy as np
+from flax import nnx
+
+from models.layers import Conv2d, Linear
+
+
+def _to_torch(layer: Linear | Conv2d, name: str, value: np.ndarray) -> np.ndarray:
+    if name == "bias":
+        return value
+    return value.T if isinstance(layer, Linear) else value.transpose(3, 2, 0, 1)  # HWIO -> OIHW
+
+
+def _from_torch(layer: Linear | Conv2d, name: str, value: np.ndarray) -> np.ndarray:
+    if name == "bias":
+        return value
+    return value.T if isinstance(layer, Linear) else value.transpose(2, 3, 1, 0)  # OIHW -> HWIO
+
+
+def _torch_shape(layer: Linear | Conv2d, name: str) -> tuple[int, ...]:
+    shape = getattr(layer, name).shape
+    if name == "bias":
+        return tuple(shape)
+    return (shape[1], shape[0]) if isinstance(layer, Linear) else (shape[3], shape[2], shape[0], shape[1])
+
+
+def _entries(model: nnx.Module):
+    """(torch key, layer, param name) for every weight and bias, in torch's order."""
+    for prefix, layer in model.torch_modules().items():
+        yield f"{prefix}.weight", layer, "kernel"
+        yield f"{prefix}.bias", layer, "bias"
+
+
+def torch_shapes(model: nnx.Module) -> dict[str, tuple[int, ...]]:
+    """The PyTorch state-dict keys of `model` and their shapes (works on an nnx.eval_shape model too)."""
+    return {key: _torch_shape(layer, name) for key, layer, name in _entries(model)}
+
+
+def to_torch_state_dict(model: nnx.Module) -> dict[str, np.ndarray]:
+    """The model's weights under PyTorch's keys and layouts (OIHW conv weights, [out, in] linear weights)."""
+    return {key: np.ascontiguousarray(_to_torch(layer, name, np.asarray(getattr(layer, name)[...])))
+            for key, layer, name in _entries(model)}
+
+
+def check_state_dict(expected: Mapping[str, tuple[int, ...]], state_dict: Mapping[str, object],
+                     model_name: str) -> None:
+    """ValueError naming the first missing / unexpected key or wrong shape."""
+    missing = [k for k in expected if k not in state_dict]
+    extra = [k for k in state_dict if k not in expected]
+    if missing or extra:
+        raise ValueError(f"state dict does not match {model_name}: missing keys {missing}, unexpected keys "
+                         f"{extra}; expected keys {list(expected)} (check the model name and its kwargs)")
+    for key, shape in expected.items():
+        got = tuple(np.shape(state_dict[key]))
+        if got != shape:
+            raise ValueError(f"state dict key {key!r} of {model_name} has shape {got}, expected {shape}; "
+                             f"pass the kwargs the torch model was built with (e.g. num_classes)")
+
+
+def load_torch_state_dict(model: nnx.Module, state_dict: Mapping[str, object], model_name: str = "") -> None:
+    """Copy a checked PyTorch state dict into `model` in place (values as float32)."""
+    check_state_dict(torch_shapes(model), state_dict, model_name or type(model).__name__)
+    for key, layer, name in _entries(model):
+        value = _from_torch(layer, name, np.asarray(state_dict[key], np.float32))
+        getattr(layer, name).set_value(jax.numpy.asarray(value))

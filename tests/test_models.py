@@ -1,0 +1,211 @@
+"""models/: parameter counts, PyTorch parity both ways (fixtures from make_torch_fixtures.py), the layer
+view, per-sample dropout, and the two convolution implementations."""
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import models
+from make_torch_fixtures import ALEXNET_CLASSES, FIXTURES, MLP_SIZES, POOL_SIZES, recipe_state_dict
+from models.layers import AdaptiveAvgPool2d, Conv2d, Dropout, adaptive_bins
+
+CONVNET_PARAMS = 1_199_882  # pytorch/examples mnist Net
+ALEXNET_PARAMS = 57_044_810  # torchvision alexnet(num_classes=10)
+TOL = dict(atol=1e-5, rtol=1e-5)
+SMALL = {"linear": {}, "mlp": MLP_SIZES, "convnet": {}, "alexnet": dict(num_classes=ALEXNET_CLASSES)}
+
+
+def _keys(n, seed=0):
+    return jax.random.split(jax.random.key(seed), n)
+
+
+@nnx.jit
+def _apply(model, x, keys=None):
+    return model(x, keys)
+
+
+@nnx.jit
+def _nll_grads(model, x, y):
+    """Gradients of the summed NLL, the loss the fixtures differentiate in torch."""
+    def loss(model):
+        out = model(x)
+        logp = out if isinstance(model, models.ConvNet) else jax.nn.log_softmax(out)
+        return -jnp.take_along_axis(logp, y[:, None], axis=1).sum()
+    return nnx.merge(nnx.graphdef(model), nnx.grad(loss)(model))  # a model holding the gradients
+
+
+def _model(name, **kw):
+    """Model `name` with numpy recipe weights: no per-shape compiles of jax.random (seconds on 2 cores)."""
+    sd = recipe_state_dict(models.torch_shapes(models.abstract(name, **kw)))
+    return models.from_torch_state_dict(name, sd, **kw)
+
+
+def _load(name):
+    fx = dict(np.load(os.path.join(FIXTURES, f"{name}.npz")))
+    if "keys" in fx:  # weights too large to commit: regenerate them the way the fixture script did
+        shapes = {k: tuple(int(d) for d in s.strip("()").split(",") if d.strip())
+                  for k, s in zip(fx["keys"], fx["shapes"])}
+        sd = recipe_state_dict(shapes)
+    else:
+        sd = {k[3:]: v for k, v in fx.items() if k.startswith("sd/")}
+    x = fx["x"] if fx["x"].ndim == 2 else fx["x"].transpose(0, 2, 3, 1)  # NCHW -> NHWC
+    return fx, sd, jnp.asarray(x)
+
+
+def test_param_counts():
+    assert models.num_params(models.abstract("convnet")) == CONVNET_PARAMS
+    assert models.num_params(models.abstract("alexnet", num_classes=10)) == ALEXNET_PARAMS
+    assert models.num_params(models.abstract("linear")) == 5 * 2 + 2
+    assert models.num_params(models.abstract("mlp", **MLP_SIZES)) == 20 * 32 + 32 + 32 * 10 + 10
+
+
+@pytest.mark.parametrize("name", models.NAMES)
+def test_param_paths_mirror_torch_keys(name):
+    """NNX state paths are torch's keys with '/' and kernel for weight (the MLP's Sequential is `layers`)."""
+    model = models.abstract(name, **SMALL[name])
+    paths = {"/".join(map(str, path)) for path, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    prefix = "layers/" if name == "mlp" else ""
+    expected = {prefix + k.replace(".weight", ".kernel").replace(".", "/") for k in models.torch_shapes(model)}
+    assert paths == expected
+
+
+@pytest.mark.parametrize("name", models.NAMES)
+def test_torch_parity_both_ways(name):
+    fx, sd, x = _load(name)
+    assert list(sd) == list(models.torch_shapes(models.abstract(name, **SMALL[name])))  # torch's keys, order
+    model = models.from_torch_state_dict(name, sd)  # sizes read off the state dict
+    assert not np.allclose(_apply(model, x[::-1]), fx["out"], **TOL)  # the comparison below can fail
+    np.testing.assert_allclose(_apply(model, x), fx["out"], **TOL)
+    grads = models.to_torch_state_dict(_nll_grads(model, x, jnp.asarray(fx["y"])))
+    fx_grads = {k[5:]: v for k, v in fx.items() if k.startswith("grad/")}
+    assert fx_grads
+    for key, g in fx_grads.items():  # float32 sums of thousands of terms: atol relative to the tensor's scale
+        np.testing.assert_allclose(grads[key], g, atol=1e-5 * np.abs(g).max(), rtol=1e-5, err_msg=key)
+    back = models.to_torch_state_dict(model)
+    assert list(back) == list(sd)
+    for key in sd:
+        assert back[key].shape == sd[key].shape and np.array_equal(back[key], sd[key]), key
+
+
+@pytest.mark.parametrize("hw", POOL_SIZES)
+def test_adaptive_avg_pool_matches_torch(hw):
+    fx = np.load(os.path.join(FIXTURES, "alexnet.npz"))
+    x = fx[f"pool_x/{hw[0]}x{hw[1]}"].transpose(0, 2, 3, 1)
+    out = AdaptiveAvgPool2d(6)(jnp.asarray(x)).transpose(0, 3, 1, 2)
+    np.testing.assert_allclose(out, fx[f"pool_out/{hw[0]}x{hw[1]}"], **TOL)
+
+
+def test_adaptive_bins_rule():
+    assert adaptive_bins(1, 6) == [(0, 1)] * 6  # replicate
+    assert adaptive_bins(8, 6) == [(0, 2), (1, 3), (2, 4), (4, 6), (5, 7), (6, 8)]  # overlapping
+    assert adaptive_bins(12, 6) == [(2 * i, 2 * i + 2) for i in range(6)]
+
+
+@pytest.mark.parametrize("name", models.NAMES)
+def test_layers_compose_to_model(name):
+    kw = {**SMALL[name], **({"dropout": 0.5} if name == "alexnet" else {})}
+    model = _model(name, **kw)
+    x = jax.random.normal(jax.random.key(1), (3, *models.input_shape(name, **kw)))
+    keys = _keys(3)
+    layers = models.as_layers(model)
+    assert all(a is b for a, b in zip(layers, models.as_layers(model)))  # the same layer objects each time
+    assert len(layers) == {"linear": 1, "mlp": 3, "convnet": 12, "alexnet": 22}[name]
+
+    @nnx.jit
+    def both(model, x, keys):
+        outs = []
+        for k in (keys, None):
+            h = x
+            for layer in models.as_layers(model):
+                h = layer(h, k)
+            outs += [h, model(x, k)]
+        return outs
+
+    fold_train, train, fold_eval, evaluated = both(model, x, keys)
+    np.testing.assert_array_equal(fold_train, train)
+    np.testing.assert_array_equal(fold_eval, evaluated)
+    has_dropout = any(isinstance(layer, Dropout) for layer in layers)
+    assert has_dropout == (name in ("convnet", "alexnet"))
+    assert np.array_equal(train, evaluated) != has_dropout  # dropout on in training only
+
+
+def test_dropout_split_invariant():
+    model = _model("convnet")
+    x = jax.random.normal(jax.random.key(2), (6, 28, 28, 1))
+    keys = _keys(6)
+    whole = _apply(model, x, keys)
+    assert not np.allclose(whole, _apply(model, x, _keys(6, seed=1))), "the masks must depend on the keys"
+    for bounds in ((0, 3, 6), (0, 2, 4, 6)):
+        parts = [_apply(model, x[a:b], keys[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+        np.testing.assert_allclose(jnp.concatenate(parts), whole, atol=1e-6, rtol=1e-6)
+    drop = Dropout(0.25, salt=1)
+    ones = jnp.ones((6, 4000))
+    masks = drop(ones, keys)
+    assert set(np.unique(masks).tolist()) == {0.0, float(np.float32(1 / 0.75))}
+    assert abs(float((masks > 0).mean()) - 0.75) < 0.01
+    assert not np.array_equal(masks[0], masks[1])  # per-sample masks
+    assert not np.array_equal(masks, Dropout(0.25, salt=2)(ones, keys))  # per-layer salts
+    np.testing.assert_array_equal(drop(ones[2:4], keys[2:4]), masks[2:4])
+    np.testing.assert_array_equal(drop(ones), ones)
+
+
+@pytest.mark.parametrize("cin,cout,k,stride,pad,hw", [
+    (3, 8, 11, 4, 2, 23), (4, 6, 5, 1, 2, 9), (3, 4, 3, 2, 1, 9)])
+def test_conv_impls_agree(cin, cout, k, stride, pad, hw):
+    assert models.default_conv_impl() == "im2col"  # tests run on CPU
+    x = jax.random.normal(jax.random.key(3), (2, hw, hw, cin))
+    rng = np.random.default_rng(0)
+    kernel = rng.standard_normal((k, k, cin, cout), np.float32) / np.sqrt(k * k * cin)  # outputs O(1)
+    bias = rng.standard_normal(cout, np.float32)
+    convs = {}
+    for impl in models.CONV_IMPLS:
+        convs[impl] = nnx.eval_shape(lambda: Conv2d(cin, cout, k, stride, pad, rngs=nnx.Rngs(0), impl=impl))
+        convs[impl].kernel.set_value(jnp.asarray(kernel))
+        convs[impl].bias.set_value(jnp.asarray(bias))
+
+    def loss(conv, x):
+        return jnp.sum(jnp.sin(conv(x)))
+
+    @nnx.jit
+    def run(convs, x):
+        return {impl: (conv(x), *nnx.grad(loss, argnums=(0, 1))(conv, x)) for impl, conv in convs.items()}
+
+    results = run(convs, x)
+    (y1, gc1, gx1), (y2, gc2, gx2) = results["im2col"], results["xla"]
+    assert y1.shape == (2, (hw + 2 * pad - k) // stride + 1, (hw + 2 * pad - k) // stride + 1, cout)
+    assert float(jnp.abs(y1).max()) > 0.1 and float(jnp.abs(gx1).max()) > 0.01
+    np.testing.assert_allclose(y1, y2, **TOL)
+    np.testing.assert_allclose(gx1, gx2, **TOL)
+    np.testing.assert_allclose(gc1.kernel[...], gc2.kernel[...], **TOL)
+    np.testing.assert_allclose(gc1.bias[...], gc2.bias[...], **TOL)
+
+
+def test_bad_state_dicts_name_the_key():
+    sd = models.to_torch_state_dict(_model("mlp", **MLP_SIZES))
+    with pytest.raises(ValueError, match=r"'2.bias'.*\(3,\), expected \(10,\)"):
+        models.from_torch_state_dict("mlp", {**sd, "2.bias": np.zeros(3, np.float32)})
+    with pytest.raises(ValueError, match=r"missing keys \['0.bias'\]"):
+        models.from_torch_state_dict("mlp", {k: v for k, v in sd.items() if k != "0.bias"})
+    with pytest.raises(ValueError, match=r"unexpected keys \['extra'\]"):
+        models.from_torch_state_dict("mlp", {**sd, "extra": np.zeros(1)})
+    with pytest.raises(ValueError, match=r"'fc1.weight'.*\(128, 100\), expected \(128, 9216\)"):
+        convnet_sd = models.torch_shapes(models.abstract("convnet"))
+        models.from_torch_state_dict("convnet", {k: np.zeros((128, 100) if k == "fc1.weight" else s)
+                                                 for k, s in convnet_sd.items()})
+
+
+def test_registry_and_input_shapes():
+    with pytest.raises(ValueError, match="use one of"):
+        models.get("resnet")
+    assert models.input_shape("linear") == (5,)
+    assert models.input_shape("mlp", in_features=20) == (20,)
+    assert models.input_shape("convnet") == (28, 28, 1)
+    assert models.input_shape("alexnet") == (64, 64, 3)
+    assert models.input_shape("alexnet", image_size=224) == (224, 224, 3)
+    with pytest.raises(ValueError, match="63"):
+        models.input_shape("alexnet", image_size=32)
+    out = jax.eval_shape(lambda x: models.get("alexnet")(x), jax.ShapeDtypeStruct((1, 63, 63, 3), jnp.float32))
+    assert out.shape == (1, 10)

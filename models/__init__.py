@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from models.convert import check_state_dict, load_torch_state_dict, to_torch_state_dict, torch_shapes
+from models.convert import load_torch_state_dict, to_torch_state_dict, torch_shapes
 from models.layers import (CONV_IMPLS, AdaptiveAvgPool2d, Conv2d, Dropout, Flatten, Linear, LogSoftmax,
                            MaxPool2d, ReLU, default_conv_impl)
 from models.nets import MLP, AlexNet, ConvNet, LinearModel, as_layers
@@ -55,10 +55,12 @@ def input_shape(name: str, image_size: int | None = None, **kwargs: Any) -> tupl
         if size < 63:
             raise ValueError(f"{image_size=} must be >= 63 for alexnet (its features shrink to 0x0 below)")
         return (size, size, 3)
-    if image_size is not None:
-        raise ValueError(f"{image_size=} is only for alexnet; {name} takes a fixed input")
     if name == "convnet":
+        if image_size not in (None, 28):
+            raise ValueError(f"{image_size=} must be 28 (or None) for convnet: fc1 takes 64 x 12 x 12 features")
         return (28, 28, 1)
+    if image_size is not None:
+        raise ValueError(f"{image_size=} is only for image models; {name} takes vectors")
     model = abstract(name, **kwargs)
     return (model.fc.in_features,) if name == "linear" else (model.layers[0].in_features,)
 

@@ -41,7 +41,8 @@ def _pair(v: int | tuple[int, int]) -> tuple[int, int]:
 
 
 def default_conv_impl() -> ConvImpl:
-    """im2col on XLA:CPU (whose conv backward is slow and allocation-heavy), XLA's conv elsewhere."""
+    """im2col on XLA:CPU (its conv backward allocates heavily; see bench/single.py --conv-impl), XLA's
+    conv (cuDNN) elsewhere. Resolved when a Conv2d is traced, so one model object serves both."""
     return "im2col" if jax.default_backend() == "cpu" else "xla"
 
 
@@ -58,6 +59,8 @@ def conv_im2col(x: jax.Array, kernel: jax.Array, stride: tuple[int, int],
     x = jnp.pad(x, ((0, 0), (ph, ph), (pw, pw), (0, 0)))
     b, h, w, _ = x.shape
     ho, wo = (h - kh) // sh + 1, (w - kw) // sw + 1
+    if ho < 1 or wo < 1:
+        raise ValueError(f"padded input {h}x{w} is smaller than the {kh}x{kw} kernel; use a larger image")
     rows = _concat([jax.lax.slice(x, (0, dy, 0, 0), (b, dy + sh * (ho - 1) + 1, w, cin), (1, sh, 1, 1))
                     for dy in range(kh)])  # [b, ho, w, kh * cin], order (dy, c)
     patches = _concat([jax.lax.slice(rows, (0, 0, dx, 0), (b, ho, dx + sw * (wo - 1) + 1, kh * cin),
@@ -145,7 +148,8 @@ class AdaptiveAvgPool2d(nnx.Module):
         (oh, ow), (h, w) = self.output_size, x.shape[1:3]
         if (h, w) == (oh, ow):
             return x
-        return jnp.einsum("oh,bhwc,pw->bopc", _pool_matrix(h, oh), x, _pool_matrix(w, ow))
+        rows, cols = _pool_matrix(h, oh).astype(x.dtype), _pool_matrix(w, ow).astype(x.dtype)
+        return jnp.einsum("oh,bhwc,pw->bopc", rows, x, cols)
 
 
 class Flatten(nnx.Module):

@@ -202,7 +202,9 @@ def test_registry_and_input_shapes():
         models.get("resnet")
     assert models.input_shape("linear") == (5,)
     assert models.input_shape("mlp", in_features=20) == (20,)
-    assert models.input_shape("convnet") == (28, 28, 1)
+    assert models.input_shape("convnet") == models.input_shape("convnet", image_size=28) == (28, 28, 1)
+    with pytest.raises(ValueError, match="must be 28"):
+        models.input_shape("convnet", image_size=32)
     assert models.input_shape("alexnet") == (64, 64, 3)
     assert models.input_shape("alexnet", image_size=224) == (224, 224, 3)
     with pytest.raises(ValueError, match="63"):

@@ -1,14 +1,26 @@
 """jaxpar: PyTorch's and DeepSpeed's parallel training strategies, rebuilt in JAX and Flax NNX.
 
-The public API is what `__all__` lists; everything else is an implementation detail.
+The public API is what `__all__` lists; everything else is an implementation detail. Submodules with a vocabulary
+of their own are imported as modules: `jaxpar.collectives`, `jaxpar.buckets`, `jaxpar.comm_cost`,
+`jaxpar.schedule`, `jaxpar.memory`, `jaxpar.checkpoint`, `jaxpar.distributed`, `jaxpar.launch`.
 """
 from jaxpar.hostmem import tune_host_allocator
 
 tune_host_allocator()  # before JAX allocates anything: see jaxpar/hostmem.py
 
+from jaxpar import buckets, collectives, comm_cost, memory, schedule  # noqa: E402
+from jaxpar.buckets import BucketPlan, plan_buckets  # noqa: E402
+from jaxpar.collectives import all_reduce, ring_all_reduce  # noqa: E402
 from jaxpar.config import Config  # noqa: E402
+from jaxpar.data import DATASETS, DataError, Dataset, load  # noqa: E402
+from jaxpar.data_parallel import DataParallel, chunk_sizes  # noqa: E402
+from jaxpar.ddp import DistributedDataParallel, make_ddp_step  # noqa: E402
+from jaxpar.loader import Loader  # noqa: E402
 from jaxpar.mesh import DATA, PIPE, make_mesh  # noqa: E402
 from jaxpar.optim import OPTIMIZERS, make_optimizer  # noqa: E402
+from jaxpar.pipeline import Pipeline  # noqa: E402
+from jaxpar.pipeline_module import LayerSpec, PipelineModule  # noqa: E402
+from jaxpar.sampler import DistributedSampler  # noqa: E402
 from jaxpar.step import (  # noqa: E402
     TrainState,
     apply_updates,
@@ -21,21 +33,18 @@ from jaxpar.step import (  # noqa: E402
 from jaxpar.strategy import STRATEGIES, Strategy, get_builder  # noqa: E402
 
 __all__ = [
-    "Config",
-    "DATA",
-    "PIPE",
-    "make_mesh",
-    "OPTIMIZERS",
-    "make_optimizer",
-    "TrainState",
-    "apply_updates",
-    "init_state",
-    "loss_terms",
-    "make_eval_step",
-    "make_train_step",
-    "sample_keys",
-    "STRATEGIES",
-    "Strategy",
-    "get_builder",
+    # the reference step every strategy matches
+    "TrainState", "init_state", "loss_terms", "sample_keys", "apply_updates", "make_train_step", "make_eval_step",
+    "OPTIMIZERS", "make_optimizer", "Config",
+    # strategies
+    "Strategy", "STRATEGIES", "get_builder",
+    "DataParallel", "chunk_sizes",
+    "DistributedDataParallel", "make_ddp_step",
+    "PipelineModule", "LayerSpec", "Pipeline",
+    # communication
+    "DATA", "PIPE", "make_mesh", "all_reduce", "ring_all_reduce", "BucketPlan", "plan_buckets",
+    "collectives", "buckets", "comm_cost", "schedule", "memory",
+    # data
+    "Dataset", "DataError", "DATASETS", "load", "DistributedSampler", "Loader",
     "tune_host_allocator",
 ]

@@ -102,7 +102,7 @@ class Pipeline:
         self.schedule = schedule_lib.validate(schedule_lib.make(schedule, S, micro_batches, V))
         self.plan = lower(self.schedule)
         self.micro_batches, self.data = micro_batches, mesh.shape[DATA]
-        self._part_fns = [module.part_fn(k, compute_dtype) for k in range(module.num_parts)]
+        self._parts = [module.part(k, compute_dtype) for k in range(module.num_parts)]
         self._programs: dict[tuple, Any] = {}
         self._live, self._info = None, None
         self._stage_sharding = NamedSharding(mesh, P(PIPE))
@@ -193,8 +193,8 @@ class Pipeline:
 
     def _program(self, x_shape: tuple):
         if x_shape not in self._programs:
-            self._programs[x_shape] = make_step(self._part_fns, self.module.loss_fn, self.plan, self.mesh, self.tx,
-                                                flat_size=self.module.flat_size, x_shape=x_shape)
+            self._programs[x_shape] = make_step(self._parts, self.module.loss_fn, self.plan, self.mesh, self.tx,
+                                                x_shape=x_shape)
         return self._programs[x_shape]
 
     def step(self, s: TrainState, pb: Batch) -> tuple[TrainState, dict]:

@@ -12,6 +12,9 @@ one jitted program over the (DATA, PIPE) mesh; per tick every stage, roughly::
 The backward recomputes its part's forward from the stored part input (jax.vjp inside the B branch), so a stage
 keeps one input per micro-batch in flight: ``act_slots`` per stage (1F1B: <= S; GPipe: M). Unused reads and
 writes go to one scratch slot at index ``num_act`` (``num_grad``), so no branch needs a condition.
+Cost beyond the schedule's: each tick passes the stage's flat gradient buffer through the switch (XLA copies
+it) and slices the weights out of the flat buffer, so a tick costs about one pass over the stage's weights --
+noise for large micro-batches on a GPU, visible for tiny ones on CPU (bench/pipeline.py).
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar import schedule as schedule_lib
 from jaxpar.mesh import DATA, PIPE
+from jaxpar.pipeline_module import Part
 from jaxpar.step import sample_keys
 
 COLS = ("op", "mb", "chunk", "act", "grad", "stash", "free", "recv_act", "recv_grad")
@@ -104,17 +108,17 @@ def lower(schedule: schedule_lib.Schedule) -> Plan:
     return Plan(schedule, table, tuple(act_n), tuple(grad_n))
 
 
-def boundary_shapes(part_fns: list[Callable], x: jax.ShapeDtypeStruct, flat_size: int) -> list[tuple]:
+def boundary_shapes(parts: list[Part], x: jax.ShapeDtypeStruct) -> list[tuple]:
     """Per-sample input shape of every part, then the last part's output shape (abstract evaluation)."""
-    shapes, flat = [tuple(x.shape[1:])], jax.ShapeDtypeStruct((flat_size,), jnp.float32)
-    for fn in part_fns:
-        x = jax.eval_shape(fn, flat, x, None)
+    shapes = [tuple(x.shape[1:])]
+    for part in parts:
+        x = jax.eval_shape(part.fn, [jax.ShapeDtypeStruct(s, jnp.float32) for s in part.shapes], x, None)
         shapes.append(tuple(x.shape[1:]))
     return shapes
 
 
-def make_step(part_fns: list[Callable], loss_fn: Callable, plan: Plan, mesh, tx: optax.GradientTransformation,
-              *, flat_size: int, x_shape: tuple):
+def make_step(parts: list[Part], loss_fn: Callable, plan: Plan, mesh, tx: optax.GradientTransformation,
+              *, x_shape: tuple):
     """(jitted ``(params [S,V,P], opt_state, step, key, batch) -> (params, opt_state, grads, metrics, live)``,
     info: micro_batch, boundary (the widest boundary, floats per sample), shapes).
 
@@ -129,7 +133,7 @@ def make_step(part_fns: list[Callable], loss_fn: Callable, plan: Plan, mesh, tx:
         raise ValueError(f"batch rows={x_shape[0]} must split into {D} data replicas x {M} micro-batches and over "
                          f"{S * D} devices; place batches with Pipeline.put_batch, which pads them (w = 0).")
     mb = x_shape[0] // (D * M)
-    shapes = boundary_shapes(part_fns, jax.ShapeDtypeStruct((mb,) + tuple(x_shape[1:]), jnp.float32), flat_size)
+    shapes = boundary_shapes(parts, jax.ShapeDtypeStruct((mb,) + tuple(x_shape[1:]), jnp.float32))
     A = max(math.prod(s) for s in shapes[:-1])  # flat per-sample size of the widest boundary
     zeros_a, zeros_aux = jnp.zeros((mb, A)), jnp.zeros((3,))
 
@@ -142,7 +146,8 @@ def make_step(part_fns: list[Callable], loss_fn: Callable, plan: Plan, mesh, tx:
 
     def forward(k):
         def branch(params, grads, x_in, a_in, cot, keys, labels, inv):
-            y = part_fns[k](params[k // S], unpad(x_in if k == 0 else a_in, k), keys)
+            leaves = parts[k].unravel(params[k // S])
+            y = parts[k].fn(leaves, unpad(x_in if k == 0 else a_in, k), keys)
             if k < K - 1:
                 return pad(y), zeros_a, grads, zeros_aux
             _, aux = loss_fn(y, labels)
@@ -150,21 +155,26 @@ def make_step(part_fns: list[Callable], loss_fn: Callable, plan: Plan, mesh, tx:
         return branch
 
     def backward(k):
+        part = parts[k]
+
         def branch(params, grads, x_in, a_in, cot, keys, labels, inv):
+            leaves = part.unravel(params[k // S])
             if k < K - 1:
-                f = lambda p_, a_: part_fns[k](p_, a_, keys)  # noqa: E731
+                f = lambda l_, a_: part.fn(l_, a_, keys)  # noqa: E731
                 seed = unpad(cot, k + 1)
             else:
-                f = lambda p_, a_: loss_fn(part_fns[k](p_, a_, keys), labels)[0]  # noqa: E731
+                f = lambda l_, a_: loss_fn(part.fn(l_, a_, keys), labels)[0]  # noqa: E731
                 seed = inv  # d(loss_sum / global count) / d(loss_sum)
             if k == 0:  # the first part's input is data: no gradient to send
-                _, vjp = jax.vjp(lambda p_: f(p_, unpad(a_in, 0)), params[k // S])
+                _, vjp = jax.vjp(lambda l_: f(l_, unpad(a_in, 0)), leaves)
                 (dp,), da = vjp(seed), zeros_a
             else:
-                _, vjp = jax.vjp(f, params[k // S], unpad(a_in, k))
+                _, vjp = jax.vjp(f, leaves, unpad(a_in, k))
                 dp, da = vjp(seed)
                 da = pad(da)
-            return zeros_a, da, grads.at[k // S].add(dp), zeros_aux
+            if part.size:  # the weight gradient, raveled, into the first `size` floats of the chunk's buffer
+                grads = grads.at[k // S, :part.size].add(part.ravel(dp))
+            return zeros_a, da, grads, zeros_aux
         return branch
 
     def idle(params, grads, *_):

@@ -240,34 +240,48 @@ class PipelineModule:
 
         return fn
 
-    def part_fn(self, part: int, compute_dtype=None) -> Callable:
-        """``fn(flat [P], x, keys) -> y``: the part's layers on x, parameters unravelled from its flat slice."""
+    def part(self, part: int, compute_dtype=None) -> "Part":
+        """The part's function over its own leaves, and the map between those leaves and its flat slice."""
         layers = list(self.part_layers(part))
         fns = {i: self.layer_fn(i) for i in layers}
-        cuts = {}
-        for i in layers:
-            cuts[i] = []
-            offset = sum(self.layer_params[k] for k in layers if k < i)
-            for shape in self.layer_shapes[i]:
-                cuts[i].append((offset, shape))
-                offset += math.prod(shape)
+        shapes = [s for i in layers for s in self.layer_shapes[i]]
+        first = {i: sum(len(self.layer_shapes[k]) for k in layers if k < i) for i in layers}  # leaf index
         groups = [layers[k:k + self.interval] for k in range(0, len(layers), self.interval)] if self.interval \
             else [layers]
 
-        def run_group(group, flat, x, keys):
+        def run_group(group, leaves, x, keys):
             for i in group:
-                leaves = [flat[o:o + math.prod(s)].reshape(s) for o, s in cuts[i]]
+                own = leaves[first[i]:first[i] + len(self.layer_shapes[i])]
                 if compute_dtype is not None:
-                    leaves = [a.astype(compute_dtype) for a in leaves]
-                x = fns[i](leaves, x, keys)
+                    own = [a.astype(compute_dtype) for a in own]
+                x = fns[i](own, x, keys)
             return x
 
-        def fn(flat, x, keys):
+        def fn(leaves, x, keys):
             if compute_dtype is not None:
                 x = x.astype(compute_dtype)
             for group in groups:
-                g = lambda f, a, k, group=group: run_group(group, f, a, k)  # noqa: E731
-                x = (jax.checkpoint(g) if self.interval else g)(flat, x, keys)
+                g = lambda l, a, k, group=group: run_group(group, l, a, k)  # noqa: E731
+                x = (jax.checkpoint(g) if self.interval else g)(leaves, x, keys)
             return x.astype(jnp.float32)
 
-        return fn
+        return Part(fn, tuple(shapes), self.part_sizes[part])
+
+
+class Part(NamedTuple):
+    """One virtual stage: ``fn(leaves, x, keys) -> y`` over its parameter leaves, which fill the first ``size``
+    floats of its flat buffer in order."""
+    fn: Callable
+    shapes: tuple[tuple[int, ...], ...]
+    size: int
+
+    def unravel(self, flat: jax.Array) -> list[jax.Array]:
+        out, offset = [], 0
+        for s in self.shapes:
+            out.append(flat[offset:offset + math.prod(s)].reshape(s))
+            offset += math.prod(s)
+        return out
+
+    def ravel(self, leaves: Sequence[jax.Array]) -> jax.Array:
+        """The leaves as one vector of ``size`` floats (a gradient to add into the flat buffer's first floats)."""
+        return jnp.concatenate([a.ravel() for a in leaves]) if leaves else jnp.zeros((0,), jnp.float32)

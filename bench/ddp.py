@@ -4,8 +4,9 @@
     python bench/ddp.py --devices 4 --batches 256 --steps 10 --algorithms psum,ring --no-torch
 
 jaxpar: the strategy's own step (put_batch once, then `steps` timed steps after 2 compiling/warm-up ones),
-samples/s = global batch x steps / seconds, best of --repeats (the machine is shared: the best run is the one
-least disturbed); samples/CPU-s divides by the CPU time of all the run's threads and processes instead, a
+samples/s = global batch x steps / seconds, best of --repeats rounds; the rounds of all runs (PyTorch's too)
+alternate, so load from elsewhere on a shared machine hits them alike, and the best round is the one least
+disturbed; samples/CPU-s divides by the CPU time of all the run's threads and processes instead, a
 measure of work that other load on the machine disturbs less. One device: jaxpar's single strategy, the same
 process and thread pool. PyTorch: torch's DistributedDataParallel over gloo, --devices processes x 1 thread
 (torch.multiprocessing spawn), the same ConvNet (PyTorch's examples/mnist Net), the same global batch split
@@ -26,7 +27,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--batches", default="128,256", help="global batch sizes, comma separated")
     p.add_argument("--algorithms", default="psum,ring,reduce_broadcast,all_to_all", help="comma separated")
     p.add_argument("--steps", type=int, default=8, help="timed steps per run")
-    p.add_argument("--repeats", type=int, default=3, help="runs per configuration; the best counts")
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds per run, alternating; the best counts")
+    p.add_argument("--conv-impls", default="auto",
+                   help="ConvNet convolutions, comma separated: auto (the model's default), im2col, xla")
+    p.add_argument("--grad-accum", default="1", help="DDP micro-steps per step, comma separated (e.g. 1,2)")
     p.add_argument("--torch", action=argparse.BooleanOptionalAction, default=True, help="also PyTorch DDP")
     return p.parse_args(argv)
 
@@ -52,7 +56,8 @@ def _torch_net():
     return Net()
 
 
-def _torch_worker(rank: int, world: int, port: int, batch: int, steps: int, repeats: int, out) -> None:
+def _torch_worker(rank: int, world: int, port: int, batch: int, steps: int, commands, out) -> None:
+    """One rank: set up, warm up, then one timed round of `steps` steps per command (None ends it)."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -72,7 +77,7 @@ def _torch_worker(rank: int, world: int, port: int, batch: int, steps: int, repe
 
     for _ in range(2):
         step()
-    for _ in range(repeats):
+    while commands[rank].get() is not None:
         dist.barrier()
         t, cpu = time.perf_counter(), time.process_time()
         for _ in range(steps):
@@ -82,46 +87,58 @@ def _torch_worker(rank: int, world: int, port: int, batch: int, steps: int, repe
     dist.destroy_process_group()
 
 
-def torch_ddp(world: int, batch: int, steps: int, repeats: int) -> tuple[float, float]:
-    """(samples/s, samples per CPU-second of all ranks), best of `repeats`."""
-    import torch.multiprocessing as mp
+class TorchDDP:
+    """PyTorch DDP ranks kept alive between timed rounds, so rounds can alternate with jaxpar's."""
 
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    os.environ["OMP_NUM_THREADS"] = "1"
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
-    mp.start_processes(_torch_worker, args=(world, port, batch, steps, repeats, out), nprocs=world,
-                       start_method="spawn")
-    runs: dict[int, list] = {}
-    while not out.empty():
-        rank, wall, cpu = out.get()
-        runs.setdefault(rank, []).append((wall, cpu))
-    per_repeat = list(zip(*runs.values()))  # [(rank0 (wall, cpu), rank1 (wall, cpu)), ...]
-    return (max(batch * steps / max(w for w, _ in r) for r in per_repeat),
-            max(batch * steps / sum(c for _, c in r) for r in per_repeat))
+    def __init__(self, world: int, batch: int, steps: int):
+        import torch.multiprocessing as mp
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        os.environ["OMP_NUM_THREADS"] = "1"
+        ctx = mp.get_context("spawn")
+        self.commands, self.out = [ctx.Queue() for _ in range(world)], ctx.Queue()
+        self.world, self.samples = world, batch * steps
+        self.procs = mp.start_processes(_torch_worker, args=(world, port, batch, steps, self.commands, self.out),
+                                        nprocs=world, join=False, start_method="spawn")
+
+    def measure(self) -> tuple[float, float]:
+        """(samples/s, samples per CPU-second of all ranks) of one round."""
+        for q in self.commands:
+            q.put(True)
+        runs = [self.out.get() for _ in range(self.world)]
+        return self.samples / max(w for _, w, _ in runs), self.samples / sum(c for _, _, c in runs)
+
+    def close(self) -> None:
+        for q in self.commands:
+            q.put(None)
+        self.procs.join()
 
 
 # ---- jaxpar ---------------------------------------------------------------------------------------------------
 
-def jaxpar_run(strategy, state, batch: dict, steps: int, repeats: int) -> tuple[float, float]:
-    """(samples/s, samples per CPU-second of the process), best of `repeats`."""
-    import jax
+class JaxparRun:
+    """A strategy compiled and warmed up on one placed batch; `measure()` times one round of steps."""
 
-    placed, pb = strategy.init(state), strategy.put_batch(batch)
-    for _ in range(2):
-        placed, metrics = strategy.step(placed, pb)
-    jax.block_until_ready((placed, metrics))
-    best = (0.0, 0.0)
-    for _ in range(repeats):
+    def __init__(self, strategy, state, batch: dict, steps: int):
+        import jax
+
+        self.strategy, self.steps, self.samples = strategy, steps, len(batch["y"]) * steps
+        self.placed, self.batch = strategy.init(state), strategy.put_batch(batch)
+        for _ in range(2):
+            self.placed, metrics = strategy.step(self.placed, self.batch)
+        jax.block_until_ready((self.placed, metrics))
+
+    def measure(self) -> tuple[float, float]:
+        """(samples/s, samples per CPU-second of this process)."""
+        import jax
+
         t, cpu = time.perf_counter(), time.process_time()
-        for _ in range(steps):
-            placed, metrics = strategy.step(placed, pb)
-        jax.block_until_ready((placed, metrics))
-        n = len(batch["y"]) * steps
-        best = (max(best[0], n / (time.perf_counter() - t)), max(best[1], n / (time.process_time() - cpu)))
-    return best
+        for _ in range(self.steps):
+            self.placed, metrics = self.strategy.step(self.placed, self.batch)
+        jax.block_until_ready((self.placed, metrics))
+        return self.samples / (time.perf_counter() - t), self.samples / (time.process_time() - cpu)
 
 
 def main(argv=None) -> None:
@@ -134,43 +151,53 @@ def main(argv=None) -> None:
 
     import models
     from jaxpar.config import Config
+    from jaxpar.step import init_state
     from jaxpar.strategy import get_builder
     from jaxpar.trainer import make_tx
 
     print(f"jax {jax.__version__} on {jax.device_count()} {jax.default_backend()} devices; os.cpu_count()="
           f"{os.cpu_count()}; ConvNet, Adadelta, {args.steps} steps x best of {args.repeats}")
-    rows = []
+    rows, baseline, torch_name = [], {}, f"torch DDP gloo {args.devices}x1"  # baseline: the one-device run
     for batch_size in [int(b) for b in args.batches.split(",")]:
         rng = np.random.default_rng(0)
         batch = {"x": rng.normal(size=(batch_size, 28, 28, 1)).astype(np.float32),
                  "y": rng.integers(0, 10, batch_size).astype(np.int32), "idx": np.arange(batch_size, dtype=np.int32)}
         base = Config(model="convnet", optimizer="adadelta", batch_size=batch_size, num_devices=args.devices, gamma=1.0)
-        configs = {"single": base} | {f"ddp {a}": base.replace(strategy="ddp", allreduce=a)
-                                      for a in args.algorithms.split(",")}
-        speed = {}
-        for name, cfg in configs.items():
-            model = models.get("convnet")
-            tx = make_tx(cfg, 100)
-            from jaxpar.step import init_state
-
-            _, state = init_state(model, tx, cfg.seed)
-            speed[name] = jaxpar_run(get_builder(cfg.strategy)(model, tx, cfg), state, batch, args.steps, args.repeats)
+        runs = {}
+        for impl in args.conv_impls.split(","):
+            suffix = "" if impl == "auto" else f", {impl} conv"
+            configs = {"single": base} | {f"ddp {a}" + (f" accum {k}" if k != "1" else ""):
+                                          base.replace(strategy="ddp", allreduce=a, grad_accum=int(k))
+                                          for a in args.algorithms.split(",") for k in args.grad_accum.split(",")}
+            for name, cfg in configs.items():
+                model = models.get("convnet", **({} if impl == "auto" else {"conv_impl": impl}))
+                tx = make_tx(cfg, 100)
+                _, state = init_state(model, tx, cfg.seed)
+                runs[name + suffix] = JaxparRun(get_builder(cfg.strategy)(model, tx, cfg), state, batch, args.steps)
+                baseline[name + suffix] = "single" + suffix
+        if args.torch:
+            runs[torch_name] = TorchDDP(args.devices, batch_size, args.steps)
+            baseline[torch_name] = next(iter(runs))
+        speed = {name: (0.0, 0.0) for name in runs}
+        for _ in range(args.repeats):  # rounds alternate between the runs: load on the machine hits all alike
+            for name, run in runs.items():
+                speed[name] = tuple(max(a, b) for a, b in zip(speed[name], run.measure()))
+        for name, run in runs.items():
             print(f"  batch {batch_size} {name}: {speed[name][0]:.0f} samples/s, {speed[name][1]:.0f} per CPU-s",
                   flush=True)
-        if args.torch:
-            speed[f"torch DDP gloo {args.devices}x1"] = torch_ddp(args.devices, batch_size, args.steps, args.repeats)
+            if isinstance(run, TorchDDP):
+                run.close()
         rows.append((batch_size, speed))
 
-    torch_name = f"torch DDP gloo {args.devices}x1"
     print(f"\n| global batch | run | samples/s | vs single | vs torch DDP | samples/CPU-s | vs single | vs torch DDP |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for batch_size, speed in rows:
         for name, v in speed.items():
-            label = name if name.startswith(("single", "torch")) else f"{name} ({args.devices} dev)"
+            label = name if name.startswith(("single", "torch")) else name.replace("ddp", f"ddp {args.devices} dev")
             cells = []
             for k in (0, 1):
                 vs_torch = f"{v[k] / speed[torch_name][k]:.2f}x" if torch_name in speed else "-"
-                cells.append(f"{v[k]:.0f} | {v[k] / speed['single'][k]:.2f}x | {vs_torch}")
+                cells.append(f"{v[k]:.0f} | {v[k] / speed[baseline[name]][k]:.2f}x | {vs_torch}")
             print(f"| {batch_size} | {label} | {' | '.join(cells)} |")
 
 

@@ -215,7 +215,7 @@ def _npz(split: str, path: str | None) -> tuple[np.ndarray, np.ndarray, int]:
     for s, (kx, ky) in pairs.items():
         if (kx in arrays) != (ky in arrays) or (s == "train" and kx not in arrays):
             raise DataError(f"{path!r} has arrays {sorted(arrays)}; it needs {kx!r} and {ky!r} together "
-                            f"({'required' if s == 'train' else 'optional: the test split'}); save both with "
+                            f"({'required' if s == 'train' else 'optional: the test split'}); write both with "
                             f"np.savez(path, {kx}=..., {ky}=...).")
         if kx not in arrays:
             continue

@@ -9,7 +9,7 @@ nproc_per_node + local_rank, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (= NODE_RA
 jaxpar.distributed.initialize() reads. Every output line is prefixed with `[rank r]`. When a process fails,
 the others get SIGTERM, then SIGKILL after --term-timeout seconds, and the launcher exits with the failing
 status (128 + signal for a killed one) within seconds: a rank stuck in a collective never hangs the job.
-With --max-restarts R the whole group is restarted (with --resume appended, so train.py continues from its
+With --max-restarts R the whole group is restarted (with --resume appended once a checkpoint exists, so train.py continues from its
 last checkpoint) up to R times. SIGINT / SIGTERM to the launcher stop every process the same way.
 """
 from __future__ import annotations
@@ -66,9 +66,30 @@ def rank_env(args: argparse.Namespace, local_rank: int, restart: int) -> dict[st
             "NODE_RANK": str(args.node_rank), "RESTART_COUNT": str(restart), "PYTHONUNBUFFERED": "1"}
 
 
+def checkpoint_dir(script_args: Sequence[str]) -> str | None:
+    """The value of the script's --checkpoint-dir flag, if it has one."""
+    for i, a in enumerate(script_args):
+        if a == "--checkpoint-dir" and i + 1 < len(script_args):
+            return script_args[i + 1]
+        if a.startswith("--checkpoint-dir="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def can_resume(script_args: Sequence[str]) -> bool:
+    """Whether the run's --checkpoint-dir holds a complete checkpoint to resume from."""
+    directory = checkpoint_dir(script_args)
+    if directory is None:
+        return False
+    from jaxpar.checkpoint import latest_step
+
+    return latest_step(directory) is not None
+
+
 def command(args: argparse.Namespace, restart: int) -> list[str]:
+    """A restart resumes from the last complete checkpoint, or starts over when none was written yet."""
     script_args = list(args.script_args)
-    if restart and "--resume" not in script_args:
+    if restart and "--resume" not in script_args and can_resume(script_args):
         script_args.append("--resume")
     head = [sys.executable, "-u", "-m", args.script] if args.module else [sys.executable, "-u", args.script]
     return head + script_args

@@ -173,7 +173,8 @@ def test_rendezvous_from_environment():
         detect({k: v for k, v in torch_env.items() if k != "MASTER_PORT"})
 
 
-def test_launcher_environment_and_resume():
+def test_launcher_environment_and_resume(tmp_path, monkeypatch):
+    import jaxpar.checkpoint
     from jaxpar.launch import command, parser, rank_env
 
     args = parser().parse_args(["--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "4", "--master-port", "1",
@@ -181,7 +182,12 @@ def test_launcher_environment_and_resume():
     env = rank_env(args, local_rank=2, restart=0)
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["GROUP_RANK"]) == ("6", "8", "2", "1")
     assert command(args, restart=0)[-2:] == ["--strategy", "ddp"]
-    assert command(args, restart=1)[-1] == "--resume"
+    assert command(args, restart=1)[-2:] == ["--strategy", "ddp"]  # nothing to resume from: start over
+    ck = ["train.py", "--checkpoint-dir", str(tmp_path)]
+    args = parser().parse_args(["--nproc-per-node", "2"] + ck)
+    assert "--resume" not in command(args, restart=1)  # the folder holds no complete checkpoint yet
+    monkeypatch.setattr(jaxpar.checkpoint, "latest_step", lambda d: 4 if d == str(tmp_path) else None)
+    assert command(args, restart=1)[-1] == "--resume" and "--resume" not in command(args, restart=0)
 
 
 if __name__ == "__main__":

@@ -231,7 +231,8 @@ class Pipeline:
     def report(self, s: TrainState | None = None) -> dict:
         """Partition, bubble fraction, activation buffers (planned and measured during the last step)."""
         pm = self.module
-        out = {"partition": self.module.describe(), "schedule": self.schedule.name,
+        out = {"devices": self.mesh.devices.size, "mesh": dict(self.mesh.shape),
+               "partition": self.module.describe(), "schedule": self.schedule.name,
                "ticks": self.schedule.num_ticks, "bubble_fraction": schedule_lib.bubble_fraction(self.schedule),
                "peak_inflight": schedule_lib.peak_inflight(self.schedule),
                "activation_slots": list(self.plan.act_slots), "grad_slots": list(self.plan.grad_slots),

@@ -22,6 +22,13 @@ from jaxpar.step import TrainState, init_state, make_eval_step
 from jaxpar.strategy import STRATEGIES, get_builder
 
 
+def devices_used(strategy) -> int:
+    """How many devices (over all processes) the strategy runs on: its mesh, its device list, or one."""
+    if getattr(strategy, "mesh", None) is not None:
+        return strategy.mesh.devices.size
+    return len(getattr(strategy, "devices", [None]))
+
+
 def validate(cfg: Config) -> None:
     """Reject a bad configuration before any work starts (names, ranges); strategies check their own rules."""
     import models
@@ -179,7 +186,7 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
         + (f"; resumed from step {step} (epoch {epoch}) in {cfg.checkpoint_dir}" if cfg.resume else ""))
     for note in ckpt.notes if ckpt is not None and main_process else ():
         print(f"jaxpar: note: resuming with a changed setting ({note}); the run will not match the original.")
-    writer.write({"event": "start", "strategy": cfg.strategy, "model": cfg.model, "devices": jax.device_count(),
+    writer.write({"event": "start", "strategy": cfg.strategy, "model": cfg.model, "devices": devices_used(strategy),
                   "processes": nproc, "describe": strategy.describe(), "step": step,
                   "config": dataclasses.asdict(cfg)})
 
@@ -238,7 +245,7 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
             if ckpt is not None and not stopped and ckpt.saved_step != step:
                 save()  # the end of the run is always saved
         final = strategy.unplace(placed)
-        summary = {"strategy": cfg.strategy, "model": cfg.model, "devices": jax.device_count(), "processes": nproc,
+        summary = {"strategy": cfg.strategy, "model": cfg.model, "devices": devices_used(strategy), "processes": nproc,
                    "precision": cfg.precision, "describe": strategy.describe(), "steps": step,
                    "epochs": epoch + (not epoch_done or bool(stopped)),
                    **{k: v for k, v in last.items() if k not in ("epoch", "step")}, **clock.total(),

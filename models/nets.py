@@ -20,7 +20,8 @@ class Layered(nnx.Module):
     layers: Sequence[nnx.Module]  # a property, or an nnx.List attribute
 
     def torch_modules(self) -> dict[str, Linear | Conv2d]:
-        raise NotImplementedError
+        """PyTorch state-dict prefix -> the layer holding those weights; every model below defines it."""
+        raise NotImplementedError(f"{type(self).__name__} must define torch_modules() to convert to/from PyTorch.")
 
     def __call__(self, x: jax.Array, keys: jax.Array | None = None) -> jax.Array:
         for layer in self.layers:

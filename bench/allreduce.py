@@ -3,6 +3,7 @@
     python bench/allreduce.py                                # 8 simulated CPU devices, 1, 4 and 25 MB
     python bench/allreduce.py --devices 4 --sizes 1,10,100 --reps 20 --plot /tmp/busbw.png --jsonl ar.jsonl
     python bench/allreduce.py --no-alexnet --inplace         # skip the gradient part; donate the buffers
+    python bench/allreduce.py --processes 2 --devices 4      # 2 processes x 4 CPU devices, collectives over gloo
 
 Per size S (bytes per device, float32, rounded down to a multiple of N elements): median time over --reps
 calls (the algorithms interleaved, so load on a shared machine hits them alike), min time, algbw = S / time
@@ -14,6 +15,10 @@ output assembly; the ring can only add work to it. Out-of-place by default; --in
 Then AlexNet-shaped gradients (torchvision AlexNet, num_classes=10: 16 leaves, 57M float32) reduced leaf by
 leaf, in torch's 25 MB buckets, and as one flat buffer, with psum and with the ring (buffers donated, as in
 a DDP step where the gradients are dead after the reduction).
+
+With --processes P the bench starts itself P times through `jaxpar.launch` (jax.distributed, one coordinator);
+each process holds --devices simulated CPU devices, the mesh spans all P x devices, and every transfer between
+processes goes through XLA:CPU's cross-process collectives (gloo over loopback TCP). Process 0 prints.
 """
 from __future__ import annotations
 
@@ -38,7 +43,9 @@ MB = 10**6
 
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--devices", type=int, default=8, help="simulated CPU devices (and mesh size)")
+    p.add_argument("--devices", type=int, default=8, help="simulated CPU devices per process")
+    p.add_argument("--processes", type=int, default=1,
+                   help="processes on this machine (via jaxpar.launch); the mesh has processes x devices")
     p.add_argument("--sizes", default="1,4,25", help="MB (10^6 bytes) per device, comma separated; e.g. 1,10,100")
     p.add_argument("--algorithms", default="psum,ring,reduce_broadcast,all_to_all", help="comma separated")
     p.add_argument("--reps", type=int, default=10, help="timed calls per algorithm and size")
@@ -59,8 +66,26 @@ def simulate_devices(n: int) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
+def relaunch(args: argparse.Namespace, argv: list[str]) -> int | None:
+    """With --processes P > 1 outside a launched group: run this file under jaxpar.launch; its exit code."""
+    from jaxpar import distributed
+
+    if args.processes < 1:
+        raise ValueError(f"--processes {args.processes} must be >= 1; use 1 for one process.")
+    if args.processes == 1 or distributed.detect() is not None:
+        return None
+    import subprocess
+
+    return subprocess.call([sys.executable, "-m", "jaxpar.launch", "--nproc-per-node", str(args.processes),
+                            os.path.abspath(__file__), *argv])
+
+
 if __name__ == "__main__":
-    simulate_devices(parse().devices)  # before jax is imported
+    _args = parse()
+    _code = relaunch(_args, sys.argv[1:])
+    if _code is not None:
+        sys.exit(_code)
+    simulate_devices(_args.devices)  # before jax is imported
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -71,8 +96,15 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxpar import collectives as C  # noqa: E402  (importing jaxpar also tunes glibc's allocator)
 from jaxpar import comm_cost as K  # noqa: E402
+from jaxpar import distributed  # noqa: E402
 from jaxpar.buckets import plan_buckets, reduce_buckets  # noqa: E402
 from jaxpar.mesh import DATA  # noqa: E402
+
+
+def say(*args, **kwargs) -> None:
+    """print on process 0 only."""
+    if jax.process_index() == 0:
+        print(*args, **kwargs, flush=True)
 
 
 def floor(x: jax.Array, axis_name: str) -> jax.Array:
@@ -117,9 +149,9 @@ def bench_sizes(args, mesh: Mesh) -> list[dict]:
     n = mesh.size
     sharding = NamedSharding(mesh, P(DATA))
     records = []
-    print(f"\nall-reduce on {n} devices ({jax.devices()[0].platform}), float32, "
+    say(f"\nall-reduce on {n} devices in {jax.process_count()} process(es) ({jax.devices()[0].platform}), float32, "
           f"{'in-place' if args.inplace else 'out-of-place'}, median of {args.reps}")
-    print(f"{'size':>10} {'algorithm':>17} {'time ms':>9} {'min ms':>8} {'algbw GB/s':>11} {'busbw GB/s':>11} "
+    say(f"{'size':>10} {'algorithm':>17} {'time ms':>9} {'min ms':>8} {'algbw GB/s':>11} {'busbw GB/s':>11} "
           f"{'sent/dev MB':>12} {'model MB':>9}")
     for mb in [float(s) for s in args.sizes.split(",")]:
         elems = max(n, int(mb * MB) // 4 // n * n)
@@ -135,13 +167,13 @@ def bench_sizes(args, mesh: Mesh) -> list[dict]:
             algbw = nbytes / med[a] / 1e9
             sent = max(K.hlo_bytes_per_device(fns[a].as_text(), n))
             model = K.comm_cost("ring" if a == "floor" else a, n, nbytes, itemsize=4).master_sent
-            print(f"{nbytes / MB:>8.2f}MB {a:>17} {med[a] * 1e3:>9.2f} {min(t) * 1e3:>8.2f} {algbw:>11.2f} "
+            say(f"{nbytes / MB:>8.2f}MB {a:>17} {med[a] * 1e3:>9.2f} {min(t) * 1e3:>8.2f} {algbw:>11.2f} "
                   f"{K.bus_bandwidth(algbw, n):>11.2f} {sent / MB:>12.2f} {model / MB:>9.2f}")
             records.append({"algorithm": a, "bytes": nbytes, "busbw": K.bus_bandwidth(algbw, n), "algbw": algbw,
                             "time_s": med[a], "min_s": min(t), "devices": n, "inplace": args.inplace})
         for ref in ("floor", "psum"):
             if "ring" in med and ref in med:
-                print(f"{'':>10} {'ring/' + ref:>17} {med['ring'] / med[ref]:>8.2f}x "
+                say(f"{'':>10} {'ring/' + ref:>17} {med['ring'] / med[ref]:>8.2f}x "
                       f"{min(times['ring']) / min(times[ref]):>7.2f}x")
     return records
 
@@ -157,9 +189,9 @@ def bench_alexnet(args, mesh: Mesh) -> None:
              "25 MB buckets": plan_buckets(local, 25.0, order=order),
              "one buffer": plan_buckets(local, bucket_cap_mb=1e9, first_bucket_mb=1e9, order=order)}
     total = sum(4 * int(np.prod(s)) for _, s in ALEXNET_SHAPES)
-    print(f"\nAlexNet(num_classes=10) gradients: {len(names)} leaves, {total / MB:.1f} MB per device, "
+    say(f"\nAlexNet(num_classes=10) gradients: {len(names)} leaves, {total / MB:.1f} MB per device, "
           f"{n} devices, buffers donated, median of {args.alexnet_reps}")
-    print(plans["25 MB buckets"])
+    say(plans["25 MB buckets"])
     specs = {k: jax.ShapeDtypeStruct((n * s.shape[0], *s.shape[1:]), s.dtype, sharding=sharding)
              for k, s in local.items()}
     fns = {}
@@ -180,30 +212,32 @@ def bench_alexnet(args, mesh: Mesh) -> None:
             jax.block_until_ready(f(grads))
             if rep:
                 times[k].append(time.perf_counter() - t)
-    print(f"{'algorithm':>10} {'reduction':>14} {'buckets':>8} {'HLO ops':>8} {'time ms':>9} {'min ms':>8}")
+    say(f"{'algorithm':>10} {'reduction':>14} {'buckets':>8} {'HLO ops':>8} {'time ms':>9} {'min ms':>8}")
     for (alg, label), t in times.items():
         ops = len({c.name for c in K.hlo_collectives(fns[(alg, label)].as_text())})
-        print(f"{alg:>10} {label:>14} {len(plans[label]):>8} {ops:>8} {np.median(t) * 1e3:>9.1f} {min(t) * 1e3:>8.1f}")
+        say(f"{alg:>10} {label:>14} {len(plans[label]):>8} {ops:>8} {np.median(t) * 1e3:>9.1f} {min(t) * 1e3:>8.1f}")
 
 
 def main(argv=None) -> list[dict]:
     args = parse(argv)
     simulate_devices(args.devices)
-    if len(jax.devices()) < args.devices:
-        raise ValueError(f"--devices {args.devices} but only {len(jax.devices())} devices: JAX started before "
+    distributed.initialize()  # a no-op unless started by jaxpar.launch (--processes)
+    if jax.local_device_count() < args.devices:
+        raise ValueError(f"--devices {args.devices} but only {jax.local_device_count()} devices: JAX started before "
                          f"XLA_FLAGS was set; run this file as a script.")
-    mesh = Mesh(np.array(jax.devices()[: args.devices]), (DATA,))
+    local = args.devices if jax.process_count() == 1 else jax.local_device_count()
+    mesh = Mesh(np.array(jax.devices()[: local * jax.process_count()]), (DATA,))
     records = bench_sizes(args, mesh)
-    if args.jsonl:
+    if args.jsonl and jax.process_index() == 0:
         import json
 
         with open(args.jsonl, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)
-    if args.plot:
+    if args.plot and jax.process_index() == 0:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from plot import plot_busbw  # bench/plot.py draws the same records
 
-        print(f"\nwrote {plot_busbw(records, args.plot)}")
+        say(f"\nwrote {plot_busbw(records, args.plot)}")
     if args.alexnet:
         bench_alexnet(args, mesh)
     return records

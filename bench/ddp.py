@@ -29,7 +29,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=8, help="timed steps per run")
     p.add_argument("--repeats", type=int, default=5, help="timed rounds per run, alternating; the best counts")
     p.add_argument("--conv-impls", default="auto",
-                   help="ConvNet convolutions, comma separated: auto (the model's default), im2col, xla")
+                   help="ConvNet convolutions, comma separated: auto (the model's default: chunked on CPU), "
+                        "im2col, xla, chunked")
     p.add_argument("--grad-accum", default="1", help="DDP micro-steps per step, comma separated (e.g. 1,2)")
     p.add_argument("--torch", action=argparse.BooleanOptionalAction, default=True, help="also PyTorch DDP")
     return p.parse_args(argv)

@@ -10,7 +10,7 @@ from flax import nnx
 
 import models
 from make_torch_fixtures import ALEXNET_CLASSES, FIXTURES, MLP_SIZES, POOL_SIZES, recipe_state_dict
-from models.layers import AdaptiveAvgPool2d, Conv2d, Dropout, adaptive_bins
+from models.layers import CONV_CHUNK, AdaptiveAvgPool2d, Conv2d, Dropout, adaptive_bins
 
 CONVNET_PARAMS = 1_199_882  # pytorch/examples mnist Net
 ALEXNET_PARAMS = 57_044_810  # torchvision alexnet(num_classes=10)
@@ -152,11 +152,11 @@ def test_dropout_split_invariant():
     np.testing.assert_array_equal(drop(ones), ones)
 
 
-@pytest.mark.parametrize("cin,cout,k,stride,pad,hw", [
-    (3, 8, 11, 4, 2, 23), (4, 6, 5, 1, 2, 9), (3, 4, 3, 2, 1, 9)])
-def test_conv_impls_agree(cin, cout, k, stride, pad, hw):
-    assert models.default_conv_impl() == "im2col"  # tests run on CPU
-    x = jax.random.normal(jax.random.key(3), (2, hw, hw, cin))
+@pytest.mark.parametrize("b,cin,cout,k,stride,pad,hw", [
+    (2, 3, 8, 11, 4, 2, 23), (2, 4, 6, 5, 1, 2, 9), (2, 3, 4, 3, 2, 1, 9), (CONV_CHUNK * 2 + 3, 2, 3, 3, 1, 0, 6)])
+def test_conv_impls_agree(b, cin, cout, k, stride, pad, hw):
+    assert models.default_conv_impl() == "chunked"  # tests run on CPU
+    x = jax.random.normal(jax.random.key(3), (b, hw, hw, cin))
     rng = np.random.default_rng(0)
     kernel = rng.standard_normal((k, k, cin, cout), np.float32) / np.sqrt(k * k * cin)  # outputs O(1)
     bias = rng.standard_normal(cout, np.float32)
@@ -174,13 +174,15 @@ def test_conv_impls_agree(cin, cout, k, stride, pad, hw):
         return {impl: (conv(x), *nnx.grad(loss, argnums=(0, 1))(conv, x)) for impl, conv in convs.items()}
 
     results = run(convs, x)
-    (y1, gc1, gx1), (y2, gc2, gx2) = results["im2col"], results["xla"]
-    assert y1.shape == (2, (hw + 2 * pad - k) // stride + 1, (hw + 2 * pad - k) // stride + 1, cout)
+    y1, gc1, gx1 = results["xla"]
+    assert y1.shape == (b, (hw + 2 * pad - k) // stride + 1, (hw + 2 * pad - k) // stride + 1, cout)
     assert float(jnp.abs(y1).max()) > 0.1 and float(jnp.abs(gx1).max()) > 0.01
-    np.testing.assert_allclose(y1, y2, **TOL)
-    np.testing.assert_allclose(gx1, gx2, **TOL)
-    np.testing.assert_allclose(gc1.kernel[...], gc2.kernel[...], **TOL)
-    np.testing.assert_allclose(gc1.bias[...], gc2.bias[...], **TOL)
+    for impl in ("im2col", "chunked"):
+        y2, gc2, gx2 = results[impl]
+        np.testing.assert_allclose(y1, y2, **TOL)
+        np.testing.assert_allclose(gx1, gx2, **TOL)
+        np.testing.assert_allclose(gc1.kernel[...], gc2.kernel[...], **TOL)
+        np.testing.assert_allclose(gc1.bias[...], gc2.bias[...], **TOL)
 
 
 def test_bad_state_dicts_name_the_key():

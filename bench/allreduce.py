@@ -1,6 +1,6 @@
 """All-reduce benchmark in the style of nccl-tests: every algorithm of jaxpar.collectives on N devices.
 
-    python bench/allreduce.py                                # 8 simulated CPU devices, 1, 4 and 25 MB
+    python bench/allreduce.py                                # 8 simulated CPU devices, 1, 4, 25 and 100 MB
     python bench/allreduce.py --devices 4 --sizes 1,10,100 --reps 20 --plot /tmp/busbw.png --jsonl ar.jsonl
     python bench/allreduce.py --no-alexnet --inplace         # skip the gradient part; donate the buffers
     python bench/allreduce.py --processes 2 --devices 4      # 2 processes x 4 CPU devices, collectives over gloo
@@ -8,8 +8,10 @@
 Per size S (bytes per device, float32, rounded down to a multiple of N elements): median time over --reps
 calls (the algorithms interleaved, so load on a shared machine hits them alike), min time, algbw = S / time
 and busbw = algbw x 2(N-1)/N (nccl-tests: comparable across N; a ring's wire rate), and the bytes each device
-sends in the compiled HLO. "floor" is the bare ring traffic: 2(N-1) chained ppermutes of S/N, no adds and no
-output assembly; the ring can only add work to it. Out-of-place by default; --inplace donates the input
+sends in the compiled HLO; "err vs psum" is each result's max difference from lax.psum's on the same input,
+relative to its largest value (float32 sums in another order: ~1e-7; a wrong algorithm: ~1). "floor" is the
+bare ring traffic: 2(N-1) chained ppermutes of S/N, no adds and no output assembly; the ring can only add work
+to it. Out-of-place by default; --inplace donates the input
 (torch's all_reduce works in place on the bucket buffer, and so does the ring on a dead gradient bucket).
 
 Then AlexNet-shaped gradients (torchvision AlexNet, num_classes=10: 16 leaves, 57M float32) reduced leaf by
@@ -46,7 +48,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--devices", type=int, default=8, help="simulated CPU devices per process")
     p.add_argument("--processes", type=int, default=1,
                    help="processes on this machine (via jaxpar.launch); the mesh has processes x devices")
-    p.add_argument("--sizes", default="1,4,25", help="MB (10^6 bytes) per device, comma separated; e.g. 1,10,100")
+    p.add_argument("--sizes", default="1,4,25,100", help="MB (10^6 bytes) per device, comma separated")
     p.add_argument("--algorithms", default="psum,ring,reduce_broadcast,all_to_all", help="comma separated")
     p.add_argument("--reps", type=int, default=10, help="timed calls per algorithm and size")
     p.add_argument("--inplace", action="store_true", help="donate the input buffer (nccl-tests' in-place)")
@@ -59,11 +61,11 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 def simulate_devices(n: int) -> None:
-    """N simulated CPU devices: must happen before JAX starts its backend."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    """N simulated CPU devices (jax_num_cpu_devices wins over an inherited XLA_FLAGS count): before JAX starts."""
+    from jaxpar.mesh import simulate_cpu_devices
+
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    simulate_cpu_devices(n)
 
 
 def relaunch(args: argparse.Namespace, argv: list[str]) -> int | None:
@@ -145,6 +147,18 @@ def time_calls(fns: dict, make_input, reps: int, donate: bool) -> dict[str, list
     return times
 
 
+@jax.jit
+def relative_error(got: jax.Array, want: jax.Array) -> jax.Array:
+    """max |got - want| / max |want| over all devices (nccl-tests' correctness check, as a number)."""
+    return jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want))
+
+
+def check_results(fns: dict, mesh: Mesh, spec, make_input) -> dict[str, float]:
+    """Each algorithm's output on one input against lax.psum's: a wrong algorithm shows before its speed."""
+    want = compile_fn(lambda x: C.psum_all_reduce(x, DATA), mesh, spec, False)(make_input())
+    return {a: float(relative_error(f(make_input()), want)) for a, f in fns.items() if a != "floor"}
+
+
 def bench_sizes(args, mesh: Mesh) -> list[dict]:
     n = mesh.size
     sharding = NamedSharding(mesh, P(DATA))
@@ -152,7 +166,7 @@ def bench_sizes(args, mesh: Mesh) -> list[dict]:
     say(f"\nall-reduce on {n} devices in {jax.process_count()} process(es) ({jax.devices()[0].platform}), float32, "
           f"{'in-place' if args.inplace else 'out-of-place'}, median of {args.reps}")
     say(f"{'size':>10} {'algorithm':>17} {'time ms':>9} {'min ms':>8} {'algbw GB/s':>11} {'busbw GB/s':>11} "
-          f"{'sent/dev MB':>12} {'model MB':>9}")
+          f"{'sent/dev MB':>12} {'model MB':>9} {'err vs psum':>12}")
     for mb in [float(s) for s in args.sizes.split(",")]:
         elems = max(n, int(mb * MB) // 4 // n * n)
         nbytes = 4 * elems
@@ -161,6 +175,7 @@ def bench_sizes(args, mesh: Mesh) -> list[dict]:
         bodies["floor"] = lambda x: floor(x, DATA)
         fns = {a: compile_fn(b, mesh, spec, args.inplace) for a, b in bodies.items()}
         base = jax.jit(lambda: jax.random.normal(jax.random.key(0), (n * elems,)), out_shardings=sharding)()
+        errors = check_results(fns, mesh, spec, lambda: fresh_copy(base))
         times = time_calls(fns, lambda: fresh_copy(base), args.reps, args.inplace)
         med = {a: float(np.median(t)) for a, t in times.items()}
         for a, t in times.items():
@@ -168,9 +183,11 @@ def bench_sizes(args, mesh: Mesh) -> list[dict]:
             sent = max(K.hlo_bytes_per_device(fns[a].as_text(), n))
             model = K.comm_cost("ring" if a == "floor" else a, n, nbytes, itemsize=4).master_sent
             say(f"{nbytes / MB:>8.2f}MB {a:>17} {med[a] * 1e3:>9.2f} {min(t) * 1e3:>8.2f} {algbw:>11.2f} "
-                  f"{K.bus_bandwidth(algbw, n):>11.2f} {sent / MB:>12.2f} {model / MB:>9.2f}")
+                  f"{K.bus_bandwidth(algbw, n):>11.2f} {sent / MB:>12.2f} {model / MB:>9.2f} "
+                  f"{f'{errors[a]:.1e}' if a in errors else '-':>12}")
             records.append({"algorithm": a, "bytes": nbytes, "busbw": K.bus_bandwidth(algbw, n), "algbw": algbw,
-                            "time_s": med[a], "min_s": min(t), "devices": n, "inplace": args.inplace})
+                            "time_s": med[a], "min_s": min(t), "devices": n, "inplace": args.inplace,
+                            "error_vs_psum": errors.get(a)})
         for ref in ("floor", "psum"):
             if "ring" in med and ref in med:
                 say(f"{'':>10} {'ring/' + ref:>17} {med['ring'] / med[ref]:>8.2f}x "

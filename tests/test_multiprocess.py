@@ -156,6 +156,21 @@ def test_launcher_restarts_with_resume_and_reports_failure(tmp_path):
     assert failed.returncode == 3 and "stopped all" in failed.stderr
 
 
+def test_allreduce_bench_across_processes():
+    """bench/allreduce.py --processes 2 starts itself under jaxpar.launch; every algorithm's result equals psum's."""
+    cmd = [sys.executable, "bench/allreduce.py", "--processes", "2", "--devices", "2", "--sizes", "0.01",
+           "--reps", "1", "--no-alexnet", "--plot", ""]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "all-reduce on 4 devices in 2 process(es)" in proc.stdout, proc.stdout
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("[rank 0]")]
+    errors = {row[3]: row[-1] for row in rows if len(row) > 3 and row[2].endswith("MB")}  # size, algorithm, .., err
+    assert set(errors) == {"psum", "ring", "reduce_broadcast", "all_to_all", "floor"}, proc.stdout
+    assert errors.pop("floor") == "-"
+    assert all(float(e) < 1e-6 for e in errors.values()), errors
+
+
 def test_rendezvous_from_environment():
     from jaxpar.distributed import Rendezvous, detect
 

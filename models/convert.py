@@ -36,6 +36,9 @@ def _torch_shape(layer: Linear | Conv2d, name: str) -> tuple[int, ...]:
 
 def _entries(model: nnx.Module):
     """(torch key, layer, param name) for every weight and bias, in torch's order."""
+    if not callable(getattr(model, "torch_modules", None)):
+        raise ValueError(f"{type(model).__name__} has no torch_modules(); define it (state-dict prefix -> layer) "
+                         f"or use a models.get(...) model.")
     for prefix, layer in model.torch_modules().items():
         yield f"{prefix}.weight", layer, "kernel"
         yield f"{prefix}.bias", layer, "bias"

@@ -18,10 +18,7 @@ class Layered(nnx.Module):
     """A model that is the composition of its `layers`: x -> layers[-1](...layers[0](x, keys)..., keys)."""
 
     layers: Sequence[nnx.Module]  # a property, or an nnx.List attribute
-
-    def torch_modules(self) -> dict[str, Linear | Conv2d]:
-        """PyTorch state-dict prefix -> the layer holding those weights; every model below defines it."""
-        raise NotImplementedError(f"{type(self).__name__} must define torch_modules() to convert to/from PyTorch.")
+    # and, for PyTorch conversion, torch_modules() -> {state-dict prefix: Linear | Conv2d}; every model below has it
 
     def __call__(self, x: jax.Array, keys: jax.Array | None = None) -> jax.Array:
         for layer in self.layers:

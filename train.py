@@ -1,72 +1,14 @@
-"""Train a model with one of jaxpar's parallel strategies.
+"""Train a model with one of jaxpar's parallel strategies: the command line of `jaxpar.cli`.
 
     python train.py --cpu-devices 8 --strategy ddp --epochs 1                 # 8 simulated CPU devices
-    python train.py --strategy single --model convnet --dataset mnist --data-dir ../shared/data/mnist \
-        --train-split 'test[:8000]' --eval-split 'test[8000:]' --epochs 2 --batch-size 64 --optimizer adadelta --lr 1.0
-    python train.py --cpu-devices 8 --strategy dp --model linear --batch-size 30 --print-shapes --steps 4
     python train.py --cpu-devices 4 --strategy pipeline --num-stages 2 --micro-batches 8 --schedule 1f1b
+    python train.py --model examples/regression.py:make_model --loss examples/regression.py:loss ...
     python -m jaxpar.launch --nproc-per-node 2 train.py --cpu-devices 2 --strategy ddp    # 2 processes
 
-Every flag maps to a field of jaxpar.Config (jaxpar/config.py says what each means). A user error prints one
-line naming the value, the rule and the fix, and exits with status 2 before anything is written.
+`python train.py --help` lists every flag (the fields of jaxpar.Config). Installed, the same command is
+`jaxpar-train`.
 """
-from __future__ import annotations
-
-import argparse
-import dataclasses
-import sys
-
-from jaxpar.config import Config
-
-_NEGATED = {"shuffle": "--no-shuffle", "overlap": "--no-overlap"}  # booleans that default to on
-
-
-def _field_help() -> dict[str, str]:
-    """Each Config field's trailing comment in jaxpar/config.py: the one place a flag's meaning is written."""
-    import inspect
-    import re
-
-    from jaxpar import config
-
-    return dict(re.findall(r"^\s+(\w+): [^=]+=[^#\n]+#\s*(.+)$", inspect.getsource(config), re.M))
-
-
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="train.py", description="jaxpar: parallel training strategies in JAX.")
-    defaults, helps = Config(), _field_help()
-    for f in dataclasses.fields(Config):
-        default = getattr(defaults, f.name)
-        flag = "--" + f.name.replace("_", "-")
-        if f.name in _NEGATED:
-            p.add_argument(_NEGATED[f.name], dest=f.name, action="store_false", help=f"turn off: {helps.get(f.name, f.name)}")
-        elif isinstance(default, bool):
-            p.add_argument(flag, action="store_true", help=helps.get(f.name))
-        else:
-            kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0].split("|")[0].strip(), str)
-            p.add_argument(flag, type=kind, default=default, metavar=f.name.upper(), help=f"{helps.get(f.name, '')} (default: {default})")
-    return p
-
-
-def parse(argv=None) -> Config:
-    """argv -> Config (argparse exits with status 2 on malformed flags)."""
-    return Config(**vars(parser().parse_args(argv)))
-
-
-def main(argv=None) -> dict:
-    """Parse, set up devices, train; returns the run summary. User errors exit with status 2."""
-    cfg = parse(argv)
-    from jaxpar import devices, trainer  # importing JAX does not start its backend yet
-
-    try:
-        devices.setup(cfg)  # simulated CPU devices and jax.distributed, before JAX's backend starts
-        return trainer.run(cfg)
-    except ValueError as e:  # user errors: one line, exit status 2 (as argparse does)
-        print(f"train.py: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    except trainer.Diverged as e:  # the loss went NaN: the last good checkpoint is kept
-        print(f"train.py: stopped: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
-
+from jaxpar.cli import main
 
 if __name__ == "__main__":
     main()

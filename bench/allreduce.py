@@ -1,4 +1,4 @@
-"""All-reduce benchmark in the style of nccl-tests: every algorithm of jaxpar.collectives on N devices.
+"""All-reduce benchmark in the style of nccl-tests: every algorithm of jaxpar.comm.collectives on N devices.
 
     python bench/allreduce.py                                # 8 simulated CPU devices, 1, 4, 25 and 100 MB
     python bench/allreduce.py --devices 4 --sizes 1,10,100 --reps 20 --plot /tmp/busbw.png --jsonl ar.jsonl
@@ -70,7 +70,7 @@ def simulate_devices(n: int) -> None:
 
 def relaunch(args: argparse.Namespace, argv: list[str]) -> int | None:
     """With --processes P > 1 outside a launched group: run this file under jaxpar.launch; its exit code."""
-    from jaxpar import distributed
+    from jaxpar.run import distributed
 
     if args.processes < 1:
         raise ValueError(f"--processes {args.processes} must be >= 1; use 1 for one process.")
@@ -96,10 +96,10 @@ from jax import lax  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jaxpar import collectives as C  # noqa: E402  (importing jaxpar also tunes glibc's allocator)
-from jaxpar import comm_cost as K  # noqa: E402
-from jaxpar import distributed  # noqa: E402
-from jaxpar.buckets import plan_buckets, reduce_buckets  # noqa: E402
+from jaxpar.comm import collectives as C  # noqa: E402  (importing jaxpar also tunes glibc's allocator)
+from jaxpar.comm import cost as K  # noqa: E402
+from jaxpar.run import distributed  # noqa: E402
+from jaxpar.comm.buckets import plan_buckets, reduce_buckets  # noqa: E402
 from jaxpar.mesh import DATA  # noqa: E402
 
 

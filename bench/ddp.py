@@ -150,11 +150,11 @@ def main(argv=None) -> None:
     import jax
     import numpy as np
 
-    import models
+    from jaxpar import models
     from jaxpar.config import Config
     from jaxpar.step import init_state
-    from jaxpar.strategy import get_builder
-    from jaxpar.trainer import make_tx
+    from jaxpar.strategies.base import get_builder
+    from jaxpar.run.trainer import make_tx
 
     print(f"jax {jax.__version__} on {jax.device_count()} {jax.default_backend()} devices; os.cpu_count()="
           f"{os.cpu_count()}; ConvNet, Adadelta, {args.steps} steps x best of {args.repeats}")

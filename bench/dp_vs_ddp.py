@@ -39,12 +39,12 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import models  # noqa: E402
-from jaxpar import memory  # noqa: E402
+from jaxpar import models  # noqa: E402
+from jaxpar.run import memory  # noqa: E402
 from jaxpar.config import Config  # noqa: E402
 from jaxpar.optim import make_optimizer  # noqa: E402
 from jaxpar.step import init_state  # noqa: E402
-from jaxpar.strategy import get_builder  # noqa: E402
+from jaxpar.strategies.base import get_builder  # noqa: E402
 
 
 def make_batches(k: int, batch: int, shape: tuple, classes: int = 10) -> list[dict]:

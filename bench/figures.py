@@ -4,10 +4,10 @@
     python bench/figures.py --out docs/img --only ring,schedules    # no training: seconds
     python bench/figures.py --out docs/img --only loss --reuse      # redraw from the runs already in --runs-dir
 
-ring        ring_allreduce.png: the 2(N-1) steps of jaxpar.collectives.ring_all_reduce on N=4 devices, simulated
+ring        ring_allreduce.png: the 2(N-1) steps of jaxpar.comm.collectives.ring_all_reduce on N=4 devices, simulated
             on symbolic chunks ("a0+b0") with the chunk indices the device code uses, checked against its numpy
             twin ring_all_reduce_ref run on the same symbols.
-schedules   schedule_{gpipe,1f1b,interleaved}.png: jaxpar.schedule.render of S=4 stages, M=8 micro-batches
+schedules   schedule_{gpipe,1f1b,interleaved}.png: jaxpar.pipeline.schedule.render of S=4 stages, M=8 micro-batches
             (V=2 chunks for interleaved); the titles give bubble_fraction and peak_inflight.
 loss        loss_curves.png: train.py in one subprocess per strategy (each simulates its own 8 CPU devices),
             the "step" records of their --metrics-out files on one chart, and below it each run's gap to
@@ -57,7 +57,7 @@ def ring_steps(n: int = 4) -> list[dict]:
     running sum of chunk (i-k) and adds the own chunk (i-k-1) to what arrives; all-gather step k forwards
     chunk (i+1-k) and receives chunk (i-k). The end state must be ring_all_reduce_ref's, term for term.
     """
-    from jaxpar.collectives import ring_all_reduce_ref
+    from jaxpar.comm.collectives import ring_all_reduce_ref
 
     xs = np.empty((n, n), object)
     for i in range(n):
@@ -172,7 +172,7 @@ def draw_ring(path: str, n: int = 4) -> str:
         else:
             title = f"start: dev i holds its own x\nin {n} chunks (dev 0's: a0..a{n - 1})"
         ax.set_title(title, fontsize=9, pad=16)
-    fig.suptitle(f"ring all-reduce on N={n} devices, as jaxpar.collectives.ring_all_reduce runs it: "
+    fig.suptitle(f"ring all-reduce on N={n} devices, as jaxpar.comm.collectives.ring_all_reduce runs it: "
                  f"reduce-scatter (top), then all-gather (bottom)", fontsize=11.5, y=1.0)
     fig.savefig(path, dpi=DPI, bbox_inches="tight")
     return path
@@ -184,7 +184,7 @@ SCHEDULE_FIGURES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))  # (name, vir
 
 
 def draw_schedules(out: str, stages: int = 4, micro_batches: int = 8) -> list[str]:
-    from jaxpar import schedule
+    from jaxpar.pipeline import schedule
 
     paths = []
     for name, v in SCHEDULE_FIGURES:

@@ -43,12 +43,12 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-import models  # noqa: E402
-from jaxpar import schedule as schedule_lib  # noqa: E402
-from jaxpar.pipeline import Pipeline, PipelineModule, pipeline_mesh  # noqa: E402
+from jaxpar import models  # noqa: E402
+from jaxpar.pipeline import schedule as schedule_lib  # noqa: E402
+from jaxpar.strategies.pipeline import Pipeline, PipelineModule, pipeline_mesh  # noqa: E402
 from jaxpar.step import init_state, make_train_step  # noqa: E402
-from models.layers import Linear, ReLU  # noqa: E402
-from models.nets import Layered  # noqa: E402
+from jaxpar.models.layers import Linear, ReLU  # noqa: E402
+from jaxpar.models.nets import Layered  # noqa: E402
 
 
 class Stack(Layered):

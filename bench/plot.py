@@ -105,8 +105,8 @@ def plot_busbw(records: list[dict], path: str) -> str:
 
 
 def plot_schedule(name: str, stages: int, micro_batches: int, virtual_stages: int, path: str) -> str:
-    """The pipeline timeline of one schedule (jaxpar.schedule.render)."""
-    from jaxpar import schedule
+    """The pipeline timeline of one schedule (jaxpar.pipeline.schedule.render)."""
+    from jaxpar.pipeline import schedule
 
     return schedule.render(schedule.make(name, stages, micro_batches, virtual_stages), path)
 

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import models
+from jaxpar import models
 from jaxpar.optim import make_optimizer
 from jaxpar.step import init_state, make_train_step
 

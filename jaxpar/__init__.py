@@ -1,26 +1,28 @@
 """jaxpar: PyTorch's and DeepSpeed's parallel training strategies, rebuilt in JAX and Flax NNX.
 
 The public API is what `__all__` lists; everything else is an implementation detail. Submodules with a vocabulary
-of their own are imported as modules: `jaxpar.collectives`, `jaxpar.buckets`, `jaxpar.comm_cost`,
-`jaxpar.schedule`, `jaxpar.memory`, `jaxpar.checkpoint`, `jaxpar.distributed`, `jaxpar.launch`.
+of their own are imported as modules: `jaxpar.comm.collectives`, `jaxpar.comm.buckets`, `jaxpar.comm.cost`,
+`jaxpar.pipeline.schedule`, `jaxpar.run.memory`, `jaxpar.run.checkpoint`, `jaxpar.run.distributed`, `jaxpar.launch`.
 """
-from jaxpar.hostmem import tune_host_allocator
+from jaxpar.run.hostmem import tune_host_allocator
 
-tune_host_allocator()  # before JAX allocates anything: see jaxpar/hostmem.py
-
-from jaxpar import buckets, collectives, comm_cost, memory, schedule  # noqa: E402
-from jaxpar.buckets import BucketPlan, plan_buckets  # noqa: E402
-from jaxpar.collectives import all_reduce, ring_all_reduce  # noqa: E402
+from jaxpar.comm import buckets  # noqa: E402
+from jaxpar.comm import collectives  # noqa: E402
+from jaxpar.comm import cost as comm_cost  # noqa: E402
+from jaxpar.run import memory  # noqa: E402
+from jaxpar.pipeline import schedule  # noqa: E402
+from jaxpar.comm.buckets import BucketPlan, plan_buckets  # noqa: E402
+from jaxpar.comm.collectives import all_reduce, ring_all_reduce  # noqa: E402
 from jaxpar.config import Config  # noqa: E402
-from jaxpar.data import DATASETS, DataError, Dataset, load  # noqa: E402
-from jaxpar.data_parallel import DataParallel, chunk_sizes  # noqa: E402
-from jaxpar.ddp import DistributedDataParallel, make_ddp_step  # noqa: E402
-from jaxpar.loader import Loader  # noqa: E402
+from jaxpar.data.datasets import DATASETS, DataError, Dataset, load  # noqa: E402
+from jaxpar.strategies.data_parallel import DataParallel, chunk_sizes  # noqa: E402
+from jaxpar.strategies.ddp import DistributedDataParallel, make_ddp_step  # noqa: E402
+from jaxpar.data.loader import Loader  # noqa: E402
 from jaxpar.mesh import DATA, PIPE, make_mesh  # noqa: E402
 from jaxpar.optim import OPTIMIZERS, make_optimizer  # noqa: E402
-from jaxpar.pipeline import Pipeline  # noqa: E402
-from jaxpar.pipeline_module import LayerSpec, PipelineModule  # noqa: E402
-from jaxpar.sampler import DistributedSampler  # noqa: E402
+from jaxpar.strategies.pipeline import Pipeline  # noqa: E402
+from jaxpar.pipeline.module import LayerSpec, PipelineModule  # noqa: E402
+from jaxpar.data.sampler import DistributedSampler  # noqa: E402
 from jaxpar.step import (  # noqa: E402
     TrainState,
     apply_updates,
@@ -30,7 +32,7 @@ from jaxpar.step import (  # noqa: E402
     make_train_step,
     sample_keys,
 )
-from jaxpar.strategy import STRATEGIES, Strategy, get_builder  # noqa: E402
+from jaxpar.strategies.base import STRATEGIES, Strategy, get_builder  # noqa: E402
 
 __all__ = [
     # the reference step every strategy matches

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Config:
     # what to train
-    strategy: str = "single"  # single | ddp | dp | pipeline (jaxpar.strategy.STRATEGIES)
+    strategy: str = "single"  # single | ddp | dp | pipeline (jaxpar.strategies.base.STRATEGIES)
     model: str = "convnet"  # linear | mlp | convnet | alexnet (models.NAMES)
-    dataset: str = "synthetic"  # synthetic | mnist | cifar10 | npz (jaxpar.data.DATASETS)
+    dataset: str = "synthetic"  # synthetic | mnist | cifar10 | npz (jaxpar.data.datasets.DATASETS)
     data_dir: str | None = None  # IDX folder for mnist, or the tfds data dir
     data_path: str | None = None  # the .npz file for --dataset npz
     train_split: str = "train"  # tfds split syntax, e.g. 'test[:8000]'

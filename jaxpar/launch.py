@@ -6,7 +6,7 @@
 
 Each process gets MASTER_ADDR, MASTER_PORT, WORLD_SIZE = nnodes * nproc_per_node, RANK = node_rank *
 nproc_per_node + local_rank, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (= NODE_RANK) and RESTART_COUNT, which
-jaxpar.distributed.initialize() reads. Every output line is prefixed with `[rank r]`. When a process fails,
+jaxpar.run.distributed.initialize() reads. Every output line is prefixed with `[rank r]`. When a process fails,
 the others get SIGTERM, then SIGKILL after --term-timeout seconds, and the launcher exits with the failing
 status (128 + signal for a killed one) within seconds: a rank stuck in a collective never hangs the job.
 With --max-restarts R the whole group is restarted (with --resume appended once a checkpoint exists, so train.py continues from its
@@ -81,7 +81,7 @@ def can_resume(script_args: Sequence[str]) -> bool:
     directory = checkpoint_dir(script_args)
     if directory is None:
         return False
-    from jaxpar.checkpoint import latest_step
+    from jaxpar.run.checkpoint import latest_step
 
     return latest_step(directory) is not None
 

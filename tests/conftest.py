@@ -7,6 +7,10 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from jaxpar.run.hostmem import tune_host_allocator  # noqa: E402
+
+tune_host_allocator()  # as train.py does: the CPU fast path, before JAX allocates
+
 import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)

@@ -6,9 +6,9 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import collectives as C
-from jaxpar import comm_cost as K
-from jaxpar.buckets import MiB, BucketPlan, flatten_bucket, plan_buckets, reduce_buckets, unflatten_bucket
+from jaxpar.comm import collectives as C
+from jaxpar.comm import cost as K
+from jaxpar.comm.buckets import MiB, BucketPlan, flatten_bucket, plan_buckets, reduce_buckets, unflatten_bucket
 from jaxpar.mesh import DATA
 
 KiB = 1024

@@ -12,7 +12,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpar import checkpoint, trainer
+from jaxpar.run import checkpoint
+from jaxpar.run import trainer
 from jaxpar.config import Config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -104,7 +105,7 @@ def test_checkpoint_every_and_keep(uninterrupted):
 def test_roundtrip_restores_typed_key_and_optimizer_count(npz, tmp_path):
     cfg = config(npz)
     tx = trainer.make_tx(cfg, steps_per_epoch=4)
-    import models
+    from jaxpar import models
     from jaxpar.step import init_state
 
     _, state = init_state(models.get("mlp", in_features=12, hidden_dim=8, out_features=3), tx, seed=7)
@@ -149,7 +150,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
 
 
 def _template(cfg):
-    import models
+    from jaxpar import models
     from jaxpar.step import init_state
 
     return init_state(models.get("mlp", in_features=12, hidden_dim=128, out_features=3),
@@ -164,13 +165,13 @@ def cli(npz: str, ckpt: str, *extra: str) -> list[str]:
 
 PACED = """
 import sys, time
-from jaxpar import report
+from jaxpar.run import report
 _tick = report.Clock.tick
 def paced(self, samples):  # 0.2 s per step: a signal sent after step k arrives before the run is over
     time.sleep(0.2)
     _tick(self, samples)
 report.Clock.tick = paced
-import train
+from jaxpar import cli as train
 train.main()
 """
 
@@ -227,7 +228,7 @@ async def killed_before_rename(self, *args, **kwargs):  # every byte of the step
     return await original(self, *args, **kwargs)
 original = atomicity.AtomicRenameTemporaryPath.finalize
 atomicity.AtomicRenameTemporaryPath.finalize = killed_before_rename
-import train
+from jaxpar import cli as train
 train.main(sys.argv[2:])
 """
 

@@ -7,7 +7,10 @@ import numpy as np
 import pytest
 
 import train
-from jaxpar import checkpoint, devices, idx, trainer
+from jaxpar.run import checkpoint
+from jaxpar.run import devices
+from jaxpar.data import idx
+from jaxpar.run import trainer
 from jaxpar.config import Config
 
 

@@ -6,8 +6,8 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import collectives as C
-from jaxpar import comm_cost as K
+from jaxpar.comm import collectives as C
+from jaxpar.comm import cost as K
 from jaxpar.mesh import DATA
 
 

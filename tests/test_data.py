@@ -1,4 +1,4 @@
-"""jaxpar.data and jaxpar.idx: synthetic data, IDX files, npz, tfds (offline), splits, preprocessing."""
+"""jaxpar.data.datasets and jaxpar.data.idx: synthetic data, IDX files, npz, tfds (offline), splits, preprocessing."""
 import gzip
 import io
 from pathlib import Path
@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpar import data
-from jaxpar.data import DataError, Dataset, load
-from jaxpar.idx import read_idx, write_idx
+from jaxpar.data import datasets as data
+from jaxpar.data.datasets import DataError, Dataset, load
+from jaxpar.data.idx import read_idx, write_idx
 
 SHARED_MNIST = Path(__file__).parents[2] / "shared/data/mnist"  # ../shared beside the checkout (never copied)
 MNIST_RANGE = ((0 - 0.1307) / 0.3081, (1 - 0.1307) / 0.3081)

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from jaxpar.config import Config
-from jaxpar.data_parallel import DataParallel, build, chunk_sizes
+from jaxpar.strategies.data_parallel import DataParallel, build, chunk_sizes
 from jaxpar.step import apply_model, grad_of_sum, init_state, make_train_step, sample_keys
 
 STEPS = 5

@@ -24,8 +24,8 @@ def problem():
     from flax import nnx
 
     from jaxpar.step import init_state
-    from models.layers import Dropout, Linear, ReLU
-    from models.nets import Layered
+    from jaxpar.models.layers import Dropout, Linear, ReLU
+    from jaxpar.models.nets import Layered
 
     class Tiny(Layered):
         def __init__(self, rngs):
@@ -54,7 +54,7 @@ def leaves(tree):
 
 def run_ddp(n: int, rows: slice = slice(None), **options):
     """(DDP instance, placed state) after the steps on `n` devices, feeding `rows` of each global batch."""
-    from jaxpar.ddp import DistributedDataParallel
+    from jaxpar.strategies.ddp import DistributedDataParallel
     from jaxpar.mesh import make_mesh
 
     graphdef, tx, state, batches = problem()
@@ -147,7 +147,7 @@ def test_bf16_communication_is_close_but_compressed(reference):
 
 
 def test_put_batch_pads_with_zero_weight_rows():
-    from jaxpar.ddp import DistributedDataParallel
+    from jaxpar.strategies.ddp import DistributedDataParallel
     from jaxpar.mesh import make_mesh
 
     graphdef, tx, _, batches = problem()
@@ -160,7 +160,7 @@ def test_put_batch_pads_with_zero_weight_rows():
 
 def _schedule(**options):
     """(bucket plan, entry schedule, HLO text) of the compiled step on 4 devices, one leaf per bucket."""
-    from jaxpar import ddp_overlap
+    from jaxpar.comm import overlap as ddp_overlap
 
     ddp, placed = run_ddp(4, bucket_cap_mb=0, **options)
     text = ddp.hlo(placed)
@@ -172,8 +172,8 @@ def test_hlo_one_reduction_per_bucket_inside_the_backward(allreduce):
     """Overlap on: each bucket is one reduction (psum: one all-reduce; ring: 2(N-1) collective-permutes), plus
     the metrics' all-reduce; the first is issued before the first layer's weight gradient (the backward's last
     one) is computed."""
-    from jaxpar.comm_cost import comm_cost, hlo_bytes_per_device
-    from jaxpar.ddp_overlap import collective_positions, producer_positions
+    from jaxpar.comm.cost import comm_cost, hlo_bytes_per_device
+    from jaxpar.comm.overlap import collective_positions, producer_positions
 
     plan, schedule, text = _schedule(allreduce=allreduce, overlap=True)
     reduce_ops = collective_positions(schedule, ["all-reduce"])
@@ -190,7 +190,7 @@ def test_hlo_one_reduction_per_bucket_inside_the_backward(allreduce):
 
 
 def test_hlo_no_overlap_reduces_after_the_backward():
-    from jaxpar.ddp_overlap import collective_positions, producer_positions
+    from jaxpar.comm.overlap import collective_positions, producer_positions
 
     plan, schedule, _ = _schedule(allreduce="psum", overlap=False)
     reduce_ops = collective_positions(schedule)
@@ -203,10 +203,10 @@ def test_forward_leaf_order_follows_layers_not_names():
     import jax
     from flax import nnx
 
-    from jaxpar.ddp import bucket_plan
-    from jaxpar.ddp_overlap import forward_leaf_order, leaf_names
-    from models.layers import Linear, ReLU
-    from models.nets import Layered
+    from jaxpar.strategies.ddp import bucket_plan
+    from jaxpar.comm.overlap import forward_leaf_order, leaf_names
+    from jaxpar.models.layers import Linear, ReLU
+    from jaxpar.models.nets import Layered
 
     class Backwards(Layered):  # 'z_in' sorts after 'a_out' but runs first
         def __init__(self, rngs):
@@ -226,7 +226,7 @@ def test_forward_leaf_order_follows_layers_not_names():
 
 
 def test_bad_options_name_the_fix():
-    from jaxpar.ddp import DistributedDataParallel
+    from jaxpar.strategies.ddp import DistributedDataParallel
 
     graphdef, tx, _, _ = problem()
     with pytest.raises(ValueError, match="allreduce='tree' is not known; use one of psum"):
@@ -241,9 +241,9 @@ def test_build_from_config():
     import optax
     from flax import nnx
 
-    import models
+    from jaxpar import models
     from jaxpar.config import Config
-    from jaxpar.strategy import get_builder
+    from jaxpar.strategies.base import get_builder
 
     model = models.get("mlp", in_features=12, hidden_dim=8, out_features=10)
     cfg = Config(strategy="ddp", num_devices=2, allreduce="ring", bucket_cap_mb=0, overlap=False, batch_size=6)

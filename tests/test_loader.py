@@ -1,4 +1,4 @@
-"""jaxpar.loader.Loader: order, the prefetch thread (same results, errors, early exit) and resume."""
+"""jaxpar.data.loader.Loader: order, the prefetch thread (same results, errors, early exit) and resume."""
 import subprocess
 import sys
 import textwrap
@@ -9,9 +9,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpar.data import Dataset
-from jaxpar.loader import Loader
-from jaxpar.sampler import DistributedSampler
+from jaxpar.data.datasets import Dataset
+from jaxpar.data.loader import Loader
+from jaxpar.data.sampler import DistributedSampler
 
 N = 45
 
@@ -106,9 +106,9 @@ def test_interpreter_exits_with_a_loader_left_open():
     code = textwrap.dedent("""
         import time
         import numpy as np
-        from jaxpar.data import Dataset
-        from jaxpar.loader import Loader
-        from jaxpar.sampler import DistributedSampler
+        from jaxpar.data.datasets import Dataset
+        from jaxpar.data.loader import Loader
+        from jaxpar.data.sampler import DistributedSampler
         ds = Dataset(np.zeros((100, 3), np.float32), np.zeros(100, np.int32), 2, "toy")
         it = iter(Loader(ds, 2, DistributedSampler(100), put=lambda b: time.sleep(0.3) or b, prefetch=2))
         next(it)

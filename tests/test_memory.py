@@ -8,8 +8,8 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxpar import memory
-from jaxpar.data_parallel import DataParallel
+from jaxpar.run import memory
+from jaxpar.strategies.data_parallel import DataParallel
 from jaxpar.mesh import DATA, make_mesh
 from jaxpar.step import init_state
 

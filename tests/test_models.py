@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import models
+from jaxpar import models
 from make_torch_fixtures import ALEXNET_CLASSES, FIXTURES, MLP_SIZES, POOL_SIZES, recipe_state_dict
-from models.layers import CONV_CHUNK, AdaptiveAvgPool2d, Conv2d, Dropout, adaptive_bins
+from jaxpar.models.layers import CONV_CHUNK, AdaptiveAvgPool2d, Conv2d, Dropout, adaptive_bins
 
 CONVNET_PARAMS = 1_199_882  # pytorch/examples mnist Net
 ALEXNET_PARAMS = 57_044_810  # torchvision alexnet(num_classes=10)

@@ -26,7 +26,7 @@ def run_ddp(mesh, rank: int = 0, nproc: int = 1, spmd: str = "shard_map"):
     """Parameter leaves after the DDP steps, this process feeding rows rank::nproc (DistributedSampler's)."""
     import jax
 
-    from jaxpar.ddp import DistributedDataParallel
+    from jaxpar.strategies.ddp import DistributedDataParallel
 
     graphdef, tx, state, batches = problem()
     ddp = DistributedDataParallel(graphdef, tx, mesh, allreduce="ring", bucket_cap_mb=0, spmd=spmd,
@@ -38,7 +38,7 @@ def run_ddp(mesh, rank: int = 0, nproc: int = 1, spmd: str = "shard_map"):
 
 
 def worker(mode: str, out: str | None = None) -> None:
-    from jaxpar import distributed
+    from jaxpar.run import distributed
     from jaxpar.mesh import make_mesh, simulate_cpu_devices
 
     simulate_cpu_devices(2)
@@ -172,7 +172,7 @@ def test_allreduce_bench_across_processes():
 
 
 def test_rendezvous_from_environment():
-    from jaxpar.distributed import Rendezvous, detect
+    from jaxpar.run.distributed import Rendezvous, detect
 
     torch_env = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "WORLD_SIZE": "8", "RANK": "5", "LOCAL_RANK": "1"}
     assert detect(torch_env) == Rendezvous("torch", "10.0.0.1:29500", 8, 5)
@@ -191,7 +191,7 @@ def test_rendezvous_from_environment():
 
 
 def test_launcher_environment_and_resume(tmp_path, monkeypatch):
-    import jaxpar.checkpoint
+    import jaxpar.run.checkpoint
     from jaxpar.launch import command, parser, rank_env
 
     args = parser().parse_args(["--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "4", "--master-port", "1",
@@ -203,7 +203,7 @@ def test_launcher_environment_and_resume(tmp_path, monkeypatch):
     ck = ["train.py", "--checkpoint-dir", str(tmp_path)]
     args = parser().parse_args(["--nproc-per-node", "2"] + ck)
     assert "--resume" not in command(args, restart=1)  # the folder holds no complete checkpoint yet
-    monkeypatch.setattr(jaxpar.checkpoint, "latest_step", lambda d: 4 if d == str(tmp_path) else None)
+    monkeypatch.setattr(jaxpar.run.checkpoint, "latest_step", lambda d: 4 if d == str(tmp_path) else None)
     assert command(args, restart=1)[-1] == "--resume" and "--resume" not in command(args, restart=0)
 
 

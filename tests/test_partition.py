@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import models
-from jaxpar import partition
-from jaxpar.pipeline import LayerSpec, PipelineModule
-from models.layers import Linear, ReLU
+from jaxpar import models
+from jaxpar.pipeline import partition
+from jaxpar.strategies.pipeline import LayerSpec, PipelineModule
+from jaxpar.models.layers import Linear, ReLU
 
 
 def brute_bottleneck(weights, parts):

@@ -26,8 +26,8 @@ def stack_problem():
     import optax
     from flax import nnx
 
-    from models.layers import Dropout, Linear, ReLU
-    from models.nets import Layered
+    from jaxpar.models.layers import Dropout, Linear, ReLU
+    from jaxpar.models.nets import Layered
 
     class Stack(Layered):
         def __init__(self, rngs):
@@ -43,7 +43,7 @@ def stack_problem():
 def image_problem(name: str, batch_size: int):
     import optax
 
-    import models
+    from jaxpar import models
 
     rng = np.random.default_rng(1)
     shape = models.input_shape(name)
@@ -62,7 +62,7 @@ def random_model(name: str, rng):
     import jax
     from flax import nnx
 
-    import models
+    from jaxpar import models
 
     graphdef, state = nnx.split(models.abstract(name, num_classes=10, conv_impl="xla"))
     leaves, treedef = jax.tree.flatten(state)
@@ -94,7 +94,7 @@ def reference(model, tx, batch, steps=STEPS):
 
 def run_pipeline(model, tx, state, batch, num_stages, micro_batches, schedule, virtual_stages=1, data=1,
                  partition_method="parameters", steps=STEPS, checkpoint_interval=0):
-    from jaxpar.pipeline import Pipeline, PipelineModule, pipeline_mesh
+    from jaxpar.strategies.pipeline import Pipeline, PipelineModule, pipeline_mesh
 
     pm = PipelineModule.from_model(model, num_stages, virtual_stages=virtual_stages, verbose=False,
                                    partition_method=partition_method,
@@ -167,8 +167,8 @@ GRID = [(S, M, sch) for S in (1, 2, 4) for M in (1, 2, 4, 8) for sch in ("gpipe"
 
 @pytest.mark.parametrize("num_stages,micro_batches,schedule", GRID)
 def test_stack_equals_single_device(stack, num_stages, micro_batches, schedule):
-    from jaxpar import schedule as schedule_lib
-    from jaxpar.pipeline_exec import lower
+    from jaxpar.pipeline import schedule as schedule_lib
+    from jaxpar.pipeline.engine import lower
 
     model, tx, batch, ref = stack
     V = 2 if schedule == "interleaved" else 1
@@ -230,9 +230,9 @@ def test_layer_specs_train_like_the_model_they_build(stack):
     import optax
     from flax import nnx
 
-    from jaxpar.pipeline import LayerSpec, Pipeline, PipelineModule, pipeline_mesh
-    from models.layers import Dropout, Linear, ReLU
-    from models.nets import Layered
+    from jaxpar.strategies.pipeline import LayerSpec, Pipeline, PipelineModule, pipeline_mesh
+    from jaxpar.models.layers import Dropout, Linear, ReLU
+    from jaxpar.models.nets import Layered
 
     _, _, batch, _ = stack
     specs = [LayerSpec(Linear, 6, 16), LayerSpec(ReLU), LayerSpec(Dropout, 0.3, salt=1), LayerSpec(Linear, 16, 12),
@@ -258,7 +258,7 @@ def test_layer_specs_train_like_the_model_they_build(stack):
 def test_report_and_errors(stack):
     import optax
 
-    from jaxpar.pipeline import Pipeline, PipelineModule, pipeline_mesh
+    from jaxpar.strategies.pipeline import Pipeline, PipelineModule, pipeline_mesh
 
     model, tx, batch, _ = stack
     with pytest.raises(ValueError, match=r"num_devices=3 must be a multiple of num_stages=2"):
@@ -284,7 +284,7 @@ MP_CASES = [(4, 1), (2, 2)]  # (stages, data replicas) over 4 devices; PIPE is t
 
 
 def worker(out: str) -> None:
-    from jaxpar import distributed
+    from jaxpar.run import distributed
     from jaxpar.mesh import simulate_cpu_devices
 
     simulate_cpu_devices(2)
@@ -298,7 +298,7 @@ def worker(out: str) -> None:
     _, state = init_state(model, tx)
     results = {}
     for S, D in MP_CASES:
-        from jaxpar.pipeline import Pipeline, PipelineModule, pipeline_mesh
+        from jaxpar.strategies.pipeline import Pipeline, PipelineModule, pipeline_mesh
 
         mesh = pipeline_mesh(4, S)
         assert {d.process_index for d in mesh.devices[0, :]} == {0, 1}  # one replica's stages span both processes

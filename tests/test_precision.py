@@ -6,12 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import models
+from jaxpar import models
 from jaxpar.config import Config
 from jaxpar.optim import make_optimizer
 from jaxpar.precision import compute_dtype
 from jaxpar.step import init_state, make_train_step
-from jaxpar.strategy import get_builder
+from jaxpar.strategies.base import get_builder
 
 FEATURES, CLASSES, BATCH = 20, 4, 32
 

@@ -6,7 +6,8 @@ import sys
 import numpy as np
 import pytest
 
-from jaxpar import report, trainer
+from jaxpar.run import report
+from jaxpar.run import trainer
 from jaxpar.config import Config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

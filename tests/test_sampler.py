@@ -1,10 +1,10 @@
-"""jaxpar.sampler.DistributedSampler: torch's index plan, shuffling per epoch, and mid-epoch resume."""
+"""jaxpar.data.sampler.DistributedSampler: torch's index plan, shuffling per epoch, and mid-epoch resume."""
 import math
 
 import numpy as np
 import pytest
 
-from jaxpar.sampler import DistributedSampler
+from jaxpar.data.sampler import DistributedSampler
 
 
 def torch_indices(n, num_replicas, rank, drop_last):

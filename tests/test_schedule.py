@@ -1,4 +1,4 @@
-"""Structural tests of jaxpar.schedule: schedules as data, no devices."""
+"""Structural tests of jaxpar.pipeline.schedule: schedules as data, no devices."""
 import ast
 import dataclasses
 import pathlib
@@ -7,8 +7,8 @@ from fractions import Fraction
 
 import pytest
 
-from jaxpar import schedule as sch
-from jaxpar.schedule import Action, Op, ScheduleError
+from jaxpar.pipeline import schedule as sch
+from jaxpar.pipeline.schedule import Action, Op, ScheduleError
 
 STAGES, MICROBATCHES = (1, 2, 3, 4), (1, 2, 3, 4, 8)
 GENERATORS = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3)]

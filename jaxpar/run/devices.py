@@ -12,7 +12,7 @@ def setup(cfg: Config) -> None:
     if cfg.cpu_devices is not None:
         simulate_cpu_devices(cfg.cpu_devices)
     try:
-        from jaxpar import distributed
+        from jaxpar.run import distributed
     except ImportError:  # pragma: no cover - the module ships with jaxpar
         distributed = None
     if distributed is not None and hasattr(distributed, "initialize"):

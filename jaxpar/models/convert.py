@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from models.layers import Conv2d, Linear
+from jaxpar.models.layers import Conv2d, Linear
 
 
 def _to_torch(layer: Linear | Conv2d, name: str, value: np.ndarray) -> np.ndarray:

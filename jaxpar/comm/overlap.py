@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.buckets import flatten_bucket, reduce_buckets, unflatten_bucket
+from jaxpar.comm.buckets import flatten_bucket, reduce_buckets, unflatten_bucket
 
 Reduce = Callable[[jax.Array], jax.Array]  # flat bucket buffer -> its sum over the data axis
 Plan = Sequence[Sequence[int]]  # buckets of leaf indices (into jax.tree.leaves(params)), in reduction order

@@ -9,7 +9,7 @@ from flax import nnx
 
 from jaxpar.config import Config
 from jaxpar.step import TrainState, make_train_step
-from jaxpar.strategy import to_device
+from jaxpar.strategies.base import to_device
 from jaxpar.types import Batch
 
 

@@ -14,7 +14,7 @@ and a value produced at tick t can be used at tick t+1 or later. Interleaved (Me
 V model chunks; chunk c of stage s is the VIRTUAL stage v = c*S + s, so activations travel the ring
 S-1 -> 0 between chunks. ``add_communication`` adds sends/receives, loads, the gradient reduction and the
 optimizer step to per-tick instruction lists (``steps[t][s]``); ``validate`` checks numbered rules and dry-runs
-those lists for deadlock; jaxpar.pipeline lowers ``table()`` into a scan over ticks.
+those lists for deadlock; jaxpar.strategies.pipeline lowers ``table()`` into a scan over ticks.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import re
 from collections import Counter
 from typing import NamedTuple, Sequence
 
-from jaxpar.schedule_render import grid_text, render  # noqa: F401  (text grid, PNG timeline)
+from jaxpar.pipeline.render import grid_text, render  # noqa: F401  (text grid, PNG timeline)
 
 
 class Op(enum.Enum):

@@ -1,6 +1,6 @@
 """Draw a pipeline schedule: the text grid (``grid_text``) and the timeline PNG (``render``, needs matplotlib).
 
-Works on any object with jaxpar.schedule.Schedule's fields; matplotlib is imported only inside ``render``.
+Works on any object with jaxpar.pipeline.schedule.Schedule's fields; matplotlib is imported only inside ``render``.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def render(schedule, path: str, *, title: str | None = None, dpi: int = 120) -> 
     except ImportError as e:
         raise ImportError("render() draws with matplotlib, an optional extra; install it with "
                           "`pip install jaxpar[plot]` (or use grid_text() for a text grid)") from e
-    from jaxpar.schedule import Op, bubble_fraction
+    from jaxpar.pipeline.schedule import Op, bubble_fraction
 
     T, S, M = schedule.num_ticks, schedule.num_stages, schedule.num_microbatches
     cmap = colormaps["tab10" if M <= 10 else "tab20"]

@@ -30,10 +30,10 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxpar import memory
+from jaxpar.run import memory
 from jaxpar.config import Config
 from jaxpar.step import TrainState, apply_model, apply_updates, cast_floating, metrics_of, output_terms, sample_keys
-from jaxpar.strategy import to_device
+from jaxpar.strategies.base import to_device
 from jaxpar.types import Batch
 
 

@@ -29,7 +29,7 @@ class DistributedSampler:
     the same structure: one permutation per epoch, shared by all ranks, padded and strided the same way).
 
     Beyond torch: `offset` counts this rank's samples already consumed in the current epoch;
-    `batches()` (and jaxpar.loader.Loader) advance it, `state_dict()` / `load_state_dict()` carry it, so a
+    `batches()` (and jaxpar.data.loader.Loader) advance it, `state_dict()` / `load_state_dict()` carry it, so a
     run resumes mid-epoch at the next unseen batch.
     """
 

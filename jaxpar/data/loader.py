@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from jaxpar.sampler import DistributedSampler
+from jaxpar.data.sampler import DistributedSampler
 
 _END = object()  # the producer's last message
 

@@ -11,10 +11,10 @@ from jaxpar.types import Batch, Metrics
 
 # name -> "module:function" building it; imported lazily so a strategy's deps load only when used
 STRATEGIES = {
-    "single": "jaxpar.single:build",
-    "ddp": "jaxpar.ddp:build",
-    "dp": "jaxpar.data_parallel:build",
-    "pipeline": "jaxpar.pipeline:build",
+    "single": "jaxpar.strategies.single:build",
+    "ddp": "jaxpar.strategies.ddp:build",
+    "dp": "jaxpar.strategies.data_parallel:build",
+    "pipeline": "jaxpar.strategies.pipeline:build",
 }
 
 

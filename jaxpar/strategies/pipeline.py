@@ -24,11 +24,11 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import schedule as schedule_lib
+from jaxpar.pipeline import schedule as schedule_lib
 from jaxpar.config import Config
 from jaxpar.mesh import DATA, PIPE, make_mesh
-from jaxpar.pipeline_exec import lower, make_step
-from jaxpar.pipeline_module import LayerSpec, PipelineModule
+from jaxpar.pipeline.engine import lower, make_step
+from jaxpar.pipeline.module import LayerSpec, PipelineModule
 from jaxpar.step import TrainState
 from jaxpar.types import Batch
 
@@ -98,7 +98,7 @@ class Pipeline:
         S, V = module.num_stages, module.virtual_stages
         if mesh.shape.get(PIPE) != S:
             raise ValueError(f"mesh {dict(mesh.shape)} must have a {PIPE!r} axis of num_stages={S}; "
-                             "build it with jaxpar.pipeline.pipeline_mesh(devices, num_stages).")
+                             "build it with jaxpar.strategies.pipeline.pipeline_mesh(devices, num_stages).")
         self.schedule = schedule_lib.validate(schedule_lib.make(schedule, S, micro_batches, V))
         self.plan = lower(self.schedule)
         self.micro_batches, self.data = micro_batches, mesh.shape[DATA]
@@ -264,7 +264,7 @@ def build(model: nnx.Module, tx: optax.GradientTransformation, cfg: Config) -> P
 def _example_input(model: nnx.Module, cfg: Config) -> jax.ShapeDtypeStruct:
     """One sample's input shape for --partition-method profile: images from models.input_shape, vectors from the
     first layer's in_features."""
-    import models
+    from jaxpar import models
 
     first = models.as_layers(model)[0]
     shape = (first.in_features,) if hasattr(first, "in_features") else \

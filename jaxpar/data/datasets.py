@@ -19,7 +19,7 @@ from typing import Callable
 
 import numpy as np
 
-from jaxpar.idx import IDX_FILES, DataError, has_idx, read_mnist_split
+from jaxpar.data.idx import IDX_FILES, DataError, has_idx, read_mnist_split
 
 DATASETS = ("synthetic", "mnist", "cifar10", "npz")
 MODELS = ("linear", "mlp", "convnet", "alexnet")  # what `model` may be: it decides shapes and preprocessing
@@ -58,7 +58,7 @@ def load(name: str, split: str = "train", *, data_dir: str | None = None, data_p
     if name not in DATASETS:
         raise ValueError(f"{name=} is not a dataset; use one of {DATASETS}")
     if model not in MODELS:
-        raise ValueError(f"{model=} is not a model jaxpar.data knows; use one of {MODELS}")
+        raise ValueError(f"{model=} is not a model jaxpar.data.datasets knows; use one of {MODELS}")
     if image_size is not None and image_size < 1:
         raise ValueError(f"{image_size=} must be >= 1 (or None for the model's default)")
     if name == "synthetic":

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar import partition as partition_lib
+from jaxpar.pipeline import partition as partition_lib
 
 LossFn = Callable[[jax.Array, dict], tuple[jax.Array, dict]]  # (outputs, batch) -> (loss_sum, aux)
 

@@ -29,9 +29,9 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import schedule as schedule_lib
+from jaxpar.pipeline import schedule as schedule_lib
 from jaxpar.mesh import DATA, PIPE
-from jaxpar.pipeline_module import Part
+from jaxpar.pipeline.module import Part
 from jaxpar.step import sample_keys
 
 COLS = ("op", "mb", "chunk", "act", "grad", "stash", "free", "recv_act", "recv_grad")

@@ -104,7 +104,7 @@ def memory_rows(strategy_report: dict, devices: Iterable | None = None) -> list[
     """Per-device memory: the strategy's own measurement when it made one, else the live bytes now."""
     if strategy_report.get("memory"):
         return list(strategy_report["memory"])
-    from jaxpar import memory
+    from jaxpar.run import memory
 
     return memory.memory_report(None if devices is None else list(devices))
 

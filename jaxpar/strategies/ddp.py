@@ -26,9 +26,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import comm_cost, ddp_overlap
-from jaxpar.buckets import BucketPlan, plan_buckets
-from jaxpar.collectives import ALGORITHMS, all_reduce
+from jaxpar.comm import cost as comm_cost
+from jaxpar.comm import overlap as ddp_overlap
+from jaxpar.comm.buckets import BucketPlan, plan_buckets
+from jaxpar.comm.collectives import ALGORITHMS, all_reduce
 from jaxpar.config import Config
 from jaxpar.mesh import DATA, make_mesh
 from jaxpar.step import TrainState, apply_updates, loss_terms, metrics_of

@@ -10,7 +10,7 @@ from typing import Sequence
 import jax
 from flax import nnx
 
-from models.layers import (AdaptiveAvgPool2d, ConvImpl, Conv2d, Dropout, Flatten, Linear, LogSoftmax,
+from jaxpar.models.layers import (AdaptiveAvgPool2d, ConvImpl, Conv2d, Dropout, Flatten, Linear, LogSoftmax,
                            MaxPool2d, ReLU)
 
 

@@ -14,10 +14,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from models.convert import load_torch_state_dict, to_torch_state_dict, torch_shapes
-from models.layers import (CONV_IMPLS, AdaptiveAvgPool2d, Conv2d, Dropout, Flatten, Linear, LogSoftmax,
+from jaxpar.models.convert import load_torch_state_dict, to_torch_state_dict, torch_shapes
+from jaxpar.models.layers import (CONV_IMPLS, AdaptiveAvgPool2d, Conv2d, Dropout, Flatten, Linear, LogSoftmax,
                            MaxPool2d, ReLU, default_conv_impl)
-from models.nets import MLP, AlexNet, ConvNet, LinearModel, as_layers
+from jaxpar.models.nets import MLP, AlexNet, ConvNet, LinearModel, as_layers
 
 NAMES = ("linear", "mlp", "convnet", "alexnet")
 _CLASSES: dict[str, Callable[..., nnx.Module]] = {

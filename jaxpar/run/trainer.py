@@ -19,7 +19,7 @@ from flax import nnx
 from jaxpar.config import DEFAULT_LR, Config
 from jaxpar.optim import OPTIMIZERS, make_optimizer
 from jaxpar.step import TrainState, init_state, make_eval_step
-from jaxpar.strategy import STRATEGIES, get_builder
+from jaxpar.strategies.base import STRATEGIES, get_builder
 
 
 def devices_used(strategy) -> int:
@@ -31,8 +31,8 @@ def devices_used(strategy) -> int:
 
 def validate(cfg: Config) -> None:
     """Reject a bad configuration before any work starts (names, ranges); strategies check their own rules."""
-    import models
-    from jaxpar.data import DATASETS
+    from jaxpar import models
+    from jaxpar.data.datasets import DATASETS
     from jaxpar.precision import PRECISIONS
 
     choices = {"strategy": STRATEGIES, "model": models.NAMES, "dataset": DATASETS, "optimizer": OPTIMIZERS,
@@ -76,7 +76,7 @@ def model_kwargs(cfg: Config, x_shape: tuple, num_classes: int) -> dict:
 
 def make_model(cfg: Config, x_shape: tuple, num_classes: int) -> nnx.Module:
     """The model named by cfg, freshly initialised from the seed or loaded from --init-torch."""
-    import models
+    from jaxpar import models
 
     kwargs = model_kwargs(cfg, x_shape, num_classes)
     if cfg.init_torch:
@@ -123,7 +123,7 @@ class Diverged(RuntimeError):
 def prepare_outputs(cfg: Config, state: TrainState):
     """Check every path the run will write -- checkpoint dir (writable, same model, something to resume), the
     metrics and export files -- before anything is written; returns the Checkpointer (or None)."""
-    from jaxpar import checkpoint
+    from jaxpar.run import checkpoint
 
     ckpt = None
     if cfg.checkpoint_dir:
@@ -142,11 +142,11 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
     """
     from tqdm import tqdm
 
-    from jaxpar import data as data_lib
-    from jaxpar import report
-    from jaxpar.checkpoint import StopSignals
-    from jaxpar.loader import Loader
-    from jaxpar.sampler import DistributedSampler
+    from jaxpar.data import datasets as data_lib
+    from jaxpar.run import report
+    from jaxpar.run.checkpoint import StopSignals
+    from jaxpar.data.loader import Loader
+    from jaxpar.data.sampler import DistributedSampler
 
     validate(cfg)
     nproc, rank = jax.process_count(), jax.process_index()
@@ -304,7 +304,7 @@ def _kept(cfg: Config, ckpt) -> str:
 
 def export_torch(graphdef, state: TrainState, path: str) -> None:
     """Write the trained weights as a PyTorch state dict (.npz of numpy arrays under torch's keys)."""
-    import models
+    from jaxpar import models
 
     np.savez(path, **models.to_torch_state_dict(nnx.merge(graphdef, state.params)))
 

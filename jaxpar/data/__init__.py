@@ -1,0 +1,1 @@
+"""Data: datasets as host arrays, torch's DistributedSampler, and a prefetching loader."""

@@ -32,7 +32,8 @@ def _field_help() -> dict[str, str]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="train.py", description="jaxpar: parallel training strategies in JAX.")
+    p = argparse.ArgumentParser(prog="train.py", description="jaxpar: parallel training strategies in JAX.",
+                                allow_abbrev=False)
     defaults, helps = Config(), _field_help()
     for f in dataclasses.fields(Config):
         default = getattr(defaults, f.name)

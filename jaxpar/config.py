@@ -9,12 +9,14 @@ from dataclasses import dataclass
 class Config:
     # what to train
     strategy: str = "single"  # single | ddp | dp | pipeline (jaxpar.strategies.base.STRATEGIES)
-    model: str = "convnet"  # linear | mlp | convnet | alexnet (models.NAMES)
+    model: str = "convnet"  # linear | mlp | convnet | alexnet, or MODULE:NAME / FILE.py:NAME building an nnx.Module
+    model_kwargs: str | None = None  # JSON object of keyword arguments for --model MODULE:NAME, e.g. '{"hidden": 64}'
+    loss: str | None = None  # cross_entropy | mse | MODULE:NAME: fn(outputs, batch) -> (loss_sum, weight_sum[, metrics])
     dataset: str = "synthetic"  # synthetic | mnist | cifar10 | npz (jaxpar.data.datasets.DATASETS)
     data_dir: str | None = None  # IDX folder for mnist, or the tfds data dir
     data_path: str | None = None  # the .npz file for --dataset npz
     train_split: str = "train"  # tfds split syntax, e.g. 'test[:8000]'
-    eval_split: str = "test"  # tfds split syntax, e.g. 'test[8000:]'; '' skips evaluation
+    eval_split: str | None = None  # tfds split syntax, e.g. 'test[8000:]'; '' skips; default 'test' where there is one
     image_size: int | None = None  # resize images to this side (alexnet: 64 by default, 224 in DeepSpeed's tutorial)
     # how to train
     batch_size: int = 64  # the GLOBAL batch, the same meaning for every strategy
@@ -23,13 +25,14 @@ class Config:
     steps: int | None = None  # stop after this many steps in all (None: run the epochs)
     optimizer: str = "adadelta"  # sgd | adam | adamw | adadelta (PyTorch defaults)
     lr: float | None = None  # None: the optimizer's default (sgd 0.01, adam/adamw 1e-3, adadelta 1.0)
-    momentum: float = 0.9  # sgd only
+    momentum: float = 0.0  # sgd only (torch.optim.SGD's default 0)
     weight_decay: float | None = None  # None: torch's default (0, adamw 0.01)
     gamma: float = 0.7  # StepLR(step_size=1 epoch, gamma) as in PyTorch's MNIST example; 1.0 = constant
     seed: int = 0  # parameters, dropout and shuffling all derive from it
     shuffle: bool = True  # DistributedSampler(shuffle=...)
     drop_last: bool = False  # drop the last, smaller batch (otherwise it is padded and masked)
     precision: str = "fp32"  # fp32 | bf16 (bf16 compute, fp32 master weights and optimizer state)
+    per_sample: str | None = None  # on | off: the loss per sample (split-independent) or per shard; default on unless BatchNorm
     # devices and processes
     cpu_devices: int | None = None  # simulate this many CPU devices (set before JAX starts)
     num_devices: int | None = None  # use only the first N devices (default: all)

@@ -6,9 +6,9 @@ import optax
 OPTIMIZERS = ("sgd", "adam", "adamw", "adadelta")
 
 
-def make_optimizer(name: str, lr: float | optax.Schedule, momentum: float = 0.9,
+def make_optimizer(name: str, lr: float | optax.Schedule, momentum: float = 0.0,
                    weight_decay: float | None = None) -> optax.GradientTransformation:
-    """torch.optim's SGD (with momentum), Adam, AdamW (weight_decay 0.01) and Adadelta (rho 0.9, eps 1e-6)."""
+    """torch.optim's SGD (momentum 0 unless given), Adam, AdamW (weight_decay 0.01) and Adadelta (rho 0.9, eps 1e-6)."""
     if name == "sgd":
         tx = optax.sgd(lr, momentum=momentum or None)
         return optax.chain(optax.add_decayed_weights(weight_decay), tx) if weight_decay else tx

@@ -235,7 +235,7 @@ def test_make_argument_errors(args, match):
 
 def test_no_jax_import():
     root = pathlib.Path(sch.__file__).parent
-    for name in ("schedule.py", "schedule_render.py"):
+    for name in ("schedule.py", "render.py"):
         tree = ast.parse((root / name).read_text())
         mods = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         mods |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}

@@ -23,21 +23,21 @@ Reduce = Callable[[jax.Array], jax.Array]  # flat bucket buffer -> its sum over 
 Plan = Sequence[Sequence[int]]  # buckets of leaf indices (into jax.tree.leaves(params)), in reduction order
 
 
-def forward_leaf_order(model: nnx.Module) -> list[int]:
-    """Indices of `jax.tree.leaves(nnx.split(model)[1])` in the order the forward pass first uses them.
+def forward_leaf_order(model: nnx.Module, wrt=nnx.Param) -> list[int]:
+    """Indices of the leaves of `nnx.split(model, wrt, ...)[1]` (the trained params) in forward order.
 
-    The order comes from the model's `layers` sequence (models.as_layers): each layer's leaves, layer by
-    layer. Leaves that no layer in `layers` holds, and every leaf of a model without `layers`, follow in
-    flatten (path-sorted) order, which is not the forward order in general (AlexNet's `classifier` sorts
-    before `features`).
+    The order comes from the model's `layers` sequence (nnx.Sequential's, models.as_layers): each layer's
+    leaves, layer by layer. Leaves that no layer in `layers` holds, and every leaf of a model without `layers`,
+    follow in flatten (path-sorted) order, which is not the forward order in general (AlexNet's `classifier`
+    sorts before `features`).
     """
-    _, state = nnx.split(model)
+    state = nnx.split(model, wrt, ...)[1]
     paths = [_path_of(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
     where = {id(node): path for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Module)}
     order: list[int] = []
     for layer in getattr(model, "layers", None) or ():
         prefix = where.get(id(layer))
-        if prefix is None:  # a parameter-free layer built on the fly (ReLU(), Flatten())
+        if prefix is None:  # a parameter-free layer built on the fly (ReLU(), Flatten()), or a plain function
             continue
         order += [i for i, p in enumerate(paths) if p[:len(prefix)] == tuple(prefix) and i not in order]
     return order + [i for i in range(len(paths)) if i not in order]

@@ -1,16 +1,22 @@
-"""Datasets as host arrays: `load(name, split)` -> Dataset(x float32 normalised, y int32).
+"""Datasets as host arrays: `load(name, split)` -> Dataset(x, y); `dataset.batch(indices)` -> {"x", "y"}.
 
 Sources: `synthetic` (generated from the seed, no download), `mnist` (a folder of IDX files, or tfds),
 `cifar10` (tfds), `npz` (bring your own x / y arrays). Every source takes tfds split syntax ('train',
 'test[:8000]', 'train[10%:20%]', 'train[:-1000]', 'train+test'). Preprocessing follows the PyTorch
 examples: MNIST (x/255 - 0.1307) / 0.3081; CIFAR and AlexNet inputs the ImageNet mean/std, resized to
-`image_size` (AlexNet: 64 by default); `linear` / `mlp` get flat vectors [N, F].
+`image_size` (AlexNet: 64 by default); `linear` / `mlp` get flat vectors [N, F]. A user's model (`model=None`)
+gets the arrays as stored: images normalised as above, float arrays as they are, integer arrays (token ids) and
+any targets (float, [N, T] tokens) untouched.
+
+A dataset is anything with ``len(dataset)`` and ``dataset.batch(indices) -> pytree`` (the rows of those sample
+indices); the loader and the evaluation use only these two.
 
     train = load("mnist", "test[:8000]", data_dir="../shared/data/mnist")
     train.x.shape, train.y.shape, train.num_classes   # (8000, 28, 28, 1), (8000,), 10
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -22,7 +28,7 @@ import numpy as np
 from jaxpar.data.idx import IDX_FILES, DataError, has_idx, read_mnist_split
 
 DATASETS = ("synthetic", "mnist", "cifar10", "npz")
-MODELS = ("linear", "mlp", "convnet", "alexnet")  # what `model` may be: it decides shapes and preprocessing
+MODELS = ("linear", "mlp", "convnet", "alexnet")  # built-in models: they decide shapes and preprocessing
 MNIST_MEAN, MNIST_STD = (0.1307,), (0.3081,)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 ALEXNET_IMAGE_SIZE = 64  # DeepSpeed's AlexNet tutorial uses 224
@@ -35,20 +41,26 @@ Rows = Callable[[str, int, int], tuple[np.ndarray, np.ndarray]]  # (split, lo, h
 
 @dataclass(frozen=True, eq=False)
 class Dataset:
-    """x float32 [N, H, W, C] normalised images (or [N, F] vectors), y int32 [N] in [0, num_classes)."""
+    """x [N, ...] (float32 normalised images or vectors, or integer tokens), y [N, ...] targets: int32 labels in
+    [0, num_classes) for classification (num_classes None for other targets)."""
 
     x: np.ndarray
     y: np.ndarray
-    num_classes: int
+    num_classes: int | None
     name: str
     split: str = ""
+    extra: dict = dataclasses.field(default_factory=dict)  # more per-row arrays (an npz's "mask"), by name
 
     def __len__(self) -> int:
         return len(self.y)
 
+    def batch(self, idx: np.ndarray) -> dict[str, np.ndarray]:
+        """The rows of sample indices `idx` as the batch pytree {"x", "y", **extra}."""
+        return {"x": self.x[idx], "y": self.y[idx], **{k: v[idx] for k, v in self.extra.items()}}
+
 
 def load(name: str, split: str = "train", *, data_dir: str | None = None, data_path: str | None = None,
-         model: str = "convnet", image_size: int | None = None, seed: int = 0) -> Dataset:
+         model: str | None = "convnet", image_size: int | None = None, seed: int = 0) -> Dataset:
     """The `split` (tfds syntax) of dataset `name`, shaped and normalised for `model`.
 
     data_dir: for mnist a folder of IDX files (train-*/t10k-*, .gz or not) or else the tfds data dir (as
@@ -57,14 +69,15 @@ def load(name: str, split: str = "train", *, data_dir: str | None = None, data_p
     """
     if name not in DATASETS:
         raise ValueError(f"{name=} is not a dataset; use one of {DATASETS}")
-    if model not in MODELS:
-        raise ValueError(f"{model=} is not a model jaxpar.data.datasets knows; use one of {MODELS}")
+    if model is not None and model not in MODELS:
+        raise ValueError(f"{model=} is not a built-in model; use one of {MODELS}, or None for a user's model")
     if image_size is not None and image_size < 1:
         raise ValueError(f"{image_size=} must be >= 1 (or None for the model's default)")
+    extra = {}
     if name == "synthetic":
         x, y, num_classes = _synthetic(split, model, seed)
     elif name == "npz":
-        x, y, num_classes = _npz(split, data_path)
+        x, y, num_classes, extra = _npz(split, data_path)
     elif name == "mnist" and has_idx(data_dir):
         names = tuple(IDX_FILES)
         read = functools.cache(lambda s: read_mnist_split(data_dir, s))
@@ -73,12 +86,17 @@ def load(name: str, split: str = "train", *, data_dir: str | None = None, data_p
     else:
         x, y = _tfds(name, split, data_dir)
         num_classes = 10
-    if y.size and (y.min() < 0 or y.max() >= num_classes):
+    if num_classes is not None and y.size and (y.min() < 0 or y.max() >= num_classes):
         raise DataError(f"{name} {split!r} has labels in [{y.min()}, {y.max()}], expected [0, {num_classes}); "
                         f"fix the labels of the data.")
+    if num_classes is None and model is not None:
+        raise DataError(f"{name} {split!r} has targets of shape {y.shape[1:]} and dtype {y.dtype}, but --model "
+                        f"{model} classifies: it needs integer labels [N]; use a --model MODULE:NAME of your own "
+                        "(with --loss) for other targets.")
     normalise = name != "npz" or x.dtype == np.uint8  # float npz images are taken as already normalised
     x = _prepare(x, model, image_size, normalise, f"{name} {split!r}")
-    return Dataset(x, y.astype(np.int32), int(num_classes), name, split)
+    y = y.astype(np.int32) if num_classes is not None else y
+    return Dataset(x, y, None if num_classes is None else int(num_classes), name, split, extra)
 
 
 def select(spec: str, names: tuple[str, ...], count: Callable[[str], int], rows: Rows) -> tuple[np.ndarray, ...]:
@@ -129,8 +147,16 @@ def _linear_weights(n_in: int, n_out: int) -> np.ndarray:
     return (w / w.sum(1, keepdims=True)).astype(np.float32)
 
 
-def _prepare(x: np.ndarray, model: str, image_size: int | None, normalise: bool, what: str) -> np.ndarray:
-    """Images uint8 / float [0, 1] -> float32 resized, channel-replicated (AlexNet) and normalised."""
+def _prepare(x: np.ndarray, model: str | None, image_size: int | None, normalise: bool, what: str) -> np.ndarray:
+    """Images uint8 / float [0, 1] -> float32 resized, channel-replicated (AlexNet) and normalised; integer
+    arrays other than uint8 (token ids) pass through."""
+    if np.issubdtype(x.dtype, np.integer) and x.dtype != np.uint8:
+        if model is not None:
+            raise DataError(f"{what} holds integer arrays ({x.dtype}, token ids?) but --model {model} takes float "
+                            "images or vectors; use a --model MODULE:NAME of your own for token data.")
+        return x
+    if model is None and x.ndim in (2, 3) and not (x.dtype == np.uint8 and x.ndim == 3):
+        return x.astype(np.float32)  # vectors or sequences of vectors: as stored
     if x.ndim == 2:  # vectors
         if model in ("convnet", "alexnet"):
             raise DataError(f"{what} holds vectors {x.shape[1:]} but {model=} takes images; use --model linear "
@@ -201,16 +227,31 @@ def _tfds(name: str, split: str, data_dir: str | None) -> tuple[np.ndarray, np.n
     return x, y
 
 
-def _npz(split: str, path: str | None) -> tuple[np.ndarray, np.ndarray, int]:
-    """x / y from an .npz (split 'train'); optional x_test / y_test (split 'test') and num_classes."""
+def _npz_arrays(path: str | None) -> dict[str, np.ndarray]:
     if not path:
         raise DataError("--dataset npz needs --data-path FILE.npz holding arrays x and y.")
     try:
         with np.load(path) as f:
-            arrays = dict(f)
+            return dict(f)
     except (OSError, ValueError) as e:
         raise DataError(f"--data-path {path!r} could not be read as .npz ({e}); write it with "
                         f"np.savez(path, x=..., y=...).") from e
+
+
+def splits(name: str, *, data_path: str | None = None) -> tuple[str, ...]:
+    """The named splits dataset `name` has ('train', and 'test' where there is one)."""
+    if name == "npz":
+        return ("train", "test") if "x_test" in _npz_arrays(data_path) else ("train",)
+    return ("train", "test")
+
+
+def _npz(split: str, path: str | None) -> tuple[np.ndarray, np.ndarray, int | None, dict]:
+    """x / y from an .npz (split 'train'); optional x_test / y_test (split 'test') and num_classes.
+
+    x: float or uint8 images / vectors, or integer tokens; y: any array with one entry per row of x (integer
+    labels [N] make a classification set: num_classes from the array or max label + 1). Any other array NAME
+    with one entry per row (a padding "mask") joins the batch under its name; NAME_test is its test split."""
+    arrays = _npz_arrays(path)
     pairs = {"train": ("x", "y"), "test": ("x_test", "y_test")}
     for s, (kx, ky) in pairs.items():
         if (kx in arrays) != (ky in arrays) or (s == "train" and kx not in arrays):
@@ -220,22 +261,34 @@ def _npz(split: str, path: str | None) -> tuple[np.ndarray, np.ndarray, int]:
         if kx not in arrays:
             continue
         x, y = arrays[kx], arrays[ky]
-        if x.ndim not in (2, 3, 4) or not (np.issubdtype(x.dtype, np.floating) or x.dtype == np.uint8):
-            raise DataError(f"{path!r}: {kx} has shape {x.shape} and dtype {x.dtype}; expected [N, F] vectors "
-                            f"or [N, H, W(, C)] images, uint8 (0..255) or float (already normalised).")
-        if y.ndim != 1 or len(y) != len(x) or not np.issubdtype(y.dtype, np.integer):
-            raise DataError(f"{path!r}: {ky} has shape {y.shape} and dtype {y.dtype}; expected integer labels "
-                            f"[{len(x)}], one per row of {kx}.")
+        if x.ndim < 2 or not (np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)):
+            raise DataError(f"{path!r}: {kx} has shape {x.shape} and dtype {x.dtype}; expected [N, ...] rows: "
+                            "[N, F] vectors, [N, H, W(, C)] images (uint8 0..255 or float, already normalised), or "
+                            "integer tokens [N, T].")
+        if y.ndim < 1 or len(y) != len(x) or not (np.issubdtype(y.dtype, np.number) or y.dtype == np.bool_):
+            raise DataError(f"{path!r}: {ky} has shape {y.shape} and dtype {y.dtype}; expected numeric targets "
+                            f"with one entry per row of {kx} ([{len(x)}, ...]).")
     if "x_test" in arrays and arrays["x_test"].shape[1:] != arrays["x"].shape[1:]:
         raise DataError(f"{path!r}: x_test rows {arrays['x_test'].shape[1:]} differ from x rows "
                         f"{arrays['x'].shape[1:]}; store both splits with the same sample shape.")
     labels = [arrays[ky] for _, ky in pairs.values() if ky in arrays]
-    top = max((int(a.max()) for a in labels if a.size), default=0)
-    num_classes = int(arrays["num_classes"]) if "num_classes" in arrays else top + 1
+    num_classes = None
+    if all(a.ndim == 1 and np.issubdtype(a.dtype, np.integer) for a in labels):
+        top = max((int(a.max()) for a in labels if a.size), default=0)
+        num_classes = int(arrays["num_classes"]) if "num_classes" in arrays else top + 1
+    extras = sorted(k for k in arrays if k not in ("x", "y", "x_test", "y_test", "num_classes")
+                    and not k.endswith("_test"))
+    for k in extras:
+        for s, (kx, _) in pairs.items():
+            name = k if s == "train" else f"{k}_test"
+            if kx in arrays and (name not in arrays or len(arrays[name]) != len(arrays[kx])):
+                raise DataError(f"{path!r}: extra array {k!r} needs {name!r} with one entry per row of {kx} "
+                                f"({len(arrays[kx])}); write it, or leave {k!r} out.")
     names = tuple(s for s, (kx, _) in pairs.items() if kx in arrays)
-    x, y = select(split, names, lambda s: len(arrays[pairs[s][1]]),
-                  lambda s, lo, hi: tuple(arrays[k][lo:hi] for k in pairs[s]))
-    return x, y, num_classes
+    keys = {s: [*pairs[s], *(k if s == "train" else f"{k}_test" for k in extras)] for s in names}
+    out = select(split, names, lambda s: len(arrays[pairs[s][1]]),
+                 lambda s, lo, hi: tuple(arrays[k][lo:hi] for k in keys[s]))
+    return out[0], out[1], num_classes, dict(zip(extras, out[2:]))
 
 
 def _synthetic(split: str, model: str, seed: int) -> tuple[np.ndarray, np.ndarray, int]:

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from jaxpar.batch import Rows
 from jaxpar.data.sampler import DistributedSampler
 
 _END = object()  # the producer's last message
@@ -32,8 +33,9 @@ _JOIN_S = 1.0  # how long a closing consumer waits for a put() in flight (the th
 
 
 class Loader:
-    """Iterates batches {"x", "y", "idx" int32 global indices} of `batch_size` rows (this process's share)
-    from `sampler`'s offset to the end of its epoch; yields `put(batch)` when `put` is given."""
+    """Iterates batches (jaxpar.batch.Rows: `dataset.batch(idx)`, the ids are the sample indices) of `batch_size`
+    rows (this process's share) from `sampler`'s offset to the end of its epoch; yields `put(rows)` when `put`
+    is given."""
 
     def __init__(self, dataset: Any, batch_size: int, sampler: DistributedSampler, *, drop_last: bool = False,
                  put: Callable[[dict], Any] | None = None, prefetch: int = 2):
@@ -41,9 +43,9 @@ class Loader:
             raise ValueError(f"{batch_size=} must be an integer >= 1; use this process's share of the batch.")
         if isinstance(prefetch, bool) or not isinstance(prefetch, (int, np.integer)) or prefetch < 0:
             raise ValueError(f"{prefetch=} must be an integer >= 0 (0: call put on the consumer's thread).")
-        if len(dataset.x) != len(dataset.y) or sampler.num_samples != len(dataset.y):
+        if sampler.num_samples != len(dataset):
             raise ValueError(f"the sampler covers {sampler.num_samples} samples but the dataset has "
-                             f"{len(dataset.y)} (x: {len(dataset.x)}); build the sampler with len(dataset).")
+                             f"{len(dataset)}; build the sampler with len(dataset).")
         self.dataset, self.batch_size, self.sampler = dataset, int(batch_size), sampler
         self.drop_last, self.put, self.prefetch = drop_last, put, int(prefetch)
 
@@ -52,9 +54,10 @@ class Loader:
         rest = len(self.sampler) - self.sampler.offset
         return rest // self.batch_size if self.drop_last else -(-rest // self.batch_size)
 
-    def gather(self, idx: np.ndarray) -> dict[str, np.ndarray]:
-        """The host batch of global indices `idx` (fancy indexing into the dataset's arrays)."""
-        return {"x": self.dataset.x[idx], "y": self.dataset.y[idx], "idx": idx.astype(np.int32)}
+    def gather(self, idx: np.ndarray) -> Rows:
+        """The host batch of global indices `idx` (`dataset.batch(idx)`), each row's id its sample index."""
+        data = self.dataset.batch(idx)
+        return Rows(data, np.ones(len(idx), np.float32), idx.astype(np.int32))
 
     def __iter__(self) -> Iterator[Any]:
         plan = self.sampler.batch_plan(self.batch_size, self.drop_last)

@@ -1,6 +1,6 @@
 """The PyTorch tutorial models in Flax NNX: registry, layer view, PyTorch state-dict conversion.
 
-    model = models.get("convnet", seed=0)           # NHWC input, model(x, keys=None)
+    model = models.get("convnet", seed=0)           # NHWC input, model(x); dropout from nnx.Dropout
     layers = models.as_layers(model)                 # flat sequence; composition == model
     sd = models.to_torch_state_dict(model)           # torch keys and layouts, numpy arrays
     model = models.from_torch_state_dict("convnet", sd)
@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.models.convert import load_torch_state_dict, to_torch_state_dict, torch_shapes
-from jaxpar.models.layers import (CONV_IMPLS, AdaptiveAvgPool2d, Conv2d, Dropout, Flatten, Linear, LogSoftmax,
+from jaxpar.models.layers import (CONV_IMPLS, AdaptiveAvgPool2d, Conv2d, Flatten, Linear, LogSoftmax,
                            MaxPool2d, ReLU, default_conv_impl)
 from jaxpar.models.nets import MLP, AlexNet, ConvNet, LinearModel, as_layers
 
@@ -31,9 +31,10 @@ def _check_name(name: str) -> None:
 
 
 def get(name: str, *, seed: int = 0, **kwargs: Any) -> nnx.Module:
-    """Build model `name` with PyTorch's default init from nnx.Rngs(seed); kwargs go to its constructor."""
+    """Build model `name` with PyTorch's default init from nnx.Rngs(params=seed, dropout=seed); kwargs go to its
+    constructor. Its dropout layers hold their own streams (nnx.Dropout forks one each)."""
     _check_name(name)
-    return _CLASSES[name](**kwargs, rngs=nnx.Rngs(seed))
+    return _CLASSES[name](**kwargs, rngs=nnx.Rngs(params=seed, dropout=seed))
 
 
 def abstract(name: str, **kwargs: Any) -> nnx.Module:
@@ -97,6 +98,6 @@ __all__ = [
     "NAMES", "get", "abstract", "num_params", "input_shape", "as_layers", "from_torch_state_dict",
     "to_torch_state_dict", "torch_shapes", "kwargs_from_state_dict",
     "LinearModel", "MLP", "ConvNet", "AlexNet",
-    "Conv2d", "Linear", "ReLU", "MaxPool2d", "AdaptiveAvgPool2d", "Flatten", "LogSoftmax", "Dropout",
+    "Conv2d", "Linear", "ReLU", "MaxPool2d", "AdaptiveAvgPool2d", "Flatten", "LogSoftmax",
     "CONV_IMPLS", "default_conv_impl",
 ]

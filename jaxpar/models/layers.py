@@ -1,8 +1,8 @@
-"""PyTorch's nn layers as Flax NNX modules, NHWC, each callable as `layer(x, keys=None)`.
+"""PyTorch's nn layers as Flax NNX modules, NHWC, each a plain `layer(x)`.
 
-Every layer takes the per-sample dropout keys so a model is a plain sequence of layers (what nn.Sequential
-and DeepSpeed's join_layers give); only Dropout reads them. Weights use PyTorch's default init and keep
-their own layout (`kernel` HWIO for Conv2d, [in, out] for Linear); models/convert.py maps them to torch's.
+Weights use PyTorch's default init and keep their own layout (`kernel` HWIO for Conv2d, [in, out] for Linear);
+jaxpar/models/convert.py maps them to torch's. Dropout is stock `nnx.Dropout`: jaxpar's per-sample mode
+(jaxpar.objective) makes its masks independent of how a batch is split.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ class Linear(nnx.Module):
         self.kernel = nnx.Param(torch_uniform(rngs, (in_features, out_features), in_features))
         self.bias = nnx.Param(torch_uniform(rngs, (out_features,), in_features))
 
-    def __call__(self, x: jax.Array, keys: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array) -> jax.Array:
         return x @ self.kernel[...] + self.bias[...]
 
 
@@ -113,13 +113,13 @@ class Conv2d(nnx.Module):
         self.kernel = nnx.Param(torch_uniform(rngs, (kh, kw, in_channels, out_channels), fan_in))
         self.bias = nnx.Param(torch_uniform(rngs, (out_channels,), fan_in))
 
-    def __call__(self, x: jax.Array, keys: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array) -> jax.Array:
         conv = _CONVS[self.impl or default_conv_impl()]
         return conv(x, self.kernel[...], self.stride, self.padding) + self.bias[...]
 
 
 class ReLU(nnx.Module):
-    def __call__(self, x: jax.Array, keys: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array) -> jax.Array:
         return jax.nn.relu(x)
 
 
@@ -134,7 +134,7 @@ class MaxPool2d(nnx.Module):
     def __init__(self, kernel_size: int, stride: int | None = None):
         self.kernel_size, self.stride = kernel_size, kernel_size if stride is None else stride
 
-    def __call__(self, x: jax.Array, keys: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array) -> jax.Array:
         k, s = self.kernel_size, self.stride
         b, h, w, c = x.shape
         ho, wo = (h - k) // s + 1, (w - k) // s + 1
@@ -163,7 +163,7 @@ class AdaptiveAvgPool2d(nnx.Module):
     def __init__(self, output_size: int | tuple[int, int]):
         self.output_size = _pair(output_size)
 
-    def __call__(self, x: jax.Array, keys: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array) -> jax.Array:
         (oh, ow), (h, w) = self.output_size, x.shape[1:3]
         if (h, w) == (oh, ow):
             return x
@@ -174,37 +174,12 @@ class AdaptiveAvgPool2d(nnx.Module):
 class Flatten(nnx.Module):
     """torch.flatten(x, 1) of the NCHW tensor torch would hold: NHWC -> NCHW, then reshape."""
 
-    def __call__(self, x: jax.Array, keys: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array) -> jax.Array:
         if x.ndim == 4:
             x = x.transpose(0, 3, 1, 2)
         return x.reshape(x.shape[0], -1)
 
 
 class LogSoftmax(nnx.Module):
-    def __call__(self, x: jax.Array, keys: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array) -> jax.Array:
         return jax.nn.log_softmax(x, axis=-1)
-
-
-class Dropout(nnx.Module):
-    """nn.Dropout with a per-sample mask: sample i keeps x with bernoulli(fold_in(keys[i], salt), 1 - rate).
-
-    The mask depends only on the sample's key, never on the batch split. Identity when keys is None (eval)
-    or rate == 0. Each dropout layer in a model needs its own salt.
-    """
-
-    def __init__(self, rate: float, salt: int):
-        if not 0.0 <= rate < 1.0:
-            raise ValueError(f"{rate=} must be in [0, 1)")
-        self.rate, self.salt = rate, salt
-
-    def __call__(self, x: jax.Array, keys: jax.Array | None = None) -> jax.Array:
-        if keys is None or self.rate == 0.0:
-            return x
-        if keys.shape != x.shape[:1]:
-            raise ValueError(f"{keys.shape=} must be [batch] = {x.shape[:1]}: one PRNG key per sample")
-        keep = 1.0 - self.rate
-
-        def mask(key, xi):
-            return jax.random.bernoulli(jax.random.fold_in(key, self.salt), keep, xi.shape)
-
-        return jnp.where(jax.vmap(mask)(keys, x), x / keep, 0.0).astype(x.dtype)

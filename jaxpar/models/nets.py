@@ -10,19 +10,19 @@ from typing import Sequence
 import jax
 from flax import nnx
 
-from jaxpar.models.layers import (AdaptiveAvgPool2d, ConvImpl, Conv2d, Dropout, Flatten, Linear, LogSoftmax,
-                           MaxPool2d, ReLU)
+from jaxpar.models.layers import (AdaptiveAvgPool2d, ConvImpl, Conv2d, Flatten, Linear, LogSoftmax, MaxPool2d,
+                                  ReLU)
 
 
 class Layered(nnx.Module):
-    """A model that is the composition of its `layers`: x -> layers[-1](...layers[0](x, keys)..., keys)."""
+    """A model that is the composition of its `layers`: x -> layers[-1](...layers[0](x)...)."""
 
     layers: Sequence[nnx.Module]  # a property, or an nnx.List attribute
     # and, for PyTorch conversion, torch_modules() -> {state-dict prefix: Linear | Conv2d}; every model below has it
 
-    def __call__(self, x: jax.Array, keys: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array) -> jax.Array:
         for layer in self.layers:
-            x = layer(x, keys)
+            x = layer(x)
         return x
 
 
@@ -66,8 +66,8 @@ class ConvNet(Layered):
     def __init__(self, num_classes: int = 10, *, rngs: nnx.Rngs, conv_impl: ConvImpl | None = None):
         self.conv1 = Conv2d(1, 32, 3, 1, rngs=rngs, impl=conv_impl)
         self.conv2 = Conv2d(32, 64, 3, 1, rngs=rngs, impl=conv_impl)
-        self.dropout1 = Dropout(0.25, salt=1)
-        self.dropout2 = Dropout(0.5, salt=2)
+        self.dropout1 = nnx.Dropout(0.25, rngs=rngs)
+        self.dropout2 = nnx.Dropout(0.5, rngs=rngs)
         self.fc1 = Linear(9216, 128, rngs=rngs)
         self.fc2 = Linear(128, num_classes, rngs=rngs)
         # torch's F.relu / F.max_pool2d / torch.flatten / F.log_softmax, as (parameterless) layers
@@ -103,8 +103,8 @@ class AlexNet(Layered):
         self.avgpool = AdaptiveAvgPool2d(6)
         self.flatten = Flatten()  # torch.flatten(x, 1) in AlexNet.forward
         self.classifier = nnx.List([
-            Dropout(dropout, salt=1), Linear(256 * 6 * 6, 4096, rngs=rngs), ReLU(),
-            Dropout(dropout, salt=2), Linear(4096, 4096, rngs=rngs), ReLU(),
+            nnx.Dropout(dropout, rngs=rngs), Linear(256 * 6 * 6, 4096, rngs=rngs), ReLU(),
+            nnx.Dropout(dropout, rngs=rngs), Linear(4096, 4096, rngs=rngs), ReLU(),
             Linear(4096, num_classes, rngs=rngs)])
 
     @property

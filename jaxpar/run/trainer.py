@@ -19,7 +19,7 @@ from flax import nnx
 from jaxpar.config import DEFAULT_LR, Config
 from jaxpar.optim import OPTIMIZERS, make_optimizer
 from jaxpar.step import TrainState, init_state, make_eval_step
-from jaxpar.strategies.base import STRATEGIES, get_builder
+from jaxpar.strategies.base import STRATEGIES, cfg_objective, get_builder
 
 
 def devices_used(strategy) -> int:
@@ -33,14 +33,28 @@ def validate(cfg: Config) -> None:
     """Reject a bad configuration before any work starts (names, ranges); strategies check their own rules."""
     from jaxpar import models
     from jaxpar.data.datasets import DATASETS
+    from jaxpar.losses import LOSSES
     from jaxpar.precision import PRECISIONS
 
-    choices = {"strategy": STRATEGIES, "model": models.NAMES, "dataset": DATASETS, "optimizer": OPTIMIZERS,
-               "precision": PRECISIONS}
+    choices = {"strategy": STRATEGIES, "dataset": DATASETS, "optimizer": OPTIMIZERS, "precision": PRECISIONS}
     for field, valid in choices.items():
         value = getattr(cfg, field)
         if value not in valid:
             raise ValueError(f"--{field} {value!r} is not known; use one of: {', '.join(valid)}.")
+    if cfg.model not in models.NAMES and ":" not in cfg.model:
+        raise ValueError(f"--model {cfg.model!r} is not known; use one of: {', '.join(models.NAMES)}, or "
+                         "MODULE:NAME / FILE.py:NAME naming a function or class that builds an nnx.Module.")
+    if cfg.loss is not None and cfg.loss not in LOSSES and ":" not in cfg.loss:
+        raise ValueError(f"--loss {cfg.loss!r} is not known; use one of: {', '.join(LOSSES)}, or MODULE:NAME / "
+                         "FILE.py:NAME naming fn(outputs, batch) -> (loss_sum, weight_sum[, metrics]).")
+    if cfg.model_kwargs is not None:
+        if ":" not in cfg.model:
+            raise ValueError(f"--model-kwargs is for --model MODULE:NAME; the built-in {cfg.model!r} takes its "
+                             "sizes from the data. Drop --model-kwargs.")
+        model_kwargs_of(cfg)
+    if cfg.per_sample not in (None, "on", "off"):
+        raise ValueError(f"--per-sample {cfg.per_sample!r} is not known; use on, off, or leave it out (on unless "
+                         "the model has BatchNorm).")
     for field in ("batch_size", "epochs", "eval_batch_size", "log_every"):
         if getattr(cfg, field) < 1:
             raise ValueError(f"--{field.replace('_', '-')} {getattr(cfg, field)} must be >= 1; pass a positive count.")
@@ -49,6 +63,8 @@ def validate(cfg: Config) -> None:
     if cfg.lr is not None and not cfg.lr > 0:
         raise ValueError(f"--lr {cfg.lr} must be > 0; pass a positive learning rate, or leave it out for the "
                          f"optimizer's default ({DEFAULT_LR[cfg.optimizer]}).")
+    if cfg.momentum < 0:
+        raise ValueError(f"--momentum {cfg.momentum} must be >= 0 (torch's default is 0).")
     if cfg.dataset == "npz" and not cfg.data_path:
         raise ValueError("--dataset npz needs --data-path FILE.npz; pass a file holding arrays x and y "
                          "(np.savez(path, x=..., y=...)).")
@@ -64,8 +80,57 @@ def validate(cfg: Config) -> None:
                          "checkpoints to keep.")
 
 
-def model_kwargs(cfg: Config, x_shape: tuple, num_classes: int) -> dict:
-    """The model's constructor arguments for this data: input size and class count."""
+def load_object(ref: str, flag: str) -> Any:
+    """The object `ref` names: ``package.module:NAME`` (importable, or from the working directory) or
+    ``path/to/file.py:NAME``."""
+    import importlib
+    import importlib.util
+    import os
+    import sys
+
+    where, _, name = ref.rpartition(":")
+    if not where or not name:
+        raise ValueError(f"{flag} {ref!r} must be MODULE:NAME or FILE.py:NAME, e.g. examples/regression.py:make_model.")
+    try:
+        if where.endswith(".py") or os.sep in where:
+            if not os.path.isfile(where):
+                raise ValueError(f"{flag} {ref!r}: no file {where!r}; pass an existing .py file.")
+            spec = importlib.util.spec_from_file_location(f"jaxpar_user_{abs(hash(os.path.abspath(where)))}", where)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module  # dataclasses and pickling look modules up by name
+            spec.loader.exec_module(module)
+        else:
+            if os.getcwd() not in sys.path:
+                sys.path.append(os.getcwd())
+            module = importlib.import_module(where)
+    except ImportError as e:
+        raise ValueError(f"{flag} {ref!r}: module {where!r} could not be imported ({e}); check the name, or pass "
+                         "FILE.py:NAME.") from None
+    if not hasattr(module, name):
+        public = [n for n in vars(module) if not n.startswith("_")]
+        raise ValueError(f"{flag} {ref!r}: {where!r} has no {name!r}; it defines {', '.join(public[:12])}.")
+    return getattr(module, name)
+
+
+def model_kwargs_of(cfg: Config) -> dict:
+    """--model-kwargs as a dict (JSON object)."""
+    import json
+
+    if cfg.model_kwargs is None:
+        return {}
+    try:
+        kwargs = json.loads(cfg.model_kwargs)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--model-kwargs {cfg.model_kwargs!r} is not JSON ({e.msg}); pass an object such as "
+                         "'{\"hidden\": 64}'.") from None
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"--model-kwargs {cfg.model_kwargs!r} must be a JSON object of keyword arguments, "
+                         "e.g. '{\"hidden\": 64}'.")
+    return kwargs
+
+
+def builtin_kwargs(cfg: Config, x_shape: tuple, num_classes: int) -> dict:
+    """A built-in model's constructor arguments for this data: input size and class count."""
     features = int(np.prod(x_shape[1:]))
     if cfg.model == "linear":
         return {"input_size": features, "output_size": num_classes}
@@ -74,14 +139,84 @@ def model_kwargs(cfg: Config, x_shape: tuple, num_classes: int) -> dict:
     return {"num_classes": num_classes} if cfg.model == "alexnet" else {}
 
 
-def make_model(cfg: Config, x_shape: tuple, num_classes: int) -> nnx.Module:
-    """The model named by cfg, freshly initialised from the seed or loaded from --init-torch."""
+def make_model(cfg: Config, train_set) -> nnx.Module:
+    """The model named by cfg, freshly initialised from the seed or loaded from --init-torch.
+
+    A user's ``--model MODULE:NAME`` is called with --model-kwargs, plus ``rngs=nnx.Rngs(params=seed,
+    dropout=seed)`` when it takes `rngs` and the kwargs do not give it."""
+    import inspect
+
     from jaxpar import models
 
-    kwargs = model_kwargs(cfg, x_shape, num_classes)
+    if cfg.model in models.NAMES:
+        if train_set.num_classes is None:
+            raise ValueError(f"--model {cfg.model} classifies, but the data's targets are not class labels; use a "
+                             "--model MODULE:NAME of your own with a --loss for them.")
+        kwargs = builtin_kwargs(cfg, np.shape(train_set.x), train_set.num_classes)
+        if cfg.init_torch:
+            state_dict = load_npz(cfg.init_torch, "--init-torch")
+            known = models.kwargs_from_state_dict(cfg.model, state_dict)  # sizes come from the state dict
+            return models.from_torch_state_dict(cfg.model, state_dict,
+                                                **{k: v for k, v in kwargs.items() if k not in known})
+        return models.get(cfg.model, seed=cfg.seed, **kwargs)
+    build = load_object(cfg.model, "--model")
+    kwargs = model_kwargs_of(cfg)
+    if not callable(build):
+        raise ValueError(f"--model {cfg.model!r} is a {type(build).__name__}; name a function or class that "
+                         "returns an nnx.Module.")
+    try:
+        takes_rngs = "rngs" in inspect.signature(build).parameters
+    except (TypeError, ValueError):
+        takes_rngs = False
+    if takes_rngs and "rngs" not in kwargs:
+        kwargs["rngs"] = nnx.Rngs(params=cfg.seed, dropout=cfg.seed)
+    try:
+        model = build(**kwargs)
+    except TypeError as e:
+        raise ValueError(f"--model {cfg.model!r} could not be built with --model-kwargs {cfg.model_kwargs!r} ({e}); "
+                         "pass the arguments it needs as a JSON object.") from None
+    if not isinstance(model, nnx.Module):
+        raise ValueError(f"--model {cfg.model!r} returned a {type(model).__name__}, not an nnx.Module.")
     if cfg.init_torch:
-        return models.from_torch_state_dict(cfg.model, load_npz(cfg.init_torch, "--init-torch"), **kwargs)
-    return models.get(cfg.model, seed=cfg.seed, **kwargs)
+        if not callable(getattr(model, "load_torch_state_dict", None)):
+            raise ValueError(f"--init-torch: {type(model).__name__} has no load_torch_state_dict(state_dict) "
+                             "method to read a PyTorch state dict with; define one, or drop --init-torch.")
+        model.load_torch_state_dict(load_npz(cfg.init_torch, "--init-torch"))
+    return model
+
+
+def make_loss(cfg: Config):
+    """The loss train.py trains with: a ready-made one by name, or the user's fn(outputs, batch)."""
+    from jaxpar.losses import LOSSES
+    from jaxpar.objective import OutputLoss
+
+    if cfg.loss is None:
+        return OutputLoss(LOSSES["cross_entropy"])
+    if cfg.loss in LOSSES:
+        return OutputLoss(LOSSES[cfg.loss])
+    fn = load_object(cfg.loss, "--loss")
+    if isinstance(fn, OutputLoss):
+        return fn
+    if not callable(fn):
+        raise ValueError(f"--loss {cfg.loss!r} is a {type(fn).__name__}; name fn(outputs, batch) -> "
+                         "(loss_sum, weight_sum[, metrics]).")
+    return OutputLoss(fn)
+
+
+def check_fits(objective, state: TrainState, train_set, cfg: Config) -> None:
+    """Trace the loss on two training rows (no compute): a model that does not fit the data fails here, in
+    one line, before anything runs or is written."""
+    from jaxpar.batch import as_rows
+
+    idx = np.arange(min(2, len(train_set)))
+    rows = as_rows(train_set.batch(idx), idx)
+    try:
+        jax.eval_shape(lambda p, m, r: objective.sums(p, m, r)[0], state.params, state.model_state, rows)
+    except (TypeError, ValueError, KeyError, IndexError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        shapes = jax.tree.map(lambda a: tuple(np.shape(a)), rows.data)
+        raise ValueError(f"--model {cfg.model} with --loss {cfg.loss or 'cross_entropy'} does not fit the data "
+                         f"{shapes}: {type(e).__name__}: {first}") from None
 
 
 def load_npz(path: str, flag: str) -> dict[str, np.ndarray]:
@@ -101,19 +236,21 @@ def make_tx(cfg: Config, steps_per_epoch: int) -> optax.GradientTransformation:
     return make_optimizer(cfg.optimizer, lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
 
-def evaluate(eval_step, params, dataset, batch_size: int) -> dict[str, float]:
-    """Mean loss and accuracy of `params` over `dataset`, in fixed-size batches (the last one padded, w=0)."""
-    n = len(dataset.y)
-    totals = np.zeros(3)
+def evaluate(eval_step, state: TrainState, dataset, batch_size: int, pad: bool = True) -> dict[str, float]:
+    """Mean loss and every metric (divided by the summed weight) of `state` over `dataset`, in batches of
+    `batch_size`; the last batch padded with masked rows when `pad` (per-sample objectives), else smaller."""
+    from jaxpar.batch import as_rows, pad_rows
+
+    n, totals = len(dataset), None
     for start in range(0, n, batch_size):
         idx = np.arange(start, min(start + batch_size, n))
-        pad = batch_size - len(idx) if n > batch_size else 0
-        rows = np.concatenate([idx, np.zeros(pad, idx.dtype)])
-        batch = {"x": dataset.x[rows], "y": dataset.y[rows], "idx": rows.astype(np.int32),
-                 "w": np.concatenate([np.ones(len(idx)), np.zeros(pad)]).astype(np.float32)}
-        aux = eval_step(params, batch)
-        totals += [float(aux["loss_sum"]), float(aux["correct"]), float(aux["count"])]
-    return {"eval_loss": totals[0] / max(totals[2], 1), "eval_accuracy": totals[1] / max(totals[2], 1)}
+        rows = as_rows(dataset.batch(idx), idx)
+        if pad and n > batch_size:
+            rows = pad_rows(rows, batch_size)
+        sums = jax.device_get(eval_step(state.params, state.model_state, rows))
+        totals = sums if totals is None else jax.tree.map(np.add, totals, sums)
+    w = max(float(totals.weight), 1e-30)
+    return {"eval_loss": float(totals.loss) / w, **{f"eval_{k}": float(v) / w for k, v in totals.metrics.items()}}
 
 
 class Diverged(RuntimeError):
@@ -154,22 +291,36 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
     if cfg.batch_size % nproc:
         raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by the {nproc} processes; "
                          f"use a multiple of {nproc}.")
+    model_name = cfg.model if cfg.model in data_lib.MODELS else None  # built-ins decide shapes; user models not
     load = lambda split: data_lib.load(cfg.dataset, split, data_dir=cfg.data_dir, data_path=cfg.data_path,  # noqa
-                                       model=cfg.model, image_size=cfg.image_size, seed=cfg.seed)
+                                       model=model_name, image_size=cfg.image_size, seed=cfg.seed)
     train_set = load(cfg.train_split)
-    eval_set = load(cfg.eval_split) if cfg.eval_split else None
-    sampler = DistributedSampler(len(train_set.y), num_replicas=nproc, rank=rank, shuffle=cfg.shuffle,
+    eval_split = cfg.eval_split
+    if eval_split is None:  # the default: the test split where the dataset has one
+        eval_split = "test" if "test" in data_lib.splits(cfg.dataset, data_path=cfg.data_path) else ""
+    try:
+        eval_set = load(eval_split) if eval_split else None
+    except ValueError as e:
+        raise ValueError(f"--eval-split {eval_split!r}: {e} (--eval-split '' skips evaluation).") from None
+    sampler = DistributedSampler(len(train_set), num_replicas=nproc, rank=rank, shuffle=cfg.shuffle,
                                  seed=cfg.seed, drop_last=cfg.drop_last)
     local_batch = cfg.batch_size // nproc
     steps_per_epoch = (len(sampler) // local_batch if cfg.drop_last else math.ceil(len(sampler) / local_batch))
     if steps_per_epoch == 0:
         raise ValueError(f"--batch-size {cfg.batch_size} with --drop-last leaves no batch from "
-                         f"{len(train_set.y)} samples; lower the batch size or drop --drop-last.")
+                         f"{len(train_set)} samples; lower the batch size or drop --drop-last.")
 
-    model = make_model(cfg, train_set.x.shape, train_set.num_classes)
+    model = make_model(cfg, train_set)
+    loss_fn = make_loss(cfg)
     tx = make_tx(cfg, steps_per_epoch)
-    graphdef, state = init_state(model, tx, cfg.seed)
-    strategy = get_builder(cfg.strategy)(model, tx, cfg)  # validates the strategy's own rules
+    objective = cfg_objective(model, loss_fn, cfg)  # the whole model's: evaluation, checks, export
+    state = init_state(model, tx, objective.wrt)
+    check_fits(objective, state, train_set, cfg)
+    if not objective.per_sample and not cfg.drop_last and len(sampler) % local_batch:
+        raise ValueError(f"the loss sees whole shards (--per-sample off, or BatchNorm), so every batch must be full, "
+                         f"but {len(sampler)} samples per process leave a last batch of {len(sampler) % local_batch}; "
+                         "pass --drop-last.")
+    strategy = get_builder(cfg.strategy)(model, tx, cfg, loss_fn)  # validates the strategy's own rules
     ckpt = prepare_outputs(cfg, state)
     position = {"loss_sum": 0.0, "count": 0.0}
     if ckpt is not None and cfg.resume:
@@ -177,12 +328,12 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
         sampler.load_state_dict(sampler_state(position["sampler"], sampler))
     # every check passed: from here on the run writes
     placed = strategy.init(state)
-    eval_step = make_eval_step(graphdef)
+    eval_step = make_eval_step(objective)
     writer = report.MetricsWriter(cfg.metrics_out if main_process else None)
     log = print if main_process and not cfg.quiet else (lambda *a, **k: None)
     step, epoch = int(state.step), sampler.epoch
     log(f"jaxpar: {cfg.strategy} on {strategy.describe()}; model {cfg.model} "
-        f"({sum(a.size for a in jax.tree.leaves(state.params)):,} params); {len(train_set.y)} training samples"
+        f"({sum(a.size for a in jax.tree.leaves(state.params)):,} params); {len(train_set)} training samples"
         + (f"; resumed from step {step} (epoch {epoch}) in {cfg.checkpoint_dir}" if cfg.resume else ""))
     for note in ckpt.notes if ckpt is not None and main_process else ():
         print(f"jaxpar: note: resuming with a changed setting ({note}); the run will not match the original.")
@@ -209,13 +360,14 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
                 for batch in loader:
                     placed, metrics = strategy.step(placed, batch)
                     step += 1
-                    loss, n = float(metrics["loss"]), float(metrics["count"])  # reads back: the step is done
+                    loss, n = float(metrics["loss"]), float(metrics["samples"])  # reads back: the step is done
+                    weight = float(metrics["weight"])
                     clock.tick(n)
                     if not math.isfinite(loss):
                         writer.write({"event": "diverged", "step": step, "loss": loss, "checkpoint": _saved(ckpt)})
                         raise Diverged(f"the training loss became {loss} at step {step} (epoch {epoch}); stopped. "
                                        + _kept(cfg, ckpt) + " Lower --lr, or check the data for NaN values.")
-                    loss_sum, count = loss_sum + loss * n, count + n
+                    loss_sum, count = loss_sum + loss * weight, count + weight
                     bar.update(1)
                     if step % cfg.log_every == 0:
                         bar.set_postfix(loss=f"{loss_sum / count:.4f}")
@@ -235,8 +387,8 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
                     break
                 epoch_done = len(loader) == 0  # else --steps ended the run mid-epoch
                 if eval_set is not None:
-                    params = strategy.unplace(placed).params
-                    last.update(evaluate(eval_step, params, eval_set, cfg.eval_batch_size))
+                    last.update(evaluate(eval_step, strategy.unplace(placed), eval_set, cfg.eval_batch_size,
+                                         pad=objective.per_sample))
                 clock.skip()
                 writer.write({"event": "epoch", **last})
                 log(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in last.items()))
@@ -261,7 +413,7 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
             if main_process:
                 print(report.table(summary, summary["report"], summary["memory"]))
         if cfg.export_torch and main_process and not stopped:
-            export_torch(graphdef, final, cfg.export_torch)
+            export_torch(objective, final, cfg.export_torch)
         writer.write({"event": "summary", **{k: v for k, v in summary.items() if k not in ("report", "memory")},
                       "summary": summary_line(summary)})
     finally:
@@ -302,16 +454,20 @@ def _kept(cfg: Config, ckpt) -> str:
     return f"The last good checkpoint, step {ckpt.saved_step}, stays in {cfg.checkpoint_dir}."
 
 
-def export_torch(graphdef, state: TrainState, path: str) -> None:
-    """Write the trained weights as a PyTorch state dict (.npz of numpy arrays under torch's keys)."""
+def export_torch(objective, state: TrainState, path: str) -> None:
+    """Write the trained weights as a PyTorch state dict (.npz of numpy arrays under torch's keys): the built-in
+    models' conversion, or the model's own ``torch_state_dict()``."""
     from jaxpar import models
 
-    np.savez(path, **models.to_torch_state_dict(nnx.merge(graphdef, state.params)))
+    model = objective.merge(state.params, state.model_state)
+    own = getattr(model, "torch_state_dict", None)
+    np.savez(path, **(own() if callable(own) else models.to_torch_state_dict(model)))
 
 
 def summary_line(s: dict) -> str:
-    keys = ("strategy", "model", "devices", "processes", "steps", "epochs", "train_loss", "eval_loss",
-            "eval_accuracy", "samples_per_s", "time_s")
+    evals = tuple(k for k in s if k.startswith("eval_"))
+    keys = ("strategy", "model", "devices", "processes", "steps", "epochs", "train_loss", *evals,
+            "samples_per_s", "time_s")
     return "summary: " + " ".join(f"{k}={s[k]:.4g}" if isinstance(s[k], float) else f"{k}={s[k]}"
                                   for k in keys if k in s)
 

@@ -1,11 +1,23 @@
-"""The contract every strategy keeps, and the registry behind `--strategy`."""
+"""The contract every strategy keeps, and the registry behind `--strategy`.
+
+Every strategy is built from an `Objective` (the user's NNX model, loss and `wrt` filter; jaxpar.objective) and
+an optax transformation, and keeps the same four calls, so the trainer, checkpoints and exports never ask which
+strategy runs:
+
+    placed = strategy.init(state)                  # the canonical TrainState onto the devices
+    batch = strategy.put_batch(batch_or_rows)      # pad / mask / shard / scatter (on the loader thread)
+    placed, metrics = strategy.step(placed, batch)
+    state = strategy.unplace(placed)               # the canonical single-device TrainState again
+"""
 from __future__ import annotations
 
 import importlib
 from typing import Any, Protocol
 
 import jax
+from flax import nnx
 
+from jaxpar.objective import Objective
 from jaxpar.step import TrainState
 from jaxpar.types import Batch, Metrics
 
@@ -43,7 +55,7 @@ class Strategy(Protocol):
 
 
 def get_builder(name: str):
-    """The `build(model, tx, cfg) -> Strategy` function registered under `name`."""
+    """The `build(model, tx, cfg, loss_fn) -> Strategy` function registered under `name`."""
     if name not in STRATEGIES:
         raise ValueError(f"strategy={name!r} is not known; use one of {', '.join(STRATEGIES)}.")
     module, fn = STRATEGIES[name].split(":")
@@ -60,3 +72,21 @@ def to_device(tree: Any, device) -> Any:
         return jax.device_put(a, device)
 
     return jax.tree.map(one, tree)
+
+
+def objective_of(model: nnx.Module | Objective, loss_fn=None, **kwargs) -> Objective:
+    """`model` as an Objective: an Objective passes through (no other argument allowed), a module is wrapped."""
+    if isinstance(model, Objective):
+        if loss_fn is not None or kwargs:
+            raise ValueError("an Objective already holds its loss and options; pass either an Objective, or the "
+                             "model with loss_fn=... and options.")
+        return model
+    return Objective.of(model, loss_fn, **kwargs)
+
+
+def cfg_objective(model: nnx.Module, loss_fn, cfg) -> Objective:
+    """The Objective train.py's flags ask for: --precision, --per-sample."""
+    from jaxpar.precision import compute_dtype
+
+    per_sample = {None: None, "on": True, "off": False}[cfg.per_sample]
+    return Objective.of(model, loss_fn, per_sample=per_sample, compute_dtype=compute_dtype(cfg.precision))

@@ -13,15 +13,20 @@ data movement of PyTorch's DataParallel, so its costs can be watched. One step, 
     state    = apply_updates(tx, state, grads) # the optimizer runs on the master only
 
 `loss_on_device=True` (the tutorials' fix): each device's forward ends in its own summed loss, only the scalars
-travel to the output device, and the cotangent sent back is 1 / (global sample count), so the loss is the
-chunk-size-weighted mean of the per-device means and the gradients are those of the global mean loss.
+travel to the output device, and the cotangent sent back is 1 / (global weight), so the loss is the
+weight-weighted mean of the per-device means and the gradients are those of the global mean loss.
+
+The model and loss follow jaxpar's contract (jaxpar.objective). Gathering the outputs needs the loss on
+outputs (`jaxpar.OutputLoss`, the default cross-entropy is one); `loss_on_device` takes any loss(model, batch).
+Model state: RNG streams advance once per step; BatchNorm (per_sample=False) normalises each chunk with its own
+statistics and keeps replica 0's running buffers -- torch's DataParallel, whose replica 0 shares the module's
+buffers on device_ids[0].
 
 The master (params, gradients, optimizer state) is `device_ids[0]`; outputs are gathered on `output_device`
 (an index into `jax.local_devices()`, as torch's cuda index); with the defaults both are device 0.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Sequence
 
@@ -30,11 +35,12 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxpar.run import memory
+from jaxpar.batch import Rows, as_rows, check_unpadded
 from jaxpar.config import Config
-from jaxpar.step import TrainState, apply_model, apply_updates, cast_floating, metrics_of, output_terms, sample_keys
-from jaxpar.strategies.base import to_device
-from jaxpar.types import Batch
+from jaxpar.objective import Objective, OutputLoss, metrics_of
+from jaxpar.run import memory
+from jaxpar.step import TrainState, apply_updates
+from jaxpar.strategies.base import cfg_objective, objective_of, to_device
 
 
 def chunk_sizes(batch_size: int, num_devices: int) -> list[int]:
@@ -58,7 +64,7 @@ def _split(tree, sizes: tuple[int, ...]):
 
 @jax.jit
 def _concat(*outs):
-    return jnp.concatenate(outs, axis=0)
+    return jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *outs)
 
 
 @jax.jit
@@ -68,53 +74,42 @@ def _add(total, grads):
 
 
 @jax.jit
-def _sum_losses(*auxs):
-    """The gathered per-device (loss_sum, correct, count), summed; the cotangent 1/count; the losses vector."""
-    total = jax.tree.map(lambda *a: sum(a[1:], a[0]), *auxs)
-    losses = jnp.stack([a["loss_sum"] / a["count"] for a in auxs])
-    return total, 1.0 / total["count"], losses
+def _sum(*sums):
+    """The gathered per-device Sums, added; the cotangent 1 / weight of the global mean loss."""
+    total = sums[0]
+    for part in sums[1:]:
+        total = total + part
+    return total, 1.0 / total.weight
 
 
-def _targets(batch: Batch) -> Batch:
-    """What the loss needs besides the outputs: labels and (padding) weights."""
-    return {k: batch[k] for k in ("y", "w") if k in batch}
+# The per-device pieces: module-level jits (objective static), so every DataParallel of one objective shares
+# their compilations. Each runs on the device its inputs are committed to; XLA compiles once per (shape, device).
+@partial(jax.jit, static_argnums=0)
+def _forward_outputs(objective: Objective, params, model_state, chunk: Rows, shard):
+    """(outputs, vjp, model state): the replica's forward, keeping its residuals in `vjp` for the backward."""
+    return jax.vjp(lambda p: objective.outputs(p, model_state, chunk, shard=shard), params, has_aux=True)
 
 
-# The per-device pieces: module-level jits (graphdef static), so every DataParallel of one model shares their
-# compilations. Each runs on the device its inputs are committed to; XLA compiles once per (shape, device).
-def _model(graphdef, compute_dtype, params, chunk: Batch, key, step):
-    keys = sample_keys(key, step, chunk["idx"])  # this chunk's own rows: the reference's dropout masks
-    x = chunk["x"]
-    if compute_dtype is not None:
-        params, x = cast_floating(params, compute_dtype), x.astype(compute_dtype)
-    return apply_model(graphdef, params, x, keys)
-
-
-@partial(jax.jit, static_argnums=(0, 1))
-def _forward_logits(graphdef, compute_dtype, params, key, step, chunk: Batch):
-    """(logits, vjp): the replica's forward, keeping its residuals in `vjp` for the backward."""
-    return jax.vjp(lambda p: _model(graphdef, compute_dtype, p, chunk, key, step), params)
-
-
-@partial(jax.jit, static_argnums=(0, 1))
-def _forward_loss(graphdef, compute_dtype, params, key, step, chunk: Batch):
-    """(aux, vjp): the replica's forward ending in its own summed loss (loss_on_device)."""
+@partial(jax.jit, static_argnums=0)
+def _forward_loss(objective: Objective, params, model_state, chunk: Rows, shard):
+    """(Sums, vjp, model state): the replica's forward ending in its own summed loss (loss_on_device)."""
     def local_loss(p):
-        return output_terms(_model(graphdef, compute_dtype, p, chunk, key, step), chunk)
+        sums, new_state = objective.sums(p, model_state, chunk, shard=shard)
+        return sums.loss, (sums, new_state)
 
-    _, vjp, aux = jax.vjp(local_loss, params, has_aux=True)
-    return aux, vjp
+    _, vjp, (sums, new_state) = jax.vjp(local_loss, params, has_aux=True)
+    return sums, vjp, new_state
 
 
-@jax.jit
-def _output_grad(logits, targets: Batch):
-    """(aux, dL/dlogits) of the global mean loss L, on the output device."""
+@partial(jax.jit, static_argnums=0)
+def _output_grad(objective: Objective, outputs, rows: Rows):
+    """(Sums, dL/doutputs) of the global mean loss L, on the output device."""
     def mean_loss(z):
-        loss_sum, aux = output_terms(z, targets)
-        return loss_sum / aux["count"], aux
+        sums = objective.output_sums(z, rows)
+        return sums.loss / sums.weight, sums
 
-    dz, aux = jax.grad(mean_loss, has_aux=True)(logits)
-    return aux, dz
+    dz, sums = jax.grad(mean_loss, has_aux=True)(outputs)
+    return sums, dz
 
 
 @jax.jit
@@ -124,91 +119,103 @@ def _backward(vjp, cotangent):
 
 
 @partial(jax.jit, static_argnums=0)
-def _update(tx: optax.GradientTransformation, state: TrainState, grads):
-    return apply_updates(tx, state, grads)
+def _update(tx: optax.GradientTransformation, state: TrainState, grads, model_state):
+    return apply_updates(tx, state, grads, model_state)
 
 
-@dataclass
+def _shape(tree) -> tuple:
+    """The tutorial's "size" of a pytree: the shape of its one leaf, or the shapes of its leaves."""
+    shapes = [tuple(a.shape) for a in jax.tree.leaves(tree)]
+    return shapes[0] if len(shapes) == 1 else tuple(shapes)
+
+
 class DataParallel:
-    """PyTorch's nn.DataParallel over `device_ids` (indices into jax.local_devices(); default all)."""
+    """PyTorch's nn.DataParallel over `device_ids` (indices into jax.local_devices(); default all):
+    `DataParallel(model, tx, loss_fn=...)` or `DataParallel(objective, tx)`."""
 
-    graphdef: nnx.GraphDef  # or an nnx.Module, whose graphdef is taken
-    tx: optax.GradientTransformation
-    device_ids: Sequence[int] | None = None
-    output_device: int = 0
-    loss_on_device: bool = False
-    print_shapes: bool = False
-    compute_dtype: object = None
-    name: str = "dp"
-    devices: list = field(init=False)
-    _tracker: memory.PeakTracker | None = field(init=False, default=None, repr=False)
-    _last_batch: Batch | None = field(init=False, default=None, repr=False)
-    _shapes: dict = field(init=False, default_factory=dict, repr=False)
+    name = "dp"
 
-    def __post_init__(self):
-        if isinstance(self.graphdef, nnx.Module):
-            self.graphdef = nnx.graphdef(self.graphdef)
+    def __init__(self, model: nnx.Module | Objective, tx: optax.GradientTransformation, *, loss_fn=None,
+                 device_ids: Sequence[int] | None = None, output_device: int = 0, loss_on_device: bool = False,
+                 print_shapes: bool = False, **objective_options):
         if jax.process_count() > 1:
             raise ValueError(f"strategy='dp' runs in one process, but jax.process_count()={jax.process_count()}; "
                              "use --strategy ddp across processes.")
+        self.objective = objective_of(model, loss_fn, **objective_options)
+        if not loss_on_device:
+            self.objective.output_loss()  # gathering the outputs needs the loss on outputs: fail now, not mid-step
+        self.tx, self.output_device, self.loss_on_device, self.print_shapes = tx, output_device, loss_on_device, \
+            print_shapes
         local = jax.local_devices()
-        ids = list(range(len(local))) if self.device_ids is None else list(self.device_ids)
-        bad = [i for i in ids + [self.output_device] if not 0 <= i < len(local)]
+        ids = list(range(len(local))) if device_ids is None else list(device_ids)
+        bad = [i for i in ids + [output_device] if not 0 <= i < len(local)]
         if not ids or bad or len(set(ids)) != len(ids):
-            raise ValueError(f"device_ids={ids} and output_device={self.output_device} must be distinct indices "
+            raise ValueError(f"device_ids={ids} and output_device={output_device} must be distinct indices "
                              f"into the {len(local)} local devices; pass fewer devices or more --cpu-devices.")
         self.devices = [local[i] for i in ids]
-        self.master, self.out_device = self.devices[0], local[self.output_device]
-        self._forward = partial(_forward_loss if self.loss_on_device else _forward_logits,
-                                self.graphdef, self.compute_dtype)
+        self.master, self.out_device = self.devices[0], local[output_device]
+        self._forward = partial(_forward_loss if loss_on_device else _forward_outputs, self.objective)
+        self._tracker: memory.PeakTracker | None = None
+        self._last_batch: Rows | None = None
+        self._shapes: dict = {}
 
-    def _logits_shape(self, params, x: jax.Array) -> tuple:
-        """The model's output shape for input `x` (loss_on_device never materialises the logits outside)."""
-        if x.shape not in self._shapes:
-            self._shapes[x.shape] = jax.eval_shape(partial(apply_model, self.graphdef), params, x).shape
-        return self._shapes[x.shape]
+    def _inputs(self, chunk: Rows):
+        loss = self.objective.loss_fn
+        return loss.inputs(chunk.data) if isinstance(loss, OutputLoss) else chunk.data
+
+    def _output_shape(self, state: TrainState, chunk: Rows) -> tuple:
+        """The model's output shape on `chunk` (loss_on_device never materialises the outputs outside)."""
+        key = jax.tree.map(jnp.shape, chunk.data)
+        key = str(key)
+        if key not in self._shapes:
+            fn = lambda p, m, c: self.objective.outputs(p, m, c)[0]  # noqa: E731
+            self._shapes[key] = _shape(jax.eval_shape(fn, state.params, state.model_state, chunk))
+        return self._shapes[key]
 
     # -- the Strategy protocol --
     def init(self, state: TrainState) -> TrainState:
         return to_device(state, self.master)
 
-    def put_batch(self, batch: Batch) -> Batch:
+    def put_batch(self, batch) -> Rows:
         """The whole global batch onto the master (the tutorial's `input.to(device)`); step scatters it."""
-        return jax.device_put(batch, self.master)
+        rows = as_rows(batch)
+        if not self.objective.per_sample:
+            check_unpadded(rows, "per_sample=False")
+        return jax.device_put(rows, self.master)
 
-    def step(self, state: TrainState, batch: Batch):
+    def step(self, state: TrainState, batch: Rows):
         mark = self._tracker.mark if self._tracker else (lambda label: None)
         show = self.print_shapes and self._tracker is None  # a measuring step (report) prints nothing
         self._last_batch = batch  # for report(): one measured step over it
-        sizes = tuple(chunk_sizes(batch["x"].shape[0], len(self.devices)))
+        sizes = tuple(chunk_sizes(batch.mask.shape[0], len(self.devices)))
         devices = self.devices[:len(sizes)]
         # scatter: cut on the master, copy chunk i to device i (each movement below is one coalesced device_put)
         chunks = jax.device_put(list(_split(batch, sizes)), devices)
-        # replicate: the master's params (and the dropout key and step) onto every device used this step
-        replicas = jax.device_put([(state.params, state.key, state.step)] * len(devices), devices)
+        # replicate: the master's params and model state onto every device used this step
+        replicas = jax.device_put([(state.params, state.model_state)] * len(devices), devices)
         # parallel_apply: one dispatch per device, back to back; nothing waits here
-        outs, vjps = zip(*[self._forward(p, k, s, c) for (p, k, s), c in zip(replicas, chunks)])
+        outs, vjps, states = zip(*[self._forward(p, m, c, i) for i, ((p, m), c) in enumerate(zip(replicas, chunks))])
         if show:
             for c, o in zip(chunks, outs):
-                shape = self._logits_shape(state.params, c["x"]) if self.loss_on_device else o.shape
-                print(f"\tIn Model: input size {tuple(c['x'].shape)} output size {tuple(shape)}")
+                shape = self._output_shape(state, c) if self.loss_on_device else _shape(o)
+                print(f"\tIn Model: input size {_shape(self._inputs(c))} output size {shape}")
         # gather onto the output device (the replicas' outputs are dropped once copied); the loss there
         gathered = jax.device_put(list(outs), [self.out_device] * len(outs))
         del outs
         if self.loss_on_device:
-            aux, cotangent, losses = _sum_losses(*gathered)
+            sums, cotangent = _sum(*gathered)
             cotangents = jax.device_put([cotangent] * len(devices), devices)
-            on_output = [losses]
-            del losses, cotangent
+            on_output = [sums]
+            del cotangent
         else:
-            logits = _concat(*gathered)
-            aux, dlogits = _output_grad(logits, jax.device_put(_targets(batch), self.out_device))
-            cotangents = jax.device_put(list(_split(dlogits, sizes)), devices)  # scatter back
-            on_output = [logits, dlogits]
-            del logits, dlogits
+            outputs = _concat(*gathered)
+            sums, doutputs = _output_grad(self.objective, outputs, jax.device_put(batch, self.out_device))
+            cotangents = jax.device_put(list(_split(doutputs, sizes)), devices)  # scatter back
+            on_output = [outputs, doutputs]
+            if show:
+                print(f"Outside: input size {_shape(self._inputs(batch))} output size {_shape(outputs)}")
+            del outputs, doutputs
         del gathered
-        if show:
-            print(f"Outside: input size {tuple(batch['x'].shape)} output size {tuple(on_output[0].shape)}")
         mark("after gather: outputs and their gradient on the output device, residuals on every replica")
         # backward on every replica from its own residuals, dispatched back to back; then the step lets go of
         # the outputs, their gradients and the residuals (torch frees the graph as backward runs)
@@ -221,9 +228,10 @@ class DataParallel:
             total = _add(total, jax.device_put(g, self.master))
             mark("reducing: the running sum and one replica's gradients on the master")
         del grads
-        state = _update(self.tx, state, total)
+        # replica 0's model state (its BatchNorm buffers; RNG streams advanced once) is the module's
+        state = _update(self.tx, state, total, jax.device_put(states[0], self.master))
         mark("after update: new params and optimizer state on the master")
-        return state, metrics_of(aux)
+        return state, metrics_of(jax.device_put(sums, self.master))
 
     def unplace(self, state: TrainState) -> TrainState:
         return state
@@ -235,7 +243,7 @@ class DataParallel:
                 f"{self.master}, torch.chunk scatter, params replicated every step, loss {loss}, "
                 "gradients reduced to the master, optimizer on the master")
 
-    def measure(self, state: TrainState, batch: Batch) -> dict:
+    def measure(self, state: TrainState, batch: Rows) -> dict:
         """One (discarded) step of `state` on `batch`, measured: per device, `live_bytes` at the step's peak and
         `delta_bytes` over the bytes live before it; the master's extra over the fullest other device."""
         base = memory.baseline(self.devices)
@@ -263,9 +271,7 @@ class DataParallel:
         return self.measure(state, self._last_batch)
 
 
-def build(model: nnx.Module, tx: optax.GradientTransformation, cfg: Config) -> DataParallel:
-    from jaxpar.precision import compute_dtype
-
+def build(model: nnx.Module, tx: optax.GradientTransformation, cfg: Config, loss_fn=None) -> DataParallel:
     ids = None if cfg.num_devices is None else list(range(cfg.num_devices))
-    return DataParallel(nnx.graphdef(model), tx, ids, cfg.output_device, cfg.loss_on_device, cfg.print_shapes,
-                        compute_dtype(cfg.precision))
+    return DataParallel(cfg_objective(model, loss_fn, cfg), tx, device_ids=ids, output_device=cfg.output_device,
+                        loss_on_device=cfg.loss_on_device, print_shapes=cfg.print_shapes)

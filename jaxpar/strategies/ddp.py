@@ -2,15 +2,18 @@
 
 One step, on every device at once (shard_map, or pmap: the same body, the same numbers):
 
-    loss_sum, grads = grad(sum_i w_i * CE_i over MY rows)      # dropout keyed per sample: split-independent
+    sums, grads = grad(objective's summed loss over MY rows)   # per-sample RNG: split-independent dropout
     grads = all_reduce(bucket) for bucket in plan              # from inside the backward when overlap is on
-    grads = grads / psum(count)                                # gradient of the GLOBAL mean loss
+    grads = grads / psum(sums.weight)                          # gradient of the GLOBAL mean loss
     state = apply_updates(tx, state, grads)                    # the same update on every replica
 
 Gradient accumulation K (torch's no_sync): each device splits its rows into K micro-batches; micro-steps 1..K-1
 only accumulate local gradients, the K-th reduces (its gradients + the accumulated ones) once, so K micro-steps
 equal one reference step on the whole global batch. bf16 communication (torch's bf16 compress hook) casts each
-bucket buffer to bf16 for the collective and back. A batch the devices do not divide is padded with w = 0 rows.
+bucket buffer to bf16 for the collective and back. A batch the devices do not divide is padded with masked rows
+(jaxpar.batch). Model state: RNG streams advance once per step on every replica; in batch mode (BatchNorm) each
+replica normalises with its own shard's statistics and the running buffers of replica 0 are kept, as torch's
+``broadcast_buffers=True`` does at the next forward.
 """
 from __future__ import annotations
 
@@ -23,17 +26,21 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpar.batch import Rows, as_rows, check_unpadded, pad_rows, round_up, split_rows
 from jaxpar.comm import cost as comm_cost
 from jaxpar.comm import overlap as ddp_overlap
 from jaxpar.comm.buckets import BucketPlan, plan_buckets
 from jaxpar.comm.collectives import ALGORITHMS, all_reduce
 from jaxpar.config import Config
 from jaxpar.mesh import DATA, make_mesh
-from jaxpar.step import TrainState, apply_updates, loss_terms, metrics_of
-from jaxpar.types import Batch, Params
+from jaxpar.objective import Objective, Sums, advance_rng, metrics_of
+from jaxpar.step import TrainState, apply_updates
+from jaxpar.strategies.base import cfg_objective, objective_of
+from jaxpar.types import Params
 
 SPMD = ("shard_map", "pmap")
 COMM_DTYPES = {None: None, "fp32": None, "bf16": jnp.bfloat16}
@@ -53,79 +60,99 @@ def bucket_plan(params: Params, bucket_cap_mb: float, order: Sequence[int] | Non
     return plan_buckets(params, bucket_cap_mb, order=order)
 
 
-def ddp_body(graphdef, tx: optax.GradientTransformation, plan, reduce: ddp_overlap.Reduce, *, overlap: bool = True,
-             grad_accum: int = 1, compute_dtype=None, axis_name: str = DATA):
-    """The per-device step `(state, local_batch) -> (state, metrics)` run under shard_map or pmap.
+def psum_sums(sums: Sums, axis_name, after: jax.Array | None = None) -> Sums:
+    """`sums` added over `axis_name` as ONE small collective (a vector of the scalars); `after` (an exact 0.0)
+    chains it behind the gradient buckets so it stays a collective of its own."""
+    leaves, treedef = jax.tree.flatten(sums)
+    vector = jnp.stack(leaves) + (0.0 if after is None else after)
+    return jax.tree.unflatten(treedef, list(lax.psum(vector, axis_name)))
+
+
+def from_replica_0(tree: Any, axis_name) -> Any:
+    """Every numeric leaf replaced by replica 0's value (torch DDP's broadcast_buffers), RNG streams as they are."""
+    first = lax.axis_index(axis_name) == 0
+
+    def one(v):
+        if isinstance(v, nnx.RngState):
+            return v
+        a = v.get_value()
+        return v.replace(lax.psum(jnp.where(first, a, jnp.zeros_like(a)), axis_name))
+
+    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def ddp_body(objective: Objective, tx: optax.GradientTransformation, plan, reduce: ddp_overlap.Reduce, *,
+             overlap: bool = True, grad_accum: int = 1, axis_name: str = DATA):
+    """The per-device step `(state, local_rows) -> (state, metrics)` run under shard_map or pmap.
 
     `plan` is a bucket plan, or a function of the params giving one (called at trace time).
     """
     K = grad_accum
 
-    def body(state: TrainState, batch: Batch):
+    def body(state: TrainState, rows: Rows):
         leaves, treedef = jax.tree.flatten(state.params)
         buckets = plan(state.params) if callable(plan) else plan
+        replica = lax.axis_index(axis_name)
 
-        def local_loss(ps, mb, acc=None, hooked=False):
+        def local_loss(ps, mb, model_state, k, acc=None, hooked=False):
             if hooked:
                 ps = ddp_overlap.hook_buckets(ps, buckets, reduce, acc)
-            return loss_terms(graphdef, treedef.unflatten(ps), mb, state.key, state.step,
-                              compute_dtype=compute_dtype)
+            sums, new_state = objective.sums(treedef.unflatten(ps), model_state, mb, shard=replica * K + k)
+            return sums.loss, (sums, new_state)
 
         grad = jax.value_and_grad(local_loss, has_aux=True)
-        rows = batch["y"].shape[0]
-        if rows % K:
-            raise ValueError(f"each device's {rows} rows must be divisible by grad_accum={K}; pad the global "
-                             f"batch to a multiple of devices x grad_accum (DistributedDataParallel.put_batch does).")
-        micro = jax.tree.map(lambda a: a.reshape(K, a.shape[0] // K, *a.shape[1:]), batch)
-        zero_aux = {k: jnp.zeros((), jnp.float32) for k in ("loss_sum", "correct", "count")}
-        acc, aux = None, zero_aux
+        if rows.mask.shape[0] % K:
+            raise ValueError(f"each device's {rows.mask.shape[0]} rows must be divisible by grad_accum={K}; pad the "
+                             f"global batch to a multiple of devices x grad_accum (DistributedDataParallel.put_batch "
+                             f"does).")
+        micro = split_rows(rows, K)
+        take = lambda k: jax.tree.map(lambda a: a[k], micro)  # noqa: E731
+        acc, total, model_state = None, None, state.model_state
         # no_sync micro-steps: local sums only. Unrolled: XLA:CPU runs convolutions in a loop ~5x slower
         for k in range(K - 1):
-            (_, a), g = grad(leaves, jax.tree.map(lambda x: x[k], micro))
+            (_, (sums, new_state)), g = grad(leaves, take(k), model_state, k)
+            model_state = advance_rng(new_state, model_state, by=0)  # every micro-batch draws from the same streams
             acc = g if acc is None else jax.tree.map(jnp.add, acc, g)
-            aux = jax.tree.map(jnp.add, aux, a)
-        last = jax.tree.map(lambda a: a[K - 1], micro)
+            total = sums if total is None else total + sums
         if overlap:
-            (_, a), grads = grad(leaves, last, acc, True)
+            (_, (sums, new_state)), grads = grad(leaves, take(K - 1), model_state, K - 1, acc, True)
         else:
-            (_, a), grads = grad(leaves, last)
+            (_, (sums, new_state)), grads = grad(leaves, take(K - 1), model_state, K - 1)
             if acc is not None:
                 grads = jax.tree.map(jnp.add, grads, acc)
             grads = ddp_overlap.reduce_after_backward(grads, buckets, reduce)
-        aux = jax.tree.map(jnp.add, aux, a)
-        # the metrics' sum (a 3-float psum), chained after the last bucket so it stays a collective of its own
-        tail = ddp_overlap.zero_after(*[grads[i] for i in buckets[-1]])
-        loss_sum, correct, count = jax.lax.psum(jnp.stack([aux["loss_sum"], aux["correct"], aux["count"]]) + tail,
-                                                axis_name)
-        grads = [g / count for g in grads]
-        state = apply_updates(tx, state, treedef.unflatten(grads))
-        return state, metrics_of({"loss_sum": loss_sum, "correct": correct, "count": count})
+        total = sums if total is None else total + sums
+        model_state = advance_rng(new_state, state.model_state)
+        if not objective.per_sample:  # buffers (BatchNorm running stats) of replica 0, as broadcast_buffers=True
+            model_state = from_replica_0(model_state, axis_name)
+        # the metrics' sum (one small psum), chained after the last bucket so it stays a collective of its own
+        total = psum_sums(total, axis_name, ddp_overlap.zero_after(*[grads[i] for i in buckets[-1]]))
+        grads = [g / total.weight for g in grads]
+        state = apply_updates(tx, state, treedef.unflatten(grads), model_state)
+        return state, metrics_of(total)
 
     return body
 
 
-def make_ddp_step(graphdef, tx: optax.GradientTransformation, mesh: Mesh, *, allreduce: str = "psum",
+def make_ddp_step(objective: Objective, tx: optax.GradientTransformation, mesh: Mesh, *, allreduce: str = "psum",
                   bucket_cap_mb: float = 25.0, overlap: bool = True, grad_accum: int = 1,
-                  grad_comm_dtype: str | None = None, spmd: str = "shard_map", compute_dtype=None,
+                  grad_comm_dtype: str | None = None, spmd: str = "shard_map",
                   plan: Sequence[Sequence[int]] | None = None, leaf_order: Sequence[int] | None = None,
                   compiler_options: dict | None = None):
-    """Compiled DDP step `(placed_state, placed_batch) -> (placed_state, metrics)` on the 1-D DATA `mesh`.
+    """Compiled DDP step `(placed_state, placed_rows) -> (placed_state, metrics)` on the 1-D DATA `mesh`.
 
-    shard_map: state replicated (NamedSharding(mesh, P())), batch rows sharded over DATA (see `place_batch`).
-    pmap: every leaf stacked over the local devices [n_local, ...], the batch as [n_local, rows, ...].
-    `plan` (buckets of leaf indices) defaults to `bucket_plan(params, bucket_cap_mb, leaf_order)`, with the
-    forward order taken from the model's `layers` when `leaf_order` is None. The state argument is donated.
+    shard_map: state replicated (NamedSharding(mesh, P())), rows sharded over DATA (see `place_rows`).
+    pmap: every leaf stacked over the local devices [n_local, ...], the rows as [n_local, rows, ...].
+    `plan` (buckets of leaf indices) defaults to `bucket_plan(params, bucket_cap_mb, leaf_order)` (flatten
+    order when `leaf_order` is None). The state argument is donated.
     """
     check_options(allreduce=allreduce, spmd=spmd, grad_accum=grad_accum, grad_comm_dtype=grad_comm_dtype,
                   bucket_cap_mb=bucket_cap_mb)
     if plan is None:
         def plan(params):  # at trace time: plain Python data from the leaves' shapes
-            order = leaf_order
-            if order is None:
-                order = ddp_overlap.forward_leaf_order(nnx.merge(graphdef, params))
-            return bucket_plan(params, bucket_cap_mb, order)
+            return bucket_plan(params, bucket_cap_mb, leaf_order)
     reduce = make_reduce(allreduce, COMM_DTYPES[grad_comm_dtype])
-    body = ddp_body(graphdef, tx, plan, reduce, overlap=overlap, grad_accum=grad_accum, compute_dtype=compute_dtype)
+    body = ddp_body(objective, tx, plan, reduce, overlap=overlap, grad_accum=grad_accum)
     if spmd == "pmap":
         return jax.pmap(body, axis_name=DATA, devices=list(mesh.devices.flat), donate_argnums=0)
     sharded = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(DATA)), out_specs=(P(), P()), check_vma=False)
@@ -147,22 +174,6 @@ def check_options(*, allreduce: str, spmd: str, grad_accum: int, grad_comm_dtype
 
 # ---- placement: padding, sharding, replication ---------------------------------------------------------------
 
-def round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def pad_batch(batch: Batch, rows: int) -> dict[str, np.ndarray]:
-    """`batch` (host arrays) padded with zero rows to `rows`, with `w` = 1 on real rows and 0 on padding."""
-    n = len(batch["y"])
-    if rows < n:
-        raise ValueError(f"rows={rows} must be >= the batch's {n} rows; pad to a larger size.")
-    out = {k: np.asarray(v) for k, v in batch.items()}
-    out["w"] = np.asarray(out.get("w", np.ones(n, np.float32)), np.float32)
-    if rows == n:
-        return out
-    return {k: np.concatenate([v, np.zeros((rows - n, *v.shape[1:]), v.dtype)]) for k, v in out.items()}
-
-
 def local_devices(mesh: Mesh) -> list:
     """This process's devices of `mesh`, in mesh order (the rows it feeds)."""
     return [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
@@ -173,13 +184,13 @@ def _stacked(mesh: Mesh) -> NamedSharding:
     return NamedSharding(Mesh(np.array(local_devices(mesh)), (DATA,)), P(DATA))
 
 
-def place_batch(batch: dict[str, np.ndarray], mesh: Mesh, spmd: str = "shard_map"):
-    """This process's (padded) rows onto its devices: a global array sharded over DATA, or pmap's stacking."""
+def place_rows(rows: Rows, mesh: Mesh, spmd: str = "shard_map") -> Rows:
+    """This process's (padded) rows onto its devices: global arrays sharded over DATA, or pmap's stacking."""
     if spmd == "pmap":
         n = len(local_devices(mesh))
-        return jax.device_put({k: v.reshape(n, -1, *v.shape[1:]) for k, v in batch.items()}, _stacked(mesh))
+        return jax.device_put(jax.tree.map(lambda v: v.reshape(n, -1, *v.shape[1:]), rows), _stacked(mesh))
     sharding = NamedSharding(mesh, P(DATA))
-    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
+    return jax.tree.map(lambda v: jax.make_array_from_process_local_data(sharding, np.asarray(v)), rows)
 
 
 def replicate(state: TrainState, mesh: Mesh, spmd: str = "shard_map"):
@@ -209,31 +220,28 @@ def unreplicate(placed: Any, spmd: str = "shard_map") -> Any:
     return jax.tree.map(one, placed)
 
 
-@dataclass
 class DistributedDataParallel:
-    """torch DDP on a 1-D DATA mesh; `batch_size` (global) fixes every batch's padded shape (one compile)."""
+    """torch DDP on a 1-D DATA mesh: `DistributedDataParallel(model, tx, loss_fn=..., mesh=...)` or
+    `DistributedDataParallel(objective, tx, ...)`. `batch_size` (global) fixes every batch's padded shape (one
+    compile); `leaf_order` is the forward order of the parameter leaves (default: from the model's `layers`)."""
 
-    graphdef: nnx.GraphDef
-    tx: optax.GradientTransformation
-    mesh: Mesh | None = None
-    allreduce: str = "psum"
-    bucket_cap_mb: float = 25.0
-    overlap: bool = True
-    grad_accum: int = 1
-    grad_comm_dtype: str | None = None
-    spmd: str = "shard_map"
-    compute_dtype: Any = None
-    batch_size: int | None = None
-    leaf_order: Sequence[int] | None = None  # forward order of the leaves (ddp_overlap.forward_leaf_order)
-    name: str = "ddp"
-    plan: BucketPlan | None = field(default=None, init=False)
-    _step: Any = field(default=None, init=False, repr=False)
-    _batch_spec: Any = field(default=None, init=False, repr=False)
+    name = "ddp"
 
-    def __post_init__(self):
-        check_options(allreduce=self.allreduce, spmd=self.spmd, grad_accum=self.grad_accum,
-                      grad_comm_dtype=self.grad_comm_dtype, bucket_cap_mb=self.bucket_cap_mb)
-        self.mesh = self.mesh or make_mesh()
+    def __init__(self, model: nnx.Module | Objective, tx: optax.GradientTransformation, *, loss_fn=None,
+                 mesh: Mesh | None = None, allreduce: str = "psum", bucket_cap_mb: float = 25.0, overlap: bool = True,
+                 grad_accum: int = 1, grad_comm_dtype: str | None = None, spmd: str = "shard_map",
+                 batch_size: int | None = None, leaf_order: Sequence[int] | None = None, **objective_options):
+        check_options(allreduce=allreduce, spmd=spmd, grad_accum=grad_accum, grad_comm_dtype=grad_comm_dtype,
+                      bucket_cap_mb=bucket_cap_mb)
+        self.objective = objective_of(model, loss_fn, **objective_options)
+        if leaf_order is None and isinstance(model, nnx.Module):
+            leaf_order = ddp_overlap.forward_leaf_order(model, self.objective.wrt)
+        self.tx, self.mesh = tx, mesh or make_mesh()
+        self.allreduce, self.bucket_cap_mb, self.overlap = allreduce, bucket_cap_mb, overlap
+        self.grad_accum, self.grad_comm_dtype, self.spmd = grad_accum, grad_comm_dtype, spmd
+        self.batch_size, self.leaf_order = batch_size, leaf_order
+        self.plan: BucketPlan | None = None
+        self._step = self._batch_spec = None
         n_local, nproc = len(local_devices(self.mesh)), jax.process_count()
         if n_local == 0 or (nproc > 1 and self.mesh.size != jax.device_count()):
             raise ValueError(f"the DDP mesh of {self.mesh.size} devices must span all {jax.device_count()} devices "
@@ -243,29 +251,39 @@ class DistributedDataParallel:
 
     def init(self, state: TrainState):
         if self.plan is None:
-            self.plan = bucket_plan(state.params, self.bucket_cap_mb, self.leaf_order)
+            order = self.leaf_order
+            if order is None:
+                order = ddp_overlap.forward_leaf_order(self.objective.merge(state.params, state.model_state),
+                                                       self.objective.wrt)
+            self.plan = bucket_plan(state.params, self.bucket_cap_mb, order)
             self._step = make_ddp_step(
-                self.graphdef, self.tx, self.mesh, allreduce=self.allreduce, bucket_cap_mb=self.bucket_cap_mb,
+                self.objective, self.tx, self.mesh, allreduce=self.allreduce, bucket_cap_mb=self.bucket_cap_mb,
                 overlap=self.overlap, grad_accum=self.grad_accum, grad_comm_dtype=self.grad_comm_dtype,
-                spmd=self.spmd, compute_dtype=self.compute_dtype, plan=self.plan)
+                spmd=self.spmd, plan=self.plan)
         return replicate(state, self.mesh, self.spmd)
 
-    def put_batch(self, batch: Batch):
-        rows = len(batch["y"])
-        if self.share is not None and rows <= self.share:
+    def put_batch(self, batch) -> Rows:
+        """This process's rows (a batch pytree or Rows), padded to its share and sharded over its devices."""
+        local = None if isinstance(batch, Rows) else jax.tree.leaves(batch)[0].shape[0]
+        rows = as_rows(batch, offset=jax.process_index() * (local or 0))
+        n = rows.size
+        if self.share is not None and n <= self.share:
             target = self.share
         elif jax.process_count() > 1:
-            raise ValueError(f"this process's batch of {rows} rows must be at most its share {self.share} of "
+            raise ValueError(f"this process's batch of {n} rows must be at most its share {self.share} of "
                              f"batch_size={self.batch_size}; pass the global --batch-size to the strategy.")
         else:
-            target = round_up(rows, self.multiple)
-        return place_batch(pad_batch(batch, target), self.mesh, self.spmd)
+            target = round_up(n, self.multiple)
+        rows = pad_rows(rows, target)
+        if not self.objective.per_sample:
+            check_unpadded(rows, "per_sample=False")
+        return place_rows(rows, self.mesh, self.spmd)
 
-    def step(self, placed, batch):
+    def step(self, placed, rows):
         if self._step is None:
             raise ValueError("DistributedDataParallel.step() before init(); call placed = ddp.init(state) first.")
-        self._batch_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), batch)
-        state, metrics = self._step(placed, batch)
+        self._batch_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), rows)
+        state, metrics = self._step(placed, rows)
         if self.spmd == "pmap":
             metrics = jax.tree.map(lambda m: m[0], metrics)
         return state, metrics
@@ -301,16 +319,14 @@ class DistributedDataParallel:
             text = self.hlo(placed)
             ops = comm_cost.hlo_collectives(text)
             out["hlo_collectives"] = {k: len({c.name for c in ops if c.kind == k}) for k in comm_cost.KINDS
-                                      if any(c.kind == k for c in ops)}  # the metrics add one 12-byte psum
+                                      if any(c.kind == k for c in ops)}  # the metrics add one small psum
             out["hlo_bytes_sent_per_device"] = max(comm_cost.hlo_bytes_per_device(text, n))
         return out
 
 
-def build(model: nnx.Module, tx: optax.GradientTransformation, cfg: Config) -> DistributedDataParallel:
-    from jaxpar.precision import compute_dtype
-
+def build(model: nnx.Module, tx: optax.GradientTransformation, cfg: Config, loss_fn=None) -> DistributedDataParallel:
     return DistributedDataParallel(
-        nnx.graphdef(model), tx, make_mesh(cfg.num_devices), allreduce=cfg.allreduce,
+        cfg_objective(model, loss_fn, cfg), tx, mesh=make_mesh(cfg.num_devices), allreduce=cfg.allreduce,
         bucket_cap_mb=cfg.bucket_cap_mb, overlap=cfg.overlap, grad_accum=cfg.grad_accum,
-        grad_comm_dtype=cfg.grad_comm_dtype, spmd=cfg.spmd, compute_dtype=compute_dtype(cfg.precision),
-        batch_size=cfg.batch_size, leaf_order=ddp_overlap.forward_leaf_order(model))
+        grad_comm_dtype=cfg.grad_comm_dtype, spmd=cfg.spmd, batch_size=cfg.batch_size,
+        leaf_order=ddp_overlap.forward_leaf_order(model))

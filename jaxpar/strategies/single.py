@@ -1,44 +1,45 @@
 """The single-device strategy: the reference step, jitted, on one device."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from typing import Any
 
 import jax
 import optax
 from flax import nnx
 
+from jaxpar.batch import Rows, as_rows, check_unpadded
 from jaxpar.config import Config
+from jaxpar.objective import Objective
 from jaxpar.step import TrainState, make_train_step
-from jaxpar.strategies.base import to_device
-from jaxpar.types import Batch
+from jaxpar.strategies.base import cfg_objective, objective_of, to_device
 
 
-@dataclass
 class SingleDevice:
-    graphdef: nnx.GraphDef
-    tx: optax.GradientTransformation
-    compute_dtype: object = None
-    device: object = None
-    name: str = "single"
-    _step: object = field(init=False, repr=False)
+    """The reference step on one device: `SingleDevice(model, tx, loss_fn=...)` or `SingleDevice(objective, tx)`."""
 
-    def __post_init__(self):
+    name = "single"
+
+    def __init__(self, model: nnx.Module | Objective, tx: optax.GradientTransformation, *, loss_fn=None,
+                 device: Any = None, **objective_options):
         if jax.process_count() > 1:
-            raise ValueError(
-                f"strategy='single' runs in one process, but jax.process_count()={jax.process_count()}; "
-                "use --strategy ddp or pipeline across processes."
-            )
-        self.device = self.device or jax.local_devices()[0]
-        self._step = make_train_step(self.graphdef, self.tx, self.compute_dtype)
+            raise ValueError(f"strategy='single' runs in one process, but jax.process_count()={jax.process_count()}; "
+                             "use --strategy ddp or pipeline across processes.")
+        self.objective = objective_of(model, loss_fn, **objective_options)
+        self.tx = tx
+        self.device = device or jax.local_devices()[0]
+        self._step = make_train_step(self.objective, tx)
 
     def init(self, state: TrainState) -> TrainState:
         return to_device(state, self.device)
 
-    def put_batch(self, batch: Batch) -> Batch:
-        return jax.device_put(batch, self.device)
+    def put_batch(self, batch) -> Rows:
+        rows = as_rows(batch)
+        if not self.objective.per_sample:
+            check_unpadded(rows, "per_sample=False")
+        return jax.device_put(rows, self.device)
 
-    def step(self, state: TrainState, batch: Batch):
-        return self._step(state, batch)
+    def step(self, state: TrainState, rows: Rows):
+        return self._step(state, rows)
 
     def unplace(self, state: TrainState) -> TrainState:
         return state
@@ -50,7 +51,5 @@ class SingleDevice:
         return {"devices": 1}
 
 
-def build(model: nnx.Module, tx: optax.GradientTransformation, cfg: Config) -> SingleDevice:
-    from jaxpar.precision import compute_dtype
-
-    return SingleDevice(nnx.graphdef(model), tx, compute_dtype(cfg.precision))
+def build(model: nnx.Module, tx: optax.GradientTransformation, cfg: Config, loss_fn=None) -> SingleDevice:
+    return SingleDevice(cfg_objective(model, loss_fn, cfg), tx)

@@ -1,0 +1,101 @@
+"""Batches as the engine carries them: the user's pytree, which rows are real, and each row's sample id.
+
+A user batch is any pytree whose leaves share a leading batch axis: images, token ids, masks, several inputs
+(`{"x": ..., "y": ...}`, a tuple, a dataclass registered as a pytree). Every strategy turns it into `Rows`
+through the helpers here, so every strategy pads, masks and shards the same way:
+
+    rows = as_rows(batch, ids)          # host arrays; mask 1 on every row
+    rows = pad_rows(rows, 64)           # to 64 rows: copies of row 0 with mask 0 (finite values, no NaN risk)
+
+`ids` are what a row's random draws derive from (jaxpar.objective): the loader passes each sample's dataset
+index; by default a row's position in the global batch. Padding rows are exact copies of a real row, so a loss
+that is finite on real data stays finite on them; the mask then removes them from every sum.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from jaxpar.types import PyTree
+
+
+class Rows(NamedTuple):
+    """A batch with its bookkeeping: `data` (the user's pytree), `mask` float32 [B] (1 real, 0 padding), `ids`
+    int32 [B] (sample ids: RNG draws derive from them, so they do not depend on how the batch is split)."""
+
+    data: PyTree
+    mask: Any
+    ids: Any
+
+    @property
+    def size(self) -> int:
+        return int(np.shape(self.mask)[0])
+
+
+def num_rows(batch: PyTree, what: str = "batch") -> int:
+    """The common leading size of every leaf of `batch`; ValueError naming the leaves that disagree."""
+    flat = jax.tree_util.tree_flatten_with_path(batch)[0]
+    if not flat:
+        raise ValueError(f"the {what} has no arrays; pass a pytree of arrays with a leading batch axis, "
+                         "e.g. {'x': x, 'y': y}.")
+    sizes = {}
+    for path, leaf in flat:
+        shape = np.shape(leaf)
+        if not shape:
+            raise ValueError(f"{what} leaf {jax.tree_util.keystr(path) or '<root>'} is a scalar; every leaf needs a "
+                             "leading batch axis (give it shape [B, ...]).")
+        sizes.setdefault(shape[0], jax.tree_util.keystr(path) or "<root>")
+    if len(sizes) > 1:
+        listing = ", ".join(f"{name} has {n}" for n, name in sizes.items())
+        raise ValueError(f"the {what}'s leaves disagree on the batch size ({listing}); every leaf needs the same "
+                         "leading axis, one entry per sample.")
+    return next(iter(sizes))
+
+
+def as_rows(batch: PyTree | Rows, ids: Any = None, *, offset: int = 0) -> Rows:
+    """`batch` as host Rows (mask 1 everywhere); `ids` default to ``offset + arange(B)``. Rows pass through."""
+    if isinstance(batch, Rows):
+        return batch
+    n = num_rows(batch)
+    data = jax.tree.map(np.asarray, batch)
+    if ids is None:
+        ids = np.arange(offset, offset + n, dtype=np.int32)
+    ids = np.asarray(ids, np.int32)
+    if ids.shape != (n,):
+        raise ValueError(f"ids has shape {ids.shape} but the batch has {n} rows; pass one id per row.")
+    return Rows(data, np.ones(n, np.float32), ids)
+
+
+def pad_rows(rows: Rows, n: int) -> Rows:
+    """`rows` (host) padded to `n` rows with copies of row 0 whose mask is 0."""
+    have = rows.size
+    if n < have:
+        raise ValueError(f"cannot pad {have} rows down to {n}; pad to a size >= the batch.")
+    if n == have:
+        return rows
+    take = np.concatenate([np.arange(have), np.zeros(n - have, np.int64)])
+    data = jax.tree.map(lambda a: np.asarray(a)[take], rows.data)
+    mask = np.concatenate([np.asarray(rows.mask, np.float32), np.zeros(n - have, np.float32)])
+    return Rows(data, mask, np.asarray(rows.ids, np.int32)[take])
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def split_rows(rows: Rows, k: int) -> Rows:
+    """Every leaf [B, ...] -> [k, B/k, ...]: k consecutive micro-batches (B must divide by k)."""
+    b = jax.tree.leaves(rows.mask)[0].shape[0]
+    if b % k:
+        raise ValueError(f"{b} rows do not split into {k} equal micro-batches; pad the batch to a multiple of {k}.")
+    return jax.tree.map(lambda a: a.reshape(k, b // k, *a.shape[1:]), rows)
+
+
+def check_unpadded(rows: Rows, why: str) -> None:
+    """ValueError when host `rows` hold padding: batch-mode objectives (BatchNorm) see every row of a shard."""
+    mask = np.asarray(rows.mask)
+    if not mask.all():
+        raise ValueError(f"{int((mask == 0).sum())} padding rows would reach a loss that sees whole shards ({why}); "
+                         "use a batch size the devices (x micro-batches) divide and --drop-last, or per_sample=True.")

@@ -1,0 +1,72 @@
+"""Ready-made losses on a model's outputs, ``fn(outputs, batch) -> (loss_sum, weight_sum, metrics)``.
+
+Each returns sums (jaxpar.objective says why): wrap one in `jaxpar.OutputLoss` -- or pass it to train.py's
+``--loss`` -- and every strategy, the pipeline included, can train with it. The defaults mirror torch's:
+
+    cross_entropy     nn.CrossEntropyLoss: integer targets of any shape ([B], [B, T]), ignore_index=-100, and an
+                      optional 0/1 ``batch["mask"]`` of the targets' shape; weight = the counted targets;
+                      metrics: accuracy (argmax == target)
+    mse               nn.MSELoss: squared error summed over every element; weight = the number of elements
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import optax
+
+from jaxpar.objective import LossOutput, OutputLoss
+
+IGNORE_INDEX = -100  # torch's CrossEntropyLoss default
+
+
+def _targets(batch, key: str):
+    if isinstance(batch, dict):
+        if key not in batch:
+            raise KeyError(f"the loss reads batch[{key!r}], but the batch has keys {sorted(batch)}; name the "
+                           f"targets {key!r}.")
+        return batch[key]
+    if isinstance(batch, (tuple, list)) and len(batch) > 1:
+        return batch[1]
+    raise TypeError(f"a {type(batch).__name__} batch has no targets; use a dict with {key!r} or a tuple (x, y).")
+
+
+def _mask(batch, shape) -> jnp.ndarray:
+    mask = batch.get("mask") if isinstance(batch, dict) else None
+    if mask is None:
+        return jnp.ones(shape, jnp.float32)
+    if mask.shape != shape:
+        raise ValueError(f"batch['mask'] has shape {mask.shape} but the targets have {shape}; give one 0/1 entry "
+                         "per target.")
+    return mask.astype(jnp.float32)
+
+
+def cross_entropy(logits, batch, *, key: str = "y", ignore_index: int = IGNORE_INDEX) -> LossOutput:
+    """Summed softmax cross-entropy of `logits` [..., C] against integer targets [...] (torch's CrossEntropyLoss)."""
+    y = _targets(batch, key)
+    logits = logits.astype(jnp.float32)
+    if logits.shape[:-1] != y.shape:
+        raise ValueError(f"logits {logits.shape} do not match targets {y.shape}: expected logits of shape "
+                         f"{tuple(y.shape)} + (classes,).")
+    w = _mask(batch, y.shape) * (y != ignore_index)
+    safe = jnp.where(y == ignore_index, 0, y)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, safe)
+    correct = (jnp.argmax(logits, -1) == y).astype(jnp.float32)
+    return LossOutput(jnp.sum(w * losses), jnp.sum(w), {"accuracy": jnp.sum(w * correct)})
+
+
+def mse(outputs, batch, *, key: str = "y") -> LossOutput:
+    """Summed squared error over every element (torch's MSELoss, whose mean divides by the element count)."""
+    y = _targets(batch, key)
+    if outputs.shape != y.shape:
+        raise ValueError(f"outputs {outputs.shape} and targets {y.shape} differ in shape; MSE compares them "
+                         "element by element (reshape one of them).")
+    w = _mask(batch, y.shape)
+    err = (outputs.astype(jnp.float32) - y.astype(jnp.float32)) ** 2
+    return LossOutput(jnp.sum(w * err), jnp.sum(w), {})
+
+
+LOSSES = {"cross_entropy": cross_entropy, "mse": mse}
+
+
+def classification() -> OutputLoss:
+    """The default loss: cross-entropy of ``model(batch["x"])`` against ``batch["y"]``."""
+    return OutputLoss(cross_entropy)

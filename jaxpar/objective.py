@@ -1,0 +1,367 @@
+"""The model-and-loss contract every strategy trains: a Flax NNX module, a loss, and which state is trained.
+
+    def loss_fn(model, batch):                       # any NNX module, any batch pytree
+        pred = model(batch["x"])
+        return jnp.sum((pred - batch["y"]) ** 2), batch["y"].size   # (summed loss, summed weight[, metrics])
+    objective = Objective.of(model, loss_fn)          # wrt=nnx.Param: what is differentiated and updated
+
+A loss returns SUMS over the batch it is given: the loss summed over its examples (rows, tokens, masked
+positions), the summed weight of those examples, and optional metrics summed the same way (a dict). Every
+strategy adds these up over its shards and micro-batches and divides once by the global weight, so any split of
+the batch gives the gradient of the same global mean loss. Reports divide the metrics by the weight too
+(accuracy = correct / weight).
+
+`nnx.split(model, wrt, ...)` cuts the model into the trained parameters and the rest (RNG streams, BatchStat,
+user variables): the rest is carried through the step and returned, never differentiated. Two modes:
+
+- ``per_sample=True`` (the default for models without BatchStat): the loss runs on each row alone -- jax.vmap
+  over rows, each row a batch of one -- and each row's random draws come from
+  ``fold_in(fold_in(stream key, stream count), sample id)`` for every RNG stream of the model (stock
+  `nnx.Dropout(rate, rngs=rngs)` included). Dropout masks then depend on the sample, never on the device or
+  micro-batch holding it, and padding rows drop out exactly: every split gives the single-device numbers.
+  The model may not change its other state in the forward (that would differ per row): use per_sample=False.
+- ``per_sample=False`` (models with BatchStat; losses over the whole batch, such as in-batch negatives): the
+  loss sees the whole local shard, as in torch's DDP. BatchNorm uses the shard's statistics and its running
+  buffers follow replica 0 (``broadcast_buffers=True``); random draws are keyed by the shard; shards must hold
+  no padding rows. Equal to the single-device step only on one device (or with SyncBatchNorm, see
+  jaxpar.sync_batch_norm).
+
+After every training step each RNG stream's count advances by one, as if it had been drawn once.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.batch import Rows
+from jaxpar.types import PyTree
+
+LossFn = Callable[[nnx.Module, PyTree], Any]  # (model, batch) -> (loss_sum, weight_sum[, metrics])
+
+
+class LossOutput(NamedTuple):
+    """What a loss returns: the summed loss, the summed weight, and metrics summed the same way."""
+
+    loss: Any
+    weight: Any
+    metrics: dict = {}
+
+
+class Sums(NamedTuple):
+    """What a step adds up over shards and micro-batches: loss, weight, real rows, metrics (all float32 sums)."""
+
+    loss: Any
+    weight: Any
+    rows: Any
+    metrics: dict
+
+    def __add__(self, other: "Sums") -> "Sums":  # type: ignore[override]
+        return jax.tree.map(jnp.add, self, other)
+
+
+RESERVED = ("loss", "weight", "samples")  # metric names a step reports itself
+
+
+def to_loss_output(out: Any, what: str = "loss_fn") -> LossOutput:
+    """Normalise a loss's return value to float32 scalars; TypeError naming the rule otherwise (at trace time)."""
+    if isinstance(out, LossOutput):
+        loss, weight, metrics = out
+    elif isinstance(out, (tuple, list)) and len(out) in (2, 3):
+        loss, weight, metrics = (*out, {}) if len(out) == 2 else out
+    else:
+        raise TypeError(f"{what} returned {type(out).__name__}; return (loss_sum, weight_sum) or "
+                        "(loss_sum, weight_sum, metrics) -- sums over the batch, e.g. (jnp.sum(losses), losses.size).")
+    metrics = dict(metrics or {})
+    clash = [k for k in metrics if k in RESERVED]
+    if clash:
+        raise TypeError(f"{what} returned metrics named {clash}; {RESERVED} are reported by the step itself: "
+                        "rename them.")
+    values = {"loss": loss, "weight": weight, **{f"metrics[{k!r}]": v for k, v in metrics.items()}}
+    for name, v in values.items():
+        if jnp.shape(v) != ():
+            raise TypeError(f"{what} returned {name} of shape {jnp.shape(v)}; return scalars summed over the batch "
+                            "(jnp.sum(...)), the strategies divide by the global weight.")
+    f32 = lambda v: jnp.asarray(v).astype(jnp.float32)  # noqa: E731
+    return LossOutput(f32(loss), f32(weight), {k: f32(v) for k, v in metrics.items()})
+
+
+def default_inputs(batch: PyTree) -> PyTree:
+    """What the model is called on by default: ``batch["x"]`` for a dict, ``batch[0]`` for a tuple or list."""
+    if isinstance(batch, dict):
+        if "x" not in batch:
+            raise KeyError(f"the batch has keys {sorted(batch)} but no 'x'; name the model's input 'x', or pass "
+                           "OutputLoss(fn, inputs=lambda batch: ...) saying what the model takes.")
+        return batch["x"]
+    if isinstance(batch, (tuple, list)):
+        return batch[0]
+    raise TypeError(f"a {type(batch).__name__} batch has no default input; pass OutputLoss(fn, inputs=...).")
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputLoss:
+    """A loss on the model's outputs, DeepSpeed's ``PipelineModule(loss_fn=...)`` form.
+
+    ``fn(outputs, batch) -> (loss_sum, weight_sum[, metrics])``; the model is called as
+    ``model(inputs(batch))``. It is also a model loss (``loss(model, batch)``), so every strategy takes it; the
+    pipeline and DataParallel's gathered outputs need this form, since they run the loss apart from the model.
+    """
+
+    fn: Callable[[Any, PyTree], Any]
+    inputs: Callable[[PyTree], PyTree] = default_inputs
+
+    def __call__(self, model: nnx.Module, batch: PyTree):
+        return self.fn(model(self.inputs(batch)), batch)
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _streams(model: nnx.Module) -> list:
+    return [node for _, node in nnx.iter_graph(model) if isinstance(node, nnx.RngStream)]
+
+
+def reseed(model: nnx.Module, salt: jax.Array) -> None:
+    """Point every RNG stream of `model` at ``fold_in(fold_in(key, count), salt)`` with count 0, in place."""
+    for stream in _streams(model):
+        base = jax.random.fold_in(stream.key.get_value(), stream.count.get_value())
+        stream.key.set_value(jax.random.fold_in(base, salt))
+        stream.count.set_value(jnp.zeros_like(stream.count.get_value()))
+
+
+def advance_rng(model_state: PyTree, previous: PyTree | None = None, by: int = 1) -> PyTree:
+    """`model_state` with its RNG streams taken from `previous` (default: itself), each count advanced `by`.
+
+    ``by=0`` restores the streams a forward pass reseeded (gradient accumulation keeps them for every
+    micro-batch and advances once per step)."""
+    previous = model_state if previous is None else previous
+
+    def one(new, old):
+        if isinstance(old, nnx.RngKey):
+            return old
+        if isinstance(old, nnx.RngCount):
+            return old.replace(old.get_value() + by) if by else old
+        return new
+
+    return jax.tree.map(one, model_state, previous, is_leaf=_is_variable)
+
+
+def cast_floating(tree: PyTree, dtype) -> PyTree:
+    """The floating-point leaves of `tree` as `dtype` (mixed-precision compute copies); None: unchanged."""
+    if dtype is None:
+        return tree
+    return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(jnp.result_type(a), jnp.floating) else a, tree)
+
+
+def _expand(row: PyTree) -> PyTree:
+    return jax.tree.map(lambda a: a[None], row)
+
+
+def _has(model: nnx.Module, kind: type) -> bool:
+    return any(isinstance(v, kind) for _, v in nnx.iter_graph(model))
+
+
+def default_rows_per_call(model: nnx.Module) -> int | None:
+    """32 on CPU for models holding a convolution, else None (all rows in one vmapped call).
+
+    Per-sample mode vmaps the model over rows; XLA:CPU runs a convolution over many samples slower per sample
+    than in slices of a few dozen (measured 2.1-2.6x on the ConvNet at 128 rows), so on CPU the rows go through
+    in unrolled groups of 32. Matmul-only models lose by it (an MLP ran 1.4x slower), so they keep one call.
+    """
+    from jaxpar.models.layers import Conv2d
+
+    if jax.default_backend() != "cpu":
+        return None
+    return 32 if _has(model, Conv2d) or _has(model, nnx.Conv) or _has(model, nnx.ConvTranspose) else None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Objective:
+    """What a strategy trains: the model's structure, its loss, which state is trained, and how the loss runs.
+
+    Built with `Objective.of(model, loss_fn)`; see the module docstring for the two modes. ``compute_dtype``
+    (bf16) casts the parameters and the model's inputs for the forward and backward; the loss, the gradients and
+    the master weights stay float32.
+    """
+
+    graphdef: nnx.GraphDef
+    eval_graphdef: nnx.GraphDef
+    loss_fn: LossFn
+    wrt: Any = nnx.Param
+    per_sample: bool = True
+    rows_per_call: int | None = None
+    compute_dtype: Any = None
+
+    @classmethod
+    def of(cls, model: nnx.Module, loss_fn: LossFn | None = None, *, wrt: Any = nnx.Param,
+           per_sample: bool | None = None, rows_per_call: int | None | str = "auto",
+           compute_dtype: Any = None) -> "Objective":
+        """The objective of `model` under `loss_fn` (default: cross-entropy on ``model(batch["x"])`` against
+        integer labels ``batch["y"]``). per_sample None: True unless the model holds nnx.BatchStat."""
+        from jaxpar.losses import cross_entropy
+
+        if not isinstance(model, nnx.Module):
+            raise TypeError(f"model is a {type(model).__name__}; pass a flax.nnx.Module (an Objective is built from "
+                            "the model itself).")
+        loss_fn = OutputLoss(cross_entropy) if loss_fn is None else loss_fn
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn={loss_fn!r} is not callable; pass loss_fn(model, batch) -> (loss_sum, "
+                            "weight_sum[, metrics]).")
+        batch_stats = _has(model, nnx.BatchStat)
+        if per_sample is None:
+            per_sample = not batch_stats
+        elif per_sample and batch_stats:
+            raise ValueError(f"per_sample=True, but {type(model).__name__} holds BatchStat (BatchNorm), whose "
+                             "statistics need the whole batch; use per_sample=False (or leave it None).")
+        if rows_per_call == "auto":
+            rows_per_call = default_rows_per_call(model) if per_sample else None
+        if rows_per_call is not None and (not isinstance(rows_per_call, int) or rows_per_call < 1):
+            raise ValueError(f"rows_per_call={rows_per_call!r} must be an int >= 1 or None (all rows at once).")
+        graphdef = nnx.split(model, wrt, ...)[0]
+        evaluated = nnx.clone(model)
+        evaluated.eval()
+        return cls(graphdef, nnx.split(evaluated, wrt, ...)[0], loss_fn, wrt, bool(per_sample), rows_per_call,
+                   compute_dtype)
+
+    def replace(self, **changes) -> "Objective":
+        return dataclasses.replace(self, **changes)
+
+    # -- state ---------------------------------------------------------------------------------------------
+
+    def split(self, model: nnx.Module) -> tuple[nnx.State, nnx.State]:
+        """(params, model_state): what `wrt` selects, and everything else."""
+        _, params, rest = nnx.split(model, self.wrt, ...)
+        return params, rest
+
+    def merge(self, params: nnx.State, model_state: nnx.State, *, train: bool = True) -> nnx.Module:
+        """A live model from the two halves (in eval mode when train is False)."""
+        return nnx.merge(self.graphdef if train else self.eval_graphdef, params, model_state)
+
+    # -- the loss ------------------------------------------------------------------------------------------
+
+    def _call_loss(self, model: nnx.Module, batch: PyTree, what: str) -> LossOutput:
+        if self.compute_dtype is not None and isinstance(self.loss_fn, OutputLoss):
+            out = model(cast_floating(self.loss_fn.inputs(batch), self.compute_dtype))
+            return to_loss_output(self.loss_fn.fn(out, batch), what)
+        return to_loss_output(self.loss_fn(model, cast_floating(batch, self.compute_dtype)), what)
+
+    def sums(self, params: nnx.State, model_state: nnx.State, rows: Rows, *, train: bool = True,
+             shard: Any = 0) -> tuple[Sums, nnx.State]:
+        """(Sums over the real rows of `rows`, the model state after them). `shard` keys batch-mode draws."""
+        params = cast_floating(params, self.compute_dtype)
+        if not self.per_sample:
+            return self._batch_sums(params, model_state, rows, train, shard)
+        return self._chunked(lambda r: self._sample_sums(params, model_state, r, train), rows), \
+            (advance_rng(model_state) if train else model_state)
+
+    def _chunked(self, fn: Callable[[Rows], Sums], rows: Rows) -> Sums:
+        n = rows.mask.shape[0]
+        step = self.rows_per_call or n
+        total = None
+        for lo in range(0, n, step):  # unrolled: XLA:CPU runs convolutions inside a loop several times slower
+            part = fn(jax.tree.map(lambda a: a[lo:lo + step], rows))
+            total = part if total is None else total + part
+        return total
+
+    def _sample_sums(self, params, model_state, rows: Rows, train: bool) -> Sums:
+        graphdef = self.graphdef if train else self.eval_graphdef
+
+        def one(row, sid, params, model_state):
+            model = nnx.merge(graphdef, params, model_state)
+            if train:
+                reseed(model, sid)
+            before = _fixed_leaves(model)
+            out = self._call_loss(model, _expand(row), "loss_fn (on one row)")
+            if [id(a) for a in _fixed_leaves(model)] != [id(a) for a in before]:
+                raise ValueError(f"{type(model).__name__} changed its non-RNG state in the forward, which differs "
+                                 "row by row under per_sample=True; use per_sample=False (the loss sees whole "
+                                 "shards, as torch DDP's replicas do).")
+            return out
+
+        out = jax.vmap(one, in_axes=(0, 0, None, None))(rows.data, rows.ids, params, model_state)
+        real = rows.mask > 0
+        keep = lambda v: jnp.sum(jnp.where(real, v, 0.0))  # noqa: E731  (padding rows drop out exactly)
+        return Sums(keep(out.loss), keep(out.weight), jnp.sum(rows.mask), {k: keep(v) for k, v in out.metrics.items()})
+
+    def _batch_sums(self, params, model_state, rows: Rows, train: bool, shard) -> tuple[Sums, nnx.State]:
+        model = nnx.merge(self.graphdef if train else self.eval_graphdef, params, model_state)
+        if train:
+            reseed(model, shard)
+        out = self._call_loss(model, rows.data, "loss_fn")
+        new_state = nnx.split(model, self.wrt, ...)[2]
+        sums = Sums(out.loss, out.weight, jnp.sum(rows.mask), out.metrics)
+        return sums, (advance_rng(new_state, model_state) if train else model_state)
+
+    def value_and_grad(self, params: nnx.State, model_state: nnx.State, rows: Rows, *, shard: Any = 0):
+        """((Sums, new model state), gradient of the SUMMED loss with respect to params)."""
+        def f(p):
+            sums, state = self.sums(p, model_state, rows, shard=shard)
+            return sums.loss, (sums, state)
+
+        (_, aux), grads = jax.value_and_grad(f, has_aux=True)(params)
+        return aux, grads
+
+    # -- outputs and losses apart (DataParallel's gather, the pipeline's last stage) ------------------------
+
+    def output_loss(self) -> OutputLoss:
+        if not isinstance(self.loss_fn, OutputLoss):
+            raise ValueError("this needs the loss on the model's outputs: pass jaxpar.OutputLoss(fn, inputs=...) "
+                             "with fn(outputs, batch) -> (loss_sum, weight_sum[, metrics]) instead of a "
+                             "loss(model, batch).")
+        return self.loss_fn
+
+    def outputs(self, params: nnx.State, model_state: nnx.State, rows: Rows, *, shard: Any = 0):
+        """(the model's outputs on every row, the model state after them), in training mode: per sample
+        (per_sample) or on the whole shard. Padding rows get outputs too; `output_sums` drops them."""
+        loss = self.output_loss()
+        params = cast_floating(params, self.compute_dtype)
+
+        def run(model, batch):
+            return model(cast_floating(loss.inputs(batch), self.compute_dtype))
+
+        if not self.per_sample:
+            model = nnx.merge(self.graphdef, params, model_state)
+            reseed(model, shard)
+            out = run(model, rows.data)
+            return out, advance_rng(nnx.split(model, self.wrt, ...)[2], model_state)
+
+        def one(row, sid, params, model_state):
+            model = nnx.merge(self.graphdef, params, model_state)
+            reseed(model, sid)
+            return jax.tree.map(lambda a: a[0], run(model, _expand(row)))
+
+        parts = []
+        step = self.rows_per_call or rows.mask.shape[0]
+        for lo in range(0, rows.mask.shape[0], step):
+            chunk = jax.tree.map(lambda a: a[lo:lo + step], rows)
+            parts.append(jax.vmap(one, in_axes=(0, 0, None, None))(chunk.data, chunk.ids, params, model_state))
+        out = parts[0] if len(parts) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *parts)
+        return out, advance_rng(model_state)
+
+    def output_sums(self, outputs: PyTree, rows: Rows) -> Sums:
+        """Sums of the output loss over the real rows of `rows`, given the model's `outputs` on them."""
+        fn = self.output_loss().fn
+        if not self.per_sample:
+            out = to_loss_output(fn(outputs, rows.data), "loss fn")
+            return Sums(out.loss, out.weight, jnp.sum(rows.mask), out.metrics)
+        out = jax.vmap(lambda o, row: to_loss_output(fn(_expand(o), _expand(row)), "loss fn (on one row)"))(
+            outputs, rows.data)
+        real = rows.mask > 0
+        keep = lambda v: jnp.sum(jnp.where(real, v, 0.0))  # noqa: E731
+        return Sums(keep(out.loss), keep(out.weight), jnp.sum(rows.mask), {k: keep(v) for k, v in out.metrics.items()})
+
+
+def _fixed_leaves(model: nnx.Module) -> list:
+    """The raw values of every non-RNG variable (identity tells whether the forward replaced one)."""
+    state = nnx.state(model, nnx.Not(nnx.RngState))
+    return [v.get_value() for v in jax.tree.leaves(state, is_leaf=_is_variable)]
+
+
+def metrics_of(sums: Sums) -> dict[str, jax.Array]:
+    """A step's metrics: mean loss, summed weight, real rows, and every metric divided by the weight."""
+    w = sums.weight
+    return {"loss": sums.loss / w, "weight": w, "samples": sums.rows, **{k: v / w for k, v in sums.metrics.items()}}

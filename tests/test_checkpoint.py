@@ -102,25 +102,55 @@ def test_checkpoint_every_and_keep(uninterrupted):
     assert steps == [6, 7]  # saved at 2, 4, 6 and the end (7); the oldest deleted
 
 
+def _regression_state(tx, seed: int):
+    """A TrainState whose model_state holds RNG streams (stock nnx.Dropout): typed keys and counts."""
+    from flax import nnx
+
+    from examples.regression import make_model
+    from jaxpar.step import init_state
+
+    return init_state(make_model(12, 8, 3, rngs=nnx.Rngs(params=seed, dropout=seed)), tx)
+
+
+def _rng_key(state):
+    from flax import nnx
+
+    return jax.tree.leaves(nnx.state(state.model_state, nnx.RngKey))[0]
+
+
 def test_roundtrip_restores_typed_key_and_optimizer_count(npz, tmp_path):
     cfg = config(npz)
     tx = trainer.make_tx(cfg, steps_per_epoch=4)
-    from jaxpar import models
-    from jaxpar.step import init_state
-
-    _, state = init_state(models.get("mlp", in_features=12, hidden_dim=8, out_features=3), tx, seed=7)
+    state = _regression_state(tx, 7)
     state = state._replace(step=state.step + 5, opt_state=jax.tree.map(lambda a: a + 3, state.opt_state))
-    _, template = init_state(models.get("mlp", in_features=12, hidden_dim=8, out_features=3), tx, seed=0)
+    template = _regression_state(tx, 0)
     info = checkpoint.run_info(cfg, state)
     ckpt = checkpoint.Checkpointer(str(tmp_path / "c"), info, resume=False)
     assert ckpt.save(5, state, {"epoch": 1, "sampler": {"epoch": 1, "offset": 16}})
     ckpt.close()
     restored, data = checkpoint.Checkpointer(str(tmp_path / "c"), info, resume=True).restore(template)
-    assert jax.dtypes.issubdtype(restored.key.dtype, jax.dtypes.prng_key)
-    assert np.array_equal(jax.random.key_data(restored.key), jax.random.key_data(jax.random.key(7)))
-    assert not np.array_equal(jax.random.key_data(template.key), jax.random.key_data(restored.key))
+    assert jax.dtypes.issubdtype(_rng_key(restored).dtype, jax.dtypes.prng_key)
+    assert np.array_equal(jax.random.key_data(_rng_key(restored)), jax.random.key_data(_rng_key(state)))
+    assert not np.array_equal(jax.random.key_data(_rng_key(template)), jax.random.key_data(_rng_key(restored)))
     assert int(restored.step) == 5 and data == {"epoch": 1, "sampler": {"epoch": 1, "offset": 16}}
     assert_bit_identical(restored, state, "roundtrip")
+
+
+def test_resume_falls_back_past_a_damaged_newest_checkpoint(npz, uninterrupted, tmp_path, capsys):
+    """The newest step's files are damaged (a disk that lost them): --resume warns, naming the step, and goes on
+    from the newest readable one, ending bit-identical to the run that was never stopped."""
+    ckpt = str(tmp_path / "ckpt")
+    trainer.run(config(npz, checkpoint_dir=ckpt, checkpoint_every=2, checkpoint_keep=3), on_step=signal_at(5))
+    assert sorted(int(d) for d in os.listdir(ckpt) if d.isdigit()) == [2, 4, 5]
+    for root, _, files in os.walk(os.path.join(ckpt, "5", "state")):
+        for f in files:  # every array file of step 5 truncated to nothing
+            open(os.path.join(root, f), "wb").close()
+    capsys.readouterr()
+    resumed = trainer.run(config(npz, checkpoint_dir=ckpt, resume=True))
+    err = capsys.readouterr().err
+    assert "checkpoint step 5" in err and "damaged" in err and "resuming from step 4" in err, err
+    assert resumed["resumed_from"] == 4 and resumed["steps"] == N_STEPS
+    assert_bit_identical(resumed["state"], uninterrupted("single"), "resumed from step 4")
 
 
 def test_resume_under_another_strategy(npz, uninterrupted, tmp_path):
@@ -153,8 +183,7 @@ def _template(cfg):
     from jaxpar import models
     from jaxpar.step import init_state
 
-    return init_state(models.get("mlp", in_features=12, hidden_dim=128, out_features=3),
-                      trainer.make_tx(cfg, 4), cfg.seed)[1]
+    return init_state(models.get("mlp", in_features=12, hidden_dim=128, out_features=3), trainer.make_tx(cfg, 4))
 
 
 def cli(npz: str, ckpt: str, *extra: str) -> list[str]:

@@ -195,13 +195,37 @@ def test_npz(tmp_path):
         load("npz", "train", data_path=str(vec), model="convnet")
     bad = tmp_path / "bad.npz"
     np.savez(bad, x=x, y=y[:39])
-    with pytest.raises(DataError, match=r"y has shape \(39,\).*\[40\]"):
+    with pytest.raises(DataError, match=r"y has shape \(39,\).*\[40, \.\.\.\]"):
         load("npz", data_path=str(bad))
     np.savez(bad, x=x)
     with pytest.raises(DataError, match="needs 'x' and 'y'"):
         load("npz", data_path=str(bad))
     with pytest.raises(DataError, match="--data-path"):
         load("npz")
+
+
+def test_npz_takes_any_targets_tokens_and_extra_arrays(tmp_path):
+    """A user's model (model=None): float targets, integer token arrays, and per-row extras such as a mask."""
+    rng = np.random.default_rng(1)
+    reg = tmp_path / "reg.npz"
+    np.savez(reg, x=rng.standard_normal((12, 4)).astype(np.float32), y=rng.standard_normal((12, 2)))
+    d = load("npz", "train", data_path=str(reg), model=None)
+    assert d.num_classes is None and d.y.shape == (12, 2) and d.y.dtype == np.float64
+    with pytest.raises(DataError, match="needs integer labels"):
+        load("npz", "train", data_path=str(reg), model="mlp")  # a built-in classifier cannot take them
+    tok = tmp_path / "tok.npz"
+    x, mask = rng.integers(0, 50, (10, 8)).astype(np.int32), (rng.random((10, 8)) > 0.2).astype(np.float32)
+    np.savez(tok, x=x, y=np.roll(x, -1, 1), mask=mask, x_test=x[:3], y_test=x[:3], mask_test=mask[:3])
+    t = load("npz", "train[2:]", data_path=str(tok), model=None)
+    assert t.x.dtype == np.int32 and np.array_equal(t.x, x[2:]) and t.num_classes is None
+    b = t.batch(np.array([0, 3]))
+    assert sorted(b) == ["mask", "x", "y"] and np.array_equal(b["mask"], mask[[2, 5]])
+    assert len(load("npz", "test", data_path=str(tok), model=None)) == 3
+    with pytest.raises(DataError, match="takes float"):
+        load("npz", "train", data_path=str(tok), model="mlp")
+    np.savez(tok, x=x, y=x, mask=mask[:9])
+    with pytest.raises(DataError, match="extra array 'mask' needs 'mask'"):
+        load("npz", "train", data_path=str(tok), model=None)
 
 
 def test_three_channel_images_need_alexnet(tmp_path):

@@ -8,26 +8,25 @@ import optax
 import pytest
 from flax import nnx
 
+from jaxpar import Objective, as_rows
 from jaxpar.config import Config
+from jaxpar.step import init_state, make_train_step
 from jaxpar.strategies.data_parallel import DataParallel, build, chunk_sizes
-from jaxpar.step import apply_model, grad_of_sum, init_state, make_train_step, sample_keys
 
 STEPS = 5
 
 
 class SmallMLP(nnx.Module):
-    """Linear-ReLU-[Dropout with per-sample keys]-Linear. Dropout makes every compile ~4x dearer (the PRNG), so
-    the device-count matrix runs without it and one uneven case runs with it."""
+    """Linear-ReLU-[stock nnx.Dropout]-Linear. Dropout makes every compile dearer (the PRNG), so the device-count
+    matrix runs without it and one uneven case runs with it."""
 
     def __init__(self, rngs: nnx.Rngs, dropout: bool = False):
-        self.fc1, self.fc2, self.dropout = nnx.Linear(5, 16, rngs=rngs), nnx.Linear(16, 3, rngs=rngs), dropout
+        self.fc1, self.fc2 = nnx.Linear(5, 16, rngs=rngs), nnx.Linear(16, 3, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs) if dropout else None
 
-    def __call__(self, x, keys=None):
+    def __call__(self, x):
         h = jax.nn.relu(self.fc1(x))
-        if keys is not None and self.dropout:
-            keep = jax.vmap(lambda k: jax.random.bernoulli(k, 0.5, h.shape[1:]))(keys)
-            h = jnp.where(keep, h / 0.5, 0.0)
-        return self.fc2(h)
+        return self.fc2(h if self.drop is None else self.drop(h))
 
 
 class TutorialModel(nnx.Module):
@@ -36,34 +35,38 @@ class TutorialModel(nnx.Module):
     def __init__(self, rngs: nnx.Rngs):
         self.fc = nnx.Linear(5, 2, rngs=rngs)
 
-    def __call__(self, x, keys=None):
+    def __call__(self, x):
         return self.fc(x)
 
 
 TX = optax.sgd(0.1, momentum=0.9)
 
 
+def setup(model):
+    return Objective.of(model), init_state(model, TX)
+
+
 @pytest.fixture(scope="module")
 def mlp():
-    """One (graphdef, state) for the module, so every DataParallel shares the forward/backward compilations."""
-    return init_state(SmallMLP(nnx.Rngs(0)), TX, seed=3)
+    """One (objective, state) for the module, so every DataParallel shares the forward/backward compilations."""
+    return setup(SmallMLP(nnx.Rngs(params=0, dropout=3)))
 
 
 @pytest.fixture(scope="module")
 def dropout_mlp():
-    return init_state(SmallMLP(nnx.Rngs(0), dropout=True), TX, seed=3)
+    return setup(SmallMLP(nnx.Rngs(params=0, dropout=3), dropout=True))
 
 
 @partial(jax.jit, static_argnums=0)
-def chunk_grads(graphdef, params, batch, key, step):
-    return grad_of_sum(graphdef, params, batch, key, step)[1]
+def chunk_grads(objective, params, model_state, rows):
+    return objective.value_and_grad(params, model_state, rows)[1]
 
 
-def batches(batch_size: int, steps: int = STEPS, seed: int = 0) -> list[dict]:
+def batches(batch_size: int, steps: int = STEPS, seed: int = 0) -> list:
     rng = np.random.default_rng(seed)
-    return [{"x": rng.normal(size=(batch_size, 5)).astype(np.float32),
-             "y": rng.integers(0, 3, batch_size).astype(np.int32),
-             "idx": np.arange(i * batch_size, (i + 1) * batch_size, dtype=np.int32)} for i in range(steps)]
+    return [as_rows({"x": rng.normal(size=(batch_size, 5)).astype(np.float32),
+                     "y": rng.integers(0, 3, batch_size).astype(np.int32)},
+                    np.arange(i * batch_size, (i + 1) * batch_size)) for i in range(steps)]
 
 
 # [len(c) for c in torch.arange(B).chunk(N)], recorded with torch 2.13 (torch is not a test dependency)
@@ -97,27 +100,38 @@ def test_chunk_sizes_tutorial_cases():
 
 
 def test_bad_devices_are_named():
-    graphdef = nnx.graphdef(TutorialModel(nnx.Rngs(0)))
+    model = TutorialModel(nnx.Rngs(0))
     with pytest.raises(ValueError, match="device_ids=\\[0, 9\\]"):
-        DataParallel(graphdef, TX, device_ids=[0, 9])
+        DataParallel(model, TX, device_ids=[0, 9])
     with pytest.raises(ValueError, match="output_device=8"):
-        DataParallel(graphdef, TX, output_device=8)
+        DataParallel(model, TX, output_device=8)
     with pytest.raises(ValueError, match="distinct"):
-        DataParallel(graphdef, TX, device_ids=[1, 1])
+        DataParallel(model, TX, device_ids=[1, 1])
+
+
+def test_gathering_outputs_needs_a_loss_on_outputs():
+    model = TutorialModel(nnx.Rngs(0))
+
+    def loss(model, batch):
+        return jnp.sum(model(batch["x"])), batch["x"].shape[0]
+
+    with pytest.raises(ValueError, match="OutputLoss"):
+        DataParallel(model, TX, loss_fn=loss)
+    DataParallel(model, TX, loss_fn=loss, loss_on_device=True)  # each device runs its own loss: any form
 
 
 _REFERENCE = {}
 
 
-def reference_step(graphdef):
-    """The reference step of one model, jitted once for the whole module."""
-    return _REFERENCE.setdefault(graphdef, make_train_step(graphdef, TX))
+def reference_step(objective):
+    """The reference step of one objective, jitted once for the whole module."""
+    return _REFERENCE.setdefault(objective, make_train_step(objective, TX))
 
 
-def run_both(graphdef, state, data, **dp_kwargs):
+def run_both(objective, state, data, **dp_kwargs):
     """(DataParallel's state and last metrics, the reference's) after one step per batch of `data`."""
-    ref_step, ref = reference_step(graphdef), state
-    dp = DataParallel(graphdef, TX, **dp_kwargs)
+    ref_step, ref = reference_step(objective), state
+    dp = DataParallel(objective, TX, **dp_kwargs)
     placed = dp.init(state)
     for batch in data:
         ref, ref_metrics = ref_step(ref, batch)
@@ -132,14 +146,15 @@ def assert_same_training(out, metrics, ref, ref_metrics, state, batch_size):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     assert int(out.step) == int(ref.step)
     np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-5)
-    assert float(metrics["count"]) == batch_size and float(metrics["correct"]) == float(ref_metrics["correct"])
+    assert float(metrics["samples"]) == batch_size
+    np.testing.assert_allclose(metrics["accuracy"], ref_metrics["accuracy"], rtol=1e-6)
 
 
-def assert_chunks_differ(graphdef, state, batch, n):
+def assert_chunks_differ(objective, state, batch, n):
     """The chunks pull the params different ways, so only a correct reduction gives the reference."""
-    sizes = chunk_sizes(len(batch["y"]), n)
+    sizes = chunk_sizes(batch.size, n)
     starts = np.cumsum([0] + sizes[:-1])
-    grads = [chunk_grads(graphdef, state.params, {k: v[s:s + m] for k, v in batch.items()}, state.key, state.step)
+    grads = [chunk_grads(objective, state.params, state.model_state, jax.tree.map(lambda a: a[s:s + m], batch))
              for s, m in zip(starts, sizes)]
     flat = [np.concatenate([np.ravel(g) for g in jax.tree.leaves(t)]) for t in grads]
     assert all(not np.allclose(flat[0], f, rtol=1e-3) for f in flat[1:])
@@ -152,11 +167,11 @@ CASES = [(1, 4), (2, 7), (3, 10), (4, 14), (8, 30), (4, 3)]
 @pytest.mark.parametrize("loss_on_device", [False, True])
 @pytest.mark.parametrize("n,batch_size", CASES)
 def test_dp_matches_reference_step(mlp, n, batch_size, loss_on_device):
-    graphdef, state = mlp
+    objective, state = mlp
     data = batches(batch_size)
     if n > 1:
-        assert_chunks_differ(graphdef, state, data[0], n)
-    dp, out, metrics, ref, ref_metrics = run_both(graphdef, state, data, device_ids=list(range(n)),
+        assert_chunks_differ(objective, state, data[0], n)
+    dp, out, metrics, ref, ref_metrics = run_both(objective, state, data, device_ids=list(range(n)),
                                                   loss_on_device=loss_on_device)
     assert_same_training(out, metrics, ref, ref_metrics, state, batch_size)
     assert int(out.step) == STEPS
@@ -165,22 +180,22 @@ def test_dp_matches_reference_step(mlp, n, batch_size, loss_on_device):
 
 @pytest.mark.parametrize("loss_on_device", [False, True])
 def test_dp_with_dropout_matches_reference_step(dropout_mlp, loss_on_device):
-    """Per-sample dropout keys: each chunk derives its masks from its own `idx` rows, as the reference does."""
-    graphdef, state = dropout_mlp
+    """Stock nnx.Dropout in per-sample mode: each chunk draws its rows' masks from their ids, as the reference."""
+    objective, state = dropout_mlp
     data = batches(14)
-    apply = jax.jit(partial(apply_model, graphdef))
-    keys = sample_keys(state.key, state.step, data[0]["idx"])
-    assert not np.allclose(apply(state.params, data[0]["x"], keys), apply(state.params, data[0]["x"]))  # it drops
-    assert_chunks_differ(graphdef, state, data[0], 4)
-    _, out, metrics, ref, ref_metrics = run_both(graphdef, state, data, device_ids=[0, 1, 2, 3],
+    loss = jax.jit(lambda rows, train: objective.sums(state.params, state.model_state, rows, train=train)[0].loss,
+                   static_argnums=1)
+    assert not np.allclose(loss(data[0], True), loss(data[0], False))  # it drops
+    assert_chunks_differ(objective, state, data[0], 4)
+    _, out, metrics, ref, ref_metrics = run_both(objective, state, data, device_ids=[0, 1, 2, 3],
                                                  loss_on_device=loss_on_device)
     assert_same_training(out, metrics, ref, ref_metrics, state, 14)
 
 
 def test_output_device_other_than_master(mlp):
-    graphdef, state = mlp
-    dp = DataParallel(graphdef, TX, device_ids=[0, 1, 2], output_device=1)
-    ref_step, ref, placed = reference_step(graphdef), state, dp.init(state)
+    objective, state = mlp
+    dp = DataParallel(objective, TX, device_ids=[0, 1, 2], output_device=1)
+    ref_step, ref, placed = reference_step(objective), state, dp.init(state)
     for batch in batches(10, steps=2):
         ref, _ = ref_step(ref, batch)
         placed, metrics = dp.step(placed, dp.put_batch(batch))
@@ -199,14 +214,14 @@ TUTORIAL_REPLICAS = {
 
 @pytest.mark.parametrize("n", sorted(TUTORIAL_REPLICAS))
 def test_print_shapes_like_the_tutorial(n, capsys):
-    graphdef, state = init_state(TutorialModel(nnx.Rngs(0)), TX)
-    dp = DataParallel(graphdef, TX, device_ids=list(range(n)), print_shapes=True)
+    objective, state = setup(TutorialModel(nnx.Rngs(0)))
+    dp = DataParallel(objective, TX, device_ids=list(range(n)), print_shapes=True)
     placed = dp.init(state)
     data = np.random.default_rng(0).normal(size=(100, 5)).astype(np.float32)
     capsys.readouterr()
     for start in range(0, 100, 30):
         x = data[start:start + 30]
-        batch = {"x": x, "y": np.zeros(len(x), np.int32), "idx": np.arange(start, start + len(x), dtype=np.int32)}
+        batch = as_rows({"x": x, "y": np.zeros(len(x), np.int32)}, np.arange(start, start + len(x)))
         placed, _ = dp.step(placed, dp.put_batch(batch))
     lines = capsys.readouterr().out.splitlines()
 
@@ -218,8 +233,8 @@ def test_print_shapes_like_the_tutorial(n, capsys):
 
 
 def test_build_from_config(mlp, capsys):
-    graphdef, state = mlp
-    model = nnx.merge(graphdef, state.params)
+    objective, state = mlp
+    model = objective.merge(state.params, state.model_state)
     dp = build(model, TX, Config(strategy="dp", num_devices=3, loss_on_device=True, print_shapes=True))
     assert [d.id for d in dp.devices] == [0, 1, 2] and dp.loss_on_device
     assert "DataParallel over 3 devices" in dp.describe() and "scalars gathered" in dp.describe()

@@ -1,8 +1,8 @@
 """DistributedDataParallel equals the single-device reference step, whatever the algorithm, devices, buckets,
 overlap, front end, accumulation; the compiled HLO has one reduction per bucket, issued inside the backward.
 
-The problem: a tiny 3-layer MLP with dropout (per-sample keys), SGD with momentum, 5 steps of a 16-sample global batch
-whose last batch has 13 samples (padded with w = 0 rows: on 8 devices, whole devices hold padding only).
+The problem: a tiny 3-layer MLP with stock nnx.Dropout (per-sample mode), SGD with momentum, 5 steps of a 16-sample
+global batch whose last batch has 13 samples (padded with masked rows: on 8 devices, whole devices hold padding only).
 """
 from __future__ import annotations
 
@@ -19,31 +19,39 @@ CAPS = (0.0, 25.0)  # one leaf per bucket; torch's default 25 MB (one bucket for
 
 
 def problem():
-    """(graphdef, tx, state, global batches), seeded: the same in every process (test_multiprocess uses it)."""
+    """(objective, tx, state, global batches as Rows), seeded: the same in every process (test_multiprocess uses
+    it). The model: stock nnx.Dropout between two layers; sample ids are the rows' global positions."""
     import optax
     from flax import nnx
 
-    from jaxpar.step import init_state
-    from jaxpar.models.layers import Dropout, Linear, ReLU
+    from jaxpar import Objective, as_rows, init_state
+    from jaxpar.models.layers import Linear, ReLU
     from jaxpar.models.nets import Layered
 
     class Tiny(Layered):
         def __init__(self, rngs):
-            self.fc1, self.drop, self.fc2 = Linear(12, 20, rngs=rngs), Dropout(0.3, salt=1), Linear(20, 16, rngs=rngs)
-            self.fc3 = Linear(16, 10, rngs=rngs)
+            self.fc1, self.drop = Linear(12, 20, rngs=rngs), nnx.Dropout(0.3, rngs=rngs)
+            self.fc2, self.fc3 = Linear(20, 16, rngs=rngs), Linear(16, 10, rngs=rngs)
 
         @property
         def layers(self):
             return (self.fc1, ReLU(), self.drop, self.fc2, ReLU(), self.fc3)
 
     tx = optax.sgd(0.1, momentum=0.9)
-    graphdef, state = init_state(Tiny(nnx.Rngs(0)), tx, seed=0)
+    model = Tiny(nnx.Rngs(params=0, dropout=0))
     rng, batches, start = np.random.default_rng(0), [], 0
     for n in SIZES:
-        batches.append({"x": rng.normal(size=(n, 12)).astype(np.float32), "y": rng.integers(0, 10, n).astype(np.int32),
-                        "idx": np.arange(start, start + n, dtype=np.int32)})
+        batch = {"x": rng.normal(size=(n, 12)).astype(np.float32), "y": rng.integers(0, 10, n).astype(np.int32)}
+        batches.append(as_rows(batch, np.arange(start, start + n)))
         start += n
-    return graphdef, tx, state, batches
+    return Objective.of(model), tx, init_state(model, tx), batches
+
+
+def take(rows, index):
+    """The rows `index` selects (a slice), from every leaf."""
+    import jax
+
+    return jax.tree.map(lambda a: a[index], rows)
 
 
 def leaves(tree):
@@ -57,12 +65,12 @@ def run_ddp(n: int, rows: slice = slice(None), **options):
     from jaxpar.strategies.ddp import DistributedDataParallel
     from jaxpar.mesh import make_mesh
 
-    graphdef, tx, state, batches = problem()
-    ddp = DistributedDataParallel(graphdef, tx, make_mesh(n), batch_size=max(SIZES), **options)
+    objective, tx, state, batches = problem()
+    ddp = DistributedDataParallel(objective, tx, mesh=make_mesh(n), batch_size=max(SIZES), **options)
     placed = ddp.init(state)
     for b in batches:
-        placed, metrics = ddp.step(placed, ddp.put_batch({k: v[rows] for k, v in b.items()}))
-    assert float(metrics["count"]) == SIZES[-1]  # padding rows never count
+        placed, metrics = ddp.step(placed, ddp.put_batch(take(b, rows)))
+    assert float(metrics["samples"]) == SIZES[-1]  # padding rows never count
     return ddp, placed
 
 
@@ -70,11 +78,9 @@ def assert_per_device_gradients_differ():
     """The premise: each device's local gradient (of its own rows) differs, so only the reduction agrees them."""
     import jax
 
-    from jaxpar.step import grad_of_sum
-
-    graphdef, _, state, batches = problem()
-    local_grad = jax.jit(lambda b: grad_of_sum(graphdef, state.params, b, state.key, state.step)[1])
-    grads = [leaves(local_grad({k: v[i * 4:(i + 1) * 4] for k, v in batches[0].items()})) for i in range(4)]
+    objective, _, state, batches = problem()
+    local_grad = jax.jit(lambda r: objective.value_and_grad(state.params, state.model_state, r)[1])
+    grads = [leaves(local_grad(take(batches[0], slice(i * 4, (i + 1) * 4)))) for i in range(4)]
     for g, h in itertools.combinations(grads, 2):
         assert max(np.abs(a - b).max() for a, b in zip(g, h)) > 1e-3
 
@@ -86,9 +92,9 @@ def reference():
     from jaxpar.step import make_train_step
 
     assert_per_device_gradients_differ()
-    graphdef, tx, state, batches = problem()
+    objective, tx, state, batches = problem()
     init = leaves(state.params)
-    step = make_train_step(graphdef, tx)
+    step = make_train_step(objective, tx)
     for b in batches:
         state, _ = step(state, b)
     out = leaves(state.params)
@@ -132,7 +138,7 @@ def test_ddp_equals_reference(reference, allreduce, n, cap, overlap, spmd):
 def test_grad_accumulation_equals_one_big_step(reference, n, overlap, allreduce):
     """K=2 micro-steps per device (no_sync, one reduction) == the reference step on the whole global batch."""
     ddp, placed = run_ddp(n, allreduce=allreduce, bucket_cap_mb=0, overlap=overlap, grad_accum=2)
-    assert ddp.put_batch(problem()[3][-1])["w"].shape == (16,)  # 13 rows padded to a multiple of n * K
+    assert ddp.put_batch(problem()[3][-1]).mask.shape == (16,)  # 13 rows padded to a multiple of n * K
     for a, b in zip(leaves(ddp.unplace(placed).params), reference):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
@@ -146,16 +152,17 @@ def test_bf16_communication_is_close_but_compressed(reference):
         np.testing.assert_allclose(a, b, rtol=0, atol=5e-3)
 
 
-def test_put_batch_pads_with_zero_weight_rows():
+def test_put_batch_pads_with_masked_copies_of_a_real_row():
     from jaxpar.strategies.ddp import DistributedDataParallel
     from jaxpar.mesh import make_mesh
 
-    graphdef, tx, _, batches = problem()
-    ddp = DistributedDataParallel(graphdef, tx, make_mesh(4))  # no batch_size: pad to a multiple of 4
+    objective, tx, _, batches = problem()
+    ddp = DistributedDataParallel(objective, tx, mesh=make_mesh(4))  # no batch_size: pad to a multiple of 4
     pb = ddp.put_batch(batches[-1])
-    w = np.asarray(pb["w"])
+    w = np.asarray(pb.mask)
     assert w.shape == (16,) and w.sum() == 13 and not w[13:].any()
-    assert pb["x"].sharding.spec[0] == "data" and not np.asarray(pb["x"])[13:].any()
+    x = np.asarray(pb.data["x"])
+    assert pb.data["x"].sharding.spec[0] == "data" and (x[13:] == x[0]).all()  # finite: copies of row 0
 
 
 def _schedule(**options):
@@ -184,7 +191,8 @@ def test_hlo_one_reduction_per_bucket_inside_the_backward(allreduce):
         assert len(permutes) == len(plan) * 2 * (4 - 1) and len(reduce_ops) == 1
         # the ring moves exactly 2(N-1)/N x S per device (chunks padded to N | size), plus the metrics' psum
         modelled = sum(comm_cost("ring", 4, b.nbytes, 4).sent_per_device for b in plan.buckets)
-        assert hlo_bytes_per_device(text, 4) == [modelled + 2 * 3 / 4 * 12] * 4
+        metrics = 4 * 4  # loss, weight, rows, accuracy: one float32 vector
+        assert hlo_bytes_per_device(text, 4) == [modelled + 2 * 3 / 4 * metrics] * 4
     first_layer_grad = producer_positions(schedule, "f32[12,20]")[0]  # fc1.kernel's gradient
     assert min(reduce_ops + permutes) < first_layer_grad
 
@@ -217,7 +225,7 @@ def test_forward_leaf_order_follows_layers_not_names():
             return (self.z_in, ReLU(), self.a_out)
 
     model = Backwards(nnx.Rngs(0))
-    names = leaf_names(nnx.split(model)[1])
+    names = leaf_names(nnx.split(model, nnx.Param, ...)[1])
     order = forward_leaf_order(model)
     assert [names[i] for i in order] == ["z_in.bias", "z_in.kernel", "a_out.bias", "a_out.kernel"]
     plan = bucket_plan(nnx.split(model)[1], 0, order)
@@ -228,13 +236,13 @@ def test_forward_leaf_order_follows_layers_not_names():
 def test_bad_options_name_the_fix():
     from jaxpar.strategies.ddp import DistributedDataParallel
 
-    graphdef, tx, _, _ = problem()
+    objective, tx, _, _ = problem()
     with pytest.raises(ValueError, match="allreduce='tree' is not known; use one of psum"):
-        DistributedDataParallel(graphdef, tx, allreduce="tree")
+        DistributedDataParallel(objective, tx, allreduce="tree")
     with pytest.raises(ValueError, match="grad_accum=0 must be >= 1"):
-        DistributedDataParallel(graphdef, tx, grad_accum=0)
+        DistributedDataParallel(objective, tx, grad_accum=0)
     with pytest.raises(ValueError, match="spmd='xmap' is not known"):
-        DistributedDataParallel(graphdef, tx, spmd="xmap")
+        DistributedDataParallel(objective, tx, spmd="xmap")
 
 
 def test_build_from_config():

@@ -31,14 +31,14 @@ def test_batches_follow_the_sampler():
     plan = sampler.batch_plan(4)
     assert len(loader) == len(plan) == 6  # 23 samples on this rank: 5 full batches and 3 left
     batches = list(loader)
-    assert [b["idx"].tolist() for b in batches] == [p.tolist() for p in plan]
+    assert [b.ids.tolist() for b in batches] == [p.tolist() for p in plan]  # Rows: ids are the sample indices
     for b in batches:
-        assert b["idx"].dtype == np.int32 and np.array_equal(b["x"], ds.x[b["idx"]])
-        assert np.array_equal(b["y"], ds.y[b["idx"]])
+        assert b.ids.dtype == np.int32 and np.array_equal(b.data["x"], ds.x[b.ids]) and b.mask.all()
+        assert np.array_equal(b.data["y"], ds.y[b.ids])
     assert sampler.offset == len(sampler) and len(loader) == 0 and list(loader) == []
     sampler.set_epoch(1)
     assert len(Loader(ds, 4, sampler, drop_last=True)) == 5
-    assert [len(b["y"]) for b in Loader(ds, 4, sampler, drop_last=True)] == [4] * 5
+    assert [b.size for b in Loader(ds, 4, sampler, drop_last=True)] == [4] * 5
 
 
 def test_prefetch_thread_gives_the_same_batches():
@@ -56,7 +56,9 @@ def test_prefetch_thread_gives_the_same_batches():
     assert threads[:6] == ["MainThread"] * 6 and set(threads[6:]) == {"jaxpar-loader"}  # really on a thread
     assert len(plain) == len(threaded) == 6
     for a, b, c in zip(plain, synchronous, threaded):
-        assert a.keys() == c.keys() and all(np.array_equal(a[k], b[k]) and np.array_equal(a[k], c[k]) for k in a)
+        la, lb, lc = (jax.tree.leaves(t) for t in (a, b, c))
+        assert len(la) == len(lc) == 4 and all(np.array_equal(u, v) and np.array_equal(u, w)
+                                               for u, v, w in zip(la, lb, lc))
     assert not loader_threads()
 
 
@@ -78,7 +80,7 @@ def test_offset_counts_consumed_not_produced_batches():
 
 def test_errors_on_the_thread_reach_the_consumer():
     def put(batch):
-        if batch["idx"][0] == 15:
+        if batch.ids[0] == 15:
             raise RuntimeError("put failed on batch 3")
         return batch
 
@@ -128,7 +130,7 @@ def test_resume_mid_epoch_gives_the_remaining_batches():
     want = [b.tolist() for b in reference.batch_plan(4)]
     first = []
     for b in Loader(ds, 4, sampler, put=lambda b: b):
-        first.append(b["idx"].tolist())
+        first.append(b.ids.tolist())
         if len(first) == 2:
             break
     state = sampler.state_dict()
@@ -137,7 +139,7 @@ def test_resume_mid_epoch_gives_the_remaining_batches():
     resumed = DistributedSampler(N, 3, 2)
     resumed.load_state_dict(state)
     resumed.set_epoch(state["epoch"])
-    rest = [b["idx"].tolist() for b in Loader(ds, 4, resumed, put=lambda b: b)]
+    rest = [b.ids.tolist() for b in Loader(ds, 4, resumed, put=lambda b: b)]
     assert first + rest == want and len(Loader(ds, 4, resumed)) == 0
 
 

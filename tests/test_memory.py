@@ -22,7 +22,7 @@ class WideLinear(nnx.Module):
     def __init__(self, rngs: nnx.Rngs):
         self.fc = nnx.Linear(5, CLASSES, rngs=rngs)
 
-    def __call__(self, x, keys=None):
+    def __call__(self, x):
         return self.fc(x)
 
 
@@ -61,11 +61,12 @@ def test_report_rows_and_table():
 def _measure(loss_on_device: bool) -> tuple[dict, dict]:
     """DataParallel's report after one step, and the bytes per device before anything of it existed."""
     before = memory.baseline(jax.devices()[:N])
-    graphdef, state = init_state(WideLinear(nnx.Rngs(0)), optax.sgd(0.1), seed=0)
+    model = WideLinear(nnx.Rngs(0))
+    state = init_state(model, optax.sgd(0.1))
     rng = np.random.default_rng(0)
     batch = {"x": rng.normal(size=(BATCH, 5)).astype(np.float32),
-             "y": rng.integers(0, CLASSES, BATCH).astype(np.int32), "idx": np.arange(BATCH, dtype=np.int32)}
-    dp = DataParallel(graphdef, optax.sgd(0.1), device_ids=list(range(N)), loss_on_device=loss_on_device)
+             "y": rng.integers(0, CLASSES, BATCH).astype(np.int32)}
+    dp = DataParallel(model, optax.sgd(0.1), device_ids=list(range(N)), loss_on_device=loss_on_device)
     placed = dp.init(state)
     placed, _ = dp.step(placed, dp.put_batch(batch))
     return dp.report(placed), before

@@ -1,5 +1,5 @@
-"""models/: parameter counts, PyTorch parity both ways (fixtures from make_torch_fixtures.py), the layer
-view, per-sample dropout, and the two convolution implementations."""
+"""jaxpar/models/: parameter counts, PyTorch parity both ways (fixtures from make_torch_fixtures.py), the layer
+view, stock nnx.Dropout made split-independent by the per-sample objective, and the convolution implementations."""
 import os
 
 import jax
@@ -10,7 +10,8 @@ from flax import nnx
 
 from jaxpar import models
 from make_torch_fixtures import ALEXNET_CLASSES, FIXTURES, MLP_SIZES, POOL_SIZES, recipe_state_dict
-from jaxpar.models.layers import CONV_CHUNK, AdaptiveAvgPool2d, Conv2d, Dropout, adaptive_bins
+from jaxpar import Objective, OutputLoss, as_rows, cross_entropy
+from jaxpar.models.layers import CONV_CHUNK, AdaptiveAvgPool2d, Conv2d, adaptive_bins
 
 CONVNET_PARAMS = 1_199_882  # pytorch/examples mnist Net
 ALEXNET_PARAMS = 57_044_810  # torchvision alexnet(num_classes=10)
@@ -18,13 +19,9 @@ TOL = dict(atol=1e-5, rtol=1e-5)
 SMALL = {"linear": {}, "mlp": MLP_SIZES, "convnet": {}, "alexnet": dict(num_classes=ALEXNET_CLASSES)}
 
 
-def _keys(n, seed=0):
-    return jax.random.split(jax.random.key(seed), n)
-
-
 @nnx.jit
-def _apply(model, x, keys=None):
-    return model(x, keys)
+def _apply(model, x):
+    return model(x)
 
 
 @nnx.jit
@@ -34,13 +31,20 @@ def _nll_grads(model, x, y):
         out = model(x)
         logp = out if isinstance(model, models.ConvNet) else jax.nn.log_softmax(out)
         return -jnp.take_along_axis(logp, y[:, None], axis=1).sum()
-    return nnx.merge(nnx.graphdef(model), nnx.grad(loss)(model))  # a model holding the gradients
+    grads = nnx.grad(loss)(model)
+    return nnx.merge(nnx.graphdef(model), grads, nnx.state(model, nnx.Not(nnx.Param)))  # a model holding them
 
 
 def _model(name, **kw):
     """Model `name` with numpy recipe weights: no per-shape compiles of jax.random (seconds on 2 cores)."""
     sd = recipe_state_dict(models.torch_shapes(models.abstract(name, **kw)))
     return models.from_torch_state_dict(name, sd, **kw)
+
+
+def _eval(model):
+    """The model in eval mode (dropout off), as the fixtures were made with torch's model.eval()."""
+    model.eval()
+    return model
 
 
 def _load(name):
@@ -76,7 +80,7 @@ def test_param_paths_mirror_torch_keys(name):
 def test_torch_parity_both_ways(name):
     fx, sd, x = _load(name)
     assert list(sd) == list(models.torch_shapes(models.abstract(name, **SMALL[name])))  # torch's keys, order
-    model = models.from_torch_state_dict(name, sd)  # sizes read off the state dict
+    model = _eval(models.from_torch_state_dict(name, sd))  # sizes read off the state dict
     assert not np.allclose(_apply(model, x[::-1]), fx["out"], **TOL)  # the comparison below can fail
     np.testing.assert_allclose(_apply(model, x), fx["out"], **TOL)
     grads = models.to_torch_state_dict(_nll_grads(model, x, jnp.asarray(fx["y"])))
@@ -109,47 +113,61 @@ def test_layers_compose_to_model(name):
     kw = {**SMALL[name], **({"dropout": 0.5} if name == "alexnet" else {})}
     model = _model(name, **kw)
     x = jax.random.normal(jax.random.key(1), (3, *models.input_shape(name, **kw)))
-    keys = _keys(3)
     layers = models.as_layers(model)
     assert all(a is b for a, b in zip(layers, models.as_layers(model)))  # the same layer objects each time
     assert len(layers) == {"linear": 1, "mlp": 3, "convnet": 12, "alexnet": 22}[name]
 
     @nnx.jit
-    def both(model, x, keys):
-        outs = []
-        for k in (keys, None):
-            h = x
-            for layer in models.as_layers(model):
-                h = layer(h, k)
-            outs += [h, model(x, k)]
-        return outs
+    def composed(model, x):
+        for layer in models.as_layers(model):
+            x = layer(x)
+        return x
 
-    fold_train, train, fold_eval, evaluated = both(model, x, keys)
+    # the same RNG streams in the same state for both: each call starts from a clone
+    train, fold_train = _apply(nnx.clone(model), x), composed(nnx.clone(model), x)
+    evaluated, fold_eval = _apply(_eval(nnx.clone(model)), x), composed(_eval(nnx.clone(model)), x)
     np.testing.assert_array_equal(fold_train, train)
     np.testing.assert_array_equal(fold_eval, evaluated)
-    has_dropout = any(isinstance(layer, Dropout) for layer in layers)
+    has_dropout = any(isinstance(layer, nnx.Dropout) for layer in layers)
     assert has_dropout == (name in ("convnet", "alexnet"))
     assert np.array_equal(train, evaluated) != has_dropout  # dropout on in training only
 
 
-def test_dropout_split_invariant():
+def _outputs(objective, state, x, ids):
+    rows = as_rows({"x": x, "y": np.zeros(len(x), np.int32)}, ids)
+    return objective.outputs(state[0], state[1], rows)[0]
+
+
+def test_stock_dropout_is_split_invariant():
+    """The per-sample objective: every row's masks come from its own id, so any split of the batch gives the
+    whole batch's outputs, and other ids give other masks."""
     model = _model("convnet")
+    objective = Objective.of(model, OutputLoss(cross_entropy))
+    state = objective.split(model)
     x = jax.random.normal(jax.random.key(2), (6, 28, 28, 1))
-    keys = _keys(6)
-    whole = _apply(model, x, keys)
-    assert not np.allclose(whole, _apply(model, x, _keys(6, seed=1))), "the masks must depend on the keys"
+    ids = np.arange(10, 16)
+    whole = _outputs(objective, state, x, ids)
+    assert not np.allclose(whole, _outputs(objective, state, x, ids + 100)), "the masks must depend on the ids"
     for bounds in ((0, 3, 6), (0, 2, 4, 6)):
-        parts = [_apply(model, x[a:b], keys[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+        parts = [_outputs(objective, state, x[a:b], ids[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
         np.testing.assert_allclose(jnp.concatenate(parts), whole, atol=1e-6, rtol=1e-6)
-    drop = Dropout(0.25, salt=1)
-    ones = jnp.ones((6, 4000))
-    masks = drop(ones, keys)
+
+
+def test_stock_dropout_masks_per_sample_and_per_layer():
+    class TwoDrops(nnx.Module):
+        def __init__(self, rngs):
+            self.a, self.b = nnx.Dropout(0.25, rngs=rngs), nnx.Dropout(0.25, rngs=rngs)
+
+        def __call__(self, x):
+            return jnp.stack([self.a(x), self.b(x)], axis=1)
+
+    model = TwoDrops(nnx.Rngs(0))
+    objective = Objective.of(model, OutputLoss(cross_entropy))
+    masks = np.asarray(_outputs(objective, objective.split(model), jnp.ones((6, 4000)), np.arange(6)))
     assert set(np.unique(masks).tolist()) == {0.0, float(np.float32(1 / 0.75))}
     assert abs(float((masks > 0).mean()) - 0.75) < 0.01
-    assert not np.array_equal(masks[0], masks[1])  # per-sample masks
-    assert not np.array_equal(masks, Dropout(0.25, salt=2)(ones, keys))  # per-layer salts
-    np.testing.assert_array_equal(drop(ones[2:4], keys[2:4]), masks[2:4])
-    np.testing.assert_array_equal(drop(ones), ones)
+    assert not np.array_equal(masks[0, 0], masks[1, 0])  # per-sample masks
+    assert not np.array_equal(masks[:, 0], masks[:, 1])  # each layer its own stream
 
 
 @pytest.mark.parametrize("b,cin,cout,k,stride,pad,hw", [

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from test_ddp import SIZES, problem  # the tiny seeded problem; last batch 13 = 7 + 6 rows on two processes
+from test_ddp import SIZES, problem, take  # the tiny seeded problem; last batch 13 = 7 + 6 rows on two processes
 
 ROOT = Path(__file__).resolve().parents[1]
 SPMD = ("shard_map", "pmap")
@@ -28,12 +28,12 @@ def run_ddp(mesh, rank: int = 0, nproc: int = 1, spmd: str = "shard_map"):
 
     from jaxpar.strategies.ddp import DistributedDataParallel
 
-    graphdef, tx, state, batches = problem()
-    ddp = DistributedDataParallel(graphdef, tx, mesh, allreduce="ring", bucket_cap_mb=0, spmd=spmd,
+    objective, tx, state, batches = problem()
+    ddp = DistributedDataParallel(objective, tx, mesh=mesh, allreduce="ring", bucket_cap_mb=0, spmd=spmd,
                                   batch_size=max(SIZES))
     placed = ddp.init(state)
     for b in batches:
-        placed, _ = ddp.step(placed, ddp.put_batch({k: v[rank::nproc] for k, v in b.items()}))
+        placed, _ = ddp.step(placed, ddp.put_batch(take(b, slice(rank, None, nproc))))
     return [np.asarray(a) for a in jax.tree.leaves(ddp.unplace(placed).params)]
 
 
@@ -70,8 +70,8 @@ def reference_leaves():
 
     from jaxpar.step import make_train_step
 
-    graphdef, tx, state, batches = problem()
-    step = make_train_step(graphdef, tx)
+    objective, tx, state, batches = problem()
+    step = make_train_step(objective, tx)
     for b in batches:
         state, _ = step(state, b)
     return [np.asarray(a) for a in jax.tree.leaves(state.params)]

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpar import models
+from jaxpar import Objective, as_rows, models
 from jaxpar.config import Config
 from jaxpar.optim import make_optimizer
 from jaxpar.precision import compute_dtype
@@ -20,7 +20,7 @@ def data(n: int, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(n, FEATURES)).astype(np.float32)
     y = np.argmax(x @ rng.normal(size=(FEATURES, CLASSES)), -1).astype(np.int32)  # a learnable teacher
-    return {"x": x, "y": y, "idx": np.arange(n, dtype=np.int32)}
+    return as_rows({"x": x, "y": y})
 
 
 def mlp():
@@ -29,12 +29,13 @@ def mlp():
 
 def train(precision: str, steps: int = 30):
     tx = make_optimizer("adam", 1e-2)
-    graphdef, state = init_state(mlp(), tx, seed=0)
-    step = make_train_step(graphdef, tx, compute_dtype(precision))
+    model = mlp()
+    state = init_state(model, tx)
+    step = make_train_step(Objective.of(model, compute_dtype=compute_dtype(precision)), tx)
     batches = data(steps * BATCH)
     losses = []
     for i in range(steps):
-        batch = {k: v[i * BATCH:(i + 1) * BATCH] for k, v in batches.items()}
+        batch = jax.tree.map(lambda v: v[i * BATCH:(i + 1) * BATCH], batches)
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
     return state, np.array(losses), step, batch
@@ -64,7 +65,7 @@ def one_step(strategy_name: str, precision: str, **cfg_kw):
     cfg = Config(strategy=strategy_name, model="mlp", optimizer="sgd", precision=precision, **dict(cfg_kw))
     tx = make_optimizer("sgd", 0.5, momentum=0.0)
     model = mlp()
-    _, state = init_state(model, tx, seed=0)
+    state = init_state(model, tx)
     strategy = get_builder(strategy_name)(model, tx, cfg)
     placed, metrics = strategy.step(strategy.init(state), strategy.put_batch(data(BATCH, seed=1)))
     return strategy.unplace(placed).params, float(metrics["loss"])

@@ -180,21 +180,40 @@ def check_compatible(meta: dict, info: dict, directory: str) -> list[str]:
             if f in old and old[f] != new.get(f)]
 
 
+def all_steps(directory: str) -> list[int]:
+    """The steps of every COMPLETE checkpoint in `directory`, newest first (none for a missing directory)."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(_manager(directory, read_only=True).all_steps(), reverse=True)
+
+
 class Checkpointer:
     """The checkpoints of one run in `directory`. Construction only checks (writes nothing); `save` creates the
-    folder on first use."""
+    folder on first use. Resuming takes the newest READABLE checkpoint: a damaged newer one (a disk that lost
+    its files) is named in a warning and skipped."""
 
     def __init__(self, directory: str, info: dict, *, resume: bool, keep: int = 2):
         writable_dir(directory, "--checkpoint-dir")
         self.directory, self.info, self.keep = directory, info, keep
-        self.latest = latest_step(directory)
+        self.steps = all_steps(directory)
+        self.latest = self.steps[0] if self.steps else None
         self.notes: list[str] = []
         if self.latest is not None:
-            self.notes = check_compatible(read_meta(directory, self.latest), info, directory)
             if not resume:
                 raise ValueError(f"--checkpoint-dir {directory!r} already holds checkpoints up to step "
                                  f"{self.latest}; pass --resume to continue that run, or another (empty) "
                                  "--checkpoint-dir to start afresh.")
+            meta, errors = None, []
+            for step in self.steps:  # the newest whose metadata reads decides compatibility
+                try:
+                    meta = read_meta(directory, step)
+                    break
+                except ValueError as e:
+                    errors.append(str(e))
+            if meta is None:
+                raise ValueError(f"--resume: no checkpoint in --checkpoint-dir {directory!r} is readable "
+                                 f"({errors[0]}); pass the folder of an intact run, or drop --resume.")
+            self.notes = check_compatible(meta, info, directory)
         elif resume:
             raise ValueError(f"--resume: --checkpoint-dir {directory!r} holds no complete checkpoint to resume; "
                              "drop --resume to start a new run there, or pass the folder of an earlier run.")
@@ -202,14 +221,29 @@ class Checkpointer:
         self._mgr = None
 
     def restore(self, template: TrainState) -> tuple[TrainState, dict]:
-        """(state, data position) of the latest checkpoint, the state shaped like `template`."""
+        """(state, data position) of the newest readable checkpoint, the state shaped like `template`; each
+        damaged newer step is reported on stderr and skipped."""
+        import sys
+
         import orbax.checkpoint as ocp
 
         specs = list(self.info["leaves"].values())
         abstract = {"leaves": [np.zeros(shape, jax.numpy.dtype(dtype)) for shape, dtype in specs]}
-        out = _manager(self.directory, read_only=True).restore(self.latest, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
-        return from_host(template, out["state"]["leaves"]), out["meta"]["data"]
+        damaged = []
+        for step in self.steps:
+            try:
+                out = _manager(self.directory, read_only=True).restore(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+            except Exception as e:  # orbax raises many kinds for missing or truncated files
+                damaged.append((step, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e) else ''}"))
+                continue
+            for bad, why in damaged:
+                print(f"jaxpar: warning: checkpoint step {bad} in {self.directory} is damaged ({why}); resuming "
+                      f"from step {step}, the newest readable one.", file=sys.stderr)
+            self.latest = self.saved_step = step
+            return from_host(template, out["state"]["leaves"]), out["meta"]["data"]
+        raise ValueError(f"--resume: every checkpoint in --checkpoint-dir {self.directory!r} is damaged (step "
+                         f"{damaged[0][0]}: {damaged[0][1]}); pass the folder of an intact run, or drop --resume.")
 
     def save(self, step: int, state: TrainState, data: dict) -> bool:
         """Save `state` (canonical layout) and the data position as checkpoint `step`; every process calls it.

@@ -207,6 +207,8 @@ class DataParallel:
             cotangents = jax.device_put([cotangent] * len(devices), devices)
             on_output = [sums]
             del cotangent
+            if show:  # what torch's DataParallel gathers here: one loss per replica
+                print(f"Outside: input size {_shape(self._inputs(batch))} output size ({len(devices)},)")
         else:
             outputs = _concat(*gathered)
             sums, doutputs = _output_grad(self.objective, outputs, jax.device_put(batch, self.out_device))
@@ -231,7 +233,7 @@ class DataParallel:
         # replica 0's model state (its BatchNorm buffers; RNG streams advanced once) is the module's
         state = _update(self.tx, state, total, jax.device_put(states[0], self.master))
         mark("after update: new params and optimizer state on the master")
-        return state, metrics_of(jax.device_put(sums, self.master))
+        return state, metrics_of(sums)  # on the output device, where torch computes the loss
 
     def unplace(self, state: TrainState) -> TrainState:
         return state

@@ -12,12 +12,18 @@ class Config:
     model: str = "convnet"  # linear | mlp | convnet | alexnet, or MODULE:NAME / FILE.py:NAME building an nnx.Module
     model_kwargs: str | None = None  # JSON object of keyword arguments for --model MODULE:NAME, e.g. '{"hidden": 64}'
     loss: str | None = None  # cross_entropy | mse | MODULE:NAME: fn(outputs, batch) -> (loss_sum, weight_sum[, metrics])
-    dataset: str = "synthetic"  # synthetic | mnist | cifar10 | npz (jaxpar.data.datasets.DATASETS)
+    dataset: str = "synthetic"  # synthetic | mnist | cifar10 | npz | text (jaxpar.data.datasets.DATASETS)
     data_dir: str | None = None  # IDX folder for mnist, or the tfds data dir
-    data_path: str | None = None  # the .npz file for --dataset npz
+    data_path: str | None = None  # the .npz file for --dataset npz; the text file or folder for text (default: Python's stdlib)
     train_split: str = "train"  # tfds split syntax, e.g. 'test[:8000]'
     eval_split: str | None = None  # tfds split syntax, e.g. 'test[8000:]'; '' skips; default 'test' where there is one
     image_size: int | None = None  # resize images to this side (alexnet: 64 by default, 224 in DeepSpeed's tutorial)
+    seq_len: int = 256  # --dataset text: window length in bytes (tokens); at most the GPT's block size
+    # GPT models (gpt2, gpt2-medium, ..., gpt-mini, gpt-micro, gpt-nano, gpt-cpu: jaxpar.models.gpt)
+    n_head: int | None = None  # attention heads (default: the config name's); must divide the width
+    dropout: float = 0.0  # GPT dropout rate (nanoGPT pretrains with 0.0)
+    torch_layout: str = "hf"  # hf | nanogpt: the GPT state-dict layout --export-torch writes (--init-torch reads either)
+    peak_tflops: float | None = None  # the device's peak TFLOP/s for MFU (default: a table of GPUs; none for CPUs)
     # how to train
     batch_size: int = 64  # the GLOBAL batch, the same meaning for every strategy
     eval_batch_size: int = 1000  # evaluation batch (reference step, one device)

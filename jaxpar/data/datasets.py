@@ -1,12 +1,13 @@
 """Datasets as host arrays: `load(name, split)` -> Dataset(x, y); `dataset.batch(indices)` -> {"x", "y"}.
 
 Sources: `synthetic` (generated from the seed, no download), `mnist` (a folder of IDX files, or tfds),
-`cifar10` (tfds), `npz` (bring your own x / y arrays). Every source takes tfds split syntax ('train',
-'test[:8000]', 'train[10%:20%]', 'train[:-1000]', 'train+test'). Preprocessing follows the PyTorch
-examples: MNIST (x/255 - 0.1307) / 0.3081; CIFAR and AlexNet inputs the ImageNet mean/std, resized to
-`image_size` (AlexNet: 64 by default); `linear` / `mlp` get flat vectors [N, F]. A user's model (`model=None`)
-gets the arrays as stored: images normalised as above, float arrays as they are, integer arrays (token ids) and
-any targets (float, [N, T] tokens) untouched.
+`cifar10` (tfds), `npz` (bring your own x / y arrays), `text` (bytes of a file or folder in windows of
+`seq_len`, jaxpar.data.text; default the Python standard library's sources). Every source takes tfds split
+syntax ('train', 'test[:8000]', 'train[10%:20%]', 'train[:-1000]', 'train+test'; text: one slice).
+Preprocessing follows the PyTorch examples: MNIST (x/255 - 0.1307) / 0.3081; CIFAR and AlexNet inputs the
+ImageNet mean/std, resized to `image_size` (AlexNet: 64 by default); `linear` / `mlp` get flat vectors [N, F].
+A user's model (`model=None`) gets the arrays as stored: images normalised as above, float arrays as they are,
+integer arrays (token ids) and any targets (float, [N, T] tokens) untouched.
 
 A dataset is anything with ``len(dataset)`` and ``dataset.batch(indices) -> pytree`` (the rows of those sample
 indices); the loader and the evaluation use only these two.
@@ -27,7 +28,7 @@ import numpy as np
 
 from jaxpar.data.idx import IDX_FILES, DataError, has_idx, read_mnist_split
 
-DATASETS = ("synthetic", "mnist", "cifar10", "npz")
+DATASETS = ("synthetic", "mnist", "cifar10", "npz", "text")
 MODELS = ("linear", "mlp", "convnet", "alexnet")  # built-in models: they decide shapes and preprocessing
 MNIST_MEAN, MNIST_STD = (0.1307,), (0.3081,)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -60,15 +61,20 @@ class Dataset:
 
 
 def load(name: str, split: str = "train", *, data_dir: str | None = None, data_path: str | None = None,
-         model: str | None = "convnet", image_size: int | None = None, seed: int = 0) -> Dataset:
+         model: str | None = "convnet", image_size: int | None = None, seed: int = 0, seq_len: int = 256) -> Dataset:
     """The `split` (tfds syntax) of dataset `name`, shaped and normalised for `model`.
 
     data_dir: for mnist a folder of IDX files (train-*/t10k-*, .gz or not) or else the tfds data dir (as
     for cifar10; None: TFDS_DATA_DIR or ~/tensorflow_datasets). data_path: the .npz for `npz`. seed: the
-    synthetic data's. Raises DataError (a ValueError) when the data is missing, unprepared or malformed.
+    synthetic data's (and text's window offsets). seq_len: text's window length in bytes. Raises DataError (a
+    ValueError) when the data is missing, unprepared or malformed.
     """
     if name not in DATASETS:
         raise ValueError(f"{name=} is not a dataset; use one of {DATASETS}")
+    if name == "text":  # token windows: no model-specific shaping
+        from jaxpar.data import text
+
+        return text.load(split, data_path, seq_len=seq_len, seed=seed)
     if model is not None and model not in MODELS:
         raise ValueError(f"{model=} is not a built-in model; use one of {MODELS}, or None for a user's model")
     if image_size is not None and image_size < 1:
@@ -242,6 +248,8 @@ def splits(name: str, *, data_path: str | None = None) -> tuple[str, ...]:
     """The named splits dataset `name` has ('train', and 'test' where there is one)."""
     if name == "npz":
         return ("train", "test") if "x_test" in _npz_arrays(data_path) else ("train",)
+    if name == "text":
+        return ("train", "test")  # the held-out part of the text, by position
     return ("train", "test")
 
 

@@ -4,9 +4,11 @@
     layers = models.as_layers(model)                 # flat sequence; composition == model
     sd = models.to_torch_state_dict(model)           # torch keys and layouts, numpy arrays
     model = models.from_torch_state_dict("convnet", sd)
+    gpt = models.get("gpt-micro", seed=0, vocab_size=256, block_size=256)   # GPT-2 family (jaxpar.models.gpt)
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, Mapping
 
@@ -14,14 +16,24 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxpar.models.convert import load_torch_state_dict, to_torch_state_dict, torch_shapes
+from jaxpar.models import convert, gpt
+from jaxpar.models.convert import load_torch_state_dict, torch_shapes
+from jaxpar.models.gpt import GPT, GPTConfig
 from jaxpar.models.layers import (CONV_IMPLS, AdaptiveAvgPool2d, Conv2d, Flatten, Linear, LogSoftmax,
                            MaxPool2d, ReLU, default_conv_impl)
 from jaxpar.models.nets import MLP, AlexNet, ConvNet, LinearModel, as_layers
 
-NAMES = ("linear", "mlp", "convnet", "alexnet")
+GPT_NAMES = tuple(gpt.CONFIGS)  # gpt2, gpt2-medium, ..., and small ones for CPUs: sizes in gpt.CONFIGS
+NAMES = ("linear", "mlp", "convnet", "alexnet", *GPT_NAMES)
+
+
+def _gpt(name: str, *, rngs: nnx.Rngs, **config: Any) -> GPT:
+    return GPT(GPTConfig.named(name, **config), rngs=rngs)
+
+
 _CLASSES: dict[str, Callable[..., nnx.Module]] = {
-    "linear": LinearModel, "mlp": MLP, "convnet": ConvNet, "alexnet": AlexNet}
+    "linear": LinearModel, "mlp": MLP, "convnet": ConvNet, "alexnet": AlexNet,
+    **{name: functools.partial(_gpt, name) for name in GPT_NAMES}}
 ALEXNET_IMAGE_SIZE = 64  # smallest convenient size (>= 63); DeepSpeed's tutorial uses 224
 
 
@@ -49,8 +61,10 @@ def num_params(model: nnx.Module) -> int:
 
 def input_shape(name: str, image_size: int | None = None, **kwargs: Any) -> tuple[int, ...]:
     """Default shape of one sample: linear (input_size,), mlp (in_features,), convnet (28, 28, 1),
-    alexnet (image_size or 64, same, 3)."""
+    alexnet (image_size or 64, same, 3); GPT configs (block_size,) int tokens (default 1024)."""
     _check_name(name)
+    if name in GPT_NAMES:
+        return (kwargs.get("block_size", GPTConfig.block_size),)
     if name == "alexnet":
         size = ALEXNET_IMAGE_SIZE if image_size is None else image_size
         if size < 63:
@@ -85,19 +99,29 @@ def kwargs_from_state_dict(name: str, state_dict: Mapping[str, Any]) -> dict[str
 def from_torch_state_dict(name: str, state_dict: Mapping[str, Any], **kwargs: Any) -> nnx.Module:
     """Model `name` holding a PyTorch state dict's weights. Sizes not in kwargs are read off the dict.
 
-    Raises ValueError naming the key on missing/unexpected keys or wrong shapes.
+    Raises ValueError naming the key on missing/unexpected keys or wrong shapes. GPT configs read either layout
+    (Hugging Face's or nanoGPT's) and take n_head / dropout in kwargs (jaxpar.models.gpt.from_torch_state_dict).
     """
     _check_name(name)
+    if name in GPT_NAMES:
+        return gpt.from_torch_state_dict(state_dict, name=name, **kwargs)
     kwargs = {**kwargs_from_state_dict(name, state_dict), **kwargs}
     model = abstract(name, **kwargs)  # every weight is overwritten: skip the random init
     load_torch_state_dict(model, state_dict, name)
     return model
 
 
+def to_torch_state_dict(model: nnx.Module, **options: Any) -> dict[str, np.ndarray]:
+    """The model's weights under PyTorch's keys: its own ``torch_state_dict(**options)`` where it has one (GPT:
+    layout='hf' | 'nanogpt'), else the tutorial models' conversion (jaxpar.models.convert)."""
+    own = getattr(model, "torch_state_dict", None)
+    return own(**options) if callable(own) else convert.to_torch_state_dict(model)
+
+
 __all__ = [
     "NAMES", "get", "abstract", "num_params", "input_shape", "as_layers", "from_torch_state_dict",
     "to_torch_state_dict", "torch_shapes", "kwargs_from_state_dict",
-    "LinearModel", "MLP", "ConvNet", "AlexNet",
+    "LinearModel", "MLP", "ConvNet", "AlexNet", "GPT", "GPTConfig", "GPT_NAMES", "gpt",
     "Conv2d", "Linear", "ReLU", "MaxPool2d", "AdaptiveAvgPool2d", "Flatten", "LogSoftmax",
     "CONV_IMPLS", "default_conv_impl",
 ]

@@ -139,6 +139,12 @@ def table(summary: dict, strategy_report: dict, mem: list[dict] | None = None) -
             ("processes", summary.get("processes")), ("precision", summary.get("precision")),
             ("steps", summary.get("steps")), ("samples/s", summary.get("samples_per_s")),
             ("step time", f"{step_time * 1e3:.2f} ms" if _num(step_time) else "-")]
+    if "tokens_per_s" in summary:  # language models (jaxpar.run.flops): throughput in tokens, MFU where a peak is known
+        rows.append(("tokens/s", summary["tokens_per_s"]))
+    if "model_tflops" in summary:
+        mfu = f"{100 * summary['mfu']:.1f} % of {summary['peak_tflops']:g} TFLOP/s per device" if "mfu" in summary \
+            else "- (no peak known for this device: pass --peak-tflops)"
+        rows += [("model TFLOP/s", summary["model_tflops"]), ("MFU", mfu)]
     for r in mem or []:
         if r.get("live_bytes") or r.get("peak_bytes"):
             peak = f", allocator peak {_mib(r['peak_bytes'])}" if r.get("peak_bytes") is not None else ""

@@ -8,6 +8,7 @@ Roughly:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable
 
@@ -52,6 +53,13 @@ def validate(cfg: Config) -> None:
             raise ValueError(f"--model-kwargs is for --model MODULE:NAME; the built-in {cfg.model!r} takes its "
                              "sizes from the data. Drop --model-kwargs.")
         model_kwargs_of(cfg)
+    if cfg.model in models.GPT_NAMES:  # heads vs width, dropout range: before any data is read
+        models.GPTConfig.named(cfg.model, n_head=cfg.n_head, dropout=cfg.dropout)
+    if cfg.torch_layout not in models.gpt.LAYOUTS:
+        raise ValueError(f"--torch-layout {cfg.torch_layout!r} is not known; use hf (transformers' GPT2LMHeadModel) "
+                         "or nanogpt.")
+    if cfg.seq_len < 1 or (cfg.peak_tflops is not None and not cfg.peak_tflops > 0):
+        raise ValueError(f"--seq-len {cfg.seq_len} must be >= 1 and --peak-tflops {cfg.peak_tflops} > 0 (or left out).")
     if cfg.per_sample not in (None, "on", "off"):
         raise ValueError(f"--per-sample {cfg.per_sample!r} is not known; use on, off, or leave it out (on unless "
                          "the model has BatchNorm).")
@@ -148,6 +156,8 @@ def make_model(cfg: Config, train_set) -> nnx.Module:
 
     from jaxpar import models
 
+    if cfg.model in models.GPT_NAMES:
+        return gpt_model(cfg, train_set)
     if cfg.model in models.NAMES:
         if train_set.num_classes is None:
             raise ValueError(f"--model {cfg.model} classifies, but the data's targets are not class labels; use a "
@@ -183,6 +193,50 @@ def make_model(cfg: Config, train_set) -> nnx.Module:
                              "method to read a PyTorch state dict with; define one, or drop --init-torch.")
         model.load_torch_state_dict(load_npz(cfg.init_torch, "--init-torch"))
     return model
+
+
+def gpt_model(cfg: Config, train_set) -> nnx.Module:
+    """A GPT config sized by the data -- vocabulary: the text's 256 bytes, or the largest token + 1; block size: the
+    sequence length -- or read off --init-torch's state dict, whose vocabulary and block size must cover the data."""
+    from jaxpar import models
+
+    x = train_set.batch(np.arange(1))["x"]
+    if x.ndim != 2 or not np.issubdtype(x.dtype, np.integer):
+        raise ValueError(f"--model {cfg.model} reads token sequences (integer x [N, T]), but --dataset {cfg.dataset} "
+                         f"gives x {x.shape[1:]} {x.dtype}; use --dataset text, or npz with integer x and y [N, T].")
+    seq_len = x.shape[1]
+    vocab = getattr(train_set, "vocab_size", None) or 1 + int(max(np.max(train_set.x), np.max(train_set.y)))
+    options = dict(n_head=cfg.n_head, dropout=cfg.dropout)
+    if not cfg.init_torch:
+        return models.get(cfg.model, seed=cfg.seed, vocab_size=vocab, block_size=seq_len, **options)
+    model = models.from_torch_state_dict(cfg.model, load_npz(cfg.init_torch, "--init-torch"), seed=cfg.seed,
+                                         **options)
+    if seq_len > model.config.block_size:
+        raise ValueError(f"--seq-len {seq_len} is beyond the block size {model.config.block_size} of --init-torch's "
+                         f"model (its position table); use --seq-len <= {model.config.block_size}.")
+    if vocab > model.config.vocab_size:
+        raise ValueError(f"the data holds token {vocab - 1}, beyond the vocabulary of --init-torch's model "
+                         f"({model.config.vocab_size}); use data tokenized for that model.")
+    return model
+
+
+def lm_summary(cfg: Config, model: nnx.Module, train_set, summary: dict, devices: int) -> dict:
+    """Language-model numbers for the summary, on token data (integer x [N, T]): tokens/s; for a GPT the model
+    TFLOP/s and MFU (jaxpar.run.flops); on text the held-out bits per byte beside the corpus's unigram entropy."""
+    from jaxpar import models
+    from jaxpar.run import flops
+
+    x = train_set.batch(np.arange(1))["x"]
+    if x.ndim != 2 or not np.issubdtype(x.dtype, np.integer):
+        return {}
+    rate = summary.get("samples_per_s", math.nan) * x.shape[1]
+    out = {"tokens_per_s": rate}
+    if isinstance(model, models.GPT):
+        out = flops.utilisation(rate, models.gpt.flops_per_token(model.config, x.shape[1]), devices,
+                                cfg.peak_tflops)
+    if "eval_loss" in summary and getattr(train_set, "unigram_bits", None) is not None:
+        out.update(eval_bits_per_byte=summary["eval_loss"] / math.log(2), unigram_bits_per_byte=train_set.unigram_bits)
+    return out
 
 
 def make_loss(cfg: Config):
@@ -293,7 +347,8 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
                          f"use a multiple of {nproc}.")
     model_name = cfg.model if cfg.model in data_lib.MODELS else None  # built-ins decide shapes; user models not
     load = lambda split: data_lib.load(cfg.dataset, split, data_dir=cfg.data_dir, data_path=cfg.data_path,  # noqa
-                                       model=model_name, image_size=cfg.image_size, seed=cfg.seed)
+                                       model=model_name, image_size=cfg.image_size, seed=cfg.seed,
+                                       seq_len=cfg.seq_len)
     train_set = load(cfg.train_split)
     eval_split = cfg.eval_split
     if eval_split is None:  # the default: the test split where the dataset has one
@@ -402,6 +457,7 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
                    "epochs": epoch + (not epoch_done or bool(stopped)),
                    **{k: v for k, v in last.items() if k not in ("epoch", "step")}, **clock.total(),
                    "resumed_from": start_step if cfg.resume else None, "stopped": stopped}
+        summary.update(lm_summary(cfg, model, train_set, summary, devices_used(strategy)))
         if stopped:
             writer.write({"event": "stopped", "step": step, "signal": stopped, "checkpoint": _saved(ckpt)})
             if main_process:
@@ -413,7 +469,7 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
             if main_process:
                 print(report.table(summary, summary["report"], summary["memory"]))
         if cfg.export_torch and main_process and not stopped:
-            export_torch(objective, final, cfg.export_torch)
+            export_torch(objective, final, cfg.export_torch, cfg.torch_layout)
         writer.write({"event": "summary", **{k: v for k, v in summary.items() if k not in ("report", "memory")},
                       "summary": summary_line(summary)})
     finally:
@@ -454,20 +510,22 @@ def _kept(cfg: Config, ckpt) -> str:
     return f"The last good checkpoint, step {ckpt.saved_step}, stays in {cfg.checkpoint_dir}."
 
 
-def export_torch(objective, state: TrainState, path: str) -> None:
+def export_torch(objective, state: TrainState, path: str, layout: str = "hf") -> None:
     """Write the trained weights as a PyTorch state dict (.npz of numpy arrays under torch's keys): the built-in
     models' conversion, or the model's own ``torch_state_dict()``."""
     from jaxpar import models
 
     model = objective.merge(state.params, state.model_state)
     own = getattr(model, "torch_state_dict", None)
+    if isinstance(model, models.GPT):  # GPT-2: Hugging Face's or nanoGPT's layout (--torch-layout)
+        own = functools.partial(model.torch_state_dict, layout)
     np.savez(path, **(own() if callable(own) else models.to_torch_state_dict(model)))
 
 
 def summary_line(s: dict) -> str:
     evals = tuple(k for k in s if k.startswith("eval_"))
     keys = ("strategy", "model", "devices", "processes", "steps", "epochs", "train_loss", *evals,
-            "samples_per_s", "time_s")
+            "unigram_bits_per_byte", "samples_per_s", "tokens_per_s", "mfu", "time_s")
     return "summary: " + " ".join(f"{k}={s[k]:.4g}" if isinstance(s[k], float) else f"{k}={s[k]}"
                                   for k in keys if k in s)
 

@@ -1,0 +1,386 @@
+"""GPT-2 (jaxpar.models.gpt): logits equal the PyTorch twin (tests/gpt_torch.py, nanoGPT's layout) and Hugging Face's
+GPT2LMHeadModel in both directions of the state-dict conversion; every data-parallel strategy equals the single
+device with dropout on; the CLI's GPT path (text data, tokens/s, bits per byte, MFU, export); bad input.
+
+The tiny model: 2 layers x 32 wide, 4 heads, 64 tokens, sequences of 16.
+"""
+from __future__ import annotations
+
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxpar
+from jaxpar.models import gpt
+
+V, T, L, H, C = 64, 16, 2, 4, 32
+TINY = dict(vocab_size=V, block_size=T, n_layer=L, n_head=H, n_embd=C)
+GPT2_PARAMS = 124_439_808  # GPT2LMHeadModel("gpt2").num_parameters(): wte counted once (tied)
+
+
+def tokens(n: int = 3, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, V, (n, T))
+
+
+def logits_of(model: gpt.GPT, x: np.ndarray) -> np.ndarray:
+    model.eval()
+    return np.asarray(model(jnp.asarray(x)))
+
+
+def scramble(model: gpt.GPT, seed: int) -> gpt.GPT:
+    """Weights far from the init (N(0, 0.3), LayerNorm scales 1 + N(0, 0.3)): logits of order 10, every weight
+    mattering, so a transposed or misplaced matrix cannot hide under 1e-5."""
+    rng = np.random.default_rng(seed)
+    for path, p in nnx.iter_graph(model):
+        if isinstance(p, nnx.Param):
+            value = rng.normal(0, 0.3, p.shape).astype(np.float32)
+            p.set_value(jnp.asarray(value + (1.0 if path[-1] == "scale" else 0.0)))
+    return model
+
+
+def torch_twin(bias: bool = True):
+    import gpt_torch
+    import torch
+
+    torch.manual_seed(0)
+    model = gpt_torch.GPT(gpt_torch.GPTConfig(bias=bias, **TINY)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0, 0.3).add_(1.0 if name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")) else 0.0)
+    return model
+
+
+def hf_model():
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()  # GPT2Config's default bos/eos ids lie outside a 64-token vocabulary
+    torch.manual_seed(1)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_positions=T, n_layer=L, n_head=H, n_embd=C)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0, 0.3).add_(1.0 if name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")) else 0.0)
+    return model
+
+
+def torch_logits(model, x: np.ndarray) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        out = model(torch.as_tensor(x))
+    return (out.logits if hasattr(out, "logits") else out).numpy()
+
+
+def to_numpy(state_dict) -> dict[str, np.ndarray]:
+    return {k: v.detach().numpy() for k, v in state_dict.items()}
+
+
+# -- PyTorch interop -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout, bias", [("hf", True), ("nanogpt", True), ("nanogpt", False)])
+def test_torch_to_jaxpar_logits_equal(layout, bias):
+    torch_model = hf_model() if layout == "hf" else torch_twin(bias)
+    x = tokens()
+    want = torch_logits(torch_model, x)
+    fresh = logits_of(gpt.GPT(gpt.GPTConfig(bias=bias, **TINY), rngs=nnx.Rngs(0)), x)
+    assert np.abs(fresh - want).max() > 1.0  # the sides differ before the weights travel
+    sd = to_numpy(torch_model.state_dict())
+    assert gpt.normalize_state_dict(sd)[1] == layout
+    model = gpt.from_torch_state_dict(sd, n_head=H)
+    assert model.config == gpt.GPTConfig(bias=bias, **TINY)  # sizes read off the state dict
+    assert np.abs(want).max() > 5.0
+    np.testing.assert_allclose(logits_of(model, x), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout, bias", [("hf", True), ("nanogpt", True), ("nanogpt", False)])
+def test_jaxpar_to_torch_logits_equal(layout, bias):
+    import torch
+
+    model = scramble(gpt.GPT(gpt.GPTConfig(bias=bias, **TINY), rngs=nnx.Rngs(0)), seed=2)
+    x = tokens(seed=1)
+    want = logits_of(model, x)
+    torch_model = hf_model() if layout == "hf" else torch_twin(bias)
+    assert np.abs(torch_logits(torch_model, x) - want).max() > 1.0
+    sd = model.torch_state_dict(layout)
+    assert set(sd) == set(torch_model.state_dict())  # lm_head.weight included: both torch models hold it
+    torch_model.load_state_dict({k: torch.as_tensor(v) for k, v in sd.items()}, strict=True)
+    assert np.abs(want).max() > 5.0
+    np.testing.assert_allclose(torch_logits(torch_model, x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_state_dict_variants_load_the_same_weights():
+    """GPT2Model's keys (no `transformer.` prefix) with the old causal-mask buffers, and a torch.compile'd
+    nanoGPT's `_orig_mod.` keys, load as the plain dicts do."""
+    model = scramble(gpt.GPT(gpt.GPTConfig(**TINY), rngs=nnx.Rngs(0)), seed=3)
+    x, want = tokens(), logits_of(model, tokens())
+    hf = model.torch_state_dict("hf")
+    base = {k.removeprefix("transformer."): v for k, v in hf.items() if k != "lm_head.weight"}
+    base.update({f"h.{i}.attn.bias": np.tril(np.ones((1, 1, T, T), np.float32)) for i in range(L)})
+    compiled = {f"_orig_mod.{k}": v for k, v in model.torch_state_dict("nanogpt").items()}
+    for sd in (base, compiled):
+        np.testing.assert_array_equal(logits_of(gpt.from_torch_state_dict(sd, n_head=H), x), want)
+
+
+def bad_state_dicts():
+    sd = gpt.GPT(gpt.GPTConfig(**TINY), rngs=nnx.Rngs(0)).torch_state_dict("hf")
+    untied = {**sd, "lm_head.weight": sd["lm_head.weight"] + 1}
+    short = {k: v for k, v in sd.items() if "h.1." not in k or "mlp" not in k}
+    return [({"fc.weight": np.zeros((2, 2))}, H, "is not a GPT-2 one"),
+            ({**sd, "transformer.h.0.attn.c_attn.weight": np.zeros((C, 2 * C))}, H, r"must be \[32, 96\]"),
+            (untied, H, "ties them"),
+            (sd, None, "pass --n-head"),
+            (sd, 5, "does not divide the width"),
+            (short, H, "missing")]
+
+
+@pytest.mark.parametrize("sd, n_head, message", bad_state_dicts())
+def test_bad_state_dict_is_one_line_naming_the_fix(sd, n_head, message):
+    with pytest.raises(ValueError, match=message) as e:
+        gpt.from_torch_state_dict(sd, n_head=n_head)
+    assert "\n" not in str(e.value)
+
+
+def test_config_name_must_match_the_state_dict():
+    sd = gpt.GPT(gpt.GPTConfig(**TINY), rngs=nnx.Rngs(0)).torch_state_dict("hf")
+    with pytest.raises(ValueError, match="but --model gpt-nano is 3 x 48"):
+        jaxpar.models.from_torch_state_dict("gpt-nano", sd)
+
+
+# -- the model ------------------------------------------------------------------------------------------------
+
+
+def test_gpt2_size_and_flops_per_token():
+    cfg = gpt.GPTConfig.named("gpt2")
+    model = nnx.eval_shape(lambda: gpt.GPT(cfg, rngs=nnx.Rngs(0)))
+    assert model.num_params(non_embedding=False) == GPT2_PARAMS
+    for bias in (True, False):
+        c = gpt.GPTConfig(bias=bias, **TINY)
+        n = nnx.eval_shape(lambda: gpt.GPT(c, rngs=nnx.Rngs(0))).num_params()
+        assert gpt.flops_per_token(c, 8) == 6 * n + 12 * L * C * 8
+
+
+def test_layers_compose_to_the_model_and_tie_the_embedding():
+    model = scramble(gpt.GPT(gpt.GPTConfig(**TINY), rngs=nnx.Rngs(0)), seed=4)
+    layers = model.layers
+    assert [type(layer).__name__ for layer in layers] == ["Embedding", "Block", "Block", "LMHead"]
+    first, last = nnx.state(layers[0], nnx.Param), nnx.state(layers[-1], nnx.Param)
+    assert layers[0].wte is layers[-1].wte is model.wte  # one Param on both ends: the tie
+    assert set(first) == {"wte", "wpe"} and set(last) == {"ln_f", "wte"}
+    x = jnp.asarray(tokens())
+    want = model(x)
+    for layer in layers:
+        x = layer(x)
+    np.testing.assert_array_equal(x, want)
+
+
+def test_init_follows_nanogpt():
+    cfg = gpt.GPTConfig(n_layer=8, n_head=4, n_embd=128, vocab_size=512, block_size=64)
+    model = gpt.GPT(cfg, rngs=nnx.Rngs(0))
+    block = model.h[0]
+    std = lambda p: float(np.std(np.asarray(p[...])))  # noqa: E731
+    assert std(model.wte.embedding) == pytest.approx(0.02, rel=0.05)
+    assert std(block.attn.c_attn.kernel) == pytest.approx(0.02, rel=0.05)
+    assert std(block.mlp.c_proj.kernel) == pytest.approx(0.02 / math.sqrt(2 * 8), rel=0.05)
+    assert std(block.attn.c_proj.kernel) == pytest.approx(0.02 / math.sqrt(2 * 8), rel=0.05)
+    assert not np.asarray(block.attn.c_attn.bias[...]).any() and (np.asarray(block.ln_1.scale[...]) == 1).all()
+
+
+def test_sequence_beyond_block_size_and_bad_heads_are_refused():
+    model = gpt.GPT(gpt.GPTConfig(**TINY), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=f"longer than the model's block_size {T}"):
+        model(jnp.zeros((1, T + 1), jnp.int32))
+    with pytest.raises(ValueError, match=r"n_head=5 does not divide the width n_embd=32.*--n-head"):
+        gpt.GPTConfig(n_head=5, n_embd=32)
+
+
+def test_attention_uses_cudnn_only_on_gpus_for_half_precision(monkeypatch):
+    assert gpt.attention_impl("auto", jnp.bfloat16, 64) == "xla"  # here: a CPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert gpt.attention_impl("auto", jnp.bfloat16, 64) == "cudnn"
+    assert gpt.attention_impl("auto", jnp.float32, 64) == "xla"
+    assert gpt.attention_impl("auto", jnp.bfloat16, 100) == "xla"  # cuDNN takes head sizes in multiples of 8
+    assert gpt.attention_impl("xla", jnp.bfloat16, 64) == "xla"
+
+
+def test_explicit_attention_equals_the_fused_call():
+    """The explicit attention (taken when attention dropout is on) computes what jax.nn.dot_product_attention does:
+    with a rate of 1e-9 its mask keeps everything."""
+    x = jnp.asarray(tokens())
+    model = scramble(gpt.GPT(gpt.GPTConfig(dropout=0.5, **TINY), rngs=nnx.Rngs(params=0, dropout=0)), seed=5)
+    model.eval()
+    fused = model(x)
+    for block in model.h:
+        block.attn.attn_dropout.rate, block.attn.attn_dropout.deterministic = 1e-9, False
+    np.testing.assert_allclose(model(x), fused, rtol=1e-5, atol=1e-5)
+    for block in model.h:
+        block.attn.attn_dropout.rate = 0.5
+    assert np.abs(np.asarray(model(x)) - np.asarray(fused)).max() > 0.1  # and really drops at 0.5
+
+
+def test_bf16_compute_keeps_float32_master_weights():
+    model = gpt.GPT(gpt.GPTConfig(**TINY), rngs=nnx.Rngs(0))
+    batch = {"x": tokens(4), "y": tokens(4, seed=9)}
+    losses = {}
+    for dtype in (None, jnp.bfloat16):
+        s = jaxpar.SingleDevice(model, optax.sgd(0.1), compute_dtype=dtype)
+        placed, metrics = s.step(s.init(jaxpar.init_state(model, s.tx)), s.put_batch(batch))
+        assert {a.dtype for a in jax.tree.leaves(s.unplace(placed).params)} == {jnp.dtype(jnp.float32)}
+        losses[dtype] = float(metrics["loss"])
+    assert losses[None] != losses[jnp.bfloat16]
+    assert losses[jnp.bfloat16] == pytest.approx(losses[None], rel=2e-2)
+
+
+# -- every data-parallel strategy equals the single device, dropout on ----------------------------------------
+
+STEPS = 3
+STRATEGIES = {
+    "dp": lambda model, tx: jaxpar.DataParallel(model, tx, device_ids=[0, 1]),
+    "dp_loss_on_device": lambda model, tx: jaxpar.DataParallel(model, tx, device_ids=[0, 1], loss_on_device=True),
+    "ddp_psum_2": lambda model, tx: jaxpar.DistributedDataParallel(model, tx, mesh=jaxpar.make_mesh(2)),
+    "ddp_ring_4_buckets": lambda model, tx: jaxpar.DistributedDataParallel(
+        model, tx, mesh=jaxpar.make_mesh(4), allreduce="ring", bucket_cap_mb=0.001, overlap=True),
+}
+
+
+def dropout_problem():
+    """(model, tx, batch): a tiny GPT with dropout 0.1 everywhere, SGD, 8 sequences of random tokens."""
+    model = gpt.GPT(gpt.GPTConfig(dropout=0.1, **TINY), rngs=nnx.Rngs(params=0, dropout=1))
+    rng = np.random.default_rng(0)
+    seq = rng.integers(0, V, (8, T + 1)).astype(np.int32)
+    return model, optax.sgd(0.5), {"x": seq[:, :-1], "y": seq[:, 1:]}
+
+
+def run_strategy(make, steps: int = STEPS):
+    model, tx, batch = dropout_problem()
+    s = make(model, tx)
+    placed = s.init(jaxpar.init_state(model, tx))
+    for _ in range(steps):
+        placed, metrics = s.step(placed, s.put_batch(batch))
+    return [np.asarray(a) for a in jax.tree.leaves(s.unplace(placed).params)], float(metrics["loss"])
+
+
+@pytest.fixture(scope="module")
+def single():
+    """The single-device parameters after the steps, once the premises hold: the two halves of the batch give
+    different gradients (so only a correct reduction agrees them), dropout changes the loss, the weights move."""
+    model, tx, batch = dropout_problem()
+    objective = jaxpar.Objective.of(model)
+    state = jaxpar.init_state(model, tx)
+    grad = jax.jit(lambda rows: objective.value_and_grad(state.params, state.model_state, rows)[1])
+    halves = [jax.tree.leaves(grad(jaxpar.as_rows(jax.tree.map(lambda a: a[i * 4:(i + 1) * 4], batch),
+                                                  offset=4 * i))) for i in range(2)]
+    assert max(float(np.abs(a - b).max()) for a, b in zip(*halves)) > 1e-3
+    train = objective.sums(state.params, state.model_state, jaxpar.as_rows(batch))[0]
+    evaluated = objective.sums(state.params, state.model_state, jaxpar.as_rows(batch), train=False)[0]
+    assert abs(float(train.loss) - float(evaluated.loss)) > 1e-3  # dropout is really on
+    params, loss = run_strategy(lambda m, tx: jaxpar.SingleDevice(m, tx))
+    assert max(float(np.abs(a - b).max()) for a, b in zip(params, jax.tree.leaves(state.params))) > 1e-2
+    return params, loss
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_strategy_equals_single_device_with_dropout(single, name):
+    params, loss = run_strategy(STRATEGIES[name])
+    assert loss == pytest.approx(single[1], rel=1e-5)
+    for a, b in zip(params, single[0]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+# -- the CLI --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    path = tmp_path / "corpus.py"
+    path.write_bytes(b"".join(f"def f{i}(x):\n    return x + {i}\n\n".encode() for i in range(400)))
+    return str(path)
+
+
+def test_train_gpt_on_text_reports_tokens_bits_per_byte_and_exports(corpus, tmp_path, capsys):
+    import gpt_torch
+    import torch
+
+    from jaxpar import cli
+
+    out = str(tmp_path / "gpt.npz")
+    summary = cli.main(["--model", "gpt-nano", "--dataset", "text", "--data-path", corpus, "--seq-len", "16",
+                        "--batch-size", "8", "--steps", "3", "--optimizer", "adamw", "--lr", "1e-2",
+                        "--eval-split", "test[:8]", "--eval-batch-size", "8", "--export-torch", out,
+                        "--torch-layout", "nanogpt", "--peak-tflops", "1.0", "--report", "--quiet"])
+    printed = capsys.readouterr().out
+    assert re.search(r"tokens_per_s=\S+ mfu=\S+", printed) and "MFU" in printed
+    assert summary["tokens_per_s"] == pytest.approx(summary["samples_per_s"] * 16)
+    assert summary["mfu"] == pytest.approx(summary["tokens_per_s"] * gpt.flops_per_token(
+        gpt.GPTConfig.named("gpt-nano", vocab_size=256, block_size=16), 16) / 1e12)
+    assert summary["eval_bits_per_byte"] == pytest.approx(summary["eval_loss"] / math.log(2))
+    assert 0 < summary["unigram_bits_per_byte"] < 8
+    model = gpt.GPT(gpt.GPTConfig.named("gpt-nano", vocab_size=256, block_size=16), rngs=nnx.Rngs(0))
+    nnx.update(model, summary["state"].params)
+    twin = gpt_torch.GPT(gpt_torch.GPTConfig(vocab_size=256, block_size=16, n_layer=3, n_head=3, n_embd=48)).eval()
+    with np.load(out) as sd:
+        twin.load_state_dict({k: torch.as_tensor(sd[k]) for k in sd.files})
+    x = np.random.default_rng(0).integers(0, 256, (2, 16))
+    np.testing.assert_allclose(torch_logits(twin, x), logits_of(model, x), rtol=1e-5, atol=1e-5)
+
+
+def test_cli_gpt_model_from_init_torch_and_npz_tokens(tmp_path, corpus):
+    from jaxpar.config import Config
+    from jaxpar.data import datasets
+    from jaxpar.run import trainer
+
+    nano = gpt.GPTConfig.named("gpt-nano", vocab_size=V, block_size=T)
+    model = scramble(gpt.GPT(nano, rngs=nnx.Rngs(0)), seed=6)
+    np.savez(tmp_path / "sd.npz", **model.torch_state_dict("hf"))
+    seq = np.random.default_rng(0).integers(0, 50, (10, 13)).astype(np.int32)
+    np.savez(tmp_path / "tok.npz", x=seq[:, :-1], y=seq[:, 1:])
+    data = datasets.load("npz", "train", data_path=str(tmp_path / "tok.npz"), model=None)
+    fresh = trainer.gpt_model(Config(model="gpt-micro", dataset="npz", dropout=0.1), data)
+    assert (fresh.config.vocab_size, fresh.config.block_size, fresh.config.dropout) == (50, 12, 0.1)
+    cfg = Config(model="gpt-nano", dataset="npz", init_torch=str(tmp_path / "sd.npz"))
+    loaded = trainer.gpt_model(cfg, data)  # heads from the name, sizes from the state dict
+    np.testing.assert_array_equal(logits_of(loaded, tokens()), logits_of(model, tokens()))
+    with pytest.raises(ValueError, match="3 layers x 48 wide, but --model gpt-micro is 4 x 128"):
+        trainer.gpt_model(cfg.replace(model="gpt-micro"), data)
+    long = datasets.load("text", "train", data_path=corpus, seq_len=T + 1)
+    with pytest.raises(ValueError, match=f"--seq-len {T + 1} is beyond the block size {T}"):
+        trainer.gpt_model(cfg.replace(dataset="text"), long)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--n-head", "5"], "n_head=5 does not divide the width n_embd=48"),
+    (["--dropout", "1.5"], r"dropout=1.5 must be in \[0, 1\)"),
+    (["--torch-layout", "keras"], "--torch-layout 'keras' is not known"),
+    (["--seq-len", "0"], "--seq-len 0 must be >= 1"),
+])
+def test_cli_refuses_bad_gpt_flags_before_work(flags, message, capsys):
+    from jaxpar import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--model", "gpt-nano", "--dataset", "text", *flags])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert re.search(message, err) and len(err.splitlines()) == 1
+
+
+def test_peak_table_reads_the_device_name():
+    from types import SimpleNamespace
+
+    from jaxpar.run import flops
+
+    gpu = lambda kind: SimpleNamespace(platform="gpu", device_kind=kind)  # noqa: E731
+    assert flops.peak_tflops(gpu("NVIDIA H100 80GB HBM3")) == 989.0
+    assert flops.peak_tflops(gpu("NVIDIA H100 PCIe")) == 756.0
+    assert flops.peak_tflops(gpu("NVIDIA A100-SXM4-40GB")) == 312.0
+    assert flops.peak_tflops(gpu("NVIDIA L4")) == 121.0 and flops.peak_tflops(gpu("NVIDIA L40S")) == 362.0
+    assert flops.peak_tflops(gpu("NVIDIA A10G")) is None  # not in the table: pass --peak-tflops
+    assert flops.peak_tflops(jax.devices("cpu")[0]) is None
+    got = flops.utilisation(1000.0, 1e9, devices=2, peak=1.0)
+    assert got == {"tokens_per_s": 1000.0, "model_tflops": 1.0, "peak_tflops": 1.0, "mfu": 0.5}

@@ -1,0 +1,93 @@
+"""The byte-level text dataset: windows, the split by position, the seed, the default corpus, bad input."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from jaxpar.data import datasets, text
+
+CORPUS = bytes(range(256)) * 40 + b"the end\n"  # 10,248 bytes, every byte value present
+
+
+@pytest.fixture
+def corpus_file(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(CORPUS)
+    return str(path)
+
+
+def test_windows_are_the_corpus_and_y_is_x_shifted_by_one(corpus_file):
+    data = np.frombuffer(CORPUS, np.uint8)
+    train = text.load("train", corpus_file, seq_len=16, seed=3)
+    batch = train.batch(np.arange(len(train)))
+    assert batch["x"].shape == batch["y"].shape == (len(train), 16) and batch["x"].dtype == np.int32
+    np.testing.assert_array_equal(batch["x"][:, 1:], batch["y"][:, :-1])
+    for s, row in zip(train.starts, batch["x"]):
+        np.testing.assert_array_equal(row, data[s:s + 16])
+    assert batch["y"][np.argmax(train.starts)][-1] == data[train.starts.max() + 16]
+
+
+def test_split_by_position_train_windows_stay_before_the_held_out_part(corpus_file):
+    n_train = int(len(CORPUS) * (1 - text.HELD_OUT))
+    train = text.load("train", corpus_file, seq_len=16)
+    test = text.load("test", corpus_file, seq_len=16)
+    assert len(train) == (n_train - 1) // 16 and len(test) == (len(CORPUS) - n_train - 1) // 16
+    assert (train.starts + 16 < n_train).all() and train.starts.min() >= 0  # the targets too
+    np.testing.assert_array_equal(test.starts, n_train + 16 * np.arange(len(test)))  # consecutive: each byte once
+    assert test.starts[-1] + 16 < len(CORPUS)
+
+
+def test_offsets_come_from_the_seed(corpus_file):
+    a, b, c = (text.load("train", corpus_file, seq_len=8, seed=s).starts for s in (0, 0, 1))
+    np.testing.assert_array_equal(a, b)
+    assert (a != c).mean() > 0.9
+
+
+@pytest.mark.parametrize("spec, window", [("test[:3]", slice(0, 3)), ("test[2:]", slice(2, None)),
+                                          ("test[-2:]", slice(-2, None)), ("test[:50%]", slice(0, 32)),
+                                          ("train[10:20]", slice(10, 20))])
+def test_split_slices_select_windows(corpus_file, spec, window):
+    whole = text.load(spec.split("[")[0], corpus_file, seq_len=8)
+    assert len(whole) == (64 if spec.startswith("test") else 1216)
+    part = text.load(spec, corpus_file, seq_len=8)
+    np.testing.assert_array_equal(part.starts, whole.starts[window])
+
+
+def test_folder_is_its_files_concatenated_in_sorted_order(tmp_path):
+    (tmp_path / "b.py").write_bytes(b"B" * 3000)
+    (tmp_path / "a.py").write_bytes(b"A" * 3000)
+    (tmp_path / "skip.bin").write_bytes(b"\0" * 3000)  # not text: left out when text files are present
+    data = np.asarray(text.corpus(str(tmp_path)))
+    assert bytes(data) == b"A" * 3000 + b"B" * 3000
+
+
+def test_unigram_entropy():
+    assert text.unigram_bits(np.frombuffer(CORPUS[:2560], np.uint8)) == pytest.approx(8.0)
+    assert text.unigram_bits(np.frombuffer(b"abab", np.uint8)) == pytest.approx(1.0)
+
+
+def test_default_corpus_is_the_standard_librarys_python_sources():
+    files = text.stdlib_files()
+    assert len(files) > 500 and all(f.endswith(".py") for f in files) and files == sorted(files)
+    assert not any("site-packages" in f for f in files)
+    data = text.corpus(None)
+    assert len(data) == sum(os.path.getsize(f) for f in files)
+    test = datasets.load("text", "test[:4]", data_path=None, seq_len=32)  # through the registry
+    assert isinstance(test, text.TextDataset) and len(test) == 4 and test.vocab_size == 256
+    assert 4.0 < test.unigram_bits < 5.5  # Python 3.11's: 4.69 bits
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(split="valid"), "split 'valid' is not valid"),
+    (dict(split="test[5:5]"), "selects no windows"),
+    (dict(seq_len=0), "--seq-len 0 must be an int >= 1"),
+    (dict(seq_len=600), "too few for windows of --seq-len 600"),
+    (dict(path="/nonexistent/text"), "neither a file nor a folder"),
+])
+def test_bad_input_is_one_line_naming_the_fix(corpus_file, kwargs, message):
+    kwargs = {"split": "train", "path": corpus_file, **kwargs}
+    with pytest.raises(ValueError, match=message) as e:
+        text.load(kwargs.pop("split"), **kwargs)
+    assert "\n" not in str(e.value)

@@ -34,10 +34,10 @@ class Embedding(nnx.Module):
 class Block(nnx.Module):
     """Pre-LayerNorm causal self-attention and a GELU MLP, each with a residual."""
 
-    def __init__(self, dim: int, heads: int, dropout: float, *, rngs: nnx.Rngs):
+    def __init__(self, dim: int, heads: int, dropout: float, attention_dropout: float, *, rngs: nnx.Rngs):
         self.ln1 = nnx.LayerNorm(dim, rngs=rngs)
-        self.attn = nnx.MultiHeadAttention(heads, dim, dropout_rate=dropout, decode=False, deterministic=False,
-                                           rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(heads, dim, dropout_rate=attention_dropout, decode=False,
+                                           deterministic=False, rngs=rngs)
         self.ln2 = nnx.LayerNorm(dim, rngs=rngs)
         self.fc = nnx.Linear(dim, 4 * dim, rngs=rngs)
         self.proj = nnx.Linear(4 * dim, dim, rngs=rngs)
@@ -61,12 +61,14 @@ class Head(nnx.Module):
 
 
 class TinyLM(nnx.Module):
-    """Embedding -> `depth` blocks -> head, as the flat `layers` list."""
+    """Embedding -> `depth` blocks -> head, as the flat `layers` list. `attention_dropout` (on the attention
+    weights) defaults to `dropout`."""
 
     def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, depth: int = 2, max_len: int = 32,
-                 dropout: float = 0.1, *, rngs: nnx.Rngs):
+                 dropout: float = 0.1, attention_dropout: float | None = None, *, rngs: nnx.Rngs):
+        attention_dropout = dropout if attention_dropout is None else attention_dropout
         self.layers = nnx.List([Embedding(vocab, dim, max_len, dropout, rngs=rngs),
-                                *[Block(dim, heads, dropout, rngs=rngs) for _ in range(depth)],
+                                *[Block(dim, heads, dropout, attention_dropout, rngs=rngs) for _ in range(depth)],
                                 Head(dim, vocab, rngs=rngs)])
 
     def __call__(self, tokens: jax.Array) -> jax.Array:

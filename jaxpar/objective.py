@@ -157,6 +157,12 @@ def cast_floating(tree: PyTree, dtype) -> PyTree:
     return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(jnp.result_type(a), jnp.floating) else a, tree)
 
 
+def _fresh(state: PyTree) -> PyTree:
+    """`state` rebuilt in the current trace: NNX refuses to mutate a Variable made at an outer trace level (a
+    model state closed over by jax.grad), and nnx.merge keeps the Variables' trace of origin."""
+    return jax.tree.map(lambda a: a, state)
+
+
 def _expand(row: PyTree) -> PyTree:
     return jax.tree.map(lambda a: a[None], row)
 
@@ -288,7 +294,7 @@ class Objective:
         return Sums(keep(out.loss), keep(out.weight), jnp.sum(rows.mask), {k: keep(v) for k, v in out.metrics.items()})
 
     def _batch_sums(self, params, model_state, rows: Rows, train: bool, shard) -> tuple[Sums, nnx.State]:
-        model = nnx.merge(self.graphdef if train else self.eval_graphdef, params, model_state)
+        model = nnx.merge(self.graphdef if train else self.eval_graphdef, params, _fresh(model_state))
         if train:
             reseed(model, shard)
         out = self._call_loss(model, rows.data, "loss_fn")
@@ -324,7 +330,7 @@ class Objective:
             return model(cast_floating(loss.inputs(batch), self.compute_dtype))
 
         if not self.per_sample:
-            model = nnx.merge(self.graphdef, params, model_state)
+            model = nnx.merge(self.graphdef, params, _fresh(model_state))
             reseed(model, shard)
             out = run(model, rows.data)
             return out, advance_rng(nnx.split(model, self.wrt, ...)[2], model_state)

@@ -13,6 +13,8 @@ from jaxpar.data import idx
 from jaxpar.run import trainer
 from jaxpar.config import Config
 
+EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "regression.py")
+
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
@@ -98,6 +100,22 @@ CASES = [
     ("--init-torch missing", ["--init-torch", "{root}/w.npz"], ["w.npz", "could not be read", "np.savez"]),
     ("--export-torch into a missing folder", ["--export-torch", "{root}/no/w.npz"], ["does not exist", "create it"]),
     ("--metrics-out is a folder", ["--metrics-out", "{empty}"], ["empty", "is a directory", "pass a file path"]),
+    ("user model module missing", ["--model", "no_such_module:make"], ["'no_such_module'", "could not be imported",
+                                                                        "FILE.py:NAME"]),
+    ("user model file missing", ["--model", "{root}/nope.py:make"], ["nope.py", "no file", "pass an existing"]),
+    ("user model name missing", ["--model", f"{EXAMPLE}:nope"], ["has no 'nope'", "make_model"]),
+    ("user model kwargs not JSON", ["--model", f"{EXAMPLE}:make_model", "--model-kwargs", "{{bad"],
+     ["--model-kwargs", "not JSON", "pass an object"]),
+    ("user model kwargs wrong", ["--model", f"{EXAMPLE}:make_model", "--model-kwargs", '{{"depth": 3}}'],
+     ["could not be built", "depth", "pass the arguments"]),
+    ("model kwargs for a built-in", ["--model-kwargs", '{{"a": 1}}'], ["--model-kwargs", "built-in", "drop --model-kwargs"]),
+    ("user model does not fit the data", ["--model", f"{EXAMPLE}:make_model", "--loss", "mse"],
+     ["does not fit the data", "(5,)"]),
+    ("unknown loss", ["--loss", "hinge"], ["'hinge'", "use one of", "mse"]),
+    ("unknown per-sample", ["--per-sample", "maybe"], ["'maybe'", "use on, off"]),
+    ("negative momentum", ["--momentum", "-0.5"], ["--momentum -0.5", ">= 0", "torch's default"]),
+    ("eval split the npz lacks", ["--eval-split", "test"], ["--eval-split 'test'", "'train'",
+                                                           "pass --eval-split '' (that skips evaluation)"]),
 ]
 
 
@@ -125,6 +143,14 @@ def check_answer(code: int, err: str, patterns: list[str]) -> None:
         assert p in lines[0], f"{p!r} missing from: {lines[0]}"
     assert re.search(r"\b(use|pass|drop|set|add|create|re-download|choose|leave|fix|lower|write)\b", lines[0]), \
         f"no fix in: {lines[0]}"
+
+
+def test_flags_are_never_abbreviated(capsys):
+    """argparse's allow_abbrev is off: `--loss-on` is not taken for --loss-on-device, nor `--los` for --loss."""
+    for flag in (["--loss-on"], ["--los", "mse"]):
+        with pytest.raises(SystemExit) as e:
+            train.main(["--steps", "1", *flag])
+        assert e.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
 
 
 def test_at_least_twenty_cases():

@@ -93,7 +93,7 @@ def test_unknown_names_list_the_valid_ones():
         load("imagenet")
     with pytest.raises(ValueError, match="convnet"):
         load("synthetic", model="resnet")
-    assert data.DATASETS == ("synthetic", "mnist", "cifar10", "npz")
+    assert data.DATASETS[:4] == ("synthetic", "mnist", "cifar10", "npz")
 
 
 @pytest.mark.parametrize("split, match", [
@@ -221,6 +221,7 @@ def test_npz_takes_any_targets_tokens_and_extra_arrays(tmp_path):
     b = t.batch(np.array([0, 3]))
     assert sorted(b) == ["mask", "x", "y"] and np.array_equal(b["mask"], mask[[2, 5]])
     assert len(load("npz", "test", data_path=str(tok), model=None)) == 3
+    np.savez(tok, x=x, y=np.arange(10) % 3)  # token inputs with class labels: still no food for a built-in
     with pytest.raises(DataError, match="takes float"):
         load("npz", "train", data_path=str(tok), model="mlp")
     np.savez(tok, x=x, y=x, mask=mask[:9])

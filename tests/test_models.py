@@ -17,6 +17,7 @@ CONVNET_PARAMS = 1_199_882  # pytorch/examples mnist Net
 ALEXNET_PARAMS = 57_044_810  # torchvision alexnet(num_classes=10)
 TOL = dict(atol=1e-5, rtol=1e-5)
 SMALL = {"linear": {}, "mlp": MLP_SIZES, "convnet": {}, "alexnet": dict(num_classes=ALEXNET_CLASSES)}
+CLASSIC = tuple(SMALL)  # the tutorial models (the GPT family has tests/test_gpt.py)
 
 
 @nnx.jit
@@ -66,7 +67,7 @@ def test_param_counts():
     assert models.num_params(models.abstract("mlp", **MLP_SIZES)) == 20 * 32 + 32 + 32 * 10 + 10
 
 
-@pytest.mark.parametrize("name", models.NAMES)
+@pytest.mark.parametrize("name", CLASSIC)
 def test_param_paths_mirror_torch_keys(name):
     """NNX state paths are torch's keys with '/' and kernel for weight (the MLP's Sequential is `layers`)."""
     model = models.abstract(name, **SMALL[name])
@@ -76,7 +77,7 @@ def test_param_paths_mirror_torch_keys(name):
     assert paths == expected
 
 
-@pytest.mark.parametrize("name", models.NAMES)
+@pytest.mark.parametrize("name", CLASSIC)
 def test_torch_parity_both_ways(name):
     fx, sd, x = _load(name)
     assert list(sd) == list(models.torch_shapes(models.abstract(name, **SMALL[name])))  # torch's keys, order
@@ -108,7 +109,7 @@ def test_adaptive_bins_rule():
     assert adaptive_bins(12, 6) == [(2 * i, 2 * i + 2) for i in range(6)]
 
 
-@pytest.mark.parametrize("name", models.NAMES)
+@pytest.mark.parametrize("name", CLASSIC)
 def test_layers_compose_to_model(name):
     kw = {**SMALL[name], **({"dropout": 0.5} if name == "alexnet" else {})}
     model = _model(name, **kw)

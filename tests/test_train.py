@@ -1,5 +1,7 @@
-"""Smoke and end-to-end tests of train.py: every strategy through the CLI lands on the single-device parameters."""
+"""Smoke and end-to-end tests of train.py: every strategy through the CLI lands on the single-device parameters,
+for the built-in models and for a user's own model and loss (examples/)."""
 import json
+import os
 
 import jax
 import numpy as np
@@ -66,3 +68,81 @@ def test_cpu_devices_too_late_is_a_clear_error(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert "--cpu-devices 3" in err and "8 CPU devices" in err and len(err.splitlines()) == 1
+
+
+def test_sgd_defaults_to_torchs_momentum_zero():
+    from jaxpar.config import Config
+    from jaxpar.optim import make_optimizer
+
+    assert Config().momentum == 0.0
+    state = make_optimizer("sgd", 0.1).init({"w": np.zeros(3, np.float32)})
+    assert not [a for a in jax.tree.leaves(state) if np.shape(a) == (3,)]  # no momentum buffer, as torch's SGD
+
+
+def test_init_torch_reads_the_sizes_off_the_state_dict(tmp_path):
+    """An MLP whose hidden size is not the CLI's default: the state dict decides (torch's keys and shapes)."""
+    rng = np.random.default_rng(0)
+    sd = {"0.weight": rng.normal(size=(64, 784)).astype(np.float32), "0.bias": np.zeros(64, np.float32),
+          "2.weight": rng.normal(size=(10, 64)).astype(np.float32) * 0.01, "2.bias": np.zeros(10, np.float32)}
+    np.savez(tmp_path / "sd.npz", **sd)
+    out = train.main(BASE + ["--strategy", "single", "--init-torch", str(tmp_path / "sd.npz"), "--steps", "1"])
+    assert [a.shape for a in leaves(out["state"])] == [(64,), (784, 64), (10,), (64, 10)]
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+USER = {
+    "regression": ["--model", "examples/regression.py:make_model", "--model-kwargs",
+                   '{"in_features": 8, "hidden": 16, "out_features": 2, "dropout": 0.2}', "--loss", "mse"],
+    "lm": ["--model", "examples.lm:TinyLM", "--model-kwargs",
+           '{"vocab": 32, "dim": 16, "heads": 2, "depth": 1, "max_len": 8, "attention_dropout": 0.0}',
+           "--loss", "cross_entropy"],
+}
+
+
+@pytest.fixture(scope="module")
+def user_data(tmp_path_factory):
+    from examples import lm, regression
+
+    root = tmp_path_factory.mktemp("user")
+    np.savez(root / "regression.npz", **regression.make_data(n=40, n_test=16))
+    np.savez(root / "lm.npz", **lm.make_data(n=40, seq_len=8, vocab=32, n_test=8))
+    return root
+
+
+def user_run(name: str, data, *extra: str) -> dict:
+    argv = USER[name] + ["--dataset", "npz", "--data-path", str(data / f"{name}.npz"), "--batch-size", "16",
+                         "--epochs", "1", "--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9", "--quiet"]
+    cwd = os.getcwd()
+    os.chdir(ROOT)  # the paths and module names above are the repo's, as a user types them there
+    try:
+        return train.main(argv + list(extra))
+    finally:
+        os.chdir(cwd)
+
+
+@pytest.mark.parametrize("name", USER)
+def test_a_users_model_and_loss_train_under_every_strategy(name, user_data):
+    """`--model FILE.py:NAME` / `MODULE:NAME` and `--loss`: the examples train, evaluate on their test split, and
+    DDP / DP land on the single-device parameters (dropout on, an uneven last batch of 8)."""
+    ref = user_run(name, user_data, "--strategy", "single")
+    assert ref["steps"] == 3 and np.isfinite(ref["train_loss"]) and np.isfinite(ref["eval_loss"])
+    others = [["--strategy", "ddp", "--num-devices", "4"]]
+    if name == "lm":  # the LM's compiles are the dear ones: DP and the device counts are tests/test_contract.py's
+        assert 0.0 <= ref["eval_accuracy"] <= 1.0  # cross_entropy's metric, over the unmasked tokens
+    else:
+        start = user_run(name, user_data, "--strategy", "single", "--steps", "1")
+        assert not all(np.array_equal(a, b) for a, b in zip(leaves(start["state"]), leaves(ref["state"])))
+        others.append(["--strategy", "dp", "--num-devices", "3"])
+    for extra in others:
+        out = user_run(name, user_data, *extra)
+        for got, want in zip(leaves(out["state"]), leaves(ref["state"])):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+
+
+def test_a_dataset_without_a_test_split_skips_evaluation(user_data, tmp_path):
+    from examples import regression
+
+    data = regression.make_data(n=32)
+    np.savez(tmp_path / "regression.npz", x=data["x"], y=data["y"])  # no x_test / y_test
+    out = user_run("regression", tmp_path, "--strategy", "single")
+    assert out["steps"] == 2 and not [k for k in out if k.startswith("eval_")]

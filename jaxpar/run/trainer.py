@@ -51,7 +51,7 @@ def validate(cfg: Config) -> None:
     if cfg.model_kwargs is not None:
         if ":" not in cfg.model:
             raise ValueError(f"--model-kwargs is for --model MODULE:NAME; the built-in {cfg.model!r} takes its "
-                             "sizes from the data. Drop --model-kwargs.")
+                             "sizes from the data; drop --model-kwargs.")
         model_kwargs_of(cfg)
     if cfg.model in models.GPT_NAMES:  # heads vs width, dropout range: before any data is read
         models.GPTConfig.named(cfg.model, n_head=cfg.n_head, dropout=cfg.dropout)
@@ -72,7 +72,7 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"--lr {cfg.lr} must be > 0; pass a positive learning rate, or leave it out for the "
                          f"optimizer's default ({DEFAULT_LR[cfg.optimizer]}).")
     if cfg.momentum < 0:
-        raise ValueError(f"--momentum {cfg.momentum} must be >= 0 (torch's default is 0).")
+        raise ValueError(f"--momentum {cfg.momentum} must be >= 0; pass 0 (torch's default) or a positive value.")
     if cfg.dataset == "npz" and not cfg.data_path:
         raise ValueError("--dataset npz needs --data-path FILE.npz; pass a file holding arrays x and y "
                          "(np.savez(path, x=..., y=...)).")
@@ -115,8 +115,10 @@ def load_object(ref: str, flag: str) -> Any:
         raise ValueError(f"{flag} {ref!r}: module {where!r} could not be imported ({e}); check the name, or pass "
                          "FILE.py:NAME.") from None
     if not hasattr(module, name):
-        public = [n for n in vars(module) if not n.startswith("_")]
-        raise ValueError(f"{flag} {ref!r}: {where!r} has no {name!r}; it defines {', '.join(public[:12])}.")
+        own = [n for n, v in vars(module).items() if not n.startswith("_") and callable(v)
+               and getattr(v, "__module__", None) == module.__name__]
+        raise ValueError(f"{flag} {ref!r}: {where!r} has no {name!r}; pass one of the functions or classes it "
+                         f"defines: {', '.join(own[:12]) or 'none'}.")
     return getattr(module, name)
 
 
@@ -174,8 +176,8 @@ def make_model(cfg: Config, train_set) -> nnx.Module:
     if not callable(build):
         raise ValueError(f"--model {cfg.model!r} is a {type(build).__name__}; name a function or class that "
                          "returns an nnx.Module.")
-    try:
-        takes_rngs = "rngs" in inspect.signature(build).parameters
+    try:  # a class: its __init__'s parameters (nnx's metaclass hides them from signature(cls))
+        takes_rngs = "rngs" in inspect.signature(build.__init__ if isinstance(build, type) else build).parameters
     except (TypeError, ValueError):
         takes_rngs = False
     if takes_rngs and "rngs" not in kwargs:
@@ -270,7 +272,8 @@ def check_fits(objective, state: TrainState, train_set, cfg: Config) -> None:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         shapes = jax.tree.map(lambda a: tuple(np.shape(a)), rows.data)
         raise ValueError(f"--model {cfg.model} with --loss {cfg.loss or 'cross_entropy'} does not fit the data "
-                         f"{shapes}: {type(e).__name__}: {first}") from None
+                         f"(two rows: {shapes}): {type(e).__name__}: {first}; pass --model-kwargs (or data) whose "
+                         "shapes agree.") from None
 
 
 def load_npz(path: str, flag: str) -> dict[str, np.ndarray]:
@@ -356,7 +359,8 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
     try:
         eval_set = load(eval_split) if eval_split else None
     except ValueError as e:
-        raise ValueError(f"--eval-split {eval_split!r}: {e} (--eval-split '' skips evaluation).") from None
+        raise ValueError(f"--eval-split {eval_split!r}: {str(e).rstrip('.')}; or pass --eval-split '' (that skips "
+                         "evaluation).") from None
     sampler = DistributedSampler(len(train_set), num_replicas=nproc, rank=rank, shuffle=cfg.shuffle,
                                  seed=cfg.seed, drop_last=cfg.drop_last)
     local_batch = cfg.batch_size // nproc

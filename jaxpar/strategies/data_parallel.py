@@ -174,6 +174,10 @@ class DataParallel:
 
     # -- the Strategy protocol --
     def init(self, state: TrainState) -> TrainState:
+        model = self.objective.merge(state.params, state.model_state)
+        if any(getattr(node, "axis_name", None) for _, node in nnx.iter_graph(model)):
+            raise ValueError("the model has synchronised BatchNorm (an axis_name), which DataParallel's per-device "
+                             "forwards cannot bind; as in torch, SyncBatchNorm needs DistributedDataParallel.")
         return to_device(state, self.master)
 
     def put_batch(self, batch) -> Rows:

@@ -81,6 +81,21 @@ def from_replica_0(tree: Any, axis_name) -> Any:
     return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def sync_batch_norm(model: nnx.Module, axis_name: str = DATA) -> nnx.Module:
+    """torch's ``SyncBatchNorm.convert_sync_batchnorm``: every nnx.BatchNorm of `model` computes its statistics
+    over the whole global batch (a pmean over `axis_name`), in place; returns the model. Under DDP every shard
+    then normalises with the global batch's statistics, as the single-device step does (equal shards: DDP pads
+    none in batch mode). Like torch's, it works with DistributedDataParallel (and single), not DataParallel."""
+    count = 0
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.BatchNorm):
+            node.axis_name = axis_name
+            count += 1
+    if not count:
+        raise ValueError(f"{type(model).__name__} holds no nnx.BatchNorm to synchronise; drop sync_batch_norm.")
+    return model
+
+
 def ddp_body(objective: Objective, tx: optax.GradientTransformation, plan, reduce: ddp_overlap.Reduce, *,
              overlap: bool = True, grad_accum: int = 1, axis_name: str = DATA):
     """The per-device step `(state, local_rows) -> (state, metrics)` run under shard_map or pmap.

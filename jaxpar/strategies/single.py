@@ -1,16 +1,24 @@
-"""The single-device strategy: the reference step, jitted, on one device."""
+"""The single-device strategy: the reference step, jitted, on one device.
+
+The step runs inside a one-device shard_map over the DATA axis, so models that name it (SyncBatchNorm,
+`jaxpar.strategies.ddp.sync_batch_norm`) run unchanged: a collective over one device is the identity.
+"""
 from __future__ import annotations
 
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jaxpar.batch import Rows, as_rows, check_unpadded
 from jaxpar.config import Config
+from jaxpar.mesh import DATA
 from jaxpar.objective import Objective
-from jaxpar.step import TrainState, make_train_step
+from jaxpar.step import TrainState, train_step
 from jaxpar.strategies.base import cfg_objective, objective_of, to_device
 
 
@@ -27,7 +35,10 @@ class SingleDevice:
         self.objective = objective_of(model, loss_fn, **objective_options)
         self.tx = tx
         self.device = device or jax.local_devices()[0]
-        self._step = make_train_step(self.objective, tx)
+        mesh = Mesh(np.array([self.device]), (DATA,))
+        body = lambda state, rows: train_step(self.objective, tx, state, rows)  # noqa: E731
+        self._step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P()), out_specs=(P(), P()),
+                                           check_vma=False))
 
     def init(self, state: TrainState) -> TrainState:
         return to_device(state, self.device)

@@ -1,0 +1,145 @@
+"""BatchNorm under the strategies: torch's semantics, recorded from torch itself (tests/make_torch_bn_fixture.py).
+
+A model with BatchStat runs in batch mode (jaxpar.objective): under DistributedDataParallel each replica
+normalises its rows with its own statistics and the running buffers are replica 0's (torch's
+``broadcast_buffers=True``), which is NOT the single-device step on the whole batch -- the fixture holds both,
+and they differ. `sync_batch_norm` (torch's SyncBatchNorm) makes DDP equal to the single step again.
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxpar
+from jaxpar import Objective, as_rows
+from jaxpar.strategies.ddp import sync_batch_norm
+
+FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "batchnorm_ddp.npz")
+TX = optax.sgd(0.1, momentum=0.9)
+
+
+class TorchBatchNorm1d(nnx.Module):
+    """torch.nn.BatchNorm1d's arithmetic: biased batch variance to normalise, unbiased for the running update,
+    momentum 0.1, eps 1e-5 (nnx.BatchNorm keeps the biased variance, so its buffers differ from torch's)."""
+
+    def __init__(self, n: int):
+        self.weight, self.bias = nnx.Param(jnp.ones(n)), nnx.Param(jnp.zeros(n))
+        self.running_mean, self.running_var = nnx.BatchStat(jnp.zeros(n)), nnx.BatchStat(jnp.ones(n))
+        self.use_running_average = False  # model.eval() sets it
+
+    def __call__(self, x):
+        if self.use_running_average:
+            mean, var = self.running_mean.get_value(), self.running_var.get_value()
+        else:
+            mean, var, n = x.mean(0), x.var(0), x.shape[0]
+            self.running_mean.set_value(0.9 * self.running_mean.get_value() + 0.1 * mean)
+            self.running_var.set_value(0.9 * self.running_var.get_value() + 0.1 * var * n / (n - 1))
+        return (x - mean) / jnp.sqrt(var + 1e-5) * self.weight.get_value() + self.bias.get_value()
+
+
+def torch_twin(fx: dict, prefix: str) -> nnx.Sequential:
+    """nn.Sequential(Linear(6, 16), BatchNorm1d(16), ReLU(), Linear(16, 3)) holding the fixture's weights."""
+    model = nnx.Sequential(nnx.Linear(6, 16, rngs=nnx.Rngs(0)), TorchBatchNorm1d(16), nnx.relu,
+                           nnx.Linear(16, 3, rngs=nnx.Rngs(0)))
+    for i in (0, 3):
+        model.layers[i].kernel.set_value(jnp.asarray(fx[f"{prefix}/{i}.weight"].T))
+        model.layers[i].bias.set_value(jnp.asarray(fx[f"{prefix}/{i}.bias"]))
+    bn = model.layers[1]
+    for name in ("weight", "bias", "running_mean", "running_var"):
+        getattr(bn, name).set_value(jnp.asarray(fx[f"{prefix}/1.{name}"]))
+    return model
+
+
+def trained(strategy_of, fx: dict) -> nnx.Sequential:
+    """The model after the fixture's 3 steps under `strategy_of(objective)`."""
+    model = torch_twin(fx, "init")
+    objective = Objective.of(model)  # BatchStat: batch mode, chosen from the model
+    assert not objective.per_sample
+    strategy = strategy_of(objective)
+    placed = strategy.init(jaxpar.init_state(model, TX))
+    for s in range(3):
+        placed, _ = strategy.step(placed, strategy.put_batch({"x": fx[f"x{s}"], "y": fx[f"y{s}"]}))
+    state = strategy.unplace(placed)
+    return objective.merge(state.params, state.model_state)
+
+
+def assert_matches(model: nnx.Sequential, fx: dict, prefix: str) -> None:
+    for i in (0, 3):
+        np.testing.assert_allclose(model.layers[i].kernel.get_value(), fx[f"{prefix}/{i}.weight"].T, rtol=1e-5,
+                                   atol=1e-6)
+        np.testing.assert_allclose(model.layers[i].bias.get_value(), fx[f"{prefix}/{i}.bias"], rtol=1e-5, atol=1e-6)
+    for name in ("weight", "bias", "running_mean", "running_var"):
+        np.testing.assert_allclose(getattr(model.layers[1], name).get_value(), fx[f"{prefix}/1.{name}"],
+                                   rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def fx() -> dict:
+    fx = dict(np.load(FIXTURE))
+    # the premise: torch's DDP and single-process runs really differ, in weights and in buffers
+    assert np.abs(fx["ddp/0.weight"] - fx["single/0.weight"]).max() > 1e-3
+    assert np.abs(fx["ddp/1.running_mean"] - fx["single/1.running_mean"]).max() > 1e-3
+    assert np.abs(fx["ddp/1.running_mean"] - fx["rank1/1.running_mean"]).max() > 1e-3  # rank 1's were not kept
+    return fx
+
+
+def test_single_step_equals_torch_on_the_whole_batch(fx):
+    assert_matches(trained(lambda o: jaxpar.SingleDevice(o, TX), fx), fx, "single")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "dp"])
+def test_two_replicas_follow_torch_ddp(fx, strategy):
+    """Each replica's own statistics; replica 0's running buffers: torch DDP (gloo, 2 processes), to 1e-5."""
+    make = {"ddp": lambda o: jaxpar.DistributedDataParallel(o, TX, mesh=jaxpar.make_mesh(2)),
+            "dp": lambda o: jaxpar.DataParallel(o, TX, device_ids=[0, 1])}[strategy]
+    assert_matches(trained(make, fx), fx, "ddp")
+
+
+def bn_model(sync: bool = False) -> nnx.Sequential:
+    model = nnx.Sequential(nnx.Linear(6, 16, rngs=nnx.Rngs(0)), nnx.BatchNorm(16, momentum=0.9, rngs=nnx.Rngs(0)),
+                           nnx.relu, nnx.Linear(16, 3, rngs=nnx.Rngs(1)))
+    return sync_batch_norm(model) if sync else model
+
+
+def run_bn(strategy, model, batches) -> jaxpar.TrainState:
+    placed = strategy.init(jaxpar.init_state(model, TX))
+    for b in batches:
+        placed, _ = strategy.step(placed, strategy.put_batch(b))
+    return strategy.unplace(placed)
+
+
+def test_sync_batch_norm_makes_ddp_equal_the_single_step():
+    rng = np.random.default_rng(3)
+    batches = [{"x": rng.standard_normal((16, 6)).astype(np.float32) * (1 + s), "y": rng.integers(0, 3, 16)}
+               for s in range(3)]
+    single = run_bn(jaxpar.SingleDevice(bn_model(), TX), bn_model(), batches)
+    local = run_bn(jaxpar.DistributedDataParallel(bn_model(), TX, mesh=jaxpar.make_mesh(4)), bn_model(), batches)
+    synced = run_bn(jaxpar.DistributedDataParallel(bn_model(True), TX, mesh=jaxpar.make_mesh(4)), bn_model(True),
+                    batches)
+    alone = run_bn(jaxpar.SingleDevice(bn_model(True), TX), bn_model(True), batches)  # one-device axis: identity
+    init = jax.tree.leaves(jaxpar.init_state(bn_model(), TX).model_state)
+    ref = jax.tree.leaves(single.model_state)
+    assert all(np.abs(a - b).max() > 1e-3 for a, b in zip(ref, init))  # running stats really updated
+    diff = max(np.abs(a - b).max() for a, b in zip(jax.tree.leaves(local), jax.tree.leaves(single)))
+    assert diff > 1e-3  # local statistics: torch DDP's semantics, not the single step
+    for other in (synced, alone):
+        for a, b in zip(jax.tree.leaves(other), jax.tree.leaves(single)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_batch_mode_refuses_padding_and_sync_bn_refuses_dp():
+    ddp = jaxpar.DistributedDataParallel(bn_model(), TX, mesh=jaxpar.make_mesh(4))
+    rows = as_rows({"x": np.zeros((14, 6), np.float32), "y": np.zeros(14, np.int32)})
+    with pytest.raises(ValueError, match="2 padding rows would reach a loss that sees whole shards.*--drop-last"):
+        ddp.put_batch(rows)
+    with pytest.raises(ValueError, match="per_sample=True, but Sequential holds BatchStat"):
+        Objective.of(bn_model(), per_sample=True)
+    dp = jaxpar.DataParallel(bn_model(True), TX, device_ids=[0, 1])
+    with pytest.raises(ValueError, match="SyncBatchNorm needs DistributedDataParallel"):
+        dp.init(jaxpar.init_state(bn_model(True), TX))

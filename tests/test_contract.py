@@ -1,0 +1,228 @@
+"""The model-and-loss contract (jaxpar.objective): a Flax user's own NNX model, loss and batch, under every
+data-parallel strategy, equal to the single-device step.
+
+The two models of examples/ are written the normal way: a stock `nnx.Sequential` regression MLP with
+`nnx.Dropout` and an MSE loss, and a small decoder-only transformer LM (nnx.Embed, causal nnx.MultiHeadAttention
+with dropout, LayerNorm) trained by next-token cross-entropy over [B, T] targets with a padding mask. Each runs 3
+SGD steps (momentum 0.9; Adam would turn the float noise of exactly-zero gradients, such as the attention key
+bias's, into lr-sized updates) on batches the devices do not divide, with dropout on.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxpar
+from examples import lm, regression
+from jaxpar import Objective, OutputLoss, as_rows
+
+TX = optax.sgd(0.05, momentum=0.9)
+STEPS = 3
+
+
+def regression_problem():
+    d = regression.make_data(n=STEPS * 30, in_features=8, out_features=2, seed=1)
+    batches = [as_rows({"x": d["x"][i * 30:(i + 1) * 30], "y": d["y"][i * 30:(i + 1) * 30]},
+                       np.arange(i * 30, (i + 1) * 30)) for i in range(STEPS)]
+    return lambda: regression.make_model(8, 16, 2, 0.3, rngs=nnx.Rngs(params=0, dropout=1)), \
+        OutputLoss(regression.loss), batches
+
+
+def lm_problem():
+    d = lm.make_data(n=STEPS * 11, seq_len=8, vocab=32, seed=2)
+    batches = [as_rows({k: d[k][i * 11:(i + 1) * 11] for k in ("x", "y", "mask")}, np.arange(i * 11, (i + 1) * 11))
+               for i in range(STEPS)]
+    # dropout on the embeddings and the residual branches; none on the attention weights, which would double
+    # every compile (the suite's time) and test nothing the other streams do not
+    return lambda: lm.TinyLM(vocab=32, dim=16, heads=2, depth=2, max_len=8, dropout=0.2, attention_dropout=0.0,
+                             rngs=nnx.Rngs(params=0, dropout=1)), OutputLoss(jaxpar.cross_entropy), batches
+
+
+PROBLEMS = {"regression": regression_problem, "lm": lm_problem}
+
+
+@functools.lru_cache(maxsize=None)
+def problem(name: str):
+    """(make_model, loss, batches, objective, initial state), built once per module."""
+    make, loss, batches = PROBLEMS[name]()
+    model = make()
+    return make, loss, batches, Objective.of(model, loss), jaxpar.init_state(model, TX)
+
+
+def leaves(tree):
+    return [np.asarray(a) for a in jax.tree.leaves(tree)]
+
+
+def max_diff(a, b) -> float:
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(leaves(a), leaves(b)))
+
+
+@functools.lru_cache(maxsize=None)
+def reference(name: str):
+    """The single-device reference after the steps, once the premises hold: dropout really drops, the local
+    gradients of the parts a strategy splits the batch into differ, and training moves the parameters."""
+    _, _, batches, objective, state = problem(name)
+    loss = jax.jit(lambda r, train: objective.sums(state.params, state.model_state, r, train=train)[0].loss,
+                   static_argnums=1)
+    assert abs(float(loss(batches[0], True)) - float(loss(batches[0], False))) > 1e-4  # dropout is on
+    grad = jax.jit(lambda r: objective.value_and_grad(state.params, state.model_state, r)[1])
+    parts = [leaves(grad(jax.tree.map(lambda a: a[i:i + 3], batches[0]))) for i in (0, 3, 6)]
+    for g, h in itertools.combinations(parts, 2):
+        assert max(np.abs(a - b).max() for a, b in zip(g, h)) > 1e-4
+    step = jaxpar.make_train_step(objective, TX)
+    ref = state
+    for b in batches:
+        ref, metrics = step(ref, b)
+    assert max_diff(ref.params, state.params) > 1e-3
+    return ref, metrics
+
+
+def run(strategy, name: str):
+    _, _, batches, _, state = problem(name)
+    placed = strategy.init(state)
+    for b in batches:
+        placed, metrics = strategy.step(placed, strategy.put_batch(b))
+    return strategy.unplace(placed), metrics
+
+
+def assert_equal_to_reference(name: str, out, metrics) -> None:
+    ref, ref_metrics = reference(name)
+    for a, b in zip(leaves(out.params), leaves(ref.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(leaves(out.opt_state), leaves(ref.opt_state)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert jax.tree.structure(out.model_state) == jax.tree.structure(ref.model_state)
+    for a, b in zip(jax.tree.leaves(out.model_state), jax.tree.leaves(ref.model_state)):
+        if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # streams advanced once per step, as single
+    assert int(out.step) == STEPS
+    np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-5)
+    assert float(metrics["weight"]) == float(ref_metrics["weight"])  # tokens (lm) or target elements
+
+
+STRATEGIES = {
+    "single": lambda o: jaxpar.SingleDevice(o, TX),
+    "dp": lambda o: jaxpar.DataParallel(o, TX, device_ids=[0, 1, 2, 3]),
+    "dp-loss-on-device": lambda o: jaxpar.DataParallel(o, TX, device_ids=[0, 1, 2], loss_on_device=True),
+    "ddp-1": lambda o: jaxpar.DistributedDataParallel(o, TX, mesh=jaxpar.make_mesh(1)),
+    "ddp-2": lambda o: jaxpar.DistributedDataParallel(o, TX, mesh=jaxpar.make_mesh(2)),
+    "ddp-4": lambda o: jaxpar.DistributedDataParallel(o, TX, mesh=jaxpar.make_mesh(4), bucket_cap_mb=0),
+    "ddp-8-ring": lambda o: jaxpar.DistributedDataParallel(o, TX, mesh=jaxpar.make_mesh(8), allreduce="ring"),
+    "ddp-2-accum": lambda o: jaxpar.DistributedDataParallel(o, TX, mesh=jaxpar.make_mesh(2), grad_accum=2,
+                                                            allreduce="ring"),
+}
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("name", PROBLEMS)
+def test_every_strategy_equals_the_single_step(name, strategy):
+    objective = problem(name)[3]
+    assert_equal_to_reference(name, *run(STRATEGIES[strategy](objective), name))
+
+
+def test_token_weights_are_the_real_tokens():
+    """The LM's weight is the number of unmasked target tokens (not rows): DDP divides by the same global count."""
+    _, _, batches, objective, _ = problem("lm")
+    _, metrics = reference("lm")
+    assert float(metrics["weight"]) == float(np.asarray(batches[-1].data["mask"]).sum())
+    assert float(metrics["samples"]) == 11
+
+
+def test_strategies_take_the_model_and_loss_directly():
+    """`Strategy(model, tx, loss_fn=...)` builds the Objective itself: the public API a Flax user meets."""
+    make, loss, batches, _, state = problem("regression")
+    ddp = jaxpar.DistributedDataParallel(make(), TX, loss_fn=loss, mesh=jaxpar.make_mesh(4))
+    assert_equal_to_reference("regression", *run(ddp, "regression"))
+
+
+def test_a_loss_of_the_model_and_a_tuple_batch():
+    """Any loss(model, batch) and any batch pytree (here a tuple (x, y)), under DDP, equal to single."""
+    def loss(model, batch):
+        x, y = batch
+        err = jnp.abs(model(x) - y)  # L1, not a built-in
+        return jnp.sum(err), err.size, {"max_err": jnp.max(err)}
+
+    make, _, batches, _, state = problem("regression")
+    tuples = [as_rows((b.data["x"], b.data["y"]), b.ids) for b in batches]
+    model = make()
+    objective = Objective.of(model, loss)
+    ref = jaxpar.SingleDevice(objective, TX)
+    ddp = jaxpar.DistributedDataParallel(objective, TX, mesh=jaxpar.make_mesh(4))
+    outs = []
+    for s in (ref, ddp):
+        placed = s.init(jaxpar.init_state(model, TX))
+        for b in tuples:
+            placed, metrics = s.step(placed, s.put_batch(b))
+        outs.append((s.unplace(placed), metrics))
+    assert max_diff(outs[0][0].params, state.params) > 1e-3
+    for a, b in zip(leaves(outs[0][0].params), leaves(outs[1][0].params)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert "max_err" in outs[1][1]
+
+
+def test_wrt_trains_only_what_it_selects():
+    """wrt selects what is differentiated and updated (nnx.Optimizer's rule); the rest rides in model_state."""
+    make, loss, batches, _, _ = problem("regression")
+    model = make()
+    wrt = nnx.All(nnx.Param, nnx.PathContains(0))  # only the first Linear
+    objective = Objective.of(model, loss, wrt=wrt)
+    state = jaxpar.init_state(model, TX, objective)
+    assert len(jax.tree.leaves(state.params)) == 2  # its kernel and bias
+    ddp = jaxpar.DistributedDataParallel(objective, TX, mesh=jaxpar.make_mesh(2))
+    placed = ddp.init(state)
+    for b in batches:
+        placed, _ = ddp.step(placed, ddp.put_batch(b))
+    out = ddp.unplace(placed)
+    assert max_diff(out.params, state.params) > 1e-3
+    frozen = lambda s: [a for a in leaves(nnx.state(s.model_state, nnx.Param))]  # noqa: E731
+    assert frozen(out) and all(np.array_equal(a, b) for a, b in zip(frozen(out), frozen(state)))
+
+
+def test_rng_streams_advance_once_per_step():
+    _, _, _, _, state = problem("regression")
+    ref, _ = reference("regression")
+    count = lambda s: [int(a) for a in jax.tree.leaves(nnx.state(s.model_state, nnx.RngCount))]  # noqa: E731
+    assert count(state) == [0] and count(ref) == [STEPS]  # one Dropout stream
+
+
+class Counting(nnx.Module):
+    """A model that changes a variable in its forward: per-sample mode cannot agree the rows' updates."""
+
+    def __init__(self, rngs):
+        self.fc = nnx.Linear(8, 2, rngs=rngs)
+        self.calls = nnx.Variable(jnp.zeros(()))
+
+    def __call__(self, x):
+        self.calls.set_value(self.calls.get_value() + 1)
+        return self.fc(x)
+
+
+def test_bad_contract_use_is_named():
+    _, _, batches, objective, state = problem("regression")
+    with pytest.raises(TypeError, match="return \\(loss_sum, weight_sum\\)"):
+        Objective.of(regression.make_model(rngs=nnx.Rngs(0)), lambda m, b: 1.0).sums(
+            state.params, state.model_state, batches[0])
+    with pytest.raises(TypeError, match="shape \\(1, 2\\); return scalars"):
+        Objective.of(regression.make_model(rngs=nnx.Rngs(0)), lambda m, b: (m(b["x"]), 1.0)).sums(
+            state.params, state.model_state, batches[0])
+    with pytest.raises(TypeError, match="metrics named \\['loss'\\]"):
+        Objective.of(regression.make_model(rngs=nnx.Rngs(0)), lambda m, b: (1.0, 1.0, {"loss": 1.0})).sums(
+            state.params, state.model_state, batches[0])
+    counting = Counting(nnx.Rngs(0))
+    bad = Objective.of(counting, OutputLoss(regression.loss))
+    with pytest.raises(ValueError, match="changed its non-RNG state.*per_sample=False"):
+        bad.sums(*bad.split(counting), batches[0])
+    with pytest.raises(ValueError, match="rows_per_call=0"):
+        Objective.of(counting, rows_per_call=0)
+    with pytest.raises(TypeError, match="pass a flax.nnx.Module"):
+        Objective.of(lambda x: x)
+    with pytest.raises(KeyError, match="no 'x'"):
+        jaxpar.objective.default_inputs({"image": 1})

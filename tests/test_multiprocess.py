@@ -56,6 +56,25 @@ def worker(mode: str, out: str | None = None) -> None:
             time.sleep(0.2)
     for spmd in SPMD:
         np.savez(f"{out}.{spmd}.rank{rank}.npz", *run_ddp(make_mesh(), rank, nproc, spmd))
+    for name in CONTRACT:  # a user's models (examples/), this process feeding rows rank::nproc
+        np.savez(f"{out}.{name}.rank{rank}.npz", *run_contract(name, make_mesh(), rank, nproc))
+
+
+CONTRACT = ("regression", "lm")  # tests/test_contract.py's problems: stock NNX models with dropout
+
+
+def run_contract(name: str, mesh, rank: int = 0, nproc: int = 1):
+    import jax
+
+    import jaxpar
+    from test_contract import TX, problem
+
+    _, _, batches, objective, state = problem(name)
+    ddp = jaxpar.DistributedDataParallel(objective, TX, mesh=mesh, allreduce="ring", batch_size=batches[0].size)
+    placed = ddp.init(state)
+    for b in batches:
+        placed, _ = ddp.step(placed, ddp.put_batch(take(b, slice(rank, None, nproc))))
+    return [np.asarray(a) for a in jax.tree.leaves(ddp.unplace(placed).params)]
 
 
 def launch(script: str, *args: str) -> subprocess.Popen:
@@ -89,6 +108,14 @@ def test_two_processes_equal_one_process_and_one_device(tmp_path):
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out
     assert "[rank 0] " in out and "[rank 1] " in out and "process 1/2 devices=4" in out, out
+    from test_contract import reference
+
+    for name in CONTRACT:  # the user's models: 2 processes x 2 devices == the single step (test_contract's)
+        ref_params = [np.asarray(a) for a in jax.tree.leaves(reference(name)[0].params)]
+        ranks = [np.load(tmp_path / f"params.{name}.rank{r}.npz") for r in range(2)]
+        for i, want in enumerate(ref_params):
+            np.testing.assert_array_equal(ranks[0][f"arr_{i}"], ranks[1][f"arr_{i}"])
+            np.testing.assert_allclose(ranks[0][f"arr_{i}"], want, rtol=1e-5, atol=1e-6, err_msg=name)
     for spmd in SPMD:
         four = run_ddp(make_mesh(4), spmd=spmd)
         ranks = [np.load(tmp_path / f"params.{spmd}.rank{r}.npz") for r in range(2)]

@@ -1,0 +1,30 @@
+"""What installing jaxpar puts on a machine, and what importing it does: only the `jaxpar` package (no top-level
+`models` or `train` to collide with a research repo's own), and no process-wide side effects on import."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_install_puts_only_the_jaxpar_package(tmp_path):
+    target = tmp_path / "site"
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile",
+                           "--target", str(target), ROOT], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    top = {name for name in os.listdir(target) if not name.endswith((".dist-info", ".egg-info"))}
+    assert top - {"bin"} == {"jaxpar"}, top  # bin/: the jaxpar-train entry point
+    assert os.path.isfile(target / "jaxpar" / "models" / "gpt.py")  # the models ship inside the package
+    assert os.path.isfile(target / "jaxpar" / "cli.py") and not os.path.exists(target / "train.py")
+
+
+def test_import_leaves_the_allocator_alone():
+    """`import jaxpar` (everything in __all__ included) calls no mallopt; train.py / tune_host_allocator() do."""
+    code = ("import jaxpar, jaxpar.run.hostmem as h; before = dict(h.applied); jaxpar.tune_host_allocator(); "
+            "print(before, bool(h.applied))")
+    env = {k: v for k, v in os.environ.items() if k != "JAXPAR_NO_MALLOPT"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["{}", "True"], out.stdout  # nothing on import; the explicit call applies it

@@ -8,6 +8,7 @@ import numpy as np
 
 DATA = "data"  # data-parallel mesh axis: replicas of the model, shards of the batch
 PIPE = "pipe"  # pipeline mesh axis: stages of the model
+TENSOR = "tensor"  # tensor-parallel mesh axis: slices of each layer (Megatron)
 
 
 def simulate_cpu_devices(n: int) -> None:

@@ -11,8 +11,8 @@ from flax import nnx
 
 from jaxpar import models
 from jaxpar.pipeline import partition
-from jaxpar.strategies.pipeline import LayerSpec, PipelineModule
 from jaxpar.models.layers import Linear, ReLU
+from jaxpar.strategies.pipeline import LayerSpec, PipelineModule, TiedLayerSpec
 
 
 def brute_bottleneck(weights, parts):
@@ -54,63 +54,58 @@ def test_type_regex_and_errors():
         partition.partition("blocks", 2, names=["A", "B"], params=lambda: [1, 1])
 
 
-def test_parameters_method_splits_convnet_after_flatten(capsys):
+def test_parameters_method_splits_convnet_after_flatten():
     pm = PipelineModule.from_model(models.abstract("convnet"), 2)
     assert pm.bounds == [0, 7, 12]  # convolutions | fc1 (1.18M of the 1.2M weights) on its own
-    out = capsys.readouterr().out
-    assert "stage 0: layers 0-6" in out and "18,816 params" in out and "1,181,066 params" in out
-    assert pm.part_sizes == [18_816, 1_181_066] and pm.flat_size == 1_181_066
+    text = pm.describe()
+    assert "stage 0: layers 0-6" in text and "18,816 params" in text and "1,181,066 params" in text
+    assert [sum(pm.param_specs[j].size for j in idx) for idx in pm.stage_params] == [18_816, 1_181_066]
 
 
 def test_alexnet_methods_on_an_abstract_model():
     model = models.abstract("alexnet", num_classes=10)  # shapes only: no 57M weights allocated
     names = [type(l).__name__ for l in models.as_layers(model)]
-    pm = PipelineModule.from_model(model, 4, verbose=False)
+    assert PipelineModule.from_model(model, 2).bounds == [0, 19, 22]  # layers 0-18 | 19-21: the split
+    pm = PipelineModule.from_model(model, 4)
     assert pm.bounds == [0, 16, 19, 21, 22]  # features+pool | classifier.1 | classifier.4 | classifier.6
-    pm = PipelineModule.from_model(model, 3, partition_method="type:Linear", verbose=False)
-    assert [sum(names[i] == "Linear" for i in pm.part_layers(v)) for v in range(3)] == [1, 1, 1]
-    pm = PipelineModule.from_model(model, 4, partition_method="uniform", verbose=False)
+    pm = PipelineModule.from_model(model, 3, partition_method="type:Linear")
+    assert [sum(names[i] == "Linear" for i in range(a, b)) for a, b in zip(pm.bounds, pm.bounds[1:])] == [1, 1, 1]
+    pm = PipelineModule.from_model(model, 4, partition_method="uniform")
     assert pm.bounds == partition.uniform(22, 4)
     with pytest.raises(ValueError, match="num_stages x virtual_stages=24 parts cannot be cut from 22 layers"):
-        PipelineModule.from_model(model, 12, virtual_stages=2, verbose=False)
+        PipelineModule.from_model(model, 12, virtual_stages=2)
 
 
 def test_profile_balances_compiler_flops_not_parameters():
     model = models.abstract("convnet", conv_impl="xla")
     x = jax.ShapeDtypeStruct((1, 28, 28, 1), np.float32)
-    pm = PipelineModule.from_model(model, 2, partition_method="profile", example_input=x, verbose=False)
+    pm = PipelineModule.from_model(model, 2, partition_method="profile", example_input=x)
     costs = pm.layer_costs()
     assert costs[2] > 5 * costs[7]  # conv2 costs more flops than fc1, which holds 64x its weights
     assert pm.bounds == [0, 3, 12]  # conv1, relu, conv2 | the rest: unlike 'parameters' ([0, 7, 12])
 
 
-def test_flat_layout_round_trips_the_canonical_tree():
+def test_each_stage_owns_its_own_leaves_of_the_canonical_tree():
     model = models.get("mlp", in_features=6, hidden_dim=8, out_features=3)
-    pm = PipelineModule.from_model(model, 2, partition_method="uniform", verbose=False)
-    leaves = jax.tree.leaves(nnx.split(model)[1])
-    flat = pm.to_flat(leaves)
-    assert flat.shape == (2, 1, max(pm.part_sizes))
-    assert all(np.array_equal(a, b) for a, b in zip(pm.from_flat(flat), leaves))
-    assert not np.array_equal(flat[0], flat[1])
+    pm = PipelineModule.from_model(model, 2, partition_method="uniform")
+    paths = [tuple(str(k) for k in p) for p in pm.param_paths]
+    assert pm.stage_params == [[0, 1], [2, 3]] and pm.tied == {}  # no padding, no copies
+    assert paths == [("layers", "0", "bias"), ("layers", "0", "kernel"), ("layers", "2", "bias"),
+                     ("layers", "2", "kernel")]
+    assert [len(p) for p in pm.parts] == [2, 1]  # one segment per layer ...
+    pm = PipelineModule.from_model(model, 2, partition_method="uniform", activation_checkpoint_interval=2)
+    assert [[(s.layers.start, s.layers.stop, s.remat) for s in p] for p in pm.parts] == [[(0, 2, True)], [(2, 3, True)]]
 
 
-class Tagged(Linear):
-    built: list = []
-
-    def __init__(self, tag: int, *, rngs: nnx.Rngs):
-        super().__init__(4, 4, rngs=rngs)
-        if not isinstance(self.kernel[...], jax.core.Tracer):  # not nnx.eval_shape's abstract build
-            Tagged.built.append(tag)
-
-
-def test_layer_specs_build_only_the_stages_layers():
-    Tagged.built.clear()
-    specs = [LayerSpec(Tagged, i) if i % 2 == 0 else LayerSpec(ReLU) for i in range(8)]
-    pm = PipelineModule(specs, 2, partition_method="type:Tagged", verbose=False)
-    assert Tagged.built == [] and pm.bounds == [0, 4, 8]  # partitioned from shapes alone
-    leaves = pm.stage_leaves(1)
-    assert Tagged.built == [4, 6]  # stage 1 built its own two layers, nothing else
-    again = PipelineModule(specs, 2, partition_method="type:Tagged", verbose=False).stage_leaves(1)
-    assert all(np.array_equal(leaves[j], again[j]) for j in leaves)  # weights depend on (seed, index) only
-    canonical = jax.tree.unflatten(pm.canonical_treedef, range(pm.canonical_treedef.num_leaves))
-    assert sorted(canonical.keys()) == [0, 2, 4, 6]  # {layer index: its state}
+def test_layer_specs_tied_specs_and_callables():
+    specs = [TiedLayerSpec("embed", nnx.Embed, 10, 4), LayerSpec(Linear, 4, 4), ReLU(), nnx.relu,
+             lambda x: 2 * x, TiedLayerSpec("embed", nnx.Embed, 10, 4, forward_fn=lambda m, x: m.attend(x))]
+    pm = PipelineModule(specs, 2, partition_method="uniform")
+    assert pm.bounds == [0, 3, 6] and pm.names[3:5] == ["relu", "<lambda>"]
+    assert pm.tied == {0: [0, 1]} and "tied layers/0/embedding on stages [0, 1]" in pm.describe()
+    again = PipelineModule(specs, 2, partition_method="uniform")  # weights depend on (seed, index) only
+    for a, b in zip(jax.tree.leaves(nnx.state(pm.model, nnx.Param)), jax.tree.leaves(nnx.state(again.model, nnx.Param))):
+        np.testing.assert_array_equal(a, b)
+    assert sorted(nnx.state(pm.model, nnx.Param)["layers"].keys()) == [0, 1]  # the tied table once, at its first use
+    with pytest.raises(TypeError, match="layer 1 is a int"):
+        PipelineModule([ReLU(), 3], 1)

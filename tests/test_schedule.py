@@ -235,8 +235,85 @@ def test_make_argument_errors(args, match):
 
 def test_no_jax_import():
     root = pathlib.Path(sch.__file__).parent
-    for name in ("schedule.py", "render.py"):
+    for name in ("schedule.py", "render.py", "generators.py", "analysis.py"):
         tree = ast.parse((root / name).read_text())
         mods = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         mods |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         assert not {m for m in mods if m.split(".")[0] in ("jax", "numpy", "flax")}, name
+
+
+# ---- zero bubble (I and W), forward-only, costs ------------------------------------------------------------
+
+@pytest.mark.parametrize("S", STAGES)
+@pytest.mark.parametrize("M", MICROBATCHES + (5,))
+def test_zb_h1_validates_and_holds_at_most_s(S, M):
+    z = sch.zb_h1(S, M)
+    assert sch.validate(z) is z and z.backward == "IW"
+    sch.validate(sch.add_communication(z))
+    for st in range(S):  # every micro-batch: one F, one I, one W on every stage
+        assert sorted(a.op.value for a in z.program(st)) == sorted("FIW" * M)
+    assert max(sch.peak_inflight(z)) <= S == max(sch.peak_inflight(sch.one_f_one_b(S, max(M, S))))
+    if M >= S:  # the zero-bubble paper's (S-1)(T_F + T_B - T_W) idle per stage, with T_F = T_B = T_W
+        assert bubble(z) == Fraction(S - 1, 3 * M + S - 1)
+        assert sch.bubble_fraction(z, sch.COSTS) == pytest.approx((S - 1) / (3 * M + S - 1))
+
+
+def test_zb_h1_bubble_below_1f1b_at_4_stages_8_micro_batches():
+    z, o = sch.zb_h1(4, 8), sch.one_f_one_b(4, 8)
+    assert sch.bubble_fraction(z) == pytest.approx(3 / 27) and sch.bubble_fraction(o) == pytest.approx(3 / 11)
+    # the same clock for both: F = I = W = 1, a fused B = 2 (the grid's clock gives B one tick)
+    assert sch.bubble_fraction(z, sch.COSTS) == pytest.approx(3 / 27)
+    assert sch.bubble_fraction(o, sch.COSTS) == pytest.approx(3 / 11)
+    assert sch.peak_inflight(z) == [4, 4, 4, 4] and sch.peak_inflight(o) == [4, 3, 2, 1]
+    first = [a.cell for a in z.program(3)[:9]]  # the last stage: F I, W deferred while it may hold more
+    assert first == ["F0", "I0", "F1", "I1", "F2", "I2", "F3", "I3", "W0"]
+
+
+def test_split_backward_communication_and_rules():
+    c = sch.add_communication(sch.zb_h1(2, 2))
+    assert sch.stage_program(c, 1)[2] == acts("1I0 1SG0") and sch.stage_program(c, 1)[5] == acts("1W0")
+    assert sch.stage_program(c, 0)[3] == acts("0RG0 0I0") and sch.stage_program(c, 0)[-1] == acts("0W1 0RED 0OPT")
+    z = sch.zb_h1(2, 1)  # the input gradient goes upstream before the weight gradient is computed
+    assert [[a.cell if a else "." for a in row] for row in z.grid] == [["F0", "."], [".", "F0"], [".", "I0"],
+                                                                       ["I0", "W0"], ["W0", "."]]
+    bad = dataclasses.replace(z, grid=((Action(0, Op.F, 0), None), (None, Action(1, Op.F, 0)),
+                                       (None, Action(1, Op.W, 0)), (Action(0, Op.I, 0), Action(1, Op.I, 0)),
+                                       (Action(0, Op.W, 0), None)), steps=())
+    with pytest.raises(ScheduleError, match="^rule 2 .*1W0 at tick 2 must follow 1I0"):
+        sch.validate(bad)  # W before its own I
+    mixed = dataclasses.replace(z, grid=z.grid[:4] + ((Action(0, Op.B, 0), None),), steps=())
+    with pytest.raises(ScheduleError, match="^rule 1 .*0B0 occurs"):
+        sch.validate(mixed)  # a fused B in a split schedule
+
+
+@pytest.mark.parametrize("S,M,V", [(1, 1, 1), (3, 4, 1), (2, 3, 2)])
+def test_forward_only(S, M, V):
+    f = sch.make("forward", S, M, V)
+    assert sch.validate(f) is f and not f.training and f.backward == ""
+    assert f.num_ticks == V * M + S - 1
+    c = sch.add_communication(f)
+    ops = {a.op for row in c.steps for ins in row for a in ins}
+    assert ops <= {Op.LOAD, Op.F, Op.SEND_ACT, Op.RECV_ACT} and Op.F in ops  # no backward, no optimizer step
+    sch.validate(c)
+    assert sch.peak_inflight(f) == [1] * S
+    with pytest.raises(ScheduleError, match="^rule 1 .*0B0 occurs"):  # a forward-only schedule holds no B
+        sch.validate(dataclasses.replace(f, grid=f.grid + ((Action(0, Op.B, 0),) + (None,) * (S - 1),), steps=()))
+
+
+@pytest.mark.parametrize("name,V", GENERATORS + [("zbh1", 1)])
+def test_simulate_with_unit_costs_is_the_grid(name, V):
+    s = sch.make(name, 4, 6, V)
+    span, total = sch.simulate(s)
+    assert total == s.num_ticks
+    assert all(span[a][0] == t for t, row in enumerate(s.grid) for a in row if a)
+    # a fused backward costing two forwards: 1F1B's and GPipe's bubble fraction stays (S-1)/(M+S-1)
+    if name in ("gpipe", "1f1b"):
+        assert sch.bubble_fraction(s, sch.COSTS) == pytest.approx(3 / 9)
+
+
+def test_make_knows_the_new_schedules():
+    assert sch.make("zbh1", 2, 3).name == "zbh1" and sch.make("forward", 2, 3).name == "forward"
+    assert sch.zb_h1(3, 4).table()[3][2] == (sch.INPUT_GRAD, 0, 0)  # the last stage's I0 right after its F0
+    assert sch.zb_h1(3, 4).table()[8][2] == (sch.WEIGHT_GRAD, 0, 0)
+    with pytest.raises(ValueError, match="virtual_stages=2 needs model chunks"):
+        sch.make("zbh1", 2, 4, 2)

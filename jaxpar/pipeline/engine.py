@@ -1,232 +1,355 @@
-"""The schedule that is generated is the schedule that runs: one shard_map program scanning the schedule's table.
+"""The interpreter: one Python loop walks the schedule's per-tick instruction lists and dispatches each
+instruction of this process's stages through a table (DeepSpeed's ``_INSTRUCTION_MAP``). The schedule that is
+generated is the schedule that runs.
 
-``lower(schedule)`` turns the schedule's grid into an int table ``[ticks, stages, COLS]`` (plain data, computed
-once): the action of each stage at each tick, plus the buffer slots it reads and writes. ``make_step`` builds
-one jitted program over the (DATA, PIPE) mesh; per tick every stage, roughly::
+Each compute instruction is ONE call of its stage's jitted function over that stage's own weights (see
+jaxpar.pipeline.stage); JAX's asynchronous dispatch lets the stages' devices run at once while Python walks on.
+Roughly, per step::
 
-    op, mb, chunk, act, grad, stash, free, recv_act, recv_grad = table[t, stage]
-    out = switch(branch(op, virtual stage), idle | F_v(params[chunk], input) | B_v via jax.vjp from act_buf[act])
-    act_buf[stash] = x[mb] (first virtual stage: keep the input for the backward)
-    act_buf[recv_act] = ppermute(F output, +1)    grad_buf[recv_grad] = ppermute(B input-grad, -1)
+    for t, row in enumerate(schedule.steps):          # ticks
+        for s in my stages: for instruction in row[s]: DISPATCH[instruction.op](instruction)
+        exchange every cross-process message sent at tick t, in the schedule's order (both sides call it)
+    REDUCE_GRADS: merge chunks, all-reduce over the stage's replicas, sum tied weights across stages, add the
+                  Sums and squared gradient norms over processes (one small vector)
+    OPT:          every stage updates its weights with grads / global weight (in place: buffers donated)
 
-The backward recomputes its part's forward from the stored part input (jax.vjp inside the B branch), so a stage
-keeps one input per micro-batch in flight: ``act_slots`` per stage (1F1B: <= S; GPipe: M). Unused reads and
-writes go to one scratch slot at index ``num_act`` (``num_grad``), so no branch needs a condition.
-Cost beyond the schedule's: each tick passes the stage's flat gradient buffer through the switch (XLA copies
-it) and slices the weights out of the flat buffer, so a tick costs about one pass over the stage's weights --
-noise for large micro-batches on a GPU, visible for tiny ones on CPU (bench/pipeline.py).
+A last-stage F followed at once by its own B (or I) runs as one fused call (no residuals kept). Messages between
+stages of one process are device_puts at the send; across processes a ppermute at the end of the send's tick.
 """
 from __future__ import annotations
 
-import dataclasses
-import math
-from typing import Callable
+from functools import partial
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
-from jax import lax
-from jax.sharding import PartitionSpec as P
 
-from jaxpar.pipeline import schedule as schedule_lib
-from jaxpar.mesh import DATA, PIPE
-from jaxpar.pipeline.module import Part
-from jaxpar.step import sample_keys
-
-COLS = ("op", "mb", "chunk", "act", "grad", "stash", "free", "recv_act", "recv_grad")
-OP, MB, CHUNK, ACT, GRAD, STASH, FREE, RECV_ACT, RECV_GRAD = range(len(COLS))
+from jaxpar.objective import Sums
+from jaxpar.pipeline import optimizer as opt_lib
+from jaxpar.pipeline.schedule import Action, Op, Schedule, message, virtual
+from jaxpar.pipeline.stage import Layout, PartFns, split_float
 
 
-@dataclasses.dataclass(frozen=True)
+@jax.jit
+def _add_up(sums: list) -> jax.Array:
+    """The micro-batches' Sums added, as one float32 vector (loss, weight, rows, metrics...)."""
+    return jnp.stack([sum(xs) for xs in zip(*[jax.tree.leaves(x) for x in sums])])
+
+
+def _assemble(total, norms: list, n: int) -> jax.Array:
+    """[Sums vector (zeros on processes without the last stage), sum of squared gradient norms]."""
+    return _assemble_jit(total, norms, n)
+
+
+@partial(jax.jit, static_argnums=2)
+def _assemble_jit(total, norms, n):
+    head = jnp.zeros((n,), jnp.float32) if total is None else total
+    return jnp.concatenate([head, sum(norms, jnp.zeros((), jnp.float32))[None]])
+
+
 class Plan:
-    """A schedule lowered to buffer slots: ``table[t, s]`` holds COLS for stage s at tick t."""
-    schedule: schedule_lib.Schedule
-    table: np.ndarray
-    act_slots: tuple[int, ...]  # per stage: stage inputs held at once (received or loaded, not yet backwarded)
-    grad_slots: tuple[int, ...]  # per stage: received output-gradients waiting for their backward
+    """What one batch layout compiles to: every part's functions, the boundary shapes, the fused actions, the
+    cross-process messages of each tick in their global order."""
 
-    @property
-    def num_act(self) -> int:
-        return max(self.act_slots + (1,))
+    def __init__(self, engine: "Engine", layout: Layout, schedule: Schedule):
+        mod, tr = engine.module, engine.transport
+        self.schedule = schedule
+        self.fns = [PartFns(mod, v, engine.objective, layout, tr.meshes[mod.stage_of(v)], schedule.num_microbatches)
+                    for v in range(mod.num_parts)]
+        self.out_specs, x = [], None
+        rows = layout.specs[0].shape[0]
+        for v, fns in enumerate(self.fns):
+            s = mod.stage_of(v)
+            params = [mod.param_specs[j] for j in fns.pidx]
+            state = [engine.state_specs[j] for j in fns.sidx]
+            data = engine.data_specs(layout, s)
+            x = jax.eval_shape(fns.evaluate, params, state, x, data)
+            self.out_specs.append(x)
+        self.sums_treedef = jax.tree.structure(x)
+        self.grad_specs = [split_float(o)[0] for o in self.out_specs]
+        S = schedule.num_stages
+        self.fused = set()
+        for s in range(S):
+            prog = schedule.program(s)
+            for a, b in zip(prog, prog[1:]):
+                if a.op is Op.F and b.op in (Op.B, Op.I) and (b.microbatch, b.chunk) == (a.microbatch, a.chunk) \
+                        and virtual(a, S) == mod.num_parts - 1:
+                    self.fused.add(a)
+        self.messages = []  # per tick: (kind, src stage, dst stage, src virtual, micro-batch) across processes
+        for row in schedule.steps:
+            tick = []
+            for s, ins in enumerate(row):
+                for a in ins:
+                    msg = message(a, S)
+                    if msg and msg[0] == "send":
+                        _, (kind, dst_v, m) = msg
+                        src_v = virtual(a, S)
+                        if not tr.same_process(s, mod.stage_of(dst_v)):
+                            tick.append((kind, s, mod.stage_of(dst_v), src_v, m))
+            self.messages.append(tick)
+        del rows
 
-    @property
-    def num_grad(self) -> int:
-        return max(self.grad_slots + (1,))
 
+class Engine:
+    """Runs schedules of a PipelineModule (`module`) on `transport`'s stages; see the module docstring."""
 
-def _allocate(intervals: dict) -> tuple[dict, int]:
-    """Greedy interval colouring: a value written at the end of tick `a` and last read at tick `b` holds a slot
-    during ticks (a, b]; a slot is reused once its last reader has run. Returns ({key: slot}, slots used)."""
-    ends, slot = [], {}
-    for key, (a, b) in sorted(intervals.items(), key=lambda kv: kv[1]):
-        free = [i for i, e in enumerate(ends) if e <= a]
-        i = free[0] if free else len(ends)
-        ends[i:i + 1] = [b]
-        slot[key] = i
-    return slot, len(ends)
+    def __init__(self, module, objective, tx: optax.GradientTransformation, transport, *, needs_norm: bool):
+        self.module, self.objective, self.transport = module, objective, transport
+        self.tx, self.needs_norm = optax.with_extra_args_support(tx), needs_norm
+        self.state_specs: list = []
+        self._plans: dict = {}
+        self.trace: list[tuple[int, Action]] = []  # (tick, compute action) of this process, last step
+        self.timer: Callable[[Action, Any], None] | None = None  # profiling: called after each compute action
+        self.dispatch = {Op.LOAD: self._load, Op.F: self._forward, Op.B: self._backward, Op.I: self._input_grad,
+                         Op.W: self._weight_grad, Op.SEND_ACT: self._send, Op.SEND_GRAD: self._send,
+                         Op.RECV_ACT: self._recv, Op.RECV_GRAD: self._recv,
+                         Op.REDUCE_GRADS: lambda a: None, Op.OPT: lambda a: None}  # both at the step's end
+        self._updates: dict = {}
+        self._scalars: dict = {}
 
+    def data_specs(self, layout: Layout, stage: int):
+        """Abstract (leaves, mask, ids) of one micro-batch as `stage` gets it."""
+        rows = layout.specs[0].shape[0]
+        return ({i: layout.specs[i] for i in self.needs(layout, stage)}, jax.ShapeDtypeStruct((rows,), jnp.float32),
+                jax.ShapeDtypeStruct((rows,), jnp.int32))
 
-def lower(schedule: schedule_lib.Schedule) -> Plan:
-    """The schedule's table with slots: where each stage input and output-gradient waits until it is used."""
-    S, M, V = schedule.num_stages, schedule.num_microbatches, schedule.virtual_stages
-    K, T = S * V, schedule.num_ticks
-    tick = {}
-    for t, row in enumerate(schedule.grid):
-        for a in row:
-            if a is not None:
-                tick[a.op, a.chunk * S + a.stage, a.microbatch] = t
-    F, B = schedule_lib.Op.F, schedule_lib.Op.B
-    act, grad, act_n, grad_n = {}, {}, [], []
-    for s in range(S):
-        parts = range(s, K, S)
-        a, n = _allocate({(v, m): (tick[F, max(v - 1, 0), m], tick[B, v, m]) for v in parts for m in range(M)})
-        act.update({(s,) + k: i for k, i in a.items()})
-        act_n.append(n)
-        g, n = _allocate({(v, m): (tick[B, v + 1, m], tick[B, v, m]) for v in parts if v < K - 1 for m in range(M)})
-        grad.update({(s,) + k: i for k, i in g.items()})
-        grad_n.append(n)
-    na, ng = max(act_n + [1]), max(grad_n + [1])
-    table = np.zeros((T, S, len(COLS)), np.int32)
-    table[..., [ACT, STASH, FREE, RECV_ACT]] = na
-    table[..., [GRAD, RECV_GRAD]] = ng
-    for (op, v, m), t in tick.items():
-        s, c = v % S, v // S
-        row = table[t, s]
-        row[[OP, MB, CHUNK, ACT]] = (schedule_lib.FORWARD if op is F else schedule_lib.BACKWARD), m, c, act[s, v, m]
-        if op is F:
-            if v == 0:
-                row[STASH] = act[s, v, m]
-            if v < K - 1:
-                table[t, (v + 1) % S, RECV_ACT] = act[(v + 1) % S, v + 1, m]
+    def needs(self, layout: Layout, stage: int) -> tuple:
+        """The batch leaves `stage` reads: the model's inputs on the first, the loss's on the last."""
+        mod = self.module
+        out = set(layout.inputs) if stage == mod.stage_of(0) else set()
+        return tuple(sorted(out | (set(layout.targets) if stage == mod.stage_of(mod.num_parts - 1) else set())))
+
+    def plan(self, layout: Layout, schedule: Schedule) -> Plan:
+        key = (layout, schedule)
+        if key not in self._plans:
+            self._plans[key] = Plan(self, layout, schedule)
+        return self._plans[key]
+
+    # -- the step ------------------------------------------------------------------------------------------
+
+    def run(self, plan: Plan, params: dict, state: dict, batch: dict, *, train: bool = True
+            ) -> tuple[Sums | None, dict, dict]:
+        """Walk the schedule once: (last stage's summed Sums or None, per-stage state, per-part accumulators).
+        ``train`` False: the forwards run in eval mode (a forward-only schedule)."""
+        tr = self.transport
+        self._p, self._batch, self._params, self._train = plan, batch, params, train
+        self._state = {s: list(v) for s, v in state.items()}
+        self._acc, self._stash, self._out, self._mail, self._sums = {}, {}, {}, {}, []
+        self.trace = []
+        mine = tr.local_stages
+        for t, row in enumerate(plan.schedule.steps):
+            self._tick = t
+            for s in mine:
+                for a in row[s]:
+                    self.dispatch[a.op](a)
+            for kind, src, dst, src_v, m in plan.messages[t]:
+                if tr.mine(src) or tr.mine(dst):
+                    key = (kind, src_v + (1 if kind == "act" else -1), m)
+                    spec = plan.out_specs[src_v] if kind == "act" else plan.grad_specs[src_v - 1]
+                    value = self._out.pop((kind, src_v, m)) if tr.mine(src) else None
+                    got = tr.exchange(src, dst, value, spec)
+                    if tr.mine(dst):
+                        self._mail[key] = got
+        total = _add_up(self._sums) if self._sums else None  # one call: the Sums of every micro-batch, as a vector
+        return total, self._state, self._acc
+
+    def _part(self, a: Action) -> tuple[int, PartFns]:
+        v = virtual(a, self.module.num_stages)
+        return v, self._p.fns[v]
+
+    def _args(self, a: Action, fns: PartFns):
+        s = a.stage
+        return [self._params[s][i] for i in self._stage_pos(s, fns.pidx)], \
+            [self._state[s][i] for i in self._stage_pos(s, fns.sidx, state=True)]
+
+    def _stage_pos(self, s: int, idx: list, state: bool = False) -> list[int]:
+        key = (s, tuple(idx), state)
+        if key not in self._updates:
+            owned = self.module.stage_state[s] if state else self.module.stage_params[s]
+            pos = {j: k for k, j in enumerate(owned)}
+            self._updates[key] = [pos[j] for j in idx]
+        return self._updates[key]
+
+    def _index(self, a: Action):
+        """The micro-batch index as an int32 on the stage's devices (it keys batch-mode draws)."""
+        key = (a.stage, a.microbatch)
+        if key not in self._scalars:
+            self._scalars[key] = self.transport.put(jnp.int32(a.microbatch), a.stage)
+        return self._scalars[key]
+
+    def _data(self, a: Action):
+        return self._batch[a.stage][a.microbatch]
+
+    def _done(self, a: Action, out) -> None:
+        self.trace.append((self._tick, a))
+        if self.timer is not None:
+            self.timer(a, out)
+
+    def _load(self, a: Action) -> None:
+        self._data(a)  # the micro-batch was placed on this stage's devices by put_batch, ahead of the step
+
+    def _set_state(self, a: Action, fns: PartFns, new) -> None:
+        if not self.objective.per_sample:
+            for i, leaf in zip(self._stage_pos(a.stage, fns.sidx, state=True), new):
+                self._state[a.stage][i] = leaf
+
+    def _forward(self, a: Action) -> None:
+        v, fns = self._part(a)
+        params, state = self._args(a, fns)
+        x = self._mail.pop(("act", v, a.microbatch), None)
+        data, m = self._data(a), self._index(a)
+        if not self._train:
+            out = fns.evaluate(params, state, x, data)
+            self._sums.append(out) if fns.last else self._out.__setitem__(("act", v, a.microbatch), out)
+            return self._done(a, out)
+        if a in self._p.fused:
+            nxt = self._next_backward(a)
+            if nxt.op is Op.B:
+                self._acc[v], dx, sums, new = fns.forward_backward(self._acc.get(v), params, state, x, data, m)
+            else:
+                dx, saved, cots, sums, new = fns.forward_input_grad(params, state, x, data, m)
+                self._stash[(v, a.microbatch)] = (params, state, x, data, saved, cots)
+            self._out[("grad", v, a.microbatch)] = dx
+            self._sums.append(sums)
         else:
-            row[FREE] = act[s, v, m]
-            if v < K - 1:
-                row[GRAD] = grad[s, v, m]
-            if v > 0:
-                table[t, (v - 1) % S, RECV_GRAD] = grad[(v - 1) % S, v - 1, m]
-    return Plan(schedule, table, tuple(act_n), tuple(grad_n))
-
-
-def boundary_shapes(parts: list[Part], x: jax.ShapeDtypeStruct) -> list[tuple]:
-    """Per-sample input shape of every part, then the last part's output shape (abstract evaluation)."""
-    shapes = [tuple(x.shape[1:])]
-    for part in parts:
-        x = jax.eval_shape(part.fn, [jax.ShapeDtypeStruct(s, jnp.float32) for s in part.shapes], x, None)
-        shapes.append(tuple(x.shape[1:]))
-    return shapes
-
-
-def make_step(parts: list[Part], loss_fn: Callable, plan: Plan, mesh, tx: optax.GradientTransformation,
-              *, x_shape: tuple):
-    """(jitted ``(params [S,V,P], opt_state, step, key, batch) -> (params, opt_state, grads, metrics, live)``,
-    info: micro_batch, boundary (the widest boundary, floats per sample), shapes).
-
-    grads [S, V, P]: the accumulated gradient of the global mean loss that the update used (summed over the
-    DATA groups); live [S]: the most stage inputs each stage held at once. batch: x, y, idx, w with rows
-    sharded over (PIPE, DATA): replica d's rows are the blocks (s, d) of every stage s.
-    """
-    S, M, V = plan.schedule.num_stages, plan.schedule.num_microbatches, plan.schedule.virtual_stages
-    K, NA, NG = S * V, plan.num_act, plan.num_grad
-    D = mesh.shape[DATA]
-    if x_shape[0] % math.lcm(S * D, D * M) or x_shape[0] == 0:
-        raise ValueError(f"batch rows={x_shape[0]} must split into {D} data replicas x {M} micro-batches and over "
-                         f"{S * D} devices; place batches with Pipeline.put_batch, which pads them (w = 0).")
-    mb = x_shape[0] // (D * M)
-    shapes = boundary_shapes(parts, jax.ShapeDtypeStruct((mb,) + tuple(x_shape[1:]), jnp.float32))
-    A = max(math.prod(s) for s in shapes[:-1])  # flat per-sample size of the widest boundary
-    zeros_a, zeros_aux = jnp.zeros((mb, A)), jnp.zeros((3,))
-
-    def unpad(a, k):
-        return a[:, :math.prod(shapes[k])].reshape((mb,) + shapes[k])
-
-    def pad(y):
-        y = y.reshape(mb, -1)
-        return jnp.pad(y, ((0, 0), (0, A - y.shape[1])))
-
-    def forward(k):
-        def branch(params, grads, x_in, a_in, cot, keys, labels, inv):
-            leaves = parts[k].unravel(params[k // S])
-            y = parts[k].fn(leaves, unpad(x_in if k == 0 else a_in, k), keys)
-            if k < K - 1:
-                return pad(y), zeros_a, grads, zeros_aux
-            _, aux = loss_fn(y, labels)
-            return zeros_a, zeros_a, grads, jnp.stack([aux["loss_sum"], aux["correct"], aux["count"]])
-        return branch
-
-    def backward(k):
-        part = parts[k]
-
-        def branch(params, grads, x_in, a_in, cot, keys, labels, inv):
-            leaves = part.unravel(params[k // S])
-            if k < K - 1:
-                f = lambda l_, a_: part.fn(l_, a_, keys)  # noqa: E731
-                seed = unpad(cot, k + 1)
+            out, saved, new = fns.forward(params, state, x, data, m)
+            self._stash[(v, a.microbatch)] = (params, state, x, data, saved, None)
+            if fns.last:
+                self._sums.append(out)
             else:
-                f = lambda l_, a_: loss_fn(part.fn(l_, a_, keys), labels)[0]  # noqa: E731
-                seed = inv  # d(loss_sum / global count) / d(loss_sum)
-            if k == 0:  # the first part's input is data: no gradient to send
-                _, vjp = jax.vjp(lambda l_: f(l_, unpad(a_in, 0)), leaves)
-                (dp,), da = vjp(seed), zeros_a
-            else:
-                _, vjp = jax.vjp(f, leaves, unpad(a_in, k))
-                dp, da = vjp(seed)
-                da = pad(da)
-            if part.size:  # the weight gradient, raveled, into the first `size` floats of the chunk's buffer
-                grads = grads.at[k // S, :part.size].add(part.ravel(dp))
-            return zeros_a, da, grads, zeros_aux
-        return branch
+                self._out[("act", v, a.microbatch)] = out
+        self._set_state(a, fns, new)
+        self._done(a, self._out.get(("act", v, a.microbatch)))
 
-    def idle(params, grads, *_):
-        return zeros_a, zeros_a, grads, zeros_aux
+    def _next_backward(self, a: Action) -> Action:
+        prog = self._p.schedule.program(a.stage)
+        return prog[prog.index(a) + 1]
 
-    branches = [idle] + [forward(k) for k in range(K)] + [backward(k) for k in range(K)]
-    ring = [(i, (i + 1) % S) for i in range(S)] if V > 1 else [(i, i + 1) for i in range(S - 1)]
-    back = [(j, i) for i, j in ring]
+    def _fused_into_forward(self, a: Action) -> bool:
+        return Action(a.stage, Op.F, a.microbatch, a.chunk) in self._p.fused
 
-    def body(params, opt_state, step, key, batch):
-        stage = lax.axis_index(PIPE)
-        params = params[0]  # [V, P]: this stage's chunks
-        if S > 1:  # rows arrive spread over the replica's stages (process-major); every stage sees them all
-            batch = jax.tree.map(lambda a: lax.all_gather(a, PIPE, tiled=True), batch)
-        xs = jax.vmap(pad)(batch["x"].reshape((M, mb) + batch["x"].shape[1:]))
-        ys, ws, idxs = (batch[k].reshape(M, mb) for k in ("y", "w", "idx"))
-        count = lax.psum(jnp.sum(batch["w"]), DATA)
-        all_keys = sample_keys(key, step, idxs.ravel()).reshape(M, mb)  # per-sample dropout keys
-        table = jnp.asarray(plan.table)[:, stage]
+    def _backward(self, a: Action) -> None:
+        if self._fused_into_forward(a):
+            return self._done(a, None)
+        v, fns = self._part(a)
+        params, state, x, data, saved, _ = self._stash.pop((v, a.microbatch))
+        dy = self._mail.pop(("grad", v, a.microbatch), None)
+        self._acc[v], dx = fns.backward(self._acc.get(v), params, state, x, data, saved, dy)
+        self._out[("grad", v, a.microbatch)] = dx
+        self._done(a, self._acc[v])
 
-        def tick(carry, row):
-            act_buf, grad_buf, grads, live, peak, aux = carry
-            v = row[CHUNK] * S + stage
-            op, m = row[OP], row[MB]
-            index = jnp.where(op == schedule_lib.IDLE, 0, jnp.where(op == schedule_lib.FORWARD, 1 + v, 1 + K + v))
-            keys = all_keys[m]
-            act_out, grad_out, grads, aux_t = lax.switch(  # the chunk is static in every branch
-                index, branches, params, grads, xs[m], act_buf[row[ACT]], grad_buf[row[GRAD]], keys,
-                {"y": ys[m], "w": ws[m]}, 1.0 / count)
-            act_buf = act_buf.at[row[STASH]].set(xs[m])
-            if S > 1:  # neighbours exchange: activations forward, input-gradients backward
-                act_out = lax.ppermute(act_out, PIPE, ring)
-                grad_out = lax.ppermute(grad_out, PIPE, back)
-            act_buf = act_buf.at[row[RECV_ACT]].set(act_out)
-            grad_buf = grad_buf.at[row[RECV_GRAD]].set(grad_out)
-            live = live.at[row[FREE]].set(0).at[row[STASH]].set(1).at[row[RECV_ACT]].set(1).at[NA].set(0)
-            return (act_buf, grad_buf, grads, live, jnp.maximum(peak, live.sum()), aux + aux_t), None
+    def _input_grad(self, a: Action) -> None:
+        if self._fused_into_forward(a):
+            return self._done(a, None)
+        v, fns = self._part(a)
+        params, state, x, data, saved, _ = self._stash[(v, a.microbatch)]
+        dy = self._mail.pop(("grad", v, a.microbatch), None)
+        dx, cots = fns.input_grad(params, state, x, data, saved, dy)
+        self._stash[(v, a.microbatch)] = (params, state, x, data, saved, cots)
+        self._out[("grad", v, a.microbatch)] = dx
+        self._done(a, cots)
 
-        carry = (jnp.zeros((NA + 1, mb, A)), jnp.zeros((NG + 1, mb, A)), jnp.zeros_like(params),
-                 jnp.zeros((NA + 1,), jnp.int32), jnp.zeros((), jnp.int32), zeros_aux)
-        (_, _, grads, _, peak, aux), _ = lax.scan(tick, carry, table)
-        aux = lax.psum(aux, (DATA, PIPE))
-        metrics = {"loss": aux[0] / aux[2], "correct": aux[1], "count": aux[2]}
-        if D > 1:
-            grads = lax.psum(grads, DATA)  # each stage's gradients, summed over its data-parallel group
-        local = jax.tree.map(lambda a: a[0], opt_state)
-        updates, local = tx.update(grads, local, params)
-        new_params = optax.apply_updates(params, updates)
-        return new_params[None], jax.tree.map(lambda a: a[None], local), grads[None], metrics, peak[None]
+    def _weight_grad(self, a: Action) -> None:
+        v, fns = self._part(a)
+        params, state, x, data, saved, cots = self._stash.pop((v, a.microbatch))
+        self._acc[v] = fns.weight_grad(self._acc.get(v), params, state, x, data, saved, cots)
+        self._done(a, self._acc[v])
 
-    specs_in = (P(PIPE), P(PIPE), P(), P(), P((PIPE, DATA)))
-    specs_out = (P(PIPE), P(PIPE), P(PIPE), P(), P(PIPE))
-    program = jax.shard_map(body, mesh=mesh, in_specs=specs_in, out_specs=specs_out, check_vma=False)
-    info = {"micro_batch": mb, "boundary": A, "shapes": shapes}
-    return jax.jit(program, donate_argnums=(0, 1)), info
+    def _send(self, a: Action) -> None:
+        _, (kind, dst_v, m) = message(a, self.module.num_stages)
+        dst, src_v = self.module.stage_of(dst_v), virtual(a, self.module.num_stages)
+        if self.transport.same_process(a.stage, dst):  # else: exchanged at the end of the tick
+            self._mail[(kind, dst_v, m)] = self.transport.put(self._out.pop((kind, src_v, m)), dst, "rows")
+
+    def _recv(self, a: Action) -> None:
+        _, key = message(a, self.module.num_stages)
+        if key not in self._mail:
+            raise RuntimeError(f"{a!r}: nothing was received for {key}; the schedule's sends and receives disagree "
+                               "(validate() it).")
+
+    # -- the end of the step: REDUCE_GRADS, then OPT ---------------------------------------------------------
+
+    def reduce_and_update(self, params: dict, opt_state: dict, state: dict, acc: dict, total: Sums | None,
+                          sums_treedef) -> tuple[dict, dict, dict, jax.Array]:
+        """Gradients of every local stage reduced, tied weights summed, Sums and norms added over processes,
+        then each stage's optimizer update. Returns (params, opt_state, state, the global Sums vector)."""
+        mod, tr = self.module, self.transport
+        grads = {s: self._reduce(s, [acc[v] for v in self._parts_of(s)]) for s in tr.local_stages}
+        for j, stages in mod.tied.items():
+            self._sum_tied(j, stages, grads)
+        first = tr.first_device
+        norms = [jax.device_put(self._norm_fn(s)(grads[s]), first) for s in tr.local_stages] if self.needs_norm else []
+        n = sums_treedef.num_leaves
+        vec = tr.all_processes_sum(_assemble(None if total is None else jax.device_put(total, first), norms, n))
+        for s in tr.local_stages:
+            params[s], opt_state[s], state[s] = self._update_fn(s)(params[s], opt_state[s], grads[s], state[s],
+                                                                   tr.put(vec, s))
+        return params, opt_state, state, vec[:n]
+
+    def _parts_of(self, s: int) -> list[int]:
+        return [v for v in range(self.module.num_parts) if self.module.stage_of(v) == s]
+
+    def _reduce(self, s: int, accs: list) -> list:
+        """Chunks' accumulators -> the stage's gradient list (summed over its D replicas), replicated; as they
+        are for one chunk on one device."""
+        if len(accs) == 1 and self.transport.D == 1:
+            return list(accs[0])
+        if ("reduce", s) not in self._updates:
+            mod, D = self.module, self.transport.D
+            owned = {j: k for k, j in enumerate(mod.stage_params[s])}
+            parts = [sorted({j for seg in mod.parts[v] for j in seg.param_index}) for v in self._parts_of(s)]
+
+            def reduce(accs):
+                out = [None] * len(owned)
+                for idx, acc in zip(parts, accs):
+                    for j, g in zip(idx, acc):
+                        g = jnp.sum(g, 0) if D > 1 else g
+                        out[owned[j]] = g if out[owned[j]] is None else out[owned[j]] + g
+                return out
+
+            self._updates[("reduce", s)] = jax.jit(reduce, out_shardings=self.transport.kinds[s]["rep"])
+        return self._updates[("reduce", s)](accs)
+
+    def _sum_tied(self, j: int, stages: list[int], grads: dict) -> None:
+        mod, tr = self.module, self.transport
+        pos = {s: mod.stage_params[s].index(j) for s in stages}
+        spec = jax.ShapeDtypeStruct(mod.param_specs[j].shape, mod.param_specs[j].dtype)
+        a = stages[0]
+        for b in stages[1:]:
+            if tr.same_process(a, b):
+                if tr.mine(a):
+                    total = grads[a][pos[a]] + tr.put(grads[b][pos[b]], a)
+                    grads[a][pos[a]], grads[b][pos[b]] = total, tr.put(total, b)
+            elif tr.mine(a) or tr.mine(b):
+                s = a if tr.mine(a) else b
+                grads[s][pos[s]] = tr.pair_sum(a, b, grads[s][pos[s]], spec)
+        for s in stages[2:]:  # more than two copies: every later copy takes the first's total
+            if tr.mine(s) and tr.same_process(a, s):
+                grads[s][pos[s]] = tr.put(grads[a][pos[a]], s)
+
+    def _norm_fn(self, s: int):
+        if ("norm", s) not in self._updates:
+            mine = [k for k, j in enumerate(self.module.stage_params[s]) if self.module.owner[j] == s]
+            self._updates[("norm", s)] = jax.jit(lambda g: sum(jnp.sum(jnp.square(g[k].astype(jnp.float32)))
+                                                               for k in mine) if mine else jnp.zeros(()))
+        return self._updates[("norm", s)]
+
+    def _update_fn(self, s: int):
+        if ("update", s) not in self._updates:
+            mod, tx, needs_norm = self.module, self.tx, self.needs_norm
+            treedef = opt_lib.stage_treedef(mod, s)
+            counts = [k for k, j in enumerate(mod.stage_state[s]) if mod.state_kinds[j].__name__ == "RngCount"]
+
+            def update(params, opt_state, grads, state, vec):
+                weight = vec[1]
+                p = jax.tree.unflatten(treedef, params)
+                g = jax.tree.unflatten(treedef, [x / weight for x in grads])
+                extra = {"global_norm": jnp.sqrt(vec[-1]) / weight} if needs_norm else {}
+                updates, opt_state = tx.update(g, opt_state, p, **extra)
+                state = [x + 1 if k in counts else x for k, x in enumerate(state)]  # RNG streams advance once
+                return jax.tree.leaves(optax.apply_updates(p, updates)), opt_state, state
+
+            self._updates[("update", s)] = jax.jit(update, donate_argnums=(0, 1, 3))
+        return self._updates[("update", s)]
+

@@ -1,12 +1,21 @@
-"""DeepSpeed's PipelineModule for NNX: a model as a flat list of layers, cut into stages, held as flat buffers.
+"""DeepSpeed's PipelineModule for NNX: a model as a flat list of layers, cut into stages that own their weights.
 
-The partition is plain data, computed once: ``bounds`` over the layers, one part per VIRTUAL stage
-``v = chunk * num_stages + stage`` (interleaved schedules give each stage ``virtual_stages`` chunks). Each
-part's parameters live in one flat float32 vector, padded to the longest part, so stages of different shapes
-share one SPMD buffer ``[num_stages, virtual_stages, P]``; a part's function unravels its own slice.
-Roughly::
+The layers are NNX modules or plain callables (``nnx.relu``, lambdas), of any kinds, from a model's flat
+``layers`` sequence (`PipelineModule.from_model`, nnx.Sequential has one) or a list with LayerSpec /
+TiedLayerSpec entries (built into an nnx.Sequential). The partition is plain data computed once: ``bounds`` over
+the layers, one PART per virtual stage ``v = chunk * num_stages + stage``. Each part is a few SEGMENTS -- one
+layer each, or ``activation_checkpoint_interval`` layers run under jax.checkpoint -- and each segment is an
+``nnx.List`` of the model's own layer objects, split into its graphdef and the indices of its variables in the
+CANONICAL state (``nnx.split(model, wrt, ...)``, the tree every other strategy holds). Roughly::
 
-    flat[s, c, o:o + n].reshape(shape) == canonical leaf (part v = c*S + s, offset o, size n)
+    canonical params leaves  [w0 b0 | w3 b3 | w5 b5]          nnx.split(model, nnx.Param, ...)[1], flattened
+    stage 0 owns             [0, 1, 2, 3]     stage 1 owns [4, 5]      (no padding: each stage its own leaves)
+    segment (layers 3..4)    param_index [2, 3]: its split's leaves are canonical leaves 2, 3
+
+A Variable object used by layers on two stages (a tied embedding and unembedding) is one canonical leaf owned by
+both stages: the engine sums its gradient over them every step, so the copies stay equal (DeepSpeed's
+ReduceTiedGrads). RNG streams and other non-trained state may not be shared across segments (each row's draws
+must come from one place).
 """
 from __future__ import annotations
 
@@ -15,113 +24,215 @@ import math
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jaxpar.pipeline import partition as partition_lib
 
-LossFn = Callable[[jax.Array, dict], tuple[jax.Array, dict]]  # (outputs, batch) -> (loss_sum, aux)
-
 
 class LayerSpec:
-    """DeepSpeed's LayerSpec: a layer class and its arguments, built only by the processes that run it.
+    """DeepSpeed's LayerSpec: a layer class and its arguments. A class taking ``rngs`` and not given one is
+    built with ``nnx.Rngs(fold_in(key(seed), layer index))``: a layer's initial weights depend only on the seed
+    and its position."""
 
-    A class taking ``rngs`` and not given one is built with ``nnx.Rngs(fold_in(key(seed), layer index))``, so
-    a layer's initial weights depend only on the seed and its position, never on which process builds it.
-    """
+    def __init__(self, typename: type, *args, **kwargs):
+        if not callable(typename):
+            raise TypeError(f"LayerSpec({typename!r}): pass a layer class (or a function building a layer).")
+        self.typename, self.args, self.kwargs = typename, args, kwargs
 
-    def __init__(self, cls: type, *args, **kwargs):
-        self.cls, self.args, self.kwargs = cls, args, kwargs
-
-    def build(self, seed: int = 0, index: int = 0) -> nnx.Module:
+    def build(self, seed: int = 0, index: int = 0) -> Any:
         kwargs = dict(self.kwargs)
-        if "rngs" not in kwargs and "rngs" in inspect.signature(self.cls.__init__).parameters:
-            kwargs["rngs"] = nnx.Rngs(params=jax.random.fold_in(jax.random.key(seed), index))
-        return self.cls(*self.args, **kwargs)
+        try:
+            fn = self.typename.__init__ if isinstance(self.typename, type) else self.typename
+            takes_rngs = "rngs" in inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            takes_rngs = False
+        if takes_rngs and "rngs" not in kwargs:
+            kwargs["rngs"] = nnx.Rngs(jax.random.fold_in(jax.random.key(seed), index))
+        return self.typename(*self.args, **kwargs)
 
     def __repr__(self) -> str:
-        return f"LayerSpec({self.cls.__name__})"
+        return f"{type(self).__name__}({getattr(self.typename, '__name__', self.typename)})"
 
 
-def _key(k) -> Any:
-    return getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))
+class TiedLayerSpec(LayerSpec):
+    """DeepSpeed's TiedLayerSpec: every spec with the same ``key`` is ONE module (built at its first position);
+    later positions call ``forward_fn(module, x)`` (default: the module itself), e.g. an unembedding that reuses
+    the embedding's table: ``TiedLayerSpec("embed", nnx.Embed, V, D, forward_fn=lambda m, x: m.attend(x))``.
+    All the module's parameters are tied (DeepSpeed's ``tied_weight_attr`` names one; kept for the API)."""
+
+    def __init__(self, key: str, typename: type, *args, forward_fn: Callable | None = None,
+                 tied_weight_attr: str = "weight", **kwargs):
+        super().__init__(typename, *args, **kwargs)
+        self.key, self.forward_fn, self.tied_weight_attr = key, forward_fn, tied_weight_attr
 
 
-def _paths(tree) -> list[tuple]:
-    """Leaf paths of a pytree as plain key tuples (('layers', 0, 'kernel', 'value'))."""
-    return [tuple(_key(k) for k in kp) for kp, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+class Tied(nnx.Module):
+    """A later use of a tied module: ``forward_fn(module, x)``."""
+
+    def __init__(self, module: nnx.Module, forward_fn: Callable):
+        self.module, self.forward_fn = module, forward_fn
+
+    def __call__(self, x):
+        return self.forward_fn(self.module, x)
 
 
-class Slot(NamedTuple):
-    """Where one canonical leaf lives in the flat buffers."""
-    part: int
-    offset: int
-    shape: tuple[int, ...]
+def build_layers(specs: Sequence[Any], seed: int = 0) -> list:
+    """Modules, callables and (Tied)LayerSpecs -> layer objects; tied specs share one module."""
+    built, tied = [], {}
+    for i, spec in enumerate(specs):
+        if isinstance(spec, TiedLayerSpec):
+            if spec.key not in tied:
+                tied[spec.key] = spec.build(seed, i)
+                layer = tied[spec.key]
+                built.append(layer if spec.forward_fn is None else Tied(layer, spec.forward_fn))
+            else:
+                built.append(Tied(tied[spec.key], spec.forward_fn or (lambda m, x: m(x))))
+        elif isinstance(spec, LayerSpec):
+            built.append(spec.build(seed, i))
+        elif callable(spec):
+            built.append(spec)
+        else:
+            raise TypeError(f"layer {i} is a {type(spec).__name__}; pass NNX modules, callables or LayerSpecs.")
+    return built
+
+
+class Segment(NamedTuple):
+    """Layers run as one function (one vjp; under jax.checkpoint when ``remat``), and where their state lives."""
+    layers: range
+    graphdef: Any        # nnx.List of the layers, training mode
+    eval_graphdef: Any   # the same in eval mode (dropout off, running statistics)
+    param_index: tuple   # canonical param leaf of each leaf of the segment's params split
+    state_index: tuple   # canonical model_state leaf of each leaf of its other state
+    param_treedef: Any
+    state_treedef: Any
+    remat: bool
+
+
+def _variables(node) -> dict[tuple, Any]:
+    return {tuple(p): v for p, v in nnx.iter_graph(node) if isinstance(v, nnx.Variable)}
+
+
+def _flat_paths(state) -> list[tuple]:
+    return [tuple(p) for p, _ in nnx.to_flat_state(state)]
 
 
 class PipelineModule:
-    """Layers cut into `num_stages` (x `virtual_stages`) contiguous parts; see the module docstring.
+    """`model`'s layers cut into `num_stages` (x `virtual_stages`) contiguous parts; see the module docstring.
 
-    layers: nnx modules or LayerSpecs, each called as ``layer(x, keys)``. loss_fn(outputs, batch) ->
-    (loss_sum, aux) runs on the last stage (default: jaxpar.step.output_terms, summed cross-entropy).
-    partition_method: parameters | uniform | type:REGEX | profile (``example_input`` needed: the compiler's
-    flop estimate per layer). activation_checkpoint_interval N > 0: the backward keeps only every N-th layer's
-    input inside a stage (jax.checkpoint over runs of N layers); the stage input is always kept.
+    ``layers`` (a list: modules, callables, LayerSpec, TiedLayerSpec) builds an nnx.Sequential of them;
+    `from_model` takes a model's own ``layers``. partition_method: parameters | uniform | type:REGEX | profile
+    (needs ``example_input``, one sample: the compiler's flop estimate per layer).
+    activation_checkpoint_interval N > 0: layers run in segments of N under jax.checkpoint, so a micro-batch
+    keeps only each segment's input until its backward, which recomputes the rest (0: keep every residual).
+    ``loss_fn(outputs, batch)`` (DeepSpeed's) is the loss on the last stage when the strategy is given none.
     """
 
-    def __init__(self, layers: Sequence[nnx.Module | LayerSpec], num_stages: int, loss_fn: LossFn | None = None,
+    def __init__(self, layers: Sequence[Any], num_stages: int, loss_fn: Callable | None = None,
                  partition_method: str = "parameters", activation_checkpoint_interval: int = 0, *,
-                 virtual_stages: int = 1, example_input: jax.Array | jax.ShapeDtypeStruct | None = None,
-                 seed: int = 0, prefixes: Sequence[tuple] | None = None, canonical: Any = None,
-                 verbose: bool = True):
-        from jaxpar.step import output_terms
-
-        if virtual_stages < 1 or activation_checkpoint_interval < 0:
-            raise ValueError(f"{virtual_stages=} must be >= 1 and {activation_checkpoint_interval=} >= 0")
-        self.layers, self.seed = list(layers), seed
+                 virtual_stages: int = 1, seed: int = 0, wrt: Any = nnx.Param, example_input: Any = None,
+                 model: nnx.Module | None = None):
+        for label, x, low in (("num_stages", num_stages, 1), ("virtual_stages", virtual_stages, 1),
+                              ("activation_checkpoint_interval", activation_checkpoint_interval, 0)):
+            if not isinstance(x, int) or isinstance(x, bool) or x < low:
+                raise ValueError(f"{label}={x!r} must be an int >= {low}.")
+        if model is None:
+            model = nnx.Sequential(*build_layers(layers, seed))
+            layers = list(model.layers)
+        self.model, self.layers, self.loss_fn, self.wrt = model, list(layers), loss_fn, wrt
         self.num_stages, self.virtual_stages = num_stages, virtual_stages
-        self.loss_fn = loss_fn or output_terms
-        self.partition_method, self.interval = partition_method, activation_checkpoint_interval
-        self.names = [l.cls.__name__ if isinstance(l, LayerSpec) else type(l).__name__ for l in self.layers]
-        partition_lib.check_parts(len(self.layers), num_stages * virtual_stages)
-        self.graphdefs, self.treedefs, states = [], [], []
-        for i, layer in enumerate(self.layers):
-            built = nnx.eval_shape(lambda: layer.build(seed, i)) if isinstance(layer, LayerSpec) else layer
-            graphdef, state = nnx.split(built)
-            self.graphdefs.append(graphdef)
-            self.treedefs.append(jax.tree.structure(state))
-            states.append(state)
-        self.layer_shapes = [[tuple(a.shape) for a in jax.tree.leaves(s)] for s in states]
-        self.layer_params = [sum(math.prod(s) for s in shapes) for shapes in self.layer_shapes]
-        if canonical is None:  # nn.Sequential-like canonical tree: {layer index: its state}
-            canonical = nnx.State({i: s for i, s in enumerate(states) if jax.tree.leaves(s)})
-            prefixes = [(i,) for i in range(len(self.layers))]
-        self.canonical_treedef = jax.tree.structure(canonical)
-        self.canonical_shapes = [tuple(a.shape) for a in jax.tree.leaves(canonical)]
-        self._map_to_canonical(canonical, prefixes, states)
-        self.example_input = example_input
+        self.partition_method, self.interval, self.example_input = partition_method, activation_checkpoint_interval, \
+            example_input
+        self.names = [getattr(type(l), "__name__", "layer") if isinstance(l, nnx.Module)
+                      else getattr(l, "__name__", type(l).__name__) for l in self.layers]
+        partition_lib.check_parts(len(self.layers), self.num_parts)
+        self._canonical()
         self.bounds = partition_lib.partition(
             partition_method, self.num_parts, names=self.names, params=lambda: self.layer_params,
             profile=None if example_input is None else self.layer_costs)
-        self._layout()
-        if verbose and jax.process_index() == 0:
-            print(self.describe())
+        self.parts = [self._segments(v) for v in range(self.num_parts)]
+        self._ownership()
 
     @classmethod
     def from_model(cls, model: nnx.Module, num_stages: int, **kwargs) -> "PipelineModule":
-        """Cut `model`'s flat layer sequence (``model.layers``); the canonical tree is ``nnx.split(model)``'s."""
+        """Cut `model`'s flat layer sequence ``model.layers``; the canonical state is ``nnx.split(model, ...)``."""
         layers = getattr(model, "layers", None)
-        if layers is None:
-            raise ValueError(f"{type(model).__name__} has no `layers`; a pipeline needs the flat layer sequence "
-                             "(models.get(...) models have one, or pass PipelineModule a list of layers).")
-        where = {}
-        for path, node in nnx.iter_graph(model):
-            if isinstance(node, nnx.Module):
-                where.setdefault(id(node), tuple(path))
-        _, canonical = nnx.split(model)
-        prefixes = [where.get(id(l)) for l in layers]
-        return cls(layers, num_stages, prefixes=prefixes, canonical=canonical, **kwargs)
+        if layers is None or isinstance(model, nnx.List):
+            raise ValueError(f"{type(model).__name__} has no `layers`; a pipeline cuts a flat layer sequence: give "
+                             "the model a `layers` list (nnx.Sequential has one) or pass PipelineModule a list.")
+        return cls(list(layers), num_stages, model=model, **kwargs)
+
+    # -- the canonical state and who owns it ---------------------------------------------------------------
+
+    def _canonical(self) -> None:
+        _, params, rest = nnx.split(self.model, self.wrt, ...)
+        self.param_paths, self.state_paths = _flat_paths(params), _flat_paths(rest)
+        self.param_treedef, self.state_treedef = jax.tree.structure(params), jax.tree.structure(rest)
+        self.param_specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in jax.tree.leaves(params)]
+        self.state_kinds = [type(v) for _, v in nnx.to_flat_state(rest)]
+        where = _variables(self.model)
+        self._param_of = {id(where[p]): j for j, p in enumerate(self.param_paths)}
+        self._state_of = {id(where[p]): j for j, p in enumerate(self.state_paths)}
+        counted: set = set()
+        self.layer_params = []
+        for layer in self.layers:
+            own = {id(v): v for v in _variables(layer).values() if id(v) in self._param_of} \
+                if isinstance(layer, nnx.Module) else {}
+            self.layer_params.append(sum(math.prod(v.get_value().shape) for k, v in own.items() if k not in counted))
+            counted |= set(own)
+
+    def _segments(self, v: int) -> list[Segment]:
+        r = range(self.bounds[v], self.bounds[v + 1])
+        size = self.interval or 1
+        out = []
+        for lo in range(r.start, r.stop, size):
+            group = range(lo, min(lo + size, r.stop))
+            seg = nnx.List([self.layers[i] for i in group])
+            graphdef, params, rest = nnx.split(seg, self.wrt, ...)
+            evaluated = nnx.clone(seg)
+            evaluated.eval()
+            where = _variables(seg)
+            pidx, sidx = [], []
+            for paths, index, out_list, what in ((_flat_paths(params), self._param_of, pidx, "parameter"),
+                                                 (_flat_paths(rest), self._state_of, sidx, "variable")):
+                for p in paths:
+                    j = index.get(id(where[p]))
+                    if j is None:
+                        raise ValueError(f"{what} {p[1:]} of layer {group.start + p[0]} ({self.names[group.start + p[0]]}) "
+                                         "is not part of the model; `layers` must be the model's own submodules.")
+                    out_list.append(j)
+            out.append(Segment(group, graphdef, nnx.split(evaluated, self.wrt, ...)[0], tuple(pidx), tuple(sidx),
+                               jax.tree.structure(params), jax.tree.structure(rest), bool(self.interval)))
+        return out
+
+    def _ownership(self) -> None:
+        S = self.num_stages
+        params_of: list[set] = [set() for _ in range(S)]
+        state_of: list[set] = [set() for _ in range(S)]
+        seen_state: dict[int, int] = {}
+        for v, segs in enumerate(self.parts):
+            s = self.stage_of(v)
+            for k, seg in enumerate(segs):
+                params_of[s] |= set(seg.param_index)
+                for j in seg.state_index:
+                    if seen_state.setdefault(j, (v, k)) != (v, k):
+                        raise ValueError(f"model state {self.state_paths[j]} is used by layers in two segments "
+                                         f"(parts {seen_state[j][0]} and {v}); give each layer its own RNG stream "
+                                         "and variables (nnx.Dropout(rate, rngs=rngs) forks its own), or put the "
+                                         "layers in one segment.")
+                state_of[s] |= set(seg.state_index)
+        orphans = [self.param_paths[j] for j in range(len(self.param_paths)) if not any(j in p for p in params_of)]
+        if orphans:
+            raise ValueError(f"parameters {orphans[:3]} belong to no layer of `layers`; every trained parameter must "
+                             "be used by a layer the pipeline runs.")
+        self.stage_params = [sorted(p) for p in params_of]
+        self.stage_state = [sorted(p) for p in state_of]
+        self.extra_state = sorted(set(range(len(self.state_paths))) - set().union(*state_of))
+        owners: dict[int, list[int]] = {}
+        for s, idx in enumerate(self.stage_params):
+            for j in idx:
+                owners.setdefault(j, []).append(s)
+        self.tied = {j: stages for j, stages in owners.items() if len(stages) > 1}
+        self.owner = {j: stages[0] for j, stages in owners.items()}  # the copy unplace reads
 
     # -- the partition -------------------------------------------------------------------------------------
 
@@ -129,159 +240,43 @@ class PipelineModule:
     def num_parts(self) -> int:
         return self.num_stages * self.virtual_stages
 
+    def stage_of(self, part: int) -> int:
+        return part % self.num_stages
+
     def part_of(self, stage: int, chunk: int = 0) -> int:
         return chunk * self.num_stages + stage
 
-    def part_layers(self, part: int) -> range:
-        return range(self.bounds[part], self.bounds[part + 1])
-
     def describe(self) -> str:
-        """The partition as printed at construction: per part, its layers and parameter count."""
+        """The partition: per part, its layers and parameter count; tied parameters."""
         lines = [f"PipelineModule: {len(self.layers)} layers, {sum(self.layer_params):,} params, "
-                 f"{self.num_stages} stages x {self.virtual_stages} chunks, partition_method={self.partition_method!r}"]
+                 f"{self.num_stages} stages x {self.virtual_stages} chunks, partition_method={self.partition_method!r}"
+                 + (f", activation_checkpoint_interval={self.interval}" if self.interval else "")]
         for v in range(self.num_parts):
-            r = self.part_layers(v)
-            s, c = self._place(v)
-            where = f"stage {s}" + (f" chunk {c}" if self.virtual_stages > 1 else "")
-            lines.append(f"  {where}: layers {r.start}-{r.stop - 1} {sum(self.layer_params[i] for i in r):>12,} params"
-                         f"  {' '.join(self.names[i] for i in r)}")
+            r = range(self.bounds[v], self.bounds[v + 1])
+            where = f"stage {self.stage_of(v)}" + (f" chunk {v // self.num_stages}" if self.virtual_stages > 1 else "")
+            lines.append(f"  {where}: layers {r.start}-{r.stop - 1} {sum(self.layer_params[i] for i in r):>12,} "
+                         f"params  {' '.join(self.names[i] for i in r)}")
+        for j, stages in self.tied.items():
+            lines.append(f"  tied {'/'.join(map(str, self.param_paths[j]))} on stages {stages}")
         return "\n".join(lines)
 
     def layer_costs(self) -> list[float]:
-        """Compiler-estimated flops of each layer's forward on `example_input` (1 for a layer it cannot cost)."""
+        """Compiler-estimated flops of each layer's forward on ``example_input`` (1 where it cannot tell)."""
         if getattr(self, "_costs", None) is not None:
             return self._costs
-        x, costs = self.example_input, []
-        x = jax.ShapeDtypeStruct(x.shape, x.dtype)
-        for i in range(len(self.layers)):
-            fn = self.layer_fn(i)
-            leaves = [jax.ShapeDtypeStruct(s, jnp.float32) for s in self.layer_shapes[i]]
-            compiled = jax.jit(lambda p, a, i=i, fn=fn: fn(p, a, None)).lower(leaves, x).compile()
-            analysis = compiled.cost_analysis()
+        x = self.example_input
+        x = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), x)
+        costs = []
+        for layer in self.layers:
+            if isinstance(layer, nnx.Module):
+                graphdef, state = nnx.split(layer)
+                fn = lambda st, a, g=graphdef: nnx.merge(g, st)(a)  # noqa: E731
+            else:
+                state, fn = (), lambda st, a, f=layer: f(a)  # noqa: E731
+            abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
+            analysis = jax.jit(fn).lower(abstract, x).compile().cost_analysis()
             analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
             costs.append(max(float((analysis or {}).get("flops", 0.0)), 1.0))
-            x = jax.eval_shape(lambda p, a, fn=fn: fn(p, a, None), leaves, x)
+            x = jax.eval_shape(fn, abstract, x)
         self._costs = costs
         return costs
-
-    # -- flat buffers --------------------------------------------------------------------------------------
-
-    def _map_to_canonical(self, canonical, prefixes, states) -> None:
-        index = {p: j for j, p in enumerate(_paths(canonical))}
-        self.layer_leaves, owner = [], {}
-        for i, state in enumerate(states):
-            rel = _paths(state)
-            if rel and prefixes[i] is None:
-                raise ValueError(f"layer {i} ({self.names[i]}) holds parameters but is not part of the model; "
-                                 "`layers` must return the model's own submodules.")
-            js = [index.get(prefixes[i] + r) for r in rel]
-            for r, j in zip(rel, js):
-                if j is None or j in owner:
-                    raise ValueError(f"parameter {prefixes[i] + r} of layer {i} ({self.names[i]}) is "
-                                     f"{'shared with layer %d' % owner[j] if j is not None else 'not in the model'}; "
-                                     "tied or foreign weights are not supported by the pipeline.")
-                owner[j] = i
-            self.layer_leaves.append(js)
-        missing = [p for p, j in index.items() if j not in owner]
-        if missing:
-            raise ValueError(f"model parameters {missing[:3]} belong to no layer of `layers`; every parameter must "
-                             "be used by exactly one layer.")
-
-    def _layout(self) -> None:
-        self.slots: list[Slot | None] = [None] * len(self.canonical_shapes)
-        self.part_sizes = []
-        for v in range(self.num_parts):
-            offset = 0
-            for i in self.part_layers(v):
-                for j, shape in zip(self.layer_leaves[i], self.layer_shapes[i]):
-                    self.slots[j] = Slot(v, offset, shape)
-                    offset += math.prod(shape)
-            self.part_sizes.append(offset)
-        self.flat_size = max(max(self.part_sizes), 1)
-
-    def _place(self, part: int) -> tuple[int, int]:
-        return part % self.num_stages, part // self.num_stages
-
-    def to_flat(self, leaves: Sequence[Any], stages: Sequence[int] | None = None) -> np.ndarray:
-        """Canonical leaves (flatten order) -> host array [S, V, P] (only `stages` filled when given)."""
-        out = np.zeros((self.num_stages, self.virtual_stages, self.flat_size), np.float32)
-        for leaf, slot in zip(leaves, self.slots):
-            s, c = self._place(slot.part)
-            if stages is None or s in stages:
-                out[s, c, slot.offset:slot.offset + math.prod(slot.shape)] = np.asarray(leaf, np.float32).ravel()
-        return out
-
-    def from_flat(self, flat: np.ndarray) -> list[np.ndarray]:
-        """Host array [S, V, P] -> canonical leaves in flatten order."""
-        out = []
-        for slot in self.slots:
-            s, c = self._place(slot.part)
-            out.append(np.asarray(flat[s, c, slot.offset:slot.offset + math.prod(slot.shape)]).reshape(slot.shape))
-        return out
-
-    def stage_leaves(self, stage: int) -> dict[int, np.ndarray]:
-        """{canonical index: initial value} for the layers of `stage` only (LayerSpecs built here, nowhere else)."""
-        out = {}
-        for c in range(self.virtual_stages):
-            for i in self.part_layers(self.part_of(stage, c)):
-                layer = self.layers[i]
-                built = layer.build(self.seed, i) if isinstance(layer, LayerSpec) else layer
-                out.update(zip(self.layer_leaves[i], jax.tree.leaves(nnx.split(built)[1])))
-        return out
-
-    # -- the functions each part runs ----------------------------------------------------------------------
-
-    def layer_fn(self, i: int) -> Callable:
-        """``fn(leaves, x, keys) -> y`` for layer i, its parameters given as a list of leaves."""
-        graphdef, treedef = self.graphdefs[i], self.treedefs[i]
-
-        def fn(leaves, x, keys):
-            return nnx.merge(graphdef, jax.tree.unflatten(treedef, list(leaves)))(x, keys)
-
-        return fn
-
-    def part(self, part: int, compute_dtype=None) -> "Part":
-        """The part's function over its own leaves, and the map between those leaves and its flat slice."""
-        layers = list(self.part_layers(part))
-        fns = {i: self.layer_fn(i) for i in layers}
-        shapes = [s for i in layers for s in self.layer_shapes[i]]
-        first = {i: sum(len(self.layer_shapes[k]) for k in layers if k < i) for i in layers}  # leaf index
-        groups = [layers[k:k + self.interval] for k in range(0, len(layers), self.interval)] if self.interval \
-            else [layers]
-
-        def run_group(group, leaves, x, keys):
-            for i in group:
-                own = leaves[first[i]:first[i] + len(self.layer_shapes[i])]
-                if compute_dtype is not None:
-                    own = [a.astype(compute_dtype) for a in own]
-                x = fns[i](own, x, keys)
-            return x
-
-        def fn(leaves, x, keys):
-            if compute_dtype is not None:
-                x = x.astype(compute_dtype)
-            for group in groups:
-                g = lambda l, a, k, group=group: run_group(group, l, a, k)  # noqa: E731
-                x = (jax.checkpoint(g) if self.interval else g)(leaves, x, keys)
-            return x.astype(jnp.float32)
-
-        return Part(fn, tuple(shapes), self.part_sizes[part])
-
-
-class Part(NamedTuple):
-    """One virtual stage: ``fn(leaves, x, keys) -> y`` over its parameter leaves, which fill the first ``size``
-    floats of its flat buffer in order."""
-    fn: Callable
-    shapes: tuple[tuple[int, ...], ...]
-    size: int
-
-    def unravel(self, flat: jax.Array) -> list[jax.Array]:
-        out, offset = [], 0
-        for s in self.shapes:
-            out.append(flat[offset:offset + math.prod(s)].reshape(s))
-            offset += math.prod(s)
-        return out
-
-    def ravel(self, leaves: Sequence[jax.Array]) -> jax.Array:
-        """The leaves as one vector of ``size`` floats (a gradient to add into the flat buffer's first floats)."""
-        return jnp.concatenate([a.ravel() for a in leaves]) if leaves else jnp.zeros((0,), jnp.float32)

@@ -1,44 +1,52 @@
-"""The pipeline strategy (DeepSpeed's PipelineEngine): stages over the PIPE axis, data replicas over DATA.
+"""DeepSpeed's pipeline engine: the model's layers cut into stages that each own their weights, micro-batches run
+on a schedule that is plain data (GPipe, 1F1B, interleaved, zero-bubble ZB-H1; forward-only for evaluation).
 
-    pm = PipelineModule.from_model(model, num_stages=2)        # prints the partition
-    strategy = Pipeline(pm, tx, mesh=pipeline_mesh(4, 2), schedule="1f1b", micro_batches=8)
-    placed = strategy.init(state); placed, metrics = strategy.step(placed, strategy.put_batch(batch))
+    pipe = Pipeline(model, optax.sgd(0.1), loss_fn=jaxpar.OutputLoss(mse), num_stages=2, micro_batches=4)
+    placed = pipe.init(jaxpar.init_state(model, pipe.tx))         # the canonical state, cut into stages
+    placed, metrics = pipe.step(placed, pipe.put_batch(batch))
+    state = pipe.unplace(placed)                                  # the canonical TrainState again
 
-The placed state is a TrainState whose params are the flat stage buffers [S, V, P] sharded over PIPE and whose
-opt_state is the optimizer's state over those buffers (one per stage); ``unplace`` maps both back to the
-canonical whole-model trees. That mapping needs an ELEMENTWISE optimizer (sgd, momentum, adam, adamw,
-adadelta: state leaves shaped like the parameters, or scalars such as a step count); optimizers that mix
-parameters (global-norm clipping, LARS/LAMB trust ratios, factored states) are not supported.
-Batches are padded with w = 0 rows until every data replica's rows split into `micro_batches` equal parts.
+Each stage is a column of the (DATA, PIPE) mesh (`pipeline_mesh`): D data-parallel replicas in one process.
+MPMD: every stage runs its own small jitted functions over its own weights (jaxpar.pipeline.stage), one Python
+interpreter walks the schedule (jaxpar.pipeline.engine), and activations move by device_put in a process or a
+two-sided ppermute between processes. Every process reads the WHOLE global batch (a stage holds all its
+replicas; the first stage needs every input, the last every target, every stage the sample ids): train.py's
+sampler gives each process all of it (``WHOLE_BATCH``). A batch is padded with masked rows until D x M divide it.
+Per-sample objectives (the default) give the single-device numbers for any split: dropout masks follow the sample
+id. Batch-mode objectives (BatchNorm, per_sample=False) see one micro-batch at a time, as torch.distributed.
+pipelining does: statistics per micro-batch, running averages updated micro-batch after micro-batch.
 """
 from __future__ import annotations
 
-import math
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from jaxpar.pipeline import schedule as schedule_lib
+from jaxpar.batch import Rows, as_rows, check_unpadded, pad_rows, round_up
 from jaxpar.config import Config
 from jaxpar.mesh import DATA, PIPE, make_mesh
-from jaxpar.pipeline.engine import lower, make_step
-from jaxpar.pipeline.module import LayerSpec, PipelineModule
+from jaxpar.objective import Objective, OutputLoss, Sums, metrics_of
+from jaxpar.pipeline import analysis, generators
+from jaxpar.pipeline import optimizer as opt_lib
+from jaxpar.pipeline import schedule as schedule_lib
+from jaxpar.pipeline.engine import Engine
+from jaxpar.pipeline.module import LayerSpec, PipelineModule, TiedLayerSpec
+from jaxpar.pipeline.stage import Layout
+from jaxpar.pipeline.transfer import Transport
 from jaxpar.step import TrainState
-from jaxpar.types import Batch
 
-__all__ = ["LayerSpec", "Pipeline", "PipelineModule", "build", "pipeline_mesh"]
+__all__ = ["Batch", "LayerSpec", "Pipeline", "PipelineModule", "PipelineState", "TiedLayerSpec", "build",
+           "pipeline_mesh"]
+WHOLE_BATCH = True  # train.py: every process of a pipeline run reads the whole global batch
 
 
-def pipeline_mesh(devices: int | Sequence | None = None, num_stages: int = 1) -> Mesh:
+def pipeline_mesh(devices: int | Sequence | None = None, num_stages: int = 1):
     """A (DATA, PIPE) mesh with PIPE the outer axis, as DeepSpeed's PipeDataParallelTopology: stage s holds the
-    consecutive devices ``s*D .. s*D + D-1``, so stages spread over processes / hosts and the data-parallel
-    groups stay within them."""
+    consecutive devices ``s*D .. s*D + D-1``, so stages spread over processes and replicas stay within them."""
     all_devices = jax.devices()
     devices = all_devices[:devices] if isinstance(devices, int) else list(devices or all_devices)
     n = len(devices)
@@ -47,226 +55,259 @@ def pipeline_mesh(devices: int | Sequence | None = None, num_stages: int = 1) ->
                          f"of {num_stages} stages per {num_stages} devices); use --num-devices "
                          f"{max(num_stages, n - n % num_stages)} or --num-stages dividing {n}.")
     grid = np.array(devices, dtype=object).reshape(num_stages, n // num_stages).T  # [DATA, PIPE]
-    if num_stages == 1:
-        return Mesh(grid, (DATA, PIPE))
-    return make_mesh(devices=list(grid.ravel()), pipe=num_stages)
+    return make_mesh(devices=list(grid.ravel()), pipe=num_stages) if num_stages > 1 else \
+        jax.sharding.Mesh(grid, (DATA, PIPE))
 
 
-def _gather(a) -> np.ndarray:
-    if isinstance(a, jax.Array) and not a.is_fully_addressable:
-        from jax.experimental import multihost_utils
+class PipelineState(NamedTuple):
+    """The placed state: per local stage its parameter leaves, optimizer state and model-state leaves."""
+    params: dict
+    opt_state: dict
+    model_state: dict
+    extra_state: list  # canonical model-state leaves no layer uses, carried along
+    step: int
 
-        a = multihost_utils.process_allgather(a, tiled=True)
-    return np.asarray(a)
+
+class Batch(NamedTuple):
+    """A placed batch: per local stage, per micro-batch, (the leaves it reads, row mask, sample ids)."""
+    layout: Layout
+    stages: dict
 
 
-def optimizer_layout(tx: optax.GradientTransformation, module: PipelineModule):
-    """(treedef of the optimizer state with each parameter-shaped subtree as ONE leaf, which leaves those are).
-
-    The canonical state and the per-stage state share this outer tree: a parameter-shaped subtree of the
-    canonical state is one flat [V, P] buffer per stage, a scalar (a step count) is one copy per stage. Raises
-    ValueError for an optimizer whose state is neither (not elementwise)."""
-    param_like = lambda x: jax.tree.structure(x) == module.canonical_treedef  # noqa: E731
-    abstract = jax.tree.unflatten(module.canonical_treedef,
-                                  [jax.ShapeDtypeStruct(s, jnp.float32) for s in module.canonical_shapes])
-    canonical = jax.eval_shape(tx.init, abstract)
-    leaves, outer = jax.tree.flatten(canonical, is_leaf=param_like)
-    kinds = [param_like(x) for x in leaves]
-    flat = jax.ShapeDtypeStruct((module.virtual_stages, module.flat_size), jnp.float32)
-    stage = jax.eval_shape(tx.init, flat)
-    ok = jax.tree.structure(stage) == outer
-    for x, param_shaped, y in zip(leaves, kinds, jax.tree.leaves(stage)):
-        if param_shaped:
-            ok &= [tuple(a.shape) for a in jax.tree.leaves(x)] == module.canonical_shapes and y.shape == flat.shape
-        else:
-            ok &= math.prod(x.shape) == 1 and x.shape == y.shape
-    if not ok:
-        raise ValueError(f"the optimizer's state {jax.tree.structure(canonical)} is not elementwise (leaves shaped "
-                         "like the parameters, or scalars); the pipeline updates each stage's flat buffer on its "
-                         "own: use sgd, adam, adamw or adadelta.")
-    return outer, kinds
+def _used(fn, *specs) -> set[int]:
+    """Positions of the flat leaves of `specs` that `fn(*specs)` really reads (from its jaxpr)."""
+    flat, treedef = jax.tree.flatten(specs)
+    jaxpr = jax.make_jaxpr(lambda *leaves: fn(*jax.tree.unflatten(treedef, leaves)))(*flat).jaxpr
+    used = {id(v) for eqn in jaxpr.eqns for v in eqn.invars} | {id(v) for v in jaxpr.outvars}
+    return {i for i, v in enumerate(jaxpr.invars) if id(v) in used}
 
 
 class Pipeline:
-    """The pipeline strategy over `mesh` (see ``pipeline_mesh``); the schedule is validated, then lowered."""
+    """The pipeline strategy: `model` (an NNX module with flat ``layers``, or a PipelineModule) cut into
+    `num_stages` stages on `mesh` (default: the first num_stages devices, one per stage), trained on `schedule`
+    with `micro_batches` micro-batches. ``loss_fn`` must be an OutputLoss (the last stage runs it on the
+    outputs). `batch_size` (global) fixes every batch's padded shape (one compile)."""
 
     name = "pipeline"
 
-    def __init__(self, module: PipelineModule, tx: optax.GradientTransformation, *, mesh: Mesh,
-                 schedule: str = "1f1b", micro_batches: int = 4, compute_dtype=None):
-        self.module, self.tx, self.mesh, self.compute_dtype = module, tx, mesh, compute_dtype
-        S, V = module.num_stages, module.virtual_stages
-        if mesh.shape.get(PIPE) != S:
-            raise ValueError(f"mesh {dict(mesh.shape)} must have a {PIPE!r} axis of num_stages={S}; "
-                             "build it with jaxpar.strategies.pipeline.pipeline_mesh(devices, num_stages).")
-        self.schedule = schedule_lib.validate(schedule_lib.make(schedule, S, micro_batches, V))
-        self.plan = lower(self.schedule)
-        self.micro_batches, self.data = micro_batches, mesh.shape[DATA]
-        self._parts = [module.part(k, compute_dtype) for k in range(module.num_parts)]
-        self._programs: dict[tuple, Any] = {}
-        self._live, self._info = None, None
-        self._stage_sharding = NamedSharding(mesh, P(PIPE))
-        self._replicated = NamedSharding(mesh, P())
-        self._rows = NamedSharding(mesh, P((PIPE, DATA)))  # row blocks in device order: process-major
-        self._local_devices = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
-        self._opt_outer, self._opt_kinds = optimizer_layout(tx, module)
-
-    def _param_like(self, x) -> bool:
-        return jax.tree.structure(x) == self.module.canonical_treedef
+    def __init__(self, model: nnx.Module | PipelineModule, tx: optax.GradientTransformation, *, loss_fn=None,
+                 num_stages: int = 2, micro_batches: int = 4, schedule: str = "1f1b", virtual_stages: int = 1,
+                 partition_method: str = "parameters", activation_checkpoint_interval: int = 0, mesh=None,
+                 batch_size: int | None = None, example_input=None, seed: int = 0, **objective_options):
+        if not isinstance(micro_batches, int) or micro_batches < 1:
+            raise ValueError(f"micro_batches={micro_batches!r} must be an int >= 1; pass --micro-batches 1 or more.")
+        if isinstance(model, PipelineModule):
+            module = model
+        else:
+            module = PipelineModule.from_model(
+                model, num_stages, partition_method=partition_method, virtual_stages=virtual_stages,
+                activation_checkpoint_interval=activation_checkpoint_interval, example_input=example_input,
+                wrt=objective_options.get("wrt", nnx.Param), seed=seed)
+        if loss_fn is None and module.loss_fn is not None:
+            loss_fn = module.loss_fn if isinstance(module.loss_fn, OutputLoss) else OutputLoss(module.loss_fn)
+        self.module, self.tx, self.batch_size = module, tx, batch_size
+        self.objective = Objective.of(module.model, loss_fn, **objective_options)
+        self.objective.output_loss()  # a one-line ValueError for a loss(model, batch)
+        S, V, M = module.num_stages, module.virtual_stages, micro_batches
+        self.mesh = pipeline_mesh(S, S) if mesh is None else mesh
+        if self.mesh.shape.get(PIPE) != S:
+            raise ValueError(f"mesh {dict(self.mesh.shape)} must have a {PIPE!r} axis of num_stages={S}; build it "
+                             "with jaxpar.strategies.pipeline.pipeline_mesh(devices, num_stages).")
+        if schedule == "forward":
+            raise ValueError("schedule='forward' has no backward and cannot train; use gpipe, 1f1b, interleaved or "
+                             "zbh1 (the strategy evaluates with the forward schedule by itself).")
+        if V > 1 and schedule != "interleaved":
+            raise ValueError(f"virtual_stages={V} needs schedule='interleaved' (model chunks); got {schedule!r}.")
+        self.schedule = schedule_lib.validate(schedule_lib.add_communication(generators.make(schedule, S, M, V)))
+        self.eval_schedule = schedule_lib.validate(schedule_lib.add_communication(generators.forward_only(S, M, V)))
+        self.micro_batches, self.D = M, self.mesh.shape[DATA]
+        self.transport = Transport(self.mesh)
+        self.needs_norm = opt_lib.probe(tx, module)
+        self.engine = Engine(module, self.objective, tx, self.transport, needs_norm=self.needs_norm)
+        self.engine.state_specs = None  # set by init, from the canonical model state
+        self._layouts: dict = {}
+        self._last: Any = None
 
     # -- placement -----------------------------------------------------------------------------------------
 
-    def _place_stages(self, fill) -> jax.Array:
-        """A [S, ...] array sharded over PIPE; `fill(stage)` runs only for this process's stages."""
-        S, done = self.module.num_stages, {}
-
-        def get(stage):
-            if stage not in done:
-                done[stage] = fill(stage)
-            return done[stage]
-
-        first = get(next(d for d in range(S) if self._holds(d)))
-        return jax.make_array_from_callback((S,) + first.shape, self._stage_sharding,
-                                            lambda idx: np.stack([get(s) for s in range(S)[idx[0]]]))
-
-    def _holds(self, stage: int) -> bool:
-        return any(d.process_index == jax.process_index() for d in self.mesh.devices[:, stage])
-
-    def _replicate(self, x: jax.Array) -> jax.Array:
-        """The same value on every device of the mesh (every process passes the same value)."""
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            data = self._replicate(jax.random.key_data(x))
-            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
-        host = _gather(x)
-        return jax.make_array_from_callback(host.shape, self._replicated, lambda idx: host[idx])
-
-    def _opt_to_stages(self, opt_state) -> Any:
-        leaves = jax.tree.flatten(opt_state, is_leaf=self._param_like)[0]
-        out = []
-        for leaf, param_like in zip(leaves, self._opt_kinds):
-            if param_like:
-                flat = self.module.to_flat([_gather(a) for a in jax.tree.leaves(leaf)])
-                out.append(self._place_stages(lambda s, flat=flat: flat[s]))
-            else:
-                value = _gather(leaf)
-                out.append(self._place_stages(lambda s, value=value: value))
-        return jax.tree.unflatten(self._opt_outer, out)
-
-    def init(self, state: TrainState) -> TrainState:
-        """Place the canonical state: flat stage buffers over PIPE, the optimizer state per stage."""
-        if jax.tree.structure(state.params) != self.module.canonical_treedef:
-            raise ValueError("state.params does not have the tree of the model this pipeline was built from; "
-                             "pass init_state(model, tx)[1] of the same model (or use init_fresh for LayerSpecs).")
-        flat = self.module.to_flat([_gather(a) for a in jax.tree.leaves(state.params)])
-        params = self._place_stages(lambda s: flat[s])
-        return TrainState(params, self._opt_to_stages(state.opt_state), self._replicate(state.step),
-                          self._replicate(state.key))
-
-    def init_fresh(self, seed: int = 0) -> TrainState:
-        """A fresh state built where it lives: each process builds only its own stages' layers (LayerSpecs)."""
-        def fill(stage):
-            leaves = self.module.stage_leaves(stage)
-            full = [leaves.get(j, np.zeros(s, np.float32)) for j, s in enumerate(self.module.canonical_shapes)]
-            return self.module.to_flat(full, stages=[stage])[stage]
-
-        params = self._place_stages(fill)
-        opt_state = jax.jit(jax.vmap(self.tx.init), out_shardings=self._stage_sharding)(params)
-        return TrainState(params, opt_state, self._replicate(jnp.zeros((), jnp.int32)),
-                          self._replicate(jax.random.key(seed)))
-
-    def put_batch(self, batch: Batch) -> Batch:
-        """This process's rows, padded (w = 0) so each data replica splits into `micro_batches` equal parts."""
-        rows, nproc = len(batch["y"]), jax.process_count()
-        group = self.data * self.micro_batches
-        q = math.lcm(self._local_devices, group // math.gcd(group, nproc))
-        pad = -rows % q
-        batch = dict(batch)
-        batch.setdefault("w", np.ones(rows, np.float32))
-        out = {}
-        for k in ("x", "y", "idx", "w"):
-            v = np.asarray(batch[k])
-            v = np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)]) if pad else v
-            out[k] = jax.make_array_from_process_local_data(self._rows, v, (len(v) * nproc,) + v.shape[1:])
+    def init(self, state: TrainState) -> PipelineState:
+        """The canonical state cut into this process's stages (fresh buffers: the step donates them)."""
+        mod, tr = self.module, self.transport
+        if jax.tree.structure(state.params) != mod.param_treedef:
+            raise ValueError("state.params does not have the tree of the model this pipeline cuts; pass "
+                             "jaxpar.init_state(model, tx) of the same model (for a PipelineModule: of module.model).")
+        params, rest = jax.tree.leaves(state.params), jax.tree.leaves(state.model_state)
+        self.engine.state_specs = [jax.ShapeDtypeStruct(jnp.shape(a), a.dtype) for a in rest]
+        self._key_impls = {k: jax.random.key_impl(a) for k, a in enumerate(rest)
+                           if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)}
+        fresh = lambda x: jax.tree.map(lambda a: jnp.array(a, copy=True), x)  # noqa: E731  (the step donates them)
+        put = lambda x, s: jax.device_put(fresh(x), tr.kinds[s]["rep"])  # noqa: E731
+        out = PipelineState({}, {}, {}, [rest[j] for j in mod.extra_state], int(state.step))
+        for s in tr.local_stages:
+            out.params[s] = put([params[j] for j in mod.stage_params[s]], s)
+            out.opt_state[s] = put(opt_lib.to_stage(self.tx, mod, s, state.opt_state), s)
+            out.model_state[s] = put([rest[j] for j in mod.stage_state[s]], s)
         return out
+
+    def layout(self, rows: Rows) -> Layout:
+        """The micro-batch layout of host `rows` (one micro-batch of every replica), and what each end reads."""
+        specs = tuple(jax.ShapeDtypeStruct((self.D * rows.size // (self.D * self.micro_batches),) + np.shape(a)[1:],
+                                           jax.dtypes.canonicalize_dtype(np.asarray(a).dtype))
+                      for a in jax.tree.leaves(rows.data))
+        treedef = jax.tree.structure(rows.data)
+        key = (treedef, specs)
+        if key not in self._layouts:
+            n = specs[0].shape[0]
+            mask, ids = jax.ShapeDtypeStruct((n,), jnp.float32), jax.ShapeDtypeStruct((n,), jnp.int32)
+            loss, obj = self.objective.output_loss(), self.objective
+            data = jax.tree.unflatten(treedef, specs)
+            inputs = _used(lambda d: loss.inputs(d), data)
+            params = jax.tree.unflatten(self.module.param_treedef, self.module.param_specs)
+            state = jax.tree.unflatten(self.module.state_treedef, self.engine.state_specs)
+            outs = jax.eval_shape(lambda p, s, d, m, i: obj.outputs(p, s, Rows(d, m, i))[0], params, state, data,
+                                  mask, ids)
+            used = _used(lambda o, d, m, i: obj.output_sums(o, Rows(d, m, i)), outs, data, mask, ids)
+            k = len(jax.tree.leaves(outs))
+            targets = {i - k for i in used if k <= i < k + len(specs)}
+            self._layouts[key] = Layout(treedef, specs, tuple(sorted(inputs)), tuple(sorted(targets)))
+        return self._layouts[key]
+
+    def put_batch(self, batch) -> Batch:
+        """The whole global batch (a pytree or Rows; every process passes all of it) padded with masked rows to a
+        multiple of D x M, cut into micro-batches, each stage's leaves placed on its devices."""
+        if self.engine.state_specs is None:
+            raise ValueError("Pipeline.put_batch() before init(); call placed = pipe.init(state) first.")
+        rows = as_rows(batch)
+        group = self.D * self.micro_batches
+        target = round_up(max(rows.size, self.batch_size or 0), group)
+        rows = pad_rows(rows, target)
+        if not self.objective.per_sample:
+            check_unpadded(rows, "per_sample=False")
+        layout = self.layout(rows)
+        D, M, n = self.D, self.micro_batches, target // group
+        order = lambda a: np.asarray(a).reshape(D, M, n, *np.shape(a)[1:]).swapaxes(0, 1)  # noqa: E731
+        leaves = [order(a) for a in jax.tree.leaves(rows.data)]
+        mask, ids = order(rows.mask), order(rows.ids)
+        stages = {}
+        for s in self.transport.local_stages:
+            need = self.engine.needs(layout, s)
+            host = [({i: leaves[i][m].reshape(D * n, *leaves[i].shape[3:]) for i in need},
+                     mask[m].reshape(-1), ids[m].reshape(-1)) for m in range(M)]
+            stages[s] = self.transport.put(host, s, "rows")
+        return Batch(layout, stages)
 
     # -- the step ------------------------------------------------------------------------------------------
 
-    def _program(self, x_shape: tuple):
-        if x_shape not in self._programs:
-            self._programs[x_shape] = make_step(self._parts, self.module.loss_fn, self.plan, self.mesh, self.tx,
-                                                x_shape=x_shape)
-        return self._programs[x_shape]
+    def step(self, placed: PipelineState, batch: Batch) -> tuple[PipelineState, dict]:
+        plan = self.engine.plan(batch.layout, self.schedule)
+        total, state, acc = self.engine.run(plan, placed.params, placed.model_state, batch.stages)
+        params, opt_state, state, vec = self.engine.reduce_and_update(
+            dict(placed.params), dict(placed.opt_state), state, acc, total, plan.sums_treedef)
+        self._last = (batch.layout, plan)
+        extra = [_advance(a, k) for a, k in zip(placed.extra_state, self._extra_kinds())]
+        return PipelineState(params, opt_state, state, extra, placed.step + 1), \
+            metrics_of(jax.tree.unflatten(plan.sums_treedef, list(vec)))
 
-    def step(self, s: TrainState, pb: Batch) -> tuple[TrainState, dict]:
-        s, metrics, _ = self.step_with_grads(s, pb)
-        return s, metrics
+    def evaluate(self, placed: PipelineState, batch) -> Sums:
+        """Sums of the loss and metrics over the real rows of `batch` in eval mode, on the forward-only schedule."""
+        pb = batch if isinstance(batch, Batch) else self.put_batch(batch)
+        plan = self.engine.plan(pb.layout, self.eval_schedule)
+        total, _, _ = self.engine.run(plan, placed.params, placed.model_state, pb.stages, train=False)
+        n = plan.sums_treedef.num_leaves
+        vec = jnp.zeros((n,), jnp.float32) if total is None else total
+        return jax.tree.unflatten(plan.sums_treedef, list(self.transport.all_processes_sum(vec)))
 
-    def step_with_grads(self, s: TrainState, pb: Batch) -> tuple[TrainState, dict, jax.Array]:
-        """The step, also returning the flat per-stage gradients [S, V, P] its update used."""
-        fn, self._info = self._program(pb["x"].shape)
-        params, opt_state, grads, metrics, self._live = fn(s.params, s.opt_state, s.step, s.key, pb)
-        return TrainState(params, opt_state, s.step + 1, s.key), metrics, grads
+    def _extra_kinds(self) -> list[bool]:
+        return [self.module.state_kinds[j].__name__ == "RngCount" for j in self.module.extra_state]
 
-    def canonical(self, flat: jax.Array) -> Any:
-        """Flat stage buffers [S, V, P] (params or grads) -> the canonical nnx.State tree."""
-        leaves = [jnp.asarray(a) for a in self.module.from_flat(_gather(flat))]
-        return jax.tree.unflatten(self.module.canonical_treedef, leaves)
+    # -- back to the canonical state -----------------------------------------------------------------------
 
-    def unplace(self, s: TrainState) -> TrainState:
-        """The canonical state: params and opt_state with the reference's tree structure."""
-        leaves = jax.tree.leaves(s.opt_state)
-        opt = [self.canonical(a) if k else jnp.asarray(_gather(a)[0]) for a, k in zip(leaves, self._opt_kinds)]
-        opt = jax.tree.unflatten(self._opt_outer, opt)
-        step, key = (jax.device_put(a.addressable_data(0), jax.local_devices()[0]) for a in s[2:])  # replicated
-        return TrainState(self.canonical(s.params), opt, step, key)
+    def unplace(self, placed: PipelineState) -> TrainState:
+        """The canonical TrainState (the tree of jaxpar.init_state(model, tx)), on this process's first device;
+        across processes every stage's leaves are summed in from the process that owns them."""
+        mod, tr = self.module, self.transport
+        home = tr.first_device
+        first = lambda a: jnp.array(jax.device_put(a.addressable_data(0), home), copy=True)  # noqa: E731
+        params = [None] * len(mod.param_paths)
+        rest = [None] * len(mod.state_paths)
+        for s in tr.local_stages:
+            for j, a in zip(mod.stage_params[s], placed.params[s]):
+                if mod.owner[j] == s:
+                    params[j] = first(a)
+            for j, a in zip(mod.stage_state[s], placed.model_state[s]):
+                rest[j] = first(a)
+        stage_opt = {s: jax.tree.map(first, placed.opt_state[s]) for s in tr.local_stages}
+        if len(tr.proc_devices) > 1:
+            params, rest, stage_opt = self._gather(params, rest, stage_opt)
+        for j, a in zip(mod.extra_state, placed.extra_state):
+            rest[j] = jax.device_put(a, home)
+        opt_state = opt_lib.to_canonical(self.tx, mod, stage_opt)
+        return TrainState(jax.tree.unflatten(mod.param_treedef, params), opt_state,
+                          jax.tree.unflatten(mod.state_treedef, rest), jnp.asarray(placed.step, jnp.int32))
+
+    def _gather(self, params: list, rest: list, stage_opt: dict):
+        """Every process's leaves, by one sum over processes (zeros where a process does not own a leaf)."""
+        mod, tr, keys = self.module, self.transport, self._key_impls
+        zeros = lambda spec: jnp.zeros(spec.shape, spec.dtype)  # noqa: E731
+        pspecs, sspecs = mod.param_specs, self.engine.state_specs
+        opt_specs = {s: jax.eval_shape(self.tx.init, jax.tree.unflatten(
+            opt_lib.stage_treedef(mod, s), [pspecs[j] for j in mod.stage_params[s]])) for s in range(mod.num_stages)}
+        raw = lambda k, a: jax.random.key_data(a) if k in keys else a  # noqa: E731  (keys travel as their data)
+        rest = [raw(k, r) if r is not None else
+                (jnp.zeros(jax.eval_shape(jax.random.key_data, sspecs[k]).shape, jnp.uint32) if k in keys
+                 else zeros(sspecs[k])) for k, r in enumerate(rest)]
+        tree = ([p if p is not None else zeros(pspecs[j]) for j, p in enumerate(params)], rest,
+                {s: stage_opt.get(s, jax.tree.map(zeros, opt_specs[s])) for s in range(mod.num_stages)})
+        params, rest, opt = tr.all_processes_sum(tree)
+        return params, [jax.random.wrap_key_data(a, impl=keys[k]) if k in keys else a for k, a in enumerate(rest)], opt
 
     # -- reports -------------------------------------------------------------------------------------------
 
     def describe(self) -> str:
-        sch = self.schedule
-        return (f"{self.mesh.devices.size} devices, mesh {dict(self.mesh.shape)}: {sch.num_stages} stages x "
-                f"{self.data} data replicas, schedule {sch.name} ({sch.num_microbatches} micro-batches"
-                + (f", {sch.virtual_stages} chunks per stage" if sch.virtual_stages > 1 else "") + ")")
+        sch, mod = self.schedule, self.module
+        return (f"{self.mesh.devices.size} devices ({jax.process_count()} processes), mesh {dict(self.mesh.shape)}: "
+                f"{mod.num_stages} stages x {self.D} data replicas, schedule {sch.name} ({sch.num_microbatches} "
+                f"micro-batches" + (f", {sch.virtual_stages} chunks per stage" if sch.virtual_stages > 1 else "")
+                + (f", activation checkpoint interval {mod.interval}" if mod.interval else "") + ")")
 
-    def report(self, s: TrainState | None = None) -> dict:
-        """Partition, bubble fraction, activation buffers (planned and measured during the last step)."""
-        pm = self.module
-        out = {"devices": self.mesh.devices.size, "mesh": dict(self.mesh.shape),
-               "partition": self.module.describe(), "schedule": self.schedule.name,
-               "ticks": self.schedule.num_ticks, "bubble_fraction": schedule_lib.bubble_fraction(self.schedule),
-               "peak_inflight": schedule_lib.peak_inflight(self.schedule),
-               "activation_slots": list(self.plan.act_slots), "grad_slots": list(self.plan.grad_slots),
-               "stage_params": [sum(pm.part_sizes[v] for v in range(s, pm.num_parts, pm.num_stages))
-                                for s in range(pm.num_stages)],
-               "param_buffer_floats_per_stage": pm.virtual_stages * pm.flat_size}  # padded to the largest part
-        if self._info is not None:
-            per_slot = self._info["micro_batch"] * self._info["boundary"] * 4
-            out["activation_bytes_per_stage"] = (self.plan.num_act + self.plan.num_grad + 2) * per_slot
-            out["boundary_floats_per_sample"] = self._info["boundary"]
-        if self._live is not None:
-            out["measured_live_activations"] = [int(v) for v in _gather(self._live)]
+    def report(self, placed: PipelineState | None = None) -> dict:
+        """Partition, bubble (grid and zero-bubble costs), in-flight micro-batches, memory per stage."""
+        from jaxpar.pipeline import memory
+
+        sch = self.schedule
+        out = {"devices": self.mesh.devices.size, "processes": jax.process_count(), "mesh": dict(self.mesh.shape),
+               "partition": self.module.describe(), "schedule": sch.name, "ticks": sch.num_ticks,
+               "bubble_fraction": analysis.bubble_fraction(sch),
+               "bubble_fraction_zb_costs": analysis.bubble_fraction(sch, analysis.COSTS),
+               "peak_inflight": analysis.peak_inflight(sch), "tied": len(self.module.tied),
+               "global_norm_across_stages": self.needs_norm}
+        if self._last is not None:
+            out["stage_memory_mib"] = memory.text(memory.table(self, self._last[0]))
         return out
 
 
-def build(model: nnx.Module, tx: optax.GradientTransformation, cfg: Config) -> Pipeline:
-    """The strategy for train.py: --num-stages, --micro-batches, --schedule, --virtual-stages, --partition-method."""
+def _advance(a, is_count: bool):
+    return a + 1 if is_count else a
+
+
+def build(model: nnx.Module, tx: optax.GradientTransformation, cfg: Config, loss_fn=None) -> Pipeline:
+    """The strategy train.py builds: --num-stages, --micro-batches, --schedule, --virtual-stages,
+    --partition-method, --activation-checkpoint-interval; all devices (--num-devices), stages outermost."""
     from jaxpar.precision import compute_dtype
 
-    mesh = pipeline_mesh(cfg.num_devices, cfg.num_stages)
-    module = PipelineModule.from_model(
-        model, cfg.num_stages, partition_method=cfg.partition_method,
-        activation_checkpoint_interval=cfg.activation_checkpoint_interval, virtual_stages=cfg.virtual_stages,
-        example_input=_example_input(model, cfg) if cfg.partition_method == "profile" else None, seed=cfg.seed)
-    return Pipeline(module, tx, mesh=mesh, schedule=cfg.schedule, micro_batches=cfg.micro_batches,
+    per_sample = {None: None, "on": True, "off": False}[cfg.per_sample]
+    example = None
+    if cfg.partition_method == "profile":
+        from jaxpar import models
+
+        first = list(model.layers)[0]
+        shape = (first.in_features,) if hasattr(first, "in_features") else \
+            models.input_shape(cfg.model, image_size=cfg.image_size)
+        example = jax.ShapeDtypeStruct((1,) + tuple(shape), jnp.float32)
+    return Pipeline(model, tx, loss_fn=loss_fn, num_stages=cfg.num_stages, micro_batches=cfg.micro_batches,
+                    schedule=cfg.schedule, virtual_stages=cfg.virtual_stages, partition_method=cfg.partition_method,
+                    activation_checkpoint_interval=cfg.activation_checkpoint_interval,
+                    mesh=pipeline_mesh(cfg.num_devices, cfg.num_stages), batch_size=cfg.batch_size,
+                    example_input=example, seed=cfg.seed, per_sample=per_sample,
                     compute_dtype=compute_dtype(cfg.precision))
 
-
-def _example_input(model: nnx.Module, cfg: Config) -> jax.ShapeDtypeStruct:
-    """One sample's input shape for --partition-method profile: images from models.input_shape, vectors from the
-    first layer's in_features."""
-    from jaxpar import models
-
-    first = models.as_layers(model)[0]
-    shape = (first.in_features,) if hasattr(first, "in_features") else \
-        models.input_shape(cfg.model, image_size=cfg.image_size)
-    return jax.ShapeDtypeStruct((1,) + tuple(shape), jnp.float32)

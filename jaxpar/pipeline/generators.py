@@ -1,0 +1,140 @@
+"""The schedule generators: per-stage programs of compute actions, clocked into grids by `from_programs`.
+
+    gpipe        every stage forwards all micro-batches, then backwards them              (GPipe, torch ScheduleGPipe)
+    1f1b         warm-up forwards, then one forward / one backward, then the rest        (DeepSpeed TrainSchedule)
+    interleaved  1F1B over V model chunks per stage                                       (Megatron, torch Interleaved1F1B)
+    zbh1         1F1B with the backward split into I and W, each W deferred into a bubble (zero-bubble ZB-H1)
+    forward      forwards only, for evaluation                                            (torch _ScheduleForwardOnly)
+"""
+from __future__ import annotations
+
+from jaxpar.pipeline.schedule import Action, Op, Schedule, _check_args, from_programs
+
+
+def _f(s: int, m: int, c: int = 0) -> Action:
+    return Action(s, Op.F, m, c)
+
+
+def _b(s: int, m: int, c: int = 0) -> Action:
+    return Action(s, Op.B, m, c)
+
+
+def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
+    """GPipe: every stage forwards all micro-batches, then backwards them (holds M activations)."""
+    _check_args(num_stages, num_microbatches)
+    M = num_microbatches
+    return from_programs([[_f(s, m) for m in range(M)] + [_b(s, m) for m in range(M)] for s in range(num_stages)],
+                         name="gpipe", num_microbatches=M)
+
+
+def forward_only(num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
+    """Inference: every stage forwards the micro-batches in order (chunk by chunk); no backward, no optimizer."""
+    _check_args(num_stages, num_microbatches, virtual_stages)
+    M, V = num_microbatches, virtual_stages
+    return from_programs([[_f(s, m, c) for c in range(V) for m in range(M)] for s in range(num_stages)],
+                         name="forward", num_microbatches=M, virtual_stages=V, backward="")
+
+
+def _one_f_one_b_program(fwd: list[Action], bwd: list[Action], warmup: int) -> list[Action]:
+    """Warm-up forwards, then alternate one forward / one backward, then the remaining backwards."""
+    w = min(warmup, len(fwd))
+    steady = [a for i in range(len(fwd) - w) for a in (fwd[w + i], bwd[i])]
+    return fwd[:w] + steady + bwd[len(fwd) - w:]
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
+    """1F1B (DeepSpeed TrainSchedule, PipeDream-flush): stage s warms up with S-s-1 forwards, then alternates
+    1 forward / 1 backward, then cools down; holds at most S-s activations."""
+    _check_args(num_stages, num_microbatches)
+    S, M = num_stages, num_microbatches
+    return from_programs([_one_f_one_b_program([_f(s, m) for m in range(M)], [_b(s, m) for m in range(M)], S - s - 1)
+                          for s in range(S)], name="1f1b", num_microbatches=M)
+
+
+def interleaved_1f1b(num_stages: int, num_microbatches: int, virtual_stages: int) -> Schedule:
+    """Megatron's interleaved 1F1B: V model chunks per stage; any M >= 1 (Megatron itself needs S | M).
+
+    Micro-batches go in max(1, M // S) consecutive groups whose sizes differ by at most one (larger first), so
+    every group holds >= S of them when M >= S (groups of exactly S when S divides M, as in Megatron). Forward
+    order on every stage: for each group, for chunk 0..V-1, the group's micro-batches; backward order: the same
+    with chunks V-1..0. Stage s warms up with 2*(S-s-1) + (V-1)*G forwards (G = the first group's size), then
+    alternates 1F/1B. Ticks: 2*max(V*M + S-1, V*S + M-1) (the second when M < S: one micro-batch alone must
+    cross all V*S virtual stages). ``virtual_stages=1`` returns ``one_f_one_b``.
+    """
+    _check_args(num_stages, num_microbatches, virtual_stages)
+    S, M, V = num_stages, num_microbatches, virtual_stages
+    if V == 1:
+        return one_f_one_b(S, M)
+    n = max(1, M // S)
+    sizes = [M // n + (i < M % n) for i in range(n)]
+    groups = [range(sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(n)]
+    programs = []
+    for s in range(S):
+        fwd = [_f(s, m, c) for grp in groups for c in range(V) for m in grp]
+        bwd = [_b(s, m, c) for grp in groups for c in reversed(range(V)) for m in grp]
+        programs.append(_one_f_one_b_program(fwd, bwd, 2 * (S - s - 1) + (V - 1) * sizes[0]))
+    return from_programs(programs, name="interleaved", num_microbatches=M, virtual_stages=V)
+
+
+def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
+    """Zero-bubble ZB-H1 (Qi et al. 2023): the backward split into I (input gradient, on the critical path) and W
+    (weight gradient, deferred), with 1F1B's peak memory: every stage holds at most S micro-batches between F
+    and W (1F1B holds S - s on stage s, so only the later stages hold more).
+
+    Built by list scheduling on the unit clock: every tick each stage runs the first of: the next F (1F1B's
+    pacing: at most S-s-1 forwards ahead of its I's, and fewer than S held), the next I whose gradient has
+    arrived, the oldest pending W. Each input gradient goes upstream at once and the W's fill the waits that
+    1F1B spends idle. Bubble with F = I = W (analysis.COSTS): (S-1) / (3M + S-1) for M >= S, against 1F1B's
+    (S-1) / (M + S-1).
+    """
+    _check_args(num_stages, num_microbatches)
+    S, M = num_stages, num_microbatches
+    done: dict[Action, int] = {}
+    programs: list[list[Action]] = [[] for _ in range(S)]
+    next_f, next_i, pending = [0] * S, [0] * S, [[] for _ in range(S)]
+    held = [0] * S  # micro-batches between F and W
+    t = 0
+    while any(len(p) < 3 * M for p in programs):
+        if t > 4 * (3 * M + S):  # cannot happen: the last stage can always proceed; a guard, not a rule
+            raise RuntimeError(f"zb_h1({S}, {M}) made no progress by tick {t}")
+        ran = []
+        for s in range(S):
+            ready = lambda a: a in done and done[a] < t  # noqa: E731
+            f, i = next_f[s], next_i[s]
+            if f < M and held[s] < S and f <= S - s - 1 + i and (s == 0 or ready(_f(s - 1, f))):
+                a = _f(s, f)
+                next_f[s], held[s] = f + 1, held[s] + 1
+            elif i < f and ready(_f(s, i)) and (s == S - 1 or ready(Action(s + 1, Op.I, i))):
+                a = Action(s, Op.I, i)
+                next_i[s] = i + 1
+                pending[s].append(i)
+            elif pending[s]:
+                a = Action(s, Op.W, pending[s].pop(0))
+                held[s] -= 1
+            else:
+                continue
+            ran.append(a)
+            programs[s].append(a)
+        for a in ran:
+            done[a] = t
+        t += 1
+    return from_programs(programs, name="zbh1", num_microbatches=M, backward="IW")
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b, "zbh1": zb_h1,
+             "forward": forward_only}
+
+
+def make(name: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
+    """Build a schedule by name: gpipe, 1f1b, zbh1, interleaved or forward (the last two take virtual_stages)."""
+    if name not in SCHEDULES:
+        raise ValueError(f"{name=} is not a schedule; use one of {sorted(SCHEDULES)}")
+    _check_args(num_stages, num_microbatches, virtual_stages)
+    if name == "interleaved":
+        return interleaved_1f1b(num_stages, num_microbatches, virtual_stages)
+    if name == "forward":
+        return forward_only(num_stages, num_microbatches, virtual_stages)
+    if virtual_stages != 1:
+        raise ValueError(f"{virtual_stages=} needs model chunks, which {name!r} does not have; "
+                         f"use name='interleaved' or virtual_stages=1")
+    return SCHEDULES[name](num_stages, num_microbatches)

@@ -1,0 +1,74 @@
+"""The pipeline's memory per stage under both activation policies, from the compiled functions' shapes.
+
+Per stage (per device of it): weights, optimizer state, the gradient accumulator, and the activations one
+micro-batch keeps between its forward and its backward -- the stage input plus what the forward's vjp saved --
+once with every residual kept (activation_checkpoint_interval 0, DeepSpeed's and torch's default) and once
+recomputing from each segment's input (the configured interval, or the whole stage when none is set), times the
+micro-batches the schedule holds at once (analysis.peak_inflight). Nothing is allocated: jax.eval_shape of each
+part's forward.
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jaxpar.pipeline import analysis
+from jaxpar.pipeline.module import PipelineModule
+from jaxpar.pipeline.stage import PartFns
+
+MiB = 2 ** 20
+
+
+def _bytes(tree) -> int:
+    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
+
+
+def activation_bytes(pipe, module: PipelineModule, layout) -> list[int]:
+    """Per virtual stage: bytes one micro-batch keeps from its forward to its backward, per device."""
+    engine, tr = pipe.engine, pipe.transport
+    out, x = [], None
+    for v in range(module.num_parts):
+        s = module.stage_of(v)
+        fns = PartFns(module, v, pipe.objective, layout, tr.meshes[s], pipe.micro_batches)
+        params = [module.param_specs[j] for j in fns.pidx]
+        state = [engine.state_specs[j] for j in fns.sidx]
+        data = engine.data_specs(layout, s)
+        y, saved, _ = jax.eval_shape(fns.forward, params, state, x, data, jax.ShapeDtypeStruct((), np.int32))
+        out.append((_bytes(saved) + _bytes(x)) // pipe.D)  # D > 1: saved carries a leading axis of D
+        x = y
+    return out
+
+
+def table(pipe, layout) -> list[dict]:
+    """One row per stage: MiB of weights, optimizer state, gradients, and activations under both policies."""
+    mod, sch = pipe.module, pipe.schedule
+    interval = mod.interval or max(b - a for a, b in zip(mod.bounds, mod.bounds[1:]))
+    variants = {}
+    for name, n in (("store", 0), ("recompute", interval)):
+        other = mod if n == mod.interval else PipelineModule.from_model(
+            mod.model, mod.num_stages, partition_method=mod.partition_method, virtual_stages=mod.virtual_stages,
+            activation_checkpoint_interval=n, wrt=mod.wrt, example_input=mod.example_input)
+        variants[name] = activation_bytes(pipe, other, layout)
+    held = analysis.peak_inflight(sch)
+    rows = []
+    for s in range(mod.num_stages):
+        params = [mod.param_specs[j] for j in mod.stage_params[s]]
+        opt = jax.eval_shape(pipe.tx.init, params)
+        parts = [v for v in range(mod.num_parts) if mod.stage_of(v) == s]
+        row = {"stage": s, "params_mib": _bytes(params) / MiB, "opt_state_mib": _bytes(opt) / MiB,
+               "grads_mib": _bytes(params) / MiB, "in_flight": held[s]}
+        for name, per_part in variants.items():
+            per_mb = max(per_part[v] for v in parts)  # a (micro-batch, chunk) pair holds one chunk's
+            row[f"act_{name}_mib_per_microbatch"] = per_mb / MiB
+            row[f"act_{name}_mib"] = per_mb * held[s] / MiB
+        rows.append(row)
+    return rows
+
+
+def text(rows: list[dict]) -> str:
+    """The table as text, one line per stage."""
+    return "; ".join(f"stage {r['stage']}: weights {r['params_mib']:.2f}, optimizer {r['opt_state_mib']:.2f}, "
+                     f"grads {r['grads_mib']:.2f}, activations {r['in_flight']} x {r['act_store_mib_per_microbatch']:.2f}"
+                     f" = {r['act_store_mib']:.2f} stored / {r['in_flight']} x "
+                     f"{r['act_recompute_mib_per_microbatch']:.2f} = {r['act_recompute_mib']:.2f} recomputed MiB"
+                     for r in rows)

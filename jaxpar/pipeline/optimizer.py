@@ -1,0 +1,157 @@
+"""The optimizer per stage: each stage updates its own weights with ``tx`` over ITS subtree of the canonical
+parameters (the same paths, fewer leaves), and the canonical optimizer state maps to and from the stages' states.
+
+That is exact for transforms that treat every parameter on its own (sgd, momentum, adam, adamw, adadelta,
+per-leaf trust ratios). A transform that couples parameters -- ``optax.clip_by_global_norm`` scales every leaf by
+the norm over ALL leaves -- would see only its stage's leaves and clip each stage by its own norm. `probe`
+finds such coupling before training, numerically: it runs tx on a shrunk copy of the parameters (each dimension
+cut to 3), once on the whole tree and once per stage subtree, and compares the updates. A transform that is
+exact once it is given the global norm (`jaxpar.optim.clip_by_global_norm`, an optax extra argument
+``global_norm``) gets it: the engine adds the stages' squared norms across stages. Anything else is refused with
+a one-line ValueError naming the fix.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+
+def stage_tree(module, stage: int, leaves: list) -> nnx.State:
+    """The stage's parameters as an nnx.State on the canonical paths (the optimizer's view)."""
+    paths = [module.param_paths[j] for j in module.stage_params[stage]]
+    return nnx.from_flat_state(list(zip(paths, [nnx.Param(a) if not isinstance(a, nnx.Variable) else a
+                                                for a in leaves])))
+
+
+def _tree(module, stage: int | None, leaves: list) -> nnx.State:
+    if stage is None:
+        return jax.tree.unflatten(module.param_treedef, leaves)
+    return jax.tree.unflatten(stage_treedef(module, stage), leaves)
+
+
+_TREEDEFS: dict = {}
+
+
+def stage_treedef(module, stage: int):
+    """The treedef of the stage's parameter State (built once per module and stage)."""
+    key = (id(module), stage)
+    if key not in _TREEDEFS:
+        canonical = jax.tree.unflatten(module.param_treedef, [0] * len(module.param_paths))
+        kinds = {p: v for p, v in nnx.to_flat_state(canonical)}
+        sub = nnx.from_flat_state([(module.param_paths[j], kinds[module.param_paths[j]])
+                                   for j in module.stage_params[stage]])
+        _TREEDEFS[key] = jax.tree.structure(sub)
+    return _TREEDEFS[key]
+
+
+def _param_like(treedef):
+    return lambda x: jax.tree.structure(x) == treedef
+
+
+def opt_layout(tx: optax.GradientTransformation, module, stage: int | None):
+    """(outer treedef of tx's state with each parameter-shaped subtree as one leaf, which outer leaves those are)."""
+    treedef = module.param_treedef if stage is None else stage_treedef(module, stage)
+    idx = range(len(module.param_paths)) if stage is None else module.stage_params[stage]
+    abstract = _tree(module, stage, [module.param_specs[j] for j in idx])
+    state = jax.eval_shape(tx.init, abstract)
+    leaves, outer = jax.tree.flatten(state, is_leaf=_param_like(treedef))
+    return outer, [_param_like(treedef)(x) for x in leaves], leaves
+
+
+def check_layout(tx: optax.GradientTransformation, module) -> None:
+    """ValueError unless every stage's optimizer state is the canonical one with fewer parameter leaves."""
+    outer, kinds, leaves = opt_layout(tx, module, None)
+    for s in range(module.num_stages):
+        o, k, ls = opt_layout(tx, module, s)
+        same = o == outer and k == kinds and all(
+            kind or (jax.tree.structure(a) == jax.tree.structure(b) and
+                     [x.shape for x in jax.tree.leaves(a)] == [x.shape for x in jax.tree.leaves(b)])
+            for kind, a, b in zip(kinds, leaves, ls))
+        if not same:
+            raise ValueError(f"the optimizer's state {jax.tree.structure(jax.tree.unflatten(outer, leaves))} does not "
+                             "split by parameter (leaves shaped like the parameters, or shared scalars such as a step "
+                             "count); the pipeline updates each stage on its own: use an elementwise optimizer "
+                             "(sgd, adam, adamw, adadelta) chained with jaxpar.optim.clip_by_global_norm if needed.")
+
+
+def to_stage(tx, module, stage: int, opt_state: Any) -> Any:
+    """The canonical optimizer state's part for `stage`."""
+    outer, kinds, _ = opt_layout(tx, module, None)
+    leaves = jax.tree.flatten(opt_state, is_leaf=_param_like(module.param_treedef))[0]
+    out = []
+    for leaf, kind in zip(leaves, kinds):
+        if kind:
+            flat = jax.tree.leaves(leaf)
+            out.append(_tree(module, stage, [flat[j] for j in module.stage_params[stage]]))
+        else:
+            out.append(leaf)
+    return jax.tree.unflatten(opt_layout(tx, module, stage)[0], out)
+
+
+def to_canonical(tx, module, stage_states: dict[int, Any]) -> Any:
+    """The canonical optimizer state from every stage's (each leaf from the stage owning it; shared scalars from
+    stage 0's)."""
+    outer, kinds, _ = opt_layout(tx, module, None)
+    per_stage = {s: jax.tree.flatten(st, is_leaf=_param_like(stage_treedef(module, s)))[0]
+                 for s, st in stage_states.items()}
+    out = []
+    for i, kind in enumerate(kinds):
+        if not kind:
+            out.append(per_stage[0][i])
+            continue
+        flat = [None] * len(module.param_paths)
+        for s, leaves in per_stage.items():
+            for j, a in zip(module.stage_params[s], jax.tree.leaves(leaves[i])):
+                if module.owner[j] == s:
+                    flat[j] = a
+        out.append(_tree(module, None, flat))
+    return jax.tree.unflatten(outer, out)
+
+
+def probe(tx: optax.GradientTransformation, module, rtol: float = 1e-5) -> bool:
+    """Whether tx needs the global gradient norm (True), is per-parameter (False); ValueError if it couples the
+    stages some other way. Two update steps on 3-element-per-dimension copies of the parameters."""
+    check_layout(tx, module)
+    if module.num_stages == 1:
+        return False
+    tx = optax.with_extra_args_support(tx)
+    rng = np.random.default_rng(0)
+    shrink = [tuple(min(d, 3) for d in s.shape) for s in module.param_specs]
+    draw = lambda: [rng.standard_normal(s).astype(np.float32) for s in shrink]  # noqa: E731
+    params, grads = draw(), [draw(), draw()]
+
+    def run(stage, norm: bool):
+        idx = list(range(len(shrink))) if stage is None else module.stage_params[stage]
+        p = _tree(module, stage, [jnp.asarray(params[j]) for j in idx])
+        st, out = tx.init(p), []
+        for g_all in grads:
+            g = _tree(module, stage, [jnp.asarray(g_all[j]) for j in idx])
+            extra = {"global_norm": jnp.sqrt(sum(jnp.sum(jnp.square(a)) for a in g_all))} if norm else {}
+            u, st = tx.update(g, st, p, **extra)
+            p = optax.apply_updates(p, u)
+            out.append(jax.tree.leaves(u))
+        return out
+
+    def coupled(norm: bool) -> str | None:
+        whole = run(None, norm)
+        for s in range(module.num_stages):
+            for step, (w, u) in enumerate(zip(whole, run(s, norm))):
+                for j, a in zip(module.stage_params[s], u):
+                    if not np.allclose(a, w[j], rtol=rtol, atol=1e-7):
+                        return f"stage {s}'s update of {'/'.join(map(str, module.param_paths[j]))} at step {step + 1}"
+        return None
+
+    where = coupled(False)
+    if where is None:
+        return False
+    if coupled(True) is None:
+        return True
+    raise ValueError(f"the optimizer couples parameters across stages ({where} differs from the whole model's), "
+                     "e.g. optax.clip_by_global_norm clips by the norm over all stages; the pipeline updates each "
+                     "stage on its own: use jaxpar.optim.clip_by_global_norm(max_norm) (given the norm over all "
+                     "stages) or a per-parameter optimizer.")

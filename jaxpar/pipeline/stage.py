@@ -1,0 +1,293 @@
+"""One virtual stage's compiled functions: forward, backward (fused, or split into input and weight gradients),
+forward+backward on the last stage, and an evaluation forward -- pure, over ITS OWN parameters only.
+
+Roughly, for part v (a few segments, see jaxpar.pipeline.module) and one micro-batch::
+
+    y, saved       = forward(params, state, x, data)           # saved: every segment's residuals (its vjp)
+    acc, dx        = backward(acc, params, state, x, data, saved, dy)   # acc += dparams, in place (donated)
+    dx, cots       = input_grad(params, state, x, data, saved, dy)      # zero-bubble I: dx now, cotangents kept
+    acc            = weight_grad(acc, params, state, x, data, saved, cots)   # zero-bubble W, later
+
+The residuals a vjp keeps that are the function's own inputs (the weights, the stage input, the batch) are not
+returned -- jit would copy them -- but passed again to the backward (`Saved` records where they go). On the last
+virtual stage the forward ends in the loss: it returns the micro-batch's Sums and the backward seeds dloss = 1
+(the gradient of the SUMMED loss; the engine divides by the global weight once). Per-sample objectives run each
+segment vmapped over rows, reseeding the segment's RNG streams by sample id as the reference step does, so
+dropout masks equal single-device ones. With D data-parallel replicas of the stage the functions run under
+shard_map over its DATA sub-mesh: rows sharded, weights replicated; residuals and gradient accumulators stay
+per device (a leading axis of D) until the reduction once per step.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.batch import Rows
+from jaxpar.mesh import DATA
+from jaxpar.objective import Objective, Sums, advance_rng, cast_floating, reseed
+
+
+@jax.tree_util.register_pytree_node_class
+class Saved:
+    """A list of vjp closures with the leaves that were inputs taken out: ``refs[i]`` is None (kept here) or
+    (argument, leaf) to fetch from the backward's own arguments."""
+
+    def __init__(self, leaves, static):
+        self.leaves, self.static = list(leaves), static
+
+    def tree_flatten(self):
+        return self.leaves, self.static
+
+    @classmethod
+    def tree_unflatten(cls, static, leaves):
+        return cls(leaves, static)
+
+    @classmethod
+    def strip(cls, vjps: list, inputs: tuple) -> "Saved":
+        where = {id(a): (i, k) for i, arg in enumerate(inputs) for k, a in enumerate(jax.tree.leaves(arg))}
+        leaves, treedef = jax.tree.flatten(vjps)
+        refs = tuple(where.get(id(a)) for a in leaves)
+        return cls([a for a, r in zip(leaves, refs) if r is None], (treedef, refs))
+
+    def rebuild(self, inputs: tuple) -> list:
+        treedef, refs = self.static
+        args = [jax.tree.leaves(arg) for arg in inputs]
+        kept = iter(self.leaves)
+        return jax.tree.unflatten(treedef, [next(kept) if r is None else args[r[0]][r[1]] for r in refs])
+
+
+class Layout(NamedTuple):
+    """A micro-batch's data as the stages get it: the batch pytree's treedef and leaf shapes (one micro-batch,
+    all its replicas' rows), and which leaves the first stage (the model's inputs) and the loss read."""
+    treedef: Any
+    specs: tuple  # jax.ShapeDtypeStruct per leaf
+    inputs: tuple  # leaf positions read by loss.inputs(batch): sent to the first stage only
+    targets: tuple  # leaf positions read by the loss: sent to the last stage only
+
+
+def _floating(a) -> bool:
+    return jnp.issubdtype(jnp.result_type(a), jnp.floating)
+
+
+def split_float(x) -> tuple[list, list, Any, tuple]:
+    """(float leaves, other leaves, treedef, which leaves are float) of a boundary pytree."""
+    leaves, treedef = jax.tree.flatten(x)
+    kinds = tuple(_floating(a) for a in leaves)
+    return [a for a, f in zip(leaves, kinds) if f], [a for a, f in zip(leaves, kinds) if not f], treedef, kinds
+
+
+def join_float(floats, others, treedef, kinds):
+    fl, ot = iter(floats), iter(others)
+    return jax.tree.unflatten(treedef, [next(fl) if f else next(ot) for f in kinds])
+
+
+class PartFns:
+    """The compiled functions of virtual stage `part` (see the module docstring); `mesh` is the stage's DATA
+    sub-mesh (D devices), `micro_batches` keys batch-mode RNG draws (shard = replica * M + micro-batch)."""
+
+    def __init__(self, module, part: int, objective: Objective, layout: Layout, mesh, micro_batches: int):
+        self.module, self.part, self.obj, self.layout, self.mesh = module, part, objective, layout, mesh
+        self.segments = module.parts[part]
+        self.first, self.last = part == 0, part == module.num_parts - 1
+        self.pidx = sorted({j for seg in self.segments for j in seg.param_index})
+        self.sidx = sorted({j for seg in self.segments for j in seg.state_index})
+        ppos, spos = {j: k for k, j in enumerate(self.pidx)}, {j: k for k, j in enumerate(self.sidx)}
+        self.seg_ppos = [tuple(ppos[j] for j in seg.param_index) for seg in self.segments]
+        self.seg_spos = [tuple(spos[j] for j in seg.state_index) for seg in self.segments]
+        self.D, self.M = mesh.size, micro_batches
+        self.loss = objective.output_loss() if (self.first or self.last) else None
+        replicated_out = "rep" if self.last else "rows"
+        self.forward = self._compile(self._forward, ("rep", "rep", "rows", "rows", "rep"),
+                                     (replicated_out, "local", "rep"))
+        self.backward = self._compile(self._backward, ("local", "rep", "rep", "rows", "rows", "local", "rows"),
+                                      ("local", "rows"), donate=(0,))
+        self.input_grad = self._compile(self._input_grad, ("rep", "rep", "rows", "rows", "local", "rows"),
+                                        ("rows", "local"))
+        self.weight_grad = self._compile(self._weight_grad, ("local", "rep", "rep", "rows", "rows", "local", "local"),
+                                         "local", donate=(0,))
+        self.forward_backward = self._compile(self._forward_backward, ("local", "rep", "rep", "rows", "rows", "rep"),
+                                              ("local", "rows", "rep", "rep"), donate=(0,))
+        self.forward_input_grad = self._compile(self._forward_input_grad, ("rep", "rep", "rows", "rows", "rep"),
+                                                ("rows", "local", "local", "rep", "rep"))
+        self.evaluate = self._compile(self._evaluate, ("rep", "rep", "rows", "rows"), replicated_out)
+
+    # -- compiling: one device, or shard_map over the stage's replicas ---------------------------------------
+
+    def _compile(self, fn, ins, outs, donate=()):
+        if self.D == 1:
+            return jax.jit(fn, donate_argnums=donate)
+        spec = {"rep": P(), "rows": P(DATA), "local": P(DATA)}
+        expand = lambda kinds, xs: jax.tree.map(lambda a: a[None], xs) if kinds == "local" else xs  # noqa: E731
+        squeeze = lambda kinds, xs: jax.tree.map(lambda a: a[0], xs) if kinds == "local" else xs  # noqa: E731
+
+        def body(*args):
+            out = fn(*[squeeze(k, a) for k, a in zip(ins, args)])
+            if isinstance(outs, str):
+                return expand(outs, out)
+            return tuple(expand(k, o) for k, o in zip(outs, out))
+
+        out_specs = spec[outs] if isinstance(outs, str) else tuple(spec[k] for k in outs)
+        mapped = jax.shard_map(body, mesh=self.mesh, in_specs=tuple(spec[k] for k in ins), out_specs=out_specs,
+                               check_vma=False)
+        return jax.jit(mapped, donate_argnums=donate)
+
+    # -- the math --------------------------------------------------------------------------------------------
+
+    def _rows(self, data) -> Rows:
+        """The micro-batch as the loss sees it: the leaves this stage was sent, zeros (never read) elsewhere."""
+        leaves, mask, ids = data
+        have = dict(leaves)
+        full = [have[i] if i in have else jnp.zeros((mask.shape[0],) + s.shape[1:], s.dtype)
+                for i, s in enumerate(self.layout.specs)]
+        return Rows(jax.tree.unflatten(self.layout.treedef, full), mask, ids)
+
+    def _shard(self, m):
+        return (lax.axis_index(DATA) * self.M + m) if self.D > 1 else m
+
+    def _seg_apply(self, k, p, st, x, rows: Rows, train: bool, shard):
+        seg, obj = self.segments[k], self.obj
+        graphdef = seg.graphdef if train else seg.eval_graphdef
+        p = cast_floating(p, obj.compute_dtype)
+
+        def run(model, a):
+            for layer in model:
+                a = layer(a)
+            return a
+
+        if not obj.per_sample:
+            model = nnx.merge(graphdef, p, st)
+            if train:
+                reseed(model, shard)
+            y = run(model, x)
+            new = nnx.split(model, obj.wrt, ...)[2]
+            return y, (advance_rng(new, st, by=0) if train else st)
+
+        def one(xr, sid, p, st):
+            model = nnx.merge(graphdef, p, st)
+            if train:
+                reseed(model, sid)
+            return jax.tree.map(lambda a: a[0], run(model, jax.tree.map(lambda a: a[None], xr)))
+
+        n = rows.mask.shape[0]
+        step = obj.rows_per_call or n
+        parts = [jax.vmap(one, in_axes=(0, 0, None, None))(jax.tree.map(lambda a: a[lo:lo + step], x),
+                                                            rows.ids[lo:lo + step], p, st)
+                 for lo in range(0, n, step)]  # unrolled: XLA:CPU runs convolutions in a loop slower
+        y = parts[0] if len(parts) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *parts)
+        return y, st
+
+    def _seg_params(self, k, params):
+        seg = self.segments[k]
+        return jax.tree.unflatten(seg.param_treedef, [params[i] for i in self.seg_ppos[k]])
+
+    def _seg_state(self, k, state):
+        seg = self.segments[k]
+        return jax.tree.unflatten(seg.state_treedef, [state[i] for i in self.seg_spos[k]])
+
+    def _input(self, x, rows: Rows):
+        return cast_floating(self.loss.inputs(rows.data), self.obj.compute_dtype) if self.first else x
+
+    def _run(self, params, state, x, data, m, *, train: bool, grad: bool):
+        """(output or loss, per-segment vjps, Sums or None, new state leaves)."""
+        rows, shard = self._rows(data), self._shard(m)
+        x = self._input(x, rows)
+        state, vjps = list(state), []
+        for k, seg in enumerate(self.segments):
+            p, st = self._seg_params(k, params), self._seg_state(k, state)
+            if not grad:
+                x, st = self._seg_apply(k, p, st, x, rows, train, shard)
+            else:
+                xf, xo, treedef, kinds = split_float(x)
+                box = []  # the output's static split, recorded while f is traced
+
+                def f(p, xf, st=st, xo=xo, treedef=treedef, kinds=kinds, k=k, box=box):
+                    y, new = self._seg_apply(k, p, st, join_float(xf, xo, treedef, kinds), rows, True, shard)
+                    yf, yo, ytree, ykinds = split_float(y)
+                    box[:] = [ytree, ykinds]
+                    return yf, (yo, new)  # only float leaves carry gradients: others ride as aux
+
+                yf, vjp, (yo, st) = jax.vjp(jax.checkpoint(f) if seg.remat else f, p, xf, has_aux=True)
+                x = join_float(yf, yo, *box)
+                vjps.append(vjp)
+            for pos, leaf in zip(self.seg_spos[k], jax.tree.leaves(st)):
+                state[pos] = leaf
+        if not self.last:
+            return x, vjps, None, state
+        if grad:
+            xf, xo, treedef, kinds = split_float(x)
+
+            def loss(xf):
+                sums = self.obj.output_sums(join_float(xf, xo, treedef, kinds), rows)
+                return sums.loss, sums
+
+            _, vjp, sums = jax.vjp(loss, xf, has_aux=True)
+            vjps.append(vjp)
+        else:
+            sums = self.obj.output_sums(x, rows)
+        if self.D > 1:
+            sums = jax.tree.map(lambda a: lax.psum(a, DATA), sums)
+        return sums.loss, vjps, sums, state
+
+    def _grads(self, vjps, dy, acc, *, weights: bool = True):
+        """Walk the segments backwards from cotangent dy (None on the last stage: dloss = 1): (acc + dparams or
+        None, dx or None on the first stage, each segment's output cotangent)."""
+        if self.last:
+            dy = vjps[-1](jnp.ones((), jnp.float32))[0]
+            vjps = vjps[:-1]
+        grads, cots = [None] * len(self.pidx), [None] * len(self.segments)
+        for k in reversed(range(len(self.segments))):
+            cots[k] = dy
+            if k == 0 and self.first and not weights:
+                break  # the input gradient of the first stage goes nowhere
+            dp, dy = vjps[k](dy)  # what is not returned, XLA drops (dparams in I, dx in W)
+            if weights:
+                self._add(grads, k, dp)
+        return (self._finish(grads, acc) if weights else None), (None if self.first else dy), cots
+
+    def _add(self, grads: list, k: int, dp) -> None:
+        for pos, g in zip(self.seg_ppos[k], jax.tree.leaves(dp)):
+            grads[pos] = g if grads[pos] is None else grads[pos] + g  # a weight two segments share
+
+    def _finish(self, grads: list, acc):
+        specs = [self.module.param_specs[j] for j in self.pidx]
+        grads = [jnp.zeros(s.shape, s.dtype) if g is None else g for g, s in zip(grads, specs)]
+        return grads if acc is None else [a + g for a, g in zip(acc, grads)]
+
+    def _forward(self, params, state, x, data, m):
+        out, vjps, sums, state = self._run(params, state, x, data, m, train=True, grad=True)
+        saved = Saved.strip(vjps, (params, state, x, data))
+        return (sums if self.last else out), saved, (() if self.obj.per_sample else state)
+
+    def _backward(self, acc, params, state, x, data, saved, dy):
+        grads, dx, _ = self._grads(saved.rebuild((params, state, x, data)), dy, acc)
+        return grads, dx
+
+    def _input_grad(self, params, state, x, data, saved, dy):
+        _, dx, cots = self._grads(saved.rebuild((params, state, x, data)), dy, None, weights=False)
+        return dx, cots
+
+    def _weight_grad(self, acc, params, state, x, data, saved, cots):
+        vjps, grads = saved.rebuild((params, state, x, data)), [None] * len(self.pidx)
+        for k in range(len(self.segments)):
+            self._add(grads, k, vjps[k](cots[k])[0])
+        return self._finish(grads, acc)
+
+    def _forward_backward(self, acc, params, state, x, data, m):
+        _, vjps, sums, new_state = self._run(params, state, x, data, m, train=True, grad=True)
+        grads, dx, _ = self._grads(vjps, None, acc)
+        return grads, dx, sums, (() if self.obj.per_sample else new_state)
+
+    def _forward_input_grad(self, params, state, x, data, m):
+        _, vjps, sums, new_state = self._run(params, state, x, data, m, train=True, grad=True)
+        _, dx, cots = self._grads(vjps, None, None, weights=False)
+        saved = Saved.strip(vjps[:-1], (params, state, x, data))
+        return dx, saved, cots, sums, (() if self.obj.per_sample else new_state)
+
+    def _evaluate(self, params, state, x, data):
+        out, _, sums, _ = self._run(params, state, x, data, 0, train=False, grad=False)
+        return sums if self.last else out

@@ -1,0 +1,132 @@
+"""Where the stages live and how values move between them: one process by ``jax.device_put``, across processes
+by a two-sided ``ppermute`` program on a mesh of the sender's and the receiver's devices (gloo on CPU).
+
+Stage s owns the DATA column ``mesh.devices[:, s]`` of the (DATA, PIPE) mesh, all in one process; its arrays are
+"rows" (sharded over its D devices by rows), "rep" (replicated) or "local" (one slice per device, a leading axis
+of D). A cross-process transfer is a collective both processes must call, in the same order: the engine calls
+`exchange` for every cross-process message of a tick in one global order, which every process derives from the
+schedule (jaxpar.pipeline.engine). The two-sided programs declare each side's buffer "replicated" over the pair
+axis although the sides differ (the sender's value, the receiver's zeros): with check_vma off, ppermute moves
+the sender's shards to the receiver's devices and nothing is sliced or reassembled. Roughly::
+
+    mesh2 = Mesh([[sender devices], [receiver devices]], ("pair", DATA))
+    out = shard_map(lambda x: ppermute(x, "pair", [(0, 1)]), mesh2, P(DATA), P(DATA))(value or zeros)
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.mesh import DATA, PIPE
+
+PAIR, PROC = "pair", "proc"
+
+
+@lru_cache(maxsize=None)
+def _pair_program(devices: tuple, reduce: bool, sharded: bool):
+    """ppermute (send) or psum (sum both sides) over the pair axis of Mesh([src devs, dst devs]); the buffers
+    sharded by rows over DATA, or whole on every device."""
+    mesh = Mesh(np.array(devices, dtype=object).reshape(2, -1), (PAIR, DATA))
+    body = (lambda x: lax.psum(x, PAIR)) if reduce else (lambda x: lax.ppermute(x, PAIR, [(0, 1)]))
+    spec = P(DATA) if sharded else P()
+    return mesh, jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+
+
+@lru_cache(maxsize=None)
+def _proc_program(devices: tuple):
+    mesh = Mesh(np.array(devices, dtype=object), (PROC,))
+    fn = jax.shard_map(lambda x: lax.psum(x, PROC), mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
+    return mesh, jax.jit(fn)
+
+
+class Transport:
+    """Placement of the S stages of `mesh` (DATA, PIPE) and the moves between them."""
+
+    def __init__(self, mesh: Mesh):
+        self.mesh = mesh
+        self.S, self.D = mesh.shape[PIPE], mesh.shape[DATA]
+        self.me = jax.process_index()
+        self.devices = [tuple(mesh.devices[:, s]) for s in range(self.S)]
+        self.process = []
+        for s, devs in enumerate(self.devices):
+            procs = {d.process_index for d in devs}
+            if len(procs) > 1:
+                raise ValueError(f"stage {s}'s {len(devs)} data-parallel devices span processes {sorted(procs)}; a "
+                                 "stage must live in one process: use --num-stages a multiple of the process count "
+                                 "(or DDP for pure data parallelism across processes).")
+            self.process.append(procs.pop())
+        self.meshes = [Mesh(np.array(devs, dtype=object), (DATA,)) for devs in self.devices]
+        self.kinds = [{"rows": NamedSharding(m, P(DATA)), "local": NamedSharding(m, P(DATA)),
+                       "rep": NamedSharding(m, P())} for m in self.meshes]
+        procs = sorted(set(self.process))
+        self.proc_devices = tuple(next(devs[0] for s, devs in enumerate(self.devices) if self.process[s] == p)
+                                  for p in procs)
+
+    def mine(self, stage: int) -> bool:
+        return self.process[stage] == self.me
+
+    @property
+    def local_stages(self) -> list[int]:
+        return [s for s in range(self.S) if self.mine(s)]
+
+    def put(self, value: Any, stage: int, kind: str = "rep") -> Any:
+        """`value` onto stage `stage`'s devices (a host value, or an array of another local stage)."""
+        return jax.device_put(value, self.kinds[stage][kind])
+
+    def same_process(self, a: int, b: int) -> bool:
+        return self.process[a] == self.process[b]
+
+    # -- across processes: both sides call these, in the same order ------------------------------------------
+
+    def _pair(self, src: int, dst: int, value, specs, reduce: bool, kind: str):
+        sharded = kind != "rep" and self.D > 1
+        mesh, fn = _pair_program(self.devices[src] + self.devices[dst], reduce, sharded)
+        sharding = NamedSharding(mesh, P(DATA) if sharded else P())
+        mine = src if self.mine(src) else dst
+        devs = self.devices[mine]
+        order = lambda shards: sorted((s for s in shards if s.device in devs), key=lambda s: devs.index(s.device))  # noqa
+        arrays = []
+        for k, spec in enumerate(jax.tree.leaves(specs)):
+            if value is not None:
+                parts = [s.data for s in order(jax.tree.leaves(value)[k].addressable_shards)]
+            else:
+                local = (spec.shape[0] // self.D,) + tuple(spec.shape[1:]) if sharded else tuple(spec.shape)
+                parts = [jnp.zeros(local, spec.dtype, device=d) for d in devs]
+            arrays.append(jax.make_array_from_single_device_arrays(spec.shape, sharding, parts))
+        out = fn(arrays)
+        target = self.kinds[mine][kind]
+        result = [jax.make_array_from_single_device_arrays(spec.shape, target, [s.data for s in order(a.addressable_shards)])
+                  for spec, a in zip(jax.tree.leaves(specs), out)]
+        return jax.tree.unflatten(jax.tree.structure(specs), result)
+
+    def exchange(self, src: int, dst: int, value: Any, specs: Any) -> Any:
+        """Send `value` (on the sender, None on the receiver) from stage src to stage dst in another process;
+        the receiver gets the value on its devices (the sender gets its own buffers back: ignore them)."""
+        return self._pair(src, dst, value if self.mine(src) else None, specs, False, "rows")
+
+    def pair_sum(self, a: int, b: int, value: Any, specs: Any) -> Any:
+        """The sum of two stages' replicated values (each side passes its own), on both sides (tied gradients)."""
+        return self._pair(a, b, value, specs, True, "rep")
+
+    @property
+    def first_device(self):
+        """This process's device for process-level values (the Sums vector, gathered state)."""
+        return next(d for d in self.proc_devices if d.process_index == self.me)
+
+    def all_processes_sum(self, tree: Any) -> Any:
+        """The sum over processes of a pytree of arrays (each passes its own; zeros where it has nothing), on
+        this process's first device."""
+        tree = jax.device_put(tree, self.first_device)
+        if len(self.proc_devices) == 1:
+            return tree
+        mesh, fn = _proc_program(self.proc_devices)
+        sharding = NamedSharding(mesh, P())
+        arrays = jax.tree.map(lambda a: jax.make_array_from_single_device_arrays(a.shape, sharding, [a]), tree)
+        return jax.tree.map(lambda a: a.addressable_data(0), fn(arrays))

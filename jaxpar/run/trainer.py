@@ -20,7 +20,7 @@ from flax import nnx
 from jaxpar.config import DEFAULT_LR, Config
 from jaxpar.optim import OPTIMIZERS, make_optimizer
 from jaxpar.step import TrainState, init_state, make_eval_step
-from jaxpar.strategies.base import STRATEGIES, cfg_objective, get_builder
+from jaxpar.strategies.base import STRATEGIES, cfg_objective, get_builder, whole_batch
 
 
 def devices_used(strategy) -> int:
@@ -295,7 +295,8 @@ def make_tx(cfg: Config, steps_per_epoch: int) -> optax.GradientTransformation:
 
 def evaluate(eval_step, state: TrainState, dataset, batch_size: int, pad: bool = True) -> dict[str, float]:
     """Mean loss and every metric (divided by the summed weight) of `state` over `dataset`, in batches of
-    `batch_size`; the last batch padded with masked rows when `pad` (per-sample objectives), else smaller."""
+    `batch_size`; the last batch padded with masked rows when `pad` (per-sample objectives), else smaller.
+    `state` None: `eval_step(rows)` evaluates by itself (a strategy's own evaluate)."""
     from jaxpar.batch import as_rows, pad_rows
 
     n, totals = len(dataset), None
@@ -304,7 +305,7 @@ def evaluate(eval_step, state: TrainState, dataset, batch_size: int, pad: bool =
         rows = as_rows(dataset.batch(idx), idx)
         if pad and n > batch_size:
             rows = pad_rows(rows, batch_size)
-        sums = jax.device_get(eval_step(state.params, state.model_state, rows))
+        sums = jax.device_get(eval_step(rows) if state is None else eval_step(state.params, state.model_state, rows))
         totals = sums if totals is None else jax.tree.map(np.add, totals, sums)
     w = max(float(totals.weight), 1e-30)
     return {"eval_loss": float(totals.loss) / w, **{f"eval_{k}": float(v) / w for k, v in totals.metrics.items()}}
@@ -361,9 +362,10 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
     except ValueError as e:
         raise ValueError(f"--eval-split {eval_split!r}: {str(e).rstrip('.')}; or pass --eval-split '' (that skips "
                          "evaluation).") from None
-    sampler = DistributedSampler(len(train_set), num_replicas=nproc, rank=rank, shuffle=cfg.shuffle,
+    replicas, shard = (1, 0) if whole_batch(cfg.strategy) else (nproc, rank)  # pipeline: all of it everywhere
+    sampler = DistributedSampler(len(train_set), num_replicas=replicas, rank=shard, shuffle=cfg.shuffle,
                                  seed=cfg.seed, drop_last=cfg.drop_last)
-    local_batch = cfg.batch_size // nproc
+    local_batch = cfg.batch_size // replicas
     steps_per_epoch = (len(sampler) // local_batch if cfg.drop_last else math.ceil(len(sampler) / local_batch))
     if steps_per_epoch == 0:
         raise ValueError(f"--batch-size {cfg.batch_size} with --drop-last leaves no batch from "
@@ -445,8 +447,11 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
                 if stopped:
                     break
                 epoch_done = len(loader) == 0  # else --steps ended the run mid-epoch
-                if eval_set is not None:
+                if eval_set is not None:  # a strategy with evaluate() runs it where its weights are (pipeline)
+                    on = getattr(strategy, "evaluate", None)
                     last.update(evaluate(eval_step, strategy.unplace(placed), eval_set, cfg.eval_batch_size,
+                                         pad=objective.per_sample) if on is None else
+                                evaluate(lambda rows: on(placed, rows), None, eval_set, cfg.eval_batch_size,
                                          pad=objective.per_sample))
                 clock.skip()
                 writer.write({"event": "epoch", **last})

@@ -62,6 +62,12 @@ def get_builder(name: str):
     return getattr(importlib.import_module(module), fn)
 
 
+def whole_batch(name: str) -> bool:
+    """Whether every process of strategy `name` reads the whole global batch (its module sets WHOLE_BATCH: the
+    pipeline, whose first stage needs every input and last stage every target) instead of its share."""
+    return name in STRATEGIES and getattr(importlib.import_module(STRATEGIES[name].split(":")[0]), "WHOLE_BATCH", False)
+
+
 def to_device(tree: Any, device) -> Any:
     """A copy of `tree` committed to one device (fully gathered first when it spans several processes)."""
     def one(a):

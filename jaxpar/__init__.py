@@ -26,6 +26,7 @@ from jaxpar.data.sampler import DistributedSampler
 from jaxpar.losses import cross_entropy, mse
 from jaxpar.mesh import DATA, PIPE, make_mesh
 from jaxpar.objective import LossOutput, Objective, OutputLoss
+from jaxpar import optim
 from jaxpar.optim import OPTIMIZERS, make_optimizer
 from jaxpar.pipeline import schedule
 from jaxpar.run import memory
@@ -34,6 +35,7 @@ from jaxpar.step import TrainState, apply_updates, init_state, make_eval_step, m
 from jaxpar.strategies.base import STRATEGIES, Strategy, get_builder
 from jaxpar.strategies.data_parallel import DataParallel, chunk_sizes
 from jaxpar.strategies.ddp import DistributedDataParallel, make_ddp_step
+from jaxpar.strategies.pipeline import LayerSpec, Pipeline, PipelineModule, TiedLayerSpec
 from jaxpar.strategies.single import SingleDevice
 
 __all__ = [
@@ -41,11 +43,12 @@ __all__ = [
     "Objective", "OutputLoss", "LossOutput", "losses", "cross_entropy", "mse",
     "Rows", "as_rows", "pad_rows",
     "TrainState", "init_state", "train_step", "apply_updates", "make_train_step", "make_eval_step",
-    "OPTIMIZERS", "make_optimizer", "Config",
+    "OPTIMIZERS", "make_optimizer", "optim", "Config",
     # strategies
     "Strategy", "STRATEGIES", "get_builder", "SingleDevice",
     "DataParallel", "chunk_sizes",
     "DistributedDataParallel", "make_ddp_step",
+    "Pipeline", "PipelineModule", "LayerSpec", "TiedLayerSpec",
     # communication
     "DATA", "PIPE", "make_mesh", "all_reduce", "ring_all_reduce", "BucketPlan", "plan_buckets",
     "collectives", "buckets", "comm_cost", "schedule", "memory",

@@ -201,6 +201,22 @@ def test_sequence_beyond_block_size_and_bad_heads_are_refused():
         gpt.GPTConfig(n_head=5, n_embd=32)
 
 
+@pytest.mark.parametrize("t", [200, 256])
+def test_blocked_cpu_attention_equals_one_causal_call(t):
+    """On CPUs the queries go in blocks over their key prefixes (4 blocks at T=256, uneven at 200): the same
+    values and gradients as one jax.nn.dot_product_attention(is_causal=True)."""
+    q, k, v, dy = (jnp.asarray(np.random.default_rng(i).normal(size=(2, t, 2, 8)), jnp.float32) for i in range(4))
+    one = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    for fn in (gpt.causal_attention, one):
+        out, vjp = jax.vjp(fn, q, k, v)
+        if fn is one:
+            np.testing.assert_allclose(out, want[0], rtol=1e-5, atol=1e-5)
+            for a, b in zip(vjp(dy), want[1]):
+                np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+        want = out, vjp(dy)
+    assert t // gpt.CPU_QUERY_BLOCK >= 3  # really blocked
+
+
 def test_attention_uses_cudnn_only_on_gpus_for_half_precision(monkeypatch):
     assert gpt.attention_impl("auto", jnp.bfloat16, 64) == "xla"  # here: a CPU
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
@@ -291,6 +307,42 @@ def test_strategy_equals_single_device_with_dropout(single, name):
     params, loss = run_strategy(STRATEGIES[name])
     assert loss == pytest.approx(single[1], rel=1e-5)
     for a, b in zip(params, single[0]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_pipeline_keeps_the_tied_embedding_identical_on_both_stages(single):
+    """Embedding on stage 0, head on stage 1, one wte: the engine sums its two gradients (DeepSpeed's
+    ReduceTiedGrads), so both copies stay bit-identical and take single's update. The premise: each stage's
+    use of wte contributes its own, different gradient (without the sum the copies would part)."""
+    from jaxpar.strategies.pipeline import Pipeline
+
+    model, tx, batch = dropout_problem()
+    objective, state = jaxpar.Objective.of(model), jaxpar.init_state(model, tx)
+    rows = jaxpar.as_rows(batch)
+    grad = lambda: objective.value_and_grad(state.params, state.model_state, rows)[1]["wte"]["embedding"]  # noqa
+    both = np.asarray(grad()[...])
+    head_call = gpt.LMHead.__call__
+    gpt.LMHead.__call__ = lambda self, x: self.ln_f(x) @ jax.lax.stop_gradient(self.wte.embedding[...]).T
+    try:
+        embedding_only = np.asarray(grad()[...])  # the head's use cut off: stage 0's share alone
+    finally:
+        gpt.LMHead.__call__ = head_call
+    assert np.abs(embedding_only).max() > 1e-3 and np.abs(both - embedding_only).max() > 1e-3
+
+    pipe = Pipeline(model, tx, num_stages=2, micro_batches=2)
+    (j, stages), = pipe.module.tied.items()
+    assert pipe.module.param_paths[j] == ("wte", "embedding") and stages == [0, 1]
+    placed = pipe.init(state)
+    for _ in range(STEPS):
+        placed, metrics = pipe.step(placed, pipe.put_batch(batch))
+    copies = [np.asarray(placed.params[s][pipe.module.stage_params[s].index(j)].addressable_data(0)) for s in stages]
+    np.testing.assert_array_equal(copies[0], copies[1])
+    names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state.params)[0]]
+    start = np.asarray(state.params["wte"]["embedding"][...])
+    want = single[0][names.index("['wte']['embedding'].value")]
+    np.testing.assert_allclose(copies[0] - start, want - start, rtol=1e-5, atol=1e-6)
+    assert float(metrics["loss"]) == pytest.approx(single[1], rel=1e-5)
+    for a, b in zip(jax.tree.leaves(pipe.unplace(placed).params), single[0]):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 

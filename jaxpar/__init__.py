@@ -37,6 +37,7 @@ from jaxpar.strategies.data_parallel import DataParallel, chunk_sizes
 from jaxpar.strategies.ddp import DistributedDataParallel, make_ddp_step
 from jaxpar.strategies.pipeline import LayerSpec, Pipeline, PipelineModule, TiedLayerSpec
 from jaxpar.strategies.single import SingleDevice
+from jaxpar.strategies.zero import ZeroRedundancy
 
 __all__ = [
     # the model-and-loss contract, and the reference step every strategy matches
@@ -48,6 +49,7 @@ __all__ = [
     "Strategy", "STRATEGIES", "get_builder", "SingleDevice",
     "DataParallel", "chunk_sizes",
     "DistributedDataParallel", "make_ddp_step",
+    "ZeroRedundancy",
     "Pipeline", "PipelineModule", "LayerSpec", "TiedLayerSpec",
     # communication
     "DATA", "PIPE", "make_mesh", "all_reduce", "ring_all_reduce", "BucketPlan", "plan_buckets",

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Config:
     # what to train
-    strategy: str = "single"  # single | ddp | dp | pipeline (jaxpar.strategies.base.STRATEGIES)
+    strategy: str = "single"  # single | ddp | dp | pipeline | zero (jaxpar.strategies.base.STRATEGIES)
     model: str = "convnet"  # linear | mlp | convnet | alexnet, or MODULE:NAME / FILE.py:NAME building an nnx.Module
     model_kwargs: str | None = None  # JSON object of keyword arguments for --model MODULE:NAME, e.g. '{"hidden": 64}'
     loss: str | None = None  # cross_entropy | mse | MODULE:NAME: fn(outputs, batch) -> (loss_sum, weight_sum[, metrics])
@@ -50,6 +50,9 @@ class Config:
     grad_accum: int = 1  # micro-steps per optimizer step, reduced once (torch's no_sync)
     grad_comm_dtype: str | None = None  # bf16: compress gradients for communication
     spmd: str = "shard_map"  # shard_map | pmap front end
+    # ZeRO (DeepSpeed; also takes --bucket-cap-mb and --grad-accum)
+    zero_stage: int = 1  # 1 | 2 | 3: partition the optimizer state, + gradients, + parameters (torch FSDP's SHARD_GRAD_OP is 2, FULL_SHARD 3)
+    zero_reduce: str = "reduce_scatter"  # reduce_scatter | all_reduce: stage 1's gradient reduction after the backward
     # DataParallel
     loss_on_device: bool = False  # each device computes its own loss; only scalars are gathered
     print_shapes: bool = False  # print the tutorial's "In Model" / "Outside" lines

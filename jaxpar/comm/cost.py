@@ -186,3 +186,38 @@ def hlo_bytes_per_device(hlo, num_devices: int | None = None, direction: str = "
             for d in group:
                 total[d] += share
     return total
+
+
+# ---- ZeRO (jaxpar.strategies.zero) ----------------------------------------------------------------------------
+
+def ring_bytes(kind: str, group: int, nbytes: float) -> float:
+    """Bytes one device sends in XLA's collective `kind` over `group` devices, as `hlo_bytes_per_device` charges
+    it: all-reduce 2(g-1)/g S and all-gather (g-1)/g S of the whole buffer S; reduce-scatter (g-1) x its part."""
+    g = group
+    return {"all-reduce": 2 * (g - 1) / g * nbytes, "all-gather": (g - 1) / g * nbytes,
+            "reduce-scatter": (g - 1) * nbytes}[kind]
+
+
+def zero_traffic(stage: int, num_devices: int, group_bytes: list, unit_bytes: list | None = None,
+                 reduce: str = "reduce_scatter") -> dict[str, float]:
+    """ZeRO's gradient and parameter traffic per step and device, by collective kind (the metrics' small psum
+    left out). `group_bytes`: each shard group's padded bytes (N x chunk x itemsize); `unit_bytes`: stage 3's
+    gathered bytes per layer fetch. With Psi the padded parameter bytes, per device:
+
+        DDP (stage 0)     all-reduce 2(N-1)/N Psi
+        stage 1, 2        reduce-scatter (N-1)/N Psi + all-gather (N-1)/N Psi = DDP's volume
+        stage 1 all_reduce  all-reduce 2(N-1)/N Psi + all-gather (N-1)/N Psi  = 1.5x
+        stage 3           all-gather 2 x (N-1)/N Psi (forward, backward) + reduce-scatter (N-1)/N Psi = 1.5x
+    """
+    n, total = num_devices, sum(group_bytes)
+    if stage == 0:
+        return {"all-reduce": sum(ring_bytes("all-reduce", n, b) for b in group_bytes)}
+    if stage == 3:
+        units = group_bytes if unit_bytes is None else unit_bytes
+        return {"all-gather": 2 * sum(ring_bytes("all-gather", n, b) for b in units),
+                "reduce-scatter": sum(ring_bytes("reduce-scatter", n, b / n) for b in units)}
+    if reduce == "all_reduce":
+        out = {"all-reduce": sum(ring_bytes("all-reduce", n, b) for b in group_bytes)}
+    else:
+        out = {"reduce-scatter": sum(ring_bytes("reduce-scatter", n, b / n) for b in group_bytes)}
+    return {**out, "all-gather": ring_bytes("all-gather", n, total)}

@@ -27,6 +27,7 @@ STRATEGIES = {
     "ddp": "jaxpar.strategies.ddp:build",
     "dp": "jaxpar.strategies.data_parallel:build",
     "pipeline": "jaxpar.strategies.pipeline:build",
+    "zero": "jaxpar.strategies.zero:build",
 }
 
 

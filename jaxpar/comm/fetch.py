@@ -1,0 +1,244 @@
+"""ZeRO stage 3's parameter fetching: each layer's weights all-gathered just before its forward and again just
+before its backward, never kept between the two (DeepSpeed's module hooks and PartitionedParameterCoordinator).
+
+Roughly, for the layers of a model (its `layers`, whose composition is the model, as the pipeline takes them)
+and this device's pieces of every parameter (one group per leaf, jaxpar.comm.shards):
+
+    forward,  layer k:  w_k = all_gather(pieces_k)      issued once layer k-1's INPUT exists (one layer ahead)
+                        y = layer_k(w_k, x)              w_k is freed: the backward saves activations, not w_k
+    backward, layer k:  w_k = all_gather(pieces_k)      issued once layer k+1's backward has its cotangent
+                        dx, dw_k = vjp(layer_k)(dy)      d pieces_k = reduce_scatter(dw_k): transpose of the gather
+
+Each leaf is its own all-gather (XLA may combine them; DeepSpeed coalesces a module's): with one buffer per
+leaf, a bias that an XLA fusion of the backward re-reads keeps only itself alive, where a shared buffer kept the
+layer's whole forward copy. A weight shared by two layers (GPT-2's tied wte) is fetched by both. "Issued once X
+exists" is an exact 0.0 computed from X and added to one element of each piece (XLA:CPU drops optimization
+barriers; an arithmetic dependency it keeps). Each layer is a custom_vjp whose forward runs `jax.checkpoint`
+with a policy that saves everything but the gathered weights and layout ops on them (transposes, casts), so
+the backward re-gathers; its backward ties the re-gather to the incoming cotangent. The objective's per-sample
+vmap (dropout keyed by sample) would batch that custom_vjp and reduce-scatter per sample, so under vmap the
+layer is a custom_vmap whose rule runs the custom_vjp once, over the whole batch, the layer vmapped inside.
+XLA drops the re-gathers the backward does not read (biases, LayerNorm shifts, the first layer's weights: no
+input gradient), which DeepSpeed issues; the compiled step moves a little less than the model's 1.5x.
+
+The model's class is swapped for a subclass whose __call__ composes the layers this way (`fetching`), so the
+Objective, its per-sample RNG and the user's loss run unchanged. A model without `layers` is one unit.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import custom_batching
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxpar.comm.overlap import zero_after
+from jaxpar.comm.shards import ShardPlan, all_gather_shards
+
+NAME = "zero3_gathered"  # the checkpoint name of every gathered weight: never saved for the backward
+META = "zero3_shape"  # Variable metadata: the full shape of the leaf whose piece the Variable holds
+_LAYOUT = {"transpose", "reshape", "convert_element_type", "broadcast_in_dim", "squeeze", "expand_dims", "copy",
+           "slice", "concatenate", "dynamic_slice", "all_gather", "name"}
+
+
+def save_policy(prim, *_, **params) -> bool:
+    """jax.checkpoint policy: save every residual except gathered weights and layout ops (recomputed)."""
+    return prim.name not in _LAYOUT
+
+
+class Settings(NamedTuple):
+    wrt: Any  # the objective's filter of trained state
+    axis_name: str
+    per_sample: bool  # the objective vmaps the loss over rows: fetch through custom_vmap
+    base: type  # the model's own class (a model without `layers` is called through it)
+    prefetch: bool = True
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def tagged_treedef(params: nnx.State) -> Any:
+    """The treedef of `params` with every Variable marked with its leaf's full shape (values: the pieces)."""
+    vs, treedef = jax.tree.flatten(params, is_leaf=_is_var)
+    return jax.tree.structure(jax.tree.unflatten(treedef, [v.replace(0, **{META: tuple(v.shape)}) for v in vs]),
+                              is_leaf=lambda x: False)
+
+
+def tagged(treedef, plan: ShardPlan, shard: jax.Array) -> nnx.State:
+    """The params State whose values are this device's pieces of each leaf (stage 3 plan: one group per leaf)."""
+    by_leaf = [None] * len(plan.leaves)
+    for g in plan.groups:
+        by_leaf[g.leaves[0]] = shard[g.offset:g.offset + g.chunk]
+    return jax.tree.unflatten(treedef, by_leaf)
+
+
+def gather(variables: list, axis_name) -> list[jax.Array]:
+    """The full weights of tagged Variables from their pieces: one all-gather per leaf, so each leaf has a buffer
+    of its own (a bias that a backward fusion re-reads pins only itself); its transpose reduce-scatters each
+    leaf's gradient."""
+    out = []
+    for v in variables:
+        shape = v.get_metadata()[META]
+        full = all_gather_shards(v.get_value(), axis_name).reshape(-1)[:math.prod(shape)].reshape(shape)
+        out.append(checkpoint_name(full, NAME))
+    return out
+
+
+def _tie(tree: Any, token: jax.Array) -> Any:
+    """`tree` with an exact 0.0 `token` added to the first element of every float array: the arrays now depend on
+    what made the token. One element, not a broadcast: XLA moves `all_gather(x + scalar)` past the all-gather
+    and then merges the backward's re-gather into the forward's."""
+    def one(a):
+        if not jnp.issubdtype(a.dtype, jnp.floating) or not a.size:
+            return a
+        flat = a.reshape(-1)
+        return flat.at[0].add(token.astype(a.dtype)).reshape(a.shape)
+
+    return jax.tree.map(one, tree)
+
+
+def _token(tree: Any) -> jax.Array:
+    arrays = [a for a in jax.tree.leaves(tree) if hasattr(a, "dtype") and a.size]
+    return zero_after(arrays[0]) if arrays else jnp.zeros((), jnp.float32)
+
+
+def _unit(graphdef, call: Callable, s: Settings, axes, last: bool):
+    """The custom_vjp of one layer `(pieces, x, rest, after, link) -> ((y, rest'), link)`; `axes`: vmap in_axes
+    of (x, rest) when the call runs over a batch of samples, None when it runs once."""
+    def region(lp, x, rest):
+        vs = jax.tree.leaves(lp, is_leaf=_is_var)
+        full = jax.tree.unflatten(jax.tree.structure(lp, is_leaf=_is_var),
+                                  [v.replace(w) for v, w in zip(vs, gather(vs, s.axis_name))])
+
+        def apply(x, rest):
+            model = nnx.merge(graphdef, full, rest)
+            y = call(model, x)
+            return y, nnx.split(model, s.wrt, ...)[2]
+
+        return apply(x, rest) if axes is None else jax.vmap(apply, in_axes=axes)(x, rest)
+
+    region = jax.checkpoint(region, policy=save_policy)
+    slots: list = []  # positions of the pieces among the backward's residuals (found at trace time)
+
+    @jax.custom_vjp
+    def unit(lp, x, rest, after, link):
+        return region(lp, x, rest), link
+
+    def fwd(lp, x, rest, after, link):
+        lp = _tie(lp, _token(after))  # gather once `after` exists
+        out, vjp = jax.vjp(region, lp, x, rest)
+        ids = {id(a) for a in jax.tree.leaves(lp)}
+        slots[:] = [i for i, r in enumerate(jax.tree.leaves(vjp)) if id(r) in ids]
+        return (out, link), vjp
+
+    def bwd(vjp, cts):
+        (ct_y, ct_rest), ct_link = cts
+        token = _token(ct_y) if last or not s.prefetch else ct_link  # the next layer's backward has begun
+        res, treedef = jax.tree.flatten(vjp)
+        for i in slots or range(len(res)):
+            res[i] = _tie(res[i], token)
+        d_lp, d_x, _ = jax.tree.unflatten(treedef, res)((ct_y, ct_rest))
+        return d_lp, d_x, None, None, _token(ct_y)
+
+    unit.defvjp(fwd, bwd)
+    return unit
+
+
+def fetch_call(layer: nnx.Module, x: Any, after: Any, link: jax.Array, s: Settings, call: Callable,
+               last: bool) -> tuple[Any, jax.Array]:
+    """`call(layer, x)` with the layer's weights gathered from their pieces (forward and backward)."""
+    graphdef, lp, rest = nnx.split(layer, s.wrt, ...)
+    if not s.per_sample:
+        (y, new_rest), link = _unit(graphdef, call, s, None, last)(lp, x, rest, after, link)
+        nnx.update(layer, new_rest)
+        return y, link
+
+    @custom_batching.custom_vmap
+    def batched(lp, x, rest, after, link):
+        return _unit(graphdef, call, s, None, last)(lp, x, rest, after, link)
+
+    @batched.def_vmap
+    def rule(axis_size, in_batched, lp, x, rest, after, link):
+        if any(jax.tree.leaves(in_batched[0])) or in_batched[4]:
+            raise ValueError("ZeRO stage 3 fetches weights that vary by sample; the trained parameters must be the "
+                             "same for every row (do not vmap over them).")
+        axes = jax.tree.map(lambda b: 0 if b else None, (in_batched[1], in_batched[2]))
+        if not any(jax.tree.leaves((in_batched[1], in_batched[2]))):
+            out = _unit(graphdef, call, s, None, last)(lp, x, rest, after, link)
+            return out, jax.tree.map(lambda _: False, out)
+        (y, new_rest), link = _unit(graphdef, call, s, axes, last)(lp, x, rest, after, link)
+        return ((y, new_rest), link), ((jax.tree.map(lambda _: True, y), jax.tree.map(lambda _: True, new_rest)),
+                                       False)
+
+    (y, new_rest), link = batched(lp, x, rest, after, link)
+    nnx.update(layer, nnx.filter_state(new_rest, nnx.RngState))  # per sample: only draws may change
+    return y, link
+
+
+def _has_params(layer, wrt) -> bool:
+    return isinstance(layer, nnx.Module) and bool(jax.tree.leaves(nnx.state(layer, wrt)))
+
+
+def _fetching_call(self, *args, **kwargs):
+    s: Settings = type(self)._zero3
+    layers = getattr(self, "layers", None)
+    link = jnp.zeros((), jnp.float32)
+    if not layers or len(args) != 1 or kwargs:  # one unit: the whole model, through its own __call__
+        whole = lambda m, inputs: s.base.__call__(m, *inputs[0], **inputs[1])  # noqa: E731
+        return fetch_call(self, (args, kwargs), args, link, s, whole, True)[0]
+    x = prev = args[0]
+    with_params = [i for i, layer in enumerate(layers) if _has_params(layer, s.wrt)]
+    for i, layer in enumerate(layers):
+        if i in with_params:
+            y, link = fetch_call(layer, x, prev, link, s, lambda m, v: m(v), i == with_params[-1])
+        else:
+            y = layer(x)
+        prev, x = x, y
+    return x
+
+
+_CLASSES: dict = {}
+
+
+def fetching(model: nnx.Module, settings: Settings) -> type:
+    """The subclass of type(model) whose __call__ fetches each layer's weights (made once per class+settings)."""
+    key = (type(model), settings)
+    if key not in _CLASSES:
+        _CLASSES[key] = type(f"ZeRO3{type(model).__name__}", (type(model),),
+                             {"__call__": _fetching_call, "_zero3": settings, "__module__": __name__})
+    return _CLASSES[key]
+
+
+def fetching_graphdefs(objective, params: nnx.State, model_state: nnx.State, settings: Settings):
+    """(train graphdef, eval graphdef) of the objective's model with the fetching __call__."""
+    out = []
+    for graphdef in (objective.graphdef, objective.eval_graphdef):
+        model = nnx.merge(graphdef, params, model_state)
+        model.__class__ = fetching(model, settings._replace(base=type(model)))
+        out.append(nnx.split(model, objective.wrt, ...)[0])
+    return tuple(out)
+
+
+def units(model: nnx.Module, wrt: Any = nnx.Param) -> list[list[int]]:
+    """The leaf indices (of `nnx.split(model, wrt, ...)[1]`) each parameter-holding layer fetches, in forward
+    order; one unit of every leaf for a model without `layers`. Outside jit: plans and cost models."""
+    from jaxpar.comm.overlap import _path_of
+
+    params = nnx.split(model, wrt, ...)[1]
+    index = {_path_of(p): i for i, (p, _) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0])}
+    where = {id(node): tuple(path) for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Variable)}
+    layers = getattr(model, "layers", None)
+    if not layers:
+        return [sorted(index.values())]
+    out = []
+    for layer in layers:
+        if isinstance(layer, nnx.Module):
+            found = sorted({index[where[id(v)]] for _, v in nnx.iter_graph(layer)
+                            if isinstance(v, nnx.Variable) and where.get(id(v)) in index})
+            if found:
+                out.append(found)
+    return out

@@ -1,0 +1,410 @@
+"""DeepSpeed's ZeRO stages 1-3 on the DATA mesh: DDP whose optimizer state, gradients and parameters are
+partitioned over the replicas (Rajbhandari et al. 2020). One step, on every device at once (shard_map):
+
+    stage 1:  g = grad(my rows)                          full local gradient, as DDP
+              g_mine = reduce_scatter(g)  or  my slice of all_reduce(g)     after the backward (zero_reduce)
+    stage 2:  g_mine = reduce_scatter(bucket) from inside the backward, bucket by bucket (DDP's hooks)
+    stage 3:  params are pieces too: each layer all-gathered before its forward and its backward, its
+              gradient reduce-scattered in the backward (jaxpar.comm.fetch)
+    then:     g_mine /= psum(weight);  p_mine, opt_mine = tx(g_mine, opt_mine, p_mine)    1/N of the optimizer
+              params = all_gather(p_mine)                  stages 1-2; stage 3 keeps its pieces
+
+The partition is a flat vector padded to N per group (jaxpar.comm.shards): one group per gradient bucket for
+stages 1-2 (a single bucket is DeepSpeed's one flat buffer), one per leaf for stage 3 (DeepSpeed's ds_tensor).
+The optimizer runs on the flat slice, so it must be elementwise (jaxpar.strategies.zero_optim); global-norm
+clipping gets the norm through a psum of the slices' squared norms. `unplace` returns the canonical TrainState
+(the tree jaxpar.init_state gives) and `init` takes one, so any strategy resumes another's checkpoint.
+torch FSDP: FULL_SHARD is stage 3, SHARD_GRAD_OP stage 2. ZeRO-Offload is not here.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.batch import Rows, as_rows, check_unpadded, pad_rows, round_up, split_rows
+from jaxpar.comm import cost as comm_cost
+from jaxpar.comm import fetch, overlap
+from jaxpar.comm import shards as sh
+from jaxpar.comm.buckets import plan_buckets
+from jaxpar.config import Config
+from jaxpar.mesh import DATA, make_mesh
+from jaxpar.objective import Objective, advance_rng, metrics_of
+from jaxpar.step import TrainState
+from jaxpar.strategies import zero_optim
+from jaxpar.strategies.base import cfg_objective, objective_of
+from jaxpar.strategies.ddp import from_replica_0, local_devices, place_rows, psum_sums, replicate
+
+STAGES = (1, 2, 3)
+REDUCES = ("reduce_scatter", "all_reduce")
+FORMULAS = {0: "(4+4+K) Psi", 1: "4 Psi + 4 Psi + K Psi/N", 2: "4 Psi + (4+K) Psi/N", 3: "(4+4+K) Psi/N"}
+
+
+def paper_bytes(stage: int, num_params: int, num_devices: int, opt_bytes: int = 8, param_bytes: int = 4) -> dict:
+    """The ZeRO paper's per-device bytes of parameters, gradients and optimizer state (K = opt_bytes per
+    parameter: float32 Adam 8; stage 0 = DDP). Float32 Adam: 16 Psi, 8 Psi + 8 Psi/N, 4 Psi + 12 Psi/N, 16 Psi/N."""
+    psi, n = num_params, num_devices
+    out = {"params": param_bytes * psi / (n if stage >= 3 else 1), "gradients": param_bytes * psi / (n if stage >= 2
+           else 1), "optimizer": opt_bytes * psi / (n if stage >= 1 else 1)}
+    return {**out, "total": sum(out.values()), "formula": FORMULAS[stage].replace("K", str(opt_bytes))}
+
+
+def _reduce_hook(k: int, plan: sh.ShardPlan, axis_name):
+    """identity(leaves, carrier, token) whose backward reduce-scatters group k's cotangents into the carrier's."""
+
+    @jax.custom_vjp
+    def hook(leaves, carrier, token):
+        return leaves, token
+
+    def fwd(leaves, carrier, token):
+        return (leaves, token), None
+
+    def bwd(_, cts):
+        ct_leaves, ct_token = cts
+        named = dict(zip(plan.groups[k].leaves, ct_leaves))
+        piece = sh.reduce_scatter_group(sh.group_buffer(plan, k, named) + ct_token.astype(ct_leaves[0].dtype),
+                                        axis_name)
+        return None, piece, overlap.zero_after(piece)
+
+    hook.defvjp(fwd, bwd)
+    return hook
+
+
+def hook_groups(leaves: list, carriers: list, plan: sh.ShardPlan, axis_name=DATA) -> list:
+    """`leaves` wrapped group by group (last group first, so the backward meets group 0 first and the token
+    orders the reduce-scatters 0, 1, ...); the gradient w.r.t. carrier k is this device's piece of group k."""
+    out, token = list(leaves), jnp.zeros((), jnp.float32)
+    for k in reversed(range(len(plan.groups))):
+        idx = plan.groups[k].leaves
+        wrapped, token = _reduce_hook(k, plan, axis_name)([leaves[i] for i in idx], carriers[k], token)
+        for i, w in zip(idx, wrapped):
+            out[i] = w
+    return out
+
+
+def zero_body(objective: Objective, tx, plan: sh.ShardPlan, stage: int, *, reduce: str = "reduce_scatter",
+              grad_accum: int = 1, needs_norm: bool = False, treedef=None, axis_name=DATA, gradients_only=False):
+    """The per-device step `(state, local_rows) -> (state, metrics)` (or, with gradients_only, the gradient as
+    the stage holds it after its backward: stage 1 every leaf, stages 2-3 this device's shard)."""
+    K, n = grad_accum, plan.num_devices
+
+    def grads_of(state: TrainState, rows: Rows):
+        replica = lax.axis_index(axis_name)
+        micro = split_rows(rows, K)
+        take = lambda k: jax.tree.map(lambda a: a[k], micro)  # noqa: E731
+        leaves = None if stage == 3 else jax.tree.leaves(state.params)
+
+        def loss(x, mb, model_state, k):
+            if stage == 3:
+                params = fetch.tagged(treedef, plan, x)
+            elif stage == 2:
+                params = jax.tree.unflatten(treedef, hook_groups(leaves, x, plan, axis_name))
+            else:
+                params = jax.tree.unflatten(treedef, x)
+            sums, new_state = objective.sums(params, model_state, mb, shard=replica * K + k)
+            return sums.loss, (sums, new_state)
+
+        wrt = {1: leaves, 2: [jnp.zeros((g.chunk,), leaves[0].dtype) for g in plan.groups] if stage == 2 else None,
+               3: state.params}[stage]
+        grad = jax.value_and_grad(loss, has_aux=True)
+        acc, total, model_state = None, None, state.model_state
+        for k in range(K):  # unrolled, as DDP: XLA:CPU runs convolutions in a loop several times slower
+            (_, (sums, new_state)), g = grad(wrt, take(k), model_state, k)
+            model_state = advance_rng(new_state, model_state, by=0)
+            acc = g if acc is None else jax.tree.map(jnp.add, acc, g)
+            total = sums if total is None else total + sums
+        model_state = advance_rng(new_state, state.model_state)
+        if not objective.per_sample:  # buffers (BatchNorm running stats) of replica 0, as DDP
+            model_state = from_replica_0(model_state, axis_name)
+        return acc, total, model_state
+
+    def reduce_after_backward(grads: list) -> jax.Array:
+        """Stage 1: each group reduced once the whole backward is done, in order (a token chains them)."""
+        token, out = overlap.zero_after(*grads), []
+        for k in range(len(plan.groups)):
+            buf = sh.group_buffer(plan, k, grads) + token.astype(grads[0].dtype)
+            piece = sh.reduce_scatter_group(buf, axis_name) if reduce == "reduce_scatter" else \
+                sh.my_piece(lax.psum(buf, axis_name), n, axis_name)
+            token = overlap.zero_after(piece)
+            out.append(piece)
+        return jnp.concatenate(out)
+
+    def body(state: TrainState, rows: Rows):
+        grads, total, model_state = grads_of(state, rows)
+        if gradients_only:
+            return grads if stage == 1 else (jnp.concatenate(grads) if stage == 2 else grads)
+        g = reduce_after_backward(grads) if stage == 1 else (jnp.concatenate(grads) if stage == 2 else grads)
+        total = psum_sums(total, axis_name, overlap.zero_after(g))
+        g = g / total.weight
+        p = state.params if stage == 3 else sh.shard_of(plan, jax.tree.leaves(state.params), axis_name)
+        extra = {"global_norm": jnp.sqrt(lax.psum(jnp.sum(jnp.square(g)), axis_name))} if needs_norm else {}
+        updates, opt_state = tx.update(zero_optim.flat_tree(g), state.opt_state, zero_optim.flat_tree(p), **extra)
+        p = p + updates[zero_optim.KEY]
+        params = p if stage == 3 else jax.tree.unflatten(treedef, sh.unpack(plan, sh.all_gather_shards(p, axis_name)))
+        return TrainState(params, opt_state, model_state, state.step + 1), metrics_of(total)
+
+    return body
+
+
+def check_options(*, stage: int, reduce: str, grad_accum: int, bucket_cap_mb: float) -> None:
+    if stage not in STAGES:
+        raise ValueError(f"zero_stage={stage!r} is not a ZeRO stage; use 1 (optimizer state), 2 (+ gradients) or "
+                         "3 (+ parameters), as DeepSpeed numbers them.")
+    if reduce not in REDUCES:
+        raise ValueError(f"zero_reduce={reduce!r} is not known; use reduce_scatter or all_reduce.")
+    if reduce != "reduce_scatter" and stage != 1:
+        raise ValueError(f"zero_reduce={reduce!r} applies to stage 1 only (stages 2 and 3 reduce-scatter inside the "
+                         "backward); drop --zero-reduce or use --zero-stage 1.")
+    if grad_accum < 1:
+        raise ValueError(f"grad_accum={grad_accum} must be >= 1; use 1 for no accumulation.")
+    if not bucket_cap_mb >= 0:
+        raise ValueError(f"bucket_cap_mb={bucket_cap_mb} must be >= 0; use 0 for one leaf per bucket.")
+
+
+class ZeroRedundancy:
+    """DeepSpeed ZeRO on a 1-D DATA mesh: `ZeroRedundancy(model, tx, stage=2, loss_fn=..., mesh=...)` or
+    `ZeroRedundancy(objective, tx, ...)`. `batch_size` (global) fixes every batch's padded shape (one compile);
+    `bucket_cap_mb` sizes the reduction groups of stages 1-2 (DDP's buckets); `prefetch` gathers stage 3's next
+    layer one layer ahead."""
+
+    name = "zero"
+
+    def __init__(self, model: nnx.Module | Objective, tx: optax.GradientTransformation, *, stage: int = 1,
+                 loss_fn=None, mesh: Mesh | None = None, reduce: str = "reduce_scatter", bucket_cap_mb: float = 25.0,
+                 grad_accum: int = 1, batch_size: int | None = None, leaf_order: Sequence[int] | None = None,
+                 prefetch: bool = True, **objective_options):
+        check_options(stage=stage, reduce=reduce, grad_accum=grad_accum, bucket_cap_mb=bucket_cap_mb)
+        self.objective = objective_of(model, loss_fn, **objective_options)
+        if leaf_order is None and isinstance(model, nnx.Module):
+            leaf_order = overlap.forward_leaf_order(model, self.objective.wrt)
+        self.tx, self.mesh, self.stage, self.reduce = tx, mesh or make_mesh(), stage, reduce
+        self.bucket_cap_mb, self.grad_accum, self.batch_size = bucket_cap_mb, grad_accum, batch_size
+        self.leaf_order, self.prefetch = leaf_order, prefetch
+        self.plan: sh.ShardPlan | None = None
+        self._step = self._grads = self._batch_spec = None
+        n_local, nproc = len(local_devices(self.mesh)), jax.process_count()
+        if n_local == 0 or (nproc > 1 and self.mesh.size != jax.device_count()):
+            raise ValueError(f"the ZeRO mesh of {self.mesh.size} devices must span all {jax.device_count()} devices "
+                             f"of the {nproc} processes; drop --num-devices when running several processes.")
+        self.multiple = n_local * grad_accum
+        self.share = None if batch_size is None else round_up(math.ceil(batch_size / nproc), self.multiple)
+
+    # -- set-up: the plan, the optimizer check, the compiled step -----------------------------------------
+
+    def _setup(self, state: TrainState) -> None:
+        n, params = self.mesh.size, state.params
+        order = self.leaf_order
+        if order is None:
+            order = overlap.forward_leaf_order(self.objective.merge(params, state.model_state), self.objective.wrt)
+        groups = [[i] for i in order] if self.stage == 3 else list(plan_buckets(params, self.bucket_cap_mb,
+                                                                                order=order))
+        self.plan = sh.shard_plan(params, n, groups)
+        self.needs_norm = zero_optim.check(self.tx, params)
+        self.param_treedef = jax.tree.structure(params)
+        objective, treedef = self.objective, self.param_treedef
+        if self.stage == 3:
+            settings = fetch.Settings(objective.wrt, DATA, objective.per_sample, object, self.prefetch)
+            graphdef, eval_graphdef = fetch.fetching_graphdefs(objective, params, state.model_state, settings)
+            objective = objective.replace(graphdef=graphdef, eval_graphdef=eval_graphdef)
+            treedef = fetch.tagged_treedef(params)
+            self._units = fetch.units(self.objective.merge(params, state.model_state), objective.wrt)
+        self.state_specs = TrainState(P(DATA) if self.stage == 3 else P(), self._opt_specs(params), P(), P())
+        kw = dict(reduce=self.reduce, grad_accum=self.grad_accum, needs_norm=self.needs_norm, treedef=treedef)
+        body = zero_body(objective, self.tx, self.plan, self.stage, **kw)
+        grads = zero_body(objective, self.tx, self.plan, self.stage, gradients_only=True, **kw)
+        specs = (self.state_specs, P(DATA))
+        self._step = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=specs, out_specs=(self.state_specs, P()),
+                                           check_vma=False), donate_argnums=0)
+        self._grads = jax.jit(jax.shard_map(grads, mesh=self.mesh, in_specs=specs, out_specs=P(DATA),
+                                            check_vma=False))
+
+    def _opt_specs(self, params):
+        _, kinds, outer = zero_optim.layouts(self.tx, params)
+        flat = jax.eval_shape(self.tx.init, zero_optim.flat_tree(jax.ShapeDtypeStruct((7,), jnp.float32)))
+        leaves = jax.tree.flatten(flat, is_leaf=zero_optim._is_flat)[0]
+        return jax.tree.unflatten(outer, [jax.tree.map(lambda _: P(DATA), x) if kind else jax.tree.map(lambda _: P(), x)
+                                          for x, kind in zip(leaves, kinds)])
+
+    # -- the strategy contract -----------------------------------------------------------------------------
+
+    def init(self, state: TrainState):
+        """The canonical state onto the mesh: sharded leaves as [N S] arrays split over DATA, the rest replicated."""
+        if self.plan is None:
+            self._setup(state)
+        _, kinds, outer = zero_optim.layouts(self.tx, state.params)
+        opt = [zero_optim.flat_tree(self._place_flat(x)) if kind else replicate(x, self.mesh)
+               for x, kind in zip(zero_optim.to_flat(self.tx, self.plan, state.params, state.opt_state), kinds)]
+        params = self._place_flat(sh.pack(self.plan, [np.asarray(a) for a in jax.tree.leaves(state.params)], xp=np)) \
+            if self.stage == 3 else replicate(state.params, self.mesh)
+        rest = replicate((state.model_state, state.step), self.mesh)
+        return TrainState(params, jax.tree.unflatten(outer, opt), *rest)
+
+    def _place_flat(self, flat_NxS: np.ndarray) -> jax.Array:
+        """A host [N, S] array as one global [N S] array, device r holding row r."""
+        flat = np.ascontiguousarray(flat_NxS).reshape(-1)
+        return jax.make_array_from_callback(flat.shape, NamedSharding(self.mesh, P(DATA)), lambda idx: flat[idx])
+
+    def put_batch(self, batch) -> Rows:
+        """This process's rows, padded to its share (a multiple of its devices x grad_accum) and sharded."""
+        local = None if isinstance(batch, Rows) else jax.tree.leaves(batch)[0].shape[0]
+        rows = as_rows(batch, offset=jax.process_index() * (local or 0))
+        if self.share is not None and rows.size <= self.share:
+            target = self.share
+        elif jax.process_count() > 1:
+            raise ValueError(f"this process's batch of {rows.size} rows must be at most its share {self.share} of "
+                             f"batch_size={self.batch_size}; pass the global --batch-size to the strategy.")
+        else:
+            target = round_up(rows.size, self.multiple)
+        rows = pad_rows(rows, target)
+        if not self.objective.per_sample:
+            check_unpadded(rows, "per_sample=False")
+        return place_rows(rows, self.mesh)
+
+    def step(self, placed, rows):
+        if self._step is None:
+            raise ValueError("ZeroRedundancy.step() before init(); call placed = zero.init(state) first.")
+        self._batch_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), rows)
+        return self._step(placed, rows)
+
+    def unplace(self, placed) -> TrainState:
+        """The canonical single-device TrainState (jaxpar.init_state's tree), gathered from the pieces."""
+        flat = lambda a: _host(a).reshape(self.mesh.size, -1)  # noqa: E731
+        abstract = self._abstract_params()
+        _, kinds, _ = zero_optim.layouts(self.tx, abstract)
+        leaves = jax.tree.flatten(placed.opt_state, is_leaf=zero_optim._is_flat)[0]
+        opt = [flat(x[zero_optim.KEY]) if kind else jax.tree.map(_first, x) for x, kind in zip(leaves, kinds)]
+        if self.stage == 3:
+            params = jax.tree.unflatten(self.param_treedef,
+                                        [jnp.asarray(a) for a in sh.unpack(self.plan, flat(placed.params))])
+        else:
+            params = jax.tree.map(_first, placed.params)
+        return TrainState(params, zero_optim.from_flat(self.tx, self.plan, abstract, opt),
+                          jax.tree.map(_first, placed.model_state), _first(placed.step))
+
+    def _abstract_params(self):
+        return jax.tree.unflatten(self.param_treedef, [jax.ShapeDtypeStruct(i.shape, np.dtype(i.dtype))
+                                                       for i in self.plan.leaves])
+
+    def describe(self) -> str:
+        groups = "?" if self.plan is None else f"{len(self.plan.groups)} groups, {self.plan.shard_size:,} " \
+                                                "elements per device"
+        how = f", {self.reduce}" if self.stage == 1 else (", prefetch" if self.stage == 3 and self.prefetch else "")
+        return (f"{DATA} mesh of {self.mesh.size} devices ({jax.process_count()} processes), ZeRO stage "
+                f"{self.stage}{how}, {groups}, grad_accum={self.grad_accum}")
+
+    # -- what it holds and sends ---------------------------------------------------------------------------
+
+    def hlo(self, placed) -> str:
+        """The compiled, scheduled HLO of the step on the last batch's shapes."""
+        if self._batch_spec is None:
+            raise ValueError("hlo() needs one step first (it compiles for the batch shape seen).")
+        return self._step.lower(placed, self._batch_spec).compile().as_text()
+
+    def memory(self, placed, rows=None) -> dict:
+        """Per-device bytes of parameters and optimizer state (the placed arrays on the mesh's first device) and of
+        gradients (the outputs of the compiled gradient function: what the backward leaves behind), beside the
+        ZeRO paper's formula for the same optimizer. `placed` and `rows` may be abstract (jax.ShapeDtypeStruct
+        with shardings: see `abstract`); rows default to the last batch's shapes."""
+        rows = self._batch_spec if rows is None else rows
+        if rows is None:
+            raise ValueError("memory() needs a batch shape: take one step first or pass rows (ShapeDtypeStructs).")
+        device = self.mesh.devices.flat[0]
+        compiled = self._grads.lower(placed, rows).compile().memory_analysis()
+        step = self._step.lower(placed, rows).compile().memory_analysis()
+        held = {"params": held_bytes(placed.params, device), "gradients": compiled.output_size_in_bytes,
+                "optimizer": held_bytes(placed.opt_state, device)}
+        opt_bytes = sum(zero_optim.layouts(self.tx, self._abstract_params())[1]) * self.plan.leaves[0].nbytes // \
+            max(1, math.prod(self.plan.leaves[0].shape))
+        return {**held, "total": sum(held.values()), "step_temp": step.temp_size_in_bytes,
+                "paper": paper_bytes(self.stage, self.plan.num_elements, self.mesh.size, opt_bytes),
+                "num_params": self.plan.num_elements, "padding": self.plan.padding}
+
+    def abstract(self, state: TrainState, rows: Rows) -> tuple:
+        """(placed state, rows) as ShapeDtypeStructs with this strategy's shardings, for `memory` on models too big
+        to allocate: `state` may itself be abstract (jax.eval_shape of jaxpar.init_state)."""
+        if self.plan is None:
+            self._setup(state)
+        spec = lambda p, a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(self.mesh, p))  # noqa
+        _, kinds, outer = zero_optim.layouts(self.tx, state.params)
+        flat_size = (self.mesh.size * self.plan.shard_size,)
+        leaves = jax.tree.flatten(jax.eval_shape(self.tx.init, zero_optim.flat_tree(
+            jax.ShapeDtypeStruct(flat_size, np.dtype(self.plan.leaves[0].dtype)))), is_leaf=zero_optim._is_flat)[0]
+        opt = [jax.tree.map(lambda a: spec(P(DATA) if kind else P(), a), x) for x, kind in zip(leaves, kinds)]
+        params = jax.ShapeDtypeStruct(flat_size, np.dtype(self.plan.leaves[0].dtype)) if self.stage == 3 else \
+            state.params
+        placed = TrainState(jax.tree.map(lambda a: spec(P(DATA) if self.stage == 3 else P(), a), params),
+                            jax.tree.unflatten(outer, opt), jax.tree.map(lambda a: spec(P(), a), state.model_state),
+                            spec(P(), state.step))
+        return placed, jax.tree.map(lambda a: spec(P(DATA), a), rows)
+
+    def comm_model(self) -> dict:
+        """Bytes each device sends per step by collective kind (ring costs, jaxpar.comm.cost.zero_traffic)."""
+        itemsize = np.dtype(self.plan.leaves[0].dtype).itemsize
+        n = self.mesh.size
+        group_bytes = [n * g.chunk * itemsize for g in self.plan.groups]
+        units = None
+        if self.stage == 3:
+            chunk = {g.leaves[0]: g.chunk for g in self.plan.groups}
+            units = [n * sum(chunk[i] for i in u) * itemsize for u in self._units]
+        return comm_cost.zero_traffic(self.stage, n, group_bytes, units, self.reduce)
+
+    def report(self, placed) -> dict:
+        """The partition, the modelled traffic per step, what the compiled step really sends, and the memory."""
+        model = self.comm_model()
+        out = {"devices": self.mesh.size, "processes": jax.process_count(), "zero_stage": self.stage,
+               "zero_reduce": self.reduce if self.stage == 1 else "reduce_scatter", "grad_accum": self.grad_accum,
+               "optimizer": "elementwise, global norm psum" if self.needs_norm else "elementwise",
+               "shard_plan": str(self.plan), "model_collectives": model,
+               "model_bytes_sent_per_device": sum(model.values())}
+        if self._batch_spec is not None:
+            text = self.hlo(placed)
+            ops = comm_cost.hlo_collectives(text)
+            out["hlo_collectives"] = {k: len({c.name for c in ops if c.kind == k}) for k in comm_cost.KINDS
+                                      if any(c.kind == k for c in ops)}  # the metrics add one small all-reduce
+            out["hlo_bytes_sent_per_device"] = max(comm_cost.hlo_bytes_per_device(text, self.mesh.size))
+            out["zero_memory"] = self.memory(placed)
+        return out
+
+
+def held_bytes(tree, device) -> int:
+    """Bytes of `tree`'s arrays on `device`: the live shards of jax.Arrays, the shard shapes of abstract ones."""
+    total = 0
+    for a in jax.tree.leaves(tree):
+        if isinstance(a, jax.Array):
+            total += sum(s.data.nbytes for s in a.addressable_shards if s.device == device)
+        elif device in a.sharding.device_set:
+            total += math.prod(a.sharding.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize
+    return total
+
+
+def _first(a) -> jax.Array:
+    """This process's first copy of a replicated leaf, as a fresh single-device array (the step donates)."""
+    return jnp.array(a.addressable_data(0), copy=True)
+
+
+def _host(a) -> np.ndarray:
+    """A sharded global array whole, on the host (gathered across processes when it spans several)."""
+    if not a.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        a = multihost_utils.process_allgather(a, tiled=True)
+    return np.asarray(a)
+
+
+def build(model: nnx.Module, tx: optax.GradientTransformation, cfg: Config, loss_fn=None) -> ZeroRedundancy:
+    if cfg.spmd != "shard_map":
+        raise ValueError(f"spmd={cfg.spmd!r}: ZeRO runs under shard_map only; drop --spmd.")
+    if cfg.grad_comm_dtype not in (None, "fp32"):
+        raise ValueError(f"grad_comm_dtype={cfg.grad_comm_dtype!r}: ZeRO reduces gradients in the parameters' "
+                         "dtype; drop --grad-comm-dtype (or use --precision bf16 for bf16 compute).")
+    return ZeroRedundancy(cfg_objective(model, loss_fn, cfg), tx, stage=cfg.zero_stage, reduce=cfg.zero_reduce,
+                          mesh=make_mesh(cfg.num_devices), bucket_cap_mb=cfg.bucket_cap_mb, grad_accum=cfg.grad_accum,
+                          batch_size=cfg.batch_size, leaf_order=overlap.forward_leaf_order(model))

@@ -1,0 +1,121 @@
+"""The optimizer on a flat shard (ZeRO): each device runs optax on ``{"shard": its S elements}``.
+
+That equals the single-device update only for ELEMENTWISE transforms: each output element may depend on the
+same element of the gradient, parameters and state, and on nothing else. sgd, momentum, adam, adamw, adadelta
+are; adafactor (factored row/column moments), LAMB / LARS (per-leaf trust ratios) and optax.clip_by_global_norm
+(the norm over every leaf) are not. `check` finds out before training, numerically: tx runs on a shrunk copy of
+the parameters (each dimension cut to 3) once as the canonical tree and once as flat pieces cut across leaf
+boundaries, and the updates must agree. A transform that agrees once it is given the global norm
+(jaxpar.optim.clip_by_global_norm, an optax extra argument ``global_norm``) gets it: the step adds the shards'
+squared norms over the DATA axis. Anything else is refused with a one-line ValueError naming the fix.
+
+The canonical optax state (tx.init(params)) maps to the flat one leaf by leaf: every subtree shaped like the
+parameters (Adam's mu and nu) becomes one [N, S] array in the shard layout (jaxpar.comm.shards); every other
+leaf (a step count) is shared by all devices as it is.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxpar.comm import shards as shard_lib
+
+KEY = "shard"
+FIX = ("use an elementwise optimizer (sgd, adam, adamw, adadelta), chained after jaxpar.optim.clip_by_global_norm "
+       "for clipping")
+
+
+def flat_tree(vector: Any) -> dict:
+    """The pytree the optimizer sees under ZeRO: one flat vector."""
+    return {KEY: vector}
+
+
+def _is_flat(x) -> bool:
+    return isinstance(x, dict) and list(x) == [KEY]
+
+
+def _like(treedef):
+    return lambda x: jax.tree.structure(x) == treedef
+
+
+def layouts(tx: optax.GradientTransformation, params) -> tuple[Any, list[bool], Any]:
+    """(outer treedef of tx's state with each parameter-shaped subtree as one leaf, which leaves those are,
+    the flat state's outer treedef); ValueError when the two states do not correspond leaf for leaf."""
+    treedef = jax.tree.structure(params)
+    canonical = jax.eval_shape(tx.init, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params))
+    c_leaves, c_outer = jax.tree.flatten(canonical, is_leaf=_like(treedef))
+    flat = jax.eval_shape(tx.init, flat_tree(jax.ShapeDtypeStruct((7,), jnp.float32)))
+    f_leaves, f_outer = jax.tree.flatten(flat, is_leaf=_is_flat)
+    kinds = [_like(treedef)(x) for x in c_leaves]
+    same = c_outer == f_outer and kinds == [_is_flat(x) for x in f_leaves] and all(
+        kind or (jax.tree.structure(a) == jax.tree.structure(b) and
+                 [x.shape for x in jax.tree.leaves(a)] == [x.shape for x in jax.tree.leaves(b)])
+        for kind, a, b in zip(kinds, c_leaves, f_leaves))
+    if not same:
+        raise ValueError(f"the optimizer's state {c_outer} does not split element by element (leaves shaped like the "
+                         f"parameters, or shared scalars such as a step count), so ZeRO cannot partition it; {FIX}.")
+    return c_outer, kinds, f_outer
+
+
+def check(tx: optax.GradientTransformation, params, rtol: float = 1e-5) -> bool:
+    """Whether tx needs the global gradient norm (True) or is elementwise (False); ValueError otherwise.
+    Two update steps on 3-per-dimension copies of the parameters, whole and in flat pieces."""
+    layouts(tx, params)
+    tx = optax.with_extra_args_support(tx)
+    rng = np.random.default_rng(0)
+    leaves, treedef = jax.tree.flatten(params)
+    shrink = [tuple(min(d, 3) for d in np.shape(a)) for a in leaves]
+    draw = lambda: [rng.standard_normal(s).astype(np.float32) for s in shrink]  # noqa: E731
+    p0, grads = draw(), [draw(), draw()]
+    ravel = lambda xs: np.concatenate([np.ravel(x) for x in xs])  # noqa: E731
+    total = ravel(p0).size
+    cuts = sorted({0, max(1, total // 3), max(1, 2 * total // 3), total})  # across leaf boundaries
+
+    def run(tree_of, norm: bool) -> list[np.ndarray]:
+        p, out = tree_of(p0), []
+        state = tx.init(p)
+        for g_all in grads:
+            extra = {"global_norm": jnp.sqrt(sum(jnp.sum(jnp.square(a)) for a in g_all))} if norm else {}
+            u, state = tx.update(tree_of(g_all), state, p, **extra)
+            p = optax.apply_updates(p, u)
+            out.append(ravel(jax.tree.leaves(u)))
+        return out
+
+    def agrees(norm: bool) -> bool:
+        whole = run(lambda xs: jax.tree.unflatten(treedef, [jnp.asarray(x) for x in xs]), norm)
+        parts = [run(lambda xs, a=a, b=b: flat_tree(jnp.asarray(ravel(xs)[a:b])), norm)
+                 for a, b in zip(cuts[:-1], cuts[1:])]
+        return all(np.allclose(np.concatenate([p[step] for p in parts]), w, rtol=rtol, atol=1e-7)
+                   for step, w in enumerate(whole))
+
+    try:
+        if agrees(False):
+            return False
+        if agrees(True):
+            return True
+    except (TypeError, ValueError, KeyError) as e:  # a transform that looks into the parameter tree
+        raise ValueError(f"the optimizer fails on a flat parameter vector ({type(e).__name__}: {e}); {FIX}.") from e
+    raise ValueError(f"the optimizer is not elementwise: its update of a slice of the parameters differs from its "
+                     f"update of the whole tree, so ZeRO's 1/N slices would not equal the single-device step; {FIX}.")
+
+
+def to_flat(tx, plan: shard_lib.ShardPlan, params, opt_state) -> list:
+    """The canonical optax state as the flat state's leaves: parameter-shaped subtrees packed as host [N, S]
+    arrays, other leaves as they are (unflatten with `layouts(...)[2]`)."""
+    _, kinds, _ = layouts(tx, params)
+    leaves = jax.tree.flatten(opt_state, is_leaf=_like(jax.tree.structure(params)))[0]
+    return [shard_lib.pack(plan, [np.asarray(a) for a in jax.tree.leaves(x)], xp=np) if kind else x
+            for x, kind in zip(leaves, kinds)]
+
+
+def from_flat(tx, plan: shard_lib.ShardPlan, params, flat_leaves: list) -> Any:
+    """The canonical optax state from the flat state's leaves (host [N, S] arrays for the sharded ones)."""
+    outer, kinds, _ = layouts(tx, params)
+    treedef = jax.tree.structure(params)
+    out = [jax.tree.unflatten(treedef, [jnp.asarray(a) for a in shard_lib.unpack(plan, x)]) if kind else x
+           for x, kind in zip(flat_leaves, kinds)]
+    return jax.tree.unflatten(outer, out)

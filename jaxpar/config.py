@@ -8,7 +8,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Config:
     # what to train
-    strategy: str = "single"  # single | ddp | dp | pipeline | zero (jaxpar.strategies.base.STRATEGIES)
+    strategy: str = "single"  # single | ddp | dp | pipeline | zero | tp (jaxpar.strategies.base.STRATEGIES)
     model: str = "convnet"  # linear | mlp | convnet | alexnet, or MODULE:NAME / FILE.py:NAME building an nnx.Module
     model_kwargs: str | None = None  # JSON object of keyword arguments for --model MODULE:NAME, e.g. '{"hidden": 64}'
     loss: str | None = None  # cross_entropy | mse | MODULE:NAME: fn(outputs, batch) -> (loss_sum, weight_sum[, metrics])
@@ -57,6 +57,8 @@ class Config:
     loss_on_device: bool = False  # each device computes its own loss; only scalars are gathered
     print_shapes: bool = False  # print the tutorial's "In Model" / "Outside" lines
     output_device: int = 0  # the master device
+    # Megatron tensor parallelism
+    tensor_parallel: int = 1  # devices each layer is split over (--strategy tp; with --strategy pipeline: 3-D)
     # pipeline
     num_stages: int = 2
     micro_batches: int = 4

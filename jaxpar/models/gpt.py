@@ -30,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxpar.comm import megatron
+
 CONFIGS = {  # name -> (n_layer, n_head, n_embd)
     "gpt2": (12, 12, 768),  # 124M with GPT-2's vocabulary
     "gpt2-medium": (24, 16, 1024),  # 350M
@@ -127,7 +129,13 @@ def causal_attention(q_BxTxNxH: jax.Array, k_BxTxNxH: jax.Array, v_BxTxNxH: jax.
 
 
 class CausalSelfAttention(nnx.Module):
-    """Multi-head causal self-attention: one fused qkv projection `c_attn`, the output projection `c_proj`."""
+    """Multi-head causal self-attention: one fused qkv projection `c_attn`, the output projection `c_proj`.
+
+    Megatron tensor parallelism (jaxpar.strategies.tensor sets `tensor_axis`): this rank holds the q, k and v
+    columns of n_head / T heads and the matching rows of `c_proj`; its input passes Megatron's f, its output g."""
+
+    tensor_axis: str | None = None  # the TENSOR mesh axis when the heads are split over it
+    tensor_size: int = 1
 
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         self.c_attn = _linear(cfg.n_embd, 3 * cfg.n_embd, cfg, 0.02, rngs)
@@ -136,7 +144,15 @@ class CausalSelfAttention(nnx.Module):
         self.resid_dropout = nnx.Dropout(cfg.dropout, rngs=rngs)
         self.n_head, self.attention = cfg.n_head, cfg.attention
 
+    def tensor_layout(self) -> dict[tuple, tuple[str, int]]:
+        """How Megatron splits this module: qkv columns by head, c_proj by rows (its bias stays whole)."""
+        h = self.c_proj.kernel.shape[1] // self.n_head  # heads stay whole: split in units of a head's size
+        out = {("c_attn", "kernel"): ("qkv", 1, h), ("c_proj", "kernel"): ("rows", 0, h)}
+        return {**out, ("c_attn", "bias"): ("qkv", 0, h)} if self.c_attn.bias is not None else out
+
     def __call__(self, x_BxTxC: jax.Array) -> jax.Array:
+        if self.tensor_axis is not None:
+            return self._tensor_parallel(x_BxTxC)
         b, t, c = x_BxTxC.shape
         h = c // self.n_head
         q_BxTxNxH, k_BxTxNxH, v_BxTxNxH = (a.reshape(b, t, self.n_head, h)
@@ -150,16 +166,52 @@ class CausalSelfAttention(nnx.Module):
             y_BxTxNxH = causal_attention(q_BxTxNxH, k_BxTxNxH, v_BxTxNxH, self.attention)
         return self.resid_dropout(self.c_proj(y_BxTxNxH.reshape(b, t, c)))
 
+    def _tensor_parallel(self, x_BxTxC: jax.Array) -> jax.Array:
+        """This rank's heads: f(x) @ its qkv columns, attention, then g(y @ its c_proj rows) + the bias."""
+        b, t, c = x_BxTxC.shape
+        h, n = c // self.n_head, self.n_head // self.tensor_size  # head size, this rank's heads
+        qkv_BxTx3D = megatron.column_linear(self.c_attn, megatron.f(x_BxTxC, self.tensor_axis))
+        q_BxTxNxH, k_BxTxNxH, v_BxTxNxH = (a.reshape(b, t, n, h) for a in jnp.split(qkv_BxTx3D, 3, axis=-1))
+        if self.attn_dropout.rate > 0 and not self.attn_dropout.deterministic:
+            att_BxNxTxT = jnp.einsum("bqnh,bknh->bnqk", q_BxTxNxH, k_BxTxNxH) / math.sqrt(h)
+            att_BxNxTxT = jnp.where(jnp.tril(jnp.ones((t, t), bool)), att_BxNxTxT, -jnp.inf)
+            att_BxNxTxT = jax.nn.softmax(att_BxNxTxT.astype(jnp.float32), axis=-1).astype(q_BxTxNxH.dtype)
+            y_BxTxNxH = jnp.einsum("bnqk,bknh->bqnh", self._head_dropout(att_BxNxTxT), v_BxTxNxH)
+        else:
+            y_BxTxNxH = causal_attention(q_BxTxNxH, k_BxTxNxH, v_BxTxNxH, self.attention)
+        return self.resid_dropout(megatron.row_linear(self.c_proj, y_BxTxNxH.reshape(b, t, n * h),
+                                                      self.tensor_axis))
+
+    def _head_dropout(self, att_BxNxTxT: jax.Array) -> jax.Array:
+        """nnx.Dropout's mask for ALL heads (the same draw as the single-device model), this rank's heads kept:
+        the numbers equal the unsplit model's (Megatron draws per-rank masks instead; they differ from it)."""
+        n, keep = att_BxNxTxT.shape[1], 1.0 - self.attn_dropout.rate
+        whole = (att_BxNxTxT.shape[0], self.n_head) + att_BxNxTxT.shape[2:]
+        mask = jax.random.bernoulli(self.attn_dropout.rngs(), p=keep, shape=whole)
+        mask = jax.lax.dynamic_slice_in_dim(mask, megatron.rank(self.tensor_axis) * n, n, axis=1)
+        return jax.lax.select(mask, att_BxNxTxT / keep, jnp.zeros_like(att_BxNxTxT))
+
 
 class MLP(nnx.Module):
-    """c_fc (4x wider) -> GELU (tanh) -> c_proj -> dropout."""
+    """c_fc (4x wider) -> GELU (tanh) -> c_proj -> dropout. Under Megatron tensor parallelism (`tensor_axis`) this
+    rank holds 4C / T columns of c_fc and the matching rows of c_proj: f before, g after."""
+
+    tensor_axis: str | None = None
+    tensor_size: int = 1
 
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         self.c_fc = _linear(cfg.n_embd, 4 * cfg.n_embd, cfg, 0.02, rngs)
         self.c_proj = _linear(4 * cfg.n_embd, cfg.n_embd, cfg, 0.02 / math.sqrt(2 * cfg.n_layer), rngs)
         self.dropout = nnx.Dropout(cfg.dropout, rngs=rngs)
 
+    def tensor_layout(self) -> dict[tuple, tuple[str, int]]:
+        out = {("c_fc", "kernel"): ("columns", 1), ("c_proj", "kernel"): ("rows", 0)}
+        return {**out, ("c_fc", "bias"): ("columns", 0)} if self.c_fc.bias is not None else out
+
     def __call__(self, x: jax.Array) -> jax.Array:
+        if self.tensor_axis is not None:
+            h = jax.nn.gelu(megatron.column_linear(self.c_fc, megatron.f(x, self.tensor_axis)), approximate=True)
+            return self.dropout(megatron.row_linear(self.c_proj, h, self.tensor_axis))
         return self.dropout(self.c_proj(jax.nn.gelu(self.c_fc(x), approximate=True)))
 
 

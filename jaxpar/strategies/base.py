@@ -28,6 +28,7 @@ STRATEGIES = {
     "dp": "jaxpar.strategies.data_parallel:build",
     "pipeline": "jaxpar.strategies.pipeline:build",
     "zero": "jaxpar.strategies.zero:build",
+    "tp": "jaxpar.strategies.tensor:build",
 }
 
 

@@ -1,0 +1,90 @@
+"""Megatron-LM's tensor parallelism, written out for shard_map: the conjugate operators f and g, and the column- and
+row-parallel linear layers built on them (Shoeybi et al. 2019, section 3; Megatron-LM's
+`core/tensor_parallel/mappings.py` and `layers.py`).
+
+Over the TENSOR axis of T devices a transformer block's MLP is ``Y = GeLU(X A) B`` with A split by columns and B by
+rows, and its attention is split by heads (the fused qkv projection by columns, the output projection by rows):
+
+    f(x):  forward identity,    backward all-reduce    (copy_to_tensor_region: the block's input, replicated)
+    g(y):  forward all-reduce,  backward identity      (reduce_from_tensor_region: the partial sums of B's rows)
+
+    column_linear(x) = x @ A_t + a_t          (no communication; output sharded by columns)
+    row_linear(y_t)  = g(y_t @ B_t) + b       (the bias once, after the sum)
+
+so a block costs two all-reduces forward (one g after attention, one after the MLP) and two backward (the f at the
+input of each). With `axis=None` every function here is the plain single-device computation, so one model serves
+both: jaxpar.strategies.tensor sets the axis on the modules it shards.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxpar.mesh import TENSOR  # noqa: F401  (the axis these functions are called with)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def copy_to_tensor_region(x: jax.Array, axis: str) -> jax.Array:
+    """Megatron's f: the identity forward; the backward all-reduces the gradient over `axis` (every rank's slice
+    of the next layer contributes to the input's gradient)."""
+    return x
+
+
+def _f_fwd(x, axis):
+    return x, None
+
+
+def _f_bwd(axis, _, g):
+    return (lax.psum(g, axis),)
+
+
+copy_to_tensor_region.defvjp(_f_fwd, _f_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def reduce_from_tensor_region(x: jax.Array, axis: str) -> jax.Array:
+    """Megatron's g: all-reduce the partial sums forward; the backward is the identity (the output's gradient is
+    already the same on every rank)."""
+    return lax.psum(x, axis)
+
+
+def _g_fwd(x, axis):
+    return lax.psum(x, axis), None
+
+
+def _g_bwd(axis, _, g):
+    return (g,)
+
+
+reduce_from_tensor_region.defvjp(_g_fwd, _g_bwd)
+
+
+def f(x: jax.Array, axis: str | None) -> jax.Array:
+    """copy_to_tensor_region, or the identity when there is no tensor axis."""
+    return x if axis is None else copy_to_tensor_region(x, axis)
+
+
+def g(x: jax.Array, axis: str | None) -> jax.Array:
+    """reduce_from_tensor_region, or the identity when there is no tensor axis."""
+    return x if axis is None else reduce_from_tensor_region(x, axis)
+
+
+def column_linear(linear, x: jax.Array) -> jax.Array:
+    """``x @ kernel + bias`` of an nnx.Linear whose kernel [in, out/T] and bias [out/T] hold this rank's columns."""
+    y = jnp.dot(x, linear.kernel[...].astype(x.dtype))
+    return y if linear.bias is None else y + linear.bias[...].astype(y.dtype)
+
+
+def row_linear(linear, x: jax.Array, axis: str | None) -> jax.Array:
+    """``g(x_t @ kernel_t) + bias`` of an nnx.Linear whose kernel [in/T, out] holds this rank's rows: the partial
+    products are summed over `axis`, then the (replicated) bias is added once."""
+    y = g(jnp.dot(x, linear.kernel[...].astype(x.dtype)), axis)
+    return y if linear.bias is None else y + linear.bias[...].astype(y.dtype)
+
+
+def rank(axis: str | None) -> jax.Array | int:
+    """This device's index on `axis` (0 without one)."""
+    return 0 if axis is None else lax.axis_index(axis)

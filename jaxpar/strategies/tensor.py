@@ -1,0 +1,294 @@
+"""Megatron-LM tensor parallelism, with data-parallel replicas: a (DATA, TENSOR) mesh.
+
+Each TENSOR group of T devices holds one copy of the model with every transformer block split across it
+(jaxpar.comm.megatron): the fused qkv projection and the MLP's first layer by columns (heads / hidden units), the
+two output projections by rows; everything else -- embeddings, LayerNorms, biases after a row split -- is
+replicated. The plan is plain data computed once from the model: each module that can be split says how
+(`tensor_layout()`), and the strategy turns that into, per parameter leaf, a PartitionSpec and a column order:
+
+    qkv columns [q | k | v] are re-ordered to [q_0 k_0 v_0 | q_1 k_1 v_1 | ...] so rank t's contiguous slice holds
+    the q, k and v of its own heads; unplace() puts them back in the canonical order.
+
+One step, on every device (shard_map over both axes):
+
+    sums, grads = grad(objective's summed loss over MY data shard)      # f / g inside the blocks: 2 + 2 per block
+    grads = psum(grads, DATA)                                           # the data-parallel all-reduce
+    state = apply_updates(tx, state, grads / psum(weight, DATA))        # each rank updates its own slices
+
+Replicated parameters get identical gradients on every tensor rank (their inputs are the replicated residual
+stream), so only DATA reduces them. The optimizer must be elementwise (it sees slices), or jaxpar's
+`clip_by_global_norm`, which this strategy feeds the norm over all slices (replicated leaves counted once).
+Attention dropout: rank t draws the whole [heads, T, T] mask of the single-device model and keeps its heads, so
+the masks, and so the numbers, equal the single-device step's.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.batch import Rows, as_rows, check_unpadded, pad_rows, round_up
+from jaxpar.comm import cost as comm_cost
+from jaxpar.config import Config
+from jaxpar.mesh import DATA, TENSOR
+from jaxpar.objective import Objective, advance_rng, metrics_of
+from jaxpar.step import TrainState, apply_updates
+from jaxpar.strategies import zero_optim
+from jaxpar.strategies.ddp import from_replica_0, local_devices, psum_sums
+
+KINDS = ("columns", "qkv", "rows")  # split the output dim; the fused q|k|v output dim by heads; the input dim
+
+
+class Layout(NamedTuple):
+    """How one parameter leaf lies on the TENSOR axis: split along `axis` (None: replicated), its entries first
+    taken in `order` along that axis (None: as they are)."""
+
+    axis: int | None = None
+    order: tuple[int, ...] | None = None
+
+    def spec(self, ndim: int) -> P:
+        return P(*[TENSOR if d == self.axis else None for d in range(ndim)])
+
+
+def grouped_order(size: int, groups: int, tp: int) -> tuple[int, ...]:
+    """Column order putting rank t's share of each of `groups` equal groups next to each other:
+    [g0_t0, g1_t0, .., g0_t1, g1_t1, ..] (qkv: groups=3)."""
+    per, share = size // groups, size // groups // tp
+    return tuple(g * per + t * share + i for t in range(tp) for g in range(groups) for i in range(share))
+
+
+def tensor_plan(model: nnx.Module, tp: int, wrt: Any = nnx.Param) -> list[Layout]:
+    """The Layout of every leaf of ``nnx.split(model, wrt, ...)[1]`` (flatten order), from the modules'
+    ``tensor_layout() -> {(attribute, ..., leaf name): (kind, axis[, unit])}`` (unit: entries that stay together,
+    a head's size for qkv); ValueError when a split does not divide."""
+    params = nnx.split(model, wrt, ...)[1]
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    paths = [tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in p) for p, _ in flat]
+    paths = [p[:-1] if p and p[-1] == "value" else p for p in paths]
+    wanted: dict[tuple, tuple[str, int]] = {}
+    for where, node in nnx.iter_graph(model):
+        layout = getattr(node, "tensor_layout", None)
+        if isinstance(node, nnx.Module) and callable(layout):
+            wanted.update({tuple(where) + rel: how for rel, how in layout().items()})
+    if not wanted:
+        raise ValueError(f"{type(model).__name__} has no module that tensor parallelism can split (none defines "
+                         "tensor_layout()); use a model built for it, such as jaxpar.models.gpt.GPT.")
+    out = []
+    for path, (_, leaf) in zip(paths, flat):
+        if path not in wanted:
+            out.append(Layout())
+            continue
+        kind, axis, unit = (*wanted[path], 1)[:3]
+        size = leaf.shape[axis]
+        groups = 3 if kind == "qkv" else 1
+        if size % (groups * tp * unit):
+            what = f"{size // groups // unit} heads" if unit > 1 else f"{size} entries along axis {axis}"
+            raise ValueError(f"{'.'.join(map(str, path))} has {what}, which --tensor-parallel {tp} does not split "
+                             f"evenly; use a tensor-parallel size dividing {size // groups // unit}.")
+        out.append(Layout(axis, grouped_order(size, groups, tp) if kind == "qkv" else None))
+    return out
+
+
+def set_tensor_axis(model: nnx.Module, axis: str | None, tp: int) -> nnx.Module:
+    """Point every splittable module of `model` at `axis` (None: single-device), in place; returns the model."""
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Module) and callable(getattr(node, "tensor_layout", None)):
+            node.tensor_axis, node.tensor_size = axis, tp
+    return model
+
+
+def map_params(fn, tree, params, plan: Sequence[Layout]):
+    """fn(leaf, layout) on every parameter-shaped subtree of `tree` (the params themselves, or optimizer moments
+    shaped like them); other leaves (step counts) pass through."""
+    treedef = jax.tree.structure(params)
+    is_params = lambda x: jax.tree.structure(x) == treedef  # noqa: E731
+
+    def one(sub):
+        if is_params(sub):
+            return jax.tree.unflatten(treedef, [fn(a, lay) for a, lay in zip(jax.tree.leaves(sub), plan)])
+        return sub
+
+    return jax.tree.map(one, tree, is_leaf=is_params)
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, P)
+
+
+class TensorParallel:
+    """Megatron tensor parallelism (T ranks) x data parallelism on a (DATA, TENSOR) mesh:
+    `TensorParallel(model, tx, tensor_parallel=2, loss_fn=...)`. The model's splittable modules are pointed at
+    the TENSOR axis in place (jaxpar.models.gpt's blocks are)."""
+
+    name = "tp"
+
+    def __init__(self, model: nnx.Module, tx: optax.GradientTransformation, *, tensor_parallel: int = 2,
+                 loss_fn=None, mesh: Mesh | None = None, batch_size: int | None = None, **objective_options):
+        n = jax.device_count() if mesh is None else mesh.size
+        if tensor_parallel < 1 or n % tensor_parallel:
+            raise ValueError(f"--tensor-parallel {tensor_parallel} must be >= 1 and divide the {n} devices; use a "
+                             f"divisor of {n}.")
+        self.tp = tensor_parallel
+        self.mesh = mesh or Mesh(np.array(jax.devices()[:n]).reshape(n // tensor_parallel, tensor_parallel),
+                                 (DATA, TENSOR))
+        if tuple(self.mesh.axis_names) != (DATA, TENSOR) or self.mesh.shape[TENSOR] != tensor_parallel:
+            raise ValueError(f"mesh {dict(self.mesh.shape)} must have axes ({DATA!r}, {TENSOR!r}) with {TENSOR}="
+                             f"{tensor_parallel}; build it as Mesh(devices.reshape(data, tensor), (DATA, TENSOR)).")
+        if not isinstance(model, nnx.Module):
+            raise TypeError(f"TensorParallel takes the model itself (its blocks are pointed at the {TENSOR!r} axis), "
+                            f"not a {type(model).__name__}.")
+        self.plan = tensor_plan(model, tensor_parallel)
+        # each rank updates slices of leaves: the optimizer must be elementwise (or want only the global norm)
+        self.needs_norm = zero_optim.check(tx, nnx.split(model, nnx.Param, ...)[1])
+        set_tensor_axis(model, TENSOR, tensor_parallel)
+        self.objective = Objective.of(model, loss_fn, **objective_options)
+        self.tx, self.batch_size = tx, batch_size
+        self.data = self.mesh.shape[DATA]
+        self.multiple = len(local_devices(self.mesh)) // self.tp  # rows per process: a multiple of its data ranks
+        self.share = None if batch_size is None else round_up(math.ceil(batch_size / jax.process_count()),
+                                                              self.multiple)
+        self._step = self._batch_spec = None
+
+    # -- placement -----------------------------------------------------------------------------------------
+
+    def _specs(self, state: TrainState) -> TrainState:
+        specs = lambda tree: map_params(lambda a, lay: lay.spec(np.ndim(a)), tree, state.params, self.plan)  # noqa
+        replicated = lambda tree: jax.tree.map(lambda x: x if _is_spec(x) else P(), tree, is_leaf=_is_spec)  # noqa
+        return TrainState(specs(state.params), replicated(specs(state.opt_state)), replicated(state.model_state), P())
+
+    def init(self, state: TrainState) -> TrainState:
+        """The canonical state onto the mesh: split leaves in tensor order, sharded over TENSOR; the rest replicated."""
+        def ordered(a, lay):
+            a = np.asarray(a)
+            return np.take(a, lay.order, axis=lay.axis) if lay.order else a
+
+        host = state._replace(params=map_params(ordered, state.params, state.params, self.plan),
+                              opt_state=map_params(ordered, state.opt_state, state.params, self.plan))
+        specs = self._specs(state)
+        if self._step is None:
+            self._step = self._compile(specs)
+
+        def put(a, spec):
+            if jax.dtypes.issubdtype(jnp.result_type(a), jax.dtypes.prng_key):
+                return jax.random.wrap_key_data(put(jax.random.key_data(a), spec), impl=jax.random.key_impl(a))
+            a = np.asarray(a)
+            return jax.make_array_from_callback(a.shape, NamedSharding(self.mesh, spec), lambda idx: a[idx])
+
+        leaves, treedef = jax.tree.flatten(host)
+        return jax.tree.unflatten(treedef, [put(a, s) for a, s in zip(leaves, jax.tree.leaves(specs, is_leaf=_is_spec))])
+
+    def put_batch(self, batch) -> Rows:
+        """This process's rows, padded to its share, sharded over DATA (replicated over TENSOR)."""
+        local = None if isinstance(batch, Rows) else jax.tree.leaves(batch)[0].shape[0]
+        rows = as_rows(batch, offset=jax.process_index() * (local or 0))
+        n = rows.size
+        target = self.share if self.share is not None and n <= self.share else round_up(n, self.multiple)
+        rows = pad_rows(rows, target)
+        if not self.objective.per_sample:
+            check_unpadded(rows, "per_sample=False")
+        sharding = NamedSharding(self.mesh, P(DATA))
+        return jax.tree.map(lambda v: jax.make_array_from_process_local_data(sharding, np.asarray(v)), rows)
+
+    def unplace(self, placed: TrainState) -> TrainState:
+        """The canonical single-device state: slices gathered, qkv columns back in q | k | v order."""
+        def gathered(a):
+            if isinstance(a, jax.Array) and not a.is_fully_addressable:
+                from jax.experimental import multihost_utils
+
+                a = multihost_utils.process_allgather(a, tiled=True)
+            return a
+
+        def back(a, lay):
+            a = np.asarray(gathered(a))
+            return jnp.asarray(np.take(a, np.argsort(lay.order), axis=lay.axis) if lay.order else a)
+
+        device = jax.local_devices()[0]
+        first = lambda a: jax.device_put(a.addressable_data(0), device) if isinstance(a, jax.Array) else a  # noqa
+        opt = map_params(back, placed.opt_state, placed.params, self.plan)
+        return TrainState(map_params(back, placed.params, placed.params, self.plan), jax.tree.map(first, opt),
+                          jax.tree.map(first, placed.model_state), first(placed.step))
+
+    # -- the step ------------------------------------------------------------------------------------------
+
+    def _compile(self, specs: TrainState):
+        objective, tx, plan, needs_norm = self.objective, self.tx, self.plan, self.needs_norm
+        sharded = [lay.axis is not None for lay in plan]
+
+        def body(state: TrainState, rows: Rows):
+            def loss(params):
+                sums, new_state = objective.sums(params, state.model_state, rows, shard=lax.axis_index(DATA))
+                return sums.loss, (sums, new_state)
+
+            (_, (sums, new_state)), grads = jax.value_and_grad(loss, has_aux=True)(state.params)
+            grads = lax.psum(grads, DATA)
+            total = psum_sums(sums, DATA)
+            grads = jax.tree.map(lambda g: g / total.weight, grads)
+            extra = {}
+            if needs_norm:  # the slices' squared norms over TENSOR, replicated leaves counted once
+                leaves = jax.tree.leaves(grads)
+                local = sum(jnp.sum(jnp.square(g)) for g, s in zip(leaves, sharded) if s)
+                whole = sum(jnp.sum(jnp.square(g)) for g, s in zip(leaves, sharded) if not s)
+                extra["global_norm"] = jnp.sqrt(lax.psum(local, TENSOR) + whole)
+            model_state = advance_rng(new_state, state.model_state)
+            if not objective.per_sample:
+                model_state = from_replica_0(model_state, DATA)
+            return apply_updates(tx, state, grads, model_state, **extra), metrics_of(total)
+
+        step = jax.shard_map(body, mesh=self.mesh, in_specs=(specs, P(DATA)), out_specs=(specs, P()),
+                             check_vma=False)
+        return jax.jit(step, donate_argnums=0)
+
+    def step(self, placed: TrainState, rows: Rows):
+        self._batch_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), rows)
+        return self._step(placed, rows)
+
+    def hlo(self, placed) -> str:
+        return self._step.lower(placed, self._batch_spec).compile().as_text()
+
+    def describe(self) -> str:
+        return (f"({DATA}, {TENSOR}) mesh {dict(self.mesh.shape)}: Megatron tensor parallelism over {self.tp} devices "
+                f"({sum(lay.axis is not None for lay in self.plan)} split leaves), {self.data} data replicas")
+
+    def report(self, placed) -> dict:
+        """The split, and the compiled step's all-reduces within the tensor groups: forward (Megatron's g) and
+        backward (f's transpose), per transformer block."""
+        out = {"devices": self.mesh.size, "mesh": dict(self.mesh.shape), "tensor_parallel": self.tp,
+               "split_leaves": sum(lay.axis is not None for lay in self.plan)}
+        if self._batch_spec is not None:
+            forward, backward = tensor_all_reduces(self.hlo(placed), self.mesh)
+            out.update(tensor_all_reduces_forward=forward, tensor_all_reduces_backward=backward)
+        return out
+
+
+def tensor_all_reduces(hlo_text: str, mesh: Mesh) -> tuple[int, int]:
+    """(forward, backward) all-reduces over the TENSOR groups of `mesh` in a compiled step's HLO: the backward
+    ones are those JAX's transpose emitted (their op_name holds 'transpose(')."""
+    groups = {tuple(sorted(int(d.id) for d in row)) for row in mesh.devices.reshape(-1, mesh.shape[TENSOR])}
+    forward = backward = 0
+    for c in comm_cost.hlo_collectives(hlo_text):
+        if c.kind == "all-reduce" and set(c.groups) == groups:
+            line = next(line for line in hlo_text.splitlines() if line.strip().startswith(f"%{c.name} "))
+            backward += "transpose(" in line
+            forward += "transpose(" not in line
+    return forward, backward
+
+
+def build(model: nnx.Module, tx: optax.GradientTransformation, cfg: Config, loss_fn=None) -> TensorParallel:
+    devices = jax.devices()[:cfg.num_devices] if cfg.num_devices else jax.devices()
+    n, tp = len(devices), cfg.tensor_parallel
+    if tp < 1 or n % tp:
+        raise ValueError(f"--tensor-parallel {tp} must be >= 1 and divide the {n} devices; use a divisor of {n}.")
+    mesh = Mesh(np.array(devices).reshape(n // tp, tp), (DATA, TENSOR))
+    from jaxpar.precision import compute_dtype
+
+    return TensorParallel(model, tx, tensor_parallel=tp, mesh=mesh, batch_size=cfg.batch_size, loss_fn=loss_fn,
+                          per_sample={None: None, "on": True, "off": False}[cfg.per_sample],
+                          compute_dtype=compute_dtype(cfg.precision))

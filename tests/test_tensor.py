@@ -1,0 +1,180 @@
+"""Megatron tensor parallelism (jaxpar.comm.megatron, jaxpar.strategies.tensor) on GPT-2: f and g, the column
+order of the fused qkv projection, TP 2 and 4 (with data replicas) equal to the single step with dropout on, and
+the compiled HLO's two all-reduces per block forward and two backward."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import jaxpar
+from jaxpar.comm import megatron
+from jaxpar.comm.cost import hlo_collectives
+from jaxpar.mesh import DATA, TENSOR
+from jaxpar.models.gpt import GPT, GPTConfig
+from jaxpar.strategies.tensor import TensorParallel, grouped_order, tensor_plan
+
+TX = optax.sgd(0.1, momentum=0.9)
+CFG = dict(vocab_size=24, block_size=6, n_layer=2, n_head=4, n_embd=16, dropout=0.2)
+STEPS, ROWS = 3, 4
+
+
+def test_f_and_g_are_conjugate():
+    """f: identity forward, all-reduce backward; g: all-reduce forward, identity backward (4 ranks; the gradients
+    taken inside shard_map, per rank, as the strategy takes them)."""
+    mesh = Mesh(np.array(jax.devices()[:4]), (TENSOR,))
+    w = jnp.arange(4.0) + 1.0  # rank t holds w[t]
+
+    def per_rank(x, w_t, use_f):  # y = g(f(x) * w_t): the sum over ranks of x * w_t
+        def y(x, w_t):
+            return megatron.g((megatron.f(x, TENSOR) if use_f else x) * w_t[0], TENSOR)
+
+        value, (dx, dw) = jax.value_and_grad(y, argnums=(0, 1))(x, w_t)
+        return value, dx[None], dw
+
+    def run(use_f):
+        return jax.shard_map(lambda x, w_t: per_rank(x, w_t, use_f), mesh=mesh, in_specs=(P(), P(TENSOR)),
+                             out_specs=(P(), P(TENSOR), P(TENSOR)), check_vma=False)(jnp.float32(3.0), w)
+
+    value, dx, dw = run(True)
+    assert float(value) == 3.0 * 10.0  # g summed the partial products
+    np.testing.assert_allclose(dx, [10.0] * 4)  # f's backward: every rank gets d/dx of sum_t x w_t
+    np.testing.assert_allclose(dw, [3.0] * 4)  # g's backward is the identity: d/dw_t = x on each rank
+    _, dx_without_f, _ = run(False)
+    np.testing.assert_allclose(dx_without_f, w)  # without f each rank would keep only its own term
+    x = jnp.float32(3.0)
+    assert megatron.f(x, None) is x and megatron.g(x, None) is x  # no axis: the single-device computation
+
+
+def test_grouped_order_puts_each_ranks_heads_together():
+    # q|k|v of 4 columns each (4 heads of size 1), over 2 ranks: rank 0 gets q0 q1 k0 k1 v0 v1
+    assert grouped_order(12, 3, 2) == (0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11)
+    assert grouped_order(6, 1, 3) == tuple(range(6))
+
+
+def model(**kw) -> GPT:
+    return GPT(GPTConfig(**{**CFG, **kw}), rngs=nnx.Rngs(params=0, dropout=1))
+
+
+def test_plan_splits_the_blocks_and_replicates_the_rest():
+    plan = tensor_plan(model(), 2)
+    state = nnx.split(model(), nnx.Param, ...)[1]
+    names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    split = {n for n, lay in zip(names, plan) if lay.axis is not None}
+    assert len(split) == 2 * 6 and all("h" in n for n in split)  # per block: c_attn w+b, 2 c_proj w, c_fc w+b
+    assert not any("ln" in n or "wte" in n or "wpe" in n for n in split)
+    with pytest.raises(ValueError, match="has 4 heads, which --tensor-parallel 8 does not split evenly"):
+        tensor_plan(model(), 8)
+
+
+@functools.lru_cache(maxsize=None)
+def batches():
+    rng = np.random.default_rng(0)
+    out = []
+    for s in range(STEPS):
+        x = rng.integers(0, CFG["vocab_size"], (ROWS, CFG["block_size"] + 1)).astype(np.int32)
+        out.append(jaxpar.as_rows({"x": x[:, :-1], "y": x[:, 1:]}, np.arange(s * ROWS, (s + 1) * ROWS)))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def reference():
+    m = model()
+    objective = jaxpar.Objective.of(m)
+    state = jaxpar.init_state(m, TX)
+    step = jaxpar.make_train_step(objective, TX)
+    out = state
+    for b in batches():
+        out, _ = step(out, b)
+    assert max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(out.params),
+                                                           jax.tree.leaves(state.params))) > 1e-3
+    return out
+
+
+@pytest.mark.parametrize("tp,devices", [(2, 2), (4, 4), (2, 8)])
+def test_tensor_parallel_equals_the_single_step(tp, devices):
+    """Heads and hidden units split over `tp` ranks (x devices/tp data replicas), attention and residual dropout
+    on: after 3 steps the parameters equal the single-device step's."""
+    m = model()
+    mesh = Mesh(np.array(jax.devices()[:devices]).reshape(devices // tp, tp), (DATA, TENSOR))
+    strategy = TensorParallel(m, TX, tensor_parallel=tp, mesh=mesh)
+    state = jaxpar.init_state(model(), TX)
+    placed = strategy.init(state)
+    local = [np.asarray(s.data).shape for s in jax.tree.leaves(placed.params)[0].addressable_shards]
+    for b in batches():
+        placed, metrics = strategy.step(placed, strategy.put_batch(b))
+    out = strategy.unplace(placed)
+    ref = reference()
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(out.params)[0], jax.tree.leaves(ref.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+    assert float(metrics["samples"]) == ROWS and local  # every row counted once, whatever the replicas
+
+
+def test_hlo_has_megatrons_two_all_reduces_per_block_each_way():
+    """Per transformer block: g after attention and after the MLP forward, f's all-reduce at each input backward
+    -- and nothing else within the tensor groups (the data-parallel ones run across them)."""
+    from jaxpar.strategies.tensor import tensor_all_reduces
+
+    m = model(dropout=0.0)
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), (DATA, TENSOR))
+    strategy = TensorParallel(m, TX, tensor_parallel=2, mesh=mesh)
+    placed = strategy.init(jaxpar.init_state(model(dropout=0.0), TX))
+    placed, _ = strategy.step(placed, strategy.put_batch(batches()[0]))
+    assert tensor_all_reduces(strategy.hlo(placed), mesh) == (2 * CFG["n_layer"], 2 * CFG["n_layer"])
+    report = strategy.report(placed)
+    assert report["tensor_all_reduces_forward"] == report["tensor_all_reduces_backward"] == 2 * CFG["n_layer"]
+
+
+def test_the_qkv_column_order_matters():
+    """Without the re-ordering each rank would take q of some heads and k of others: the result differs, so the
+    equivalence above really tests the layout."""
+    from jaxpar.strategies.tensor import Layout
+
+    small = dict(n_layer=1, dropout=0.0)
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), (DATA, TENSOR))
+    strategy = TensorParallel(model(**small), TX, tensor_parallel=2, mesh=mesh)
+    strategy.plan = [Layout(lay.axis) for lay in strategy.plan]  # the same split, canonical column order
+    placed = strategy.init(jaxpar.init_state(model(**small), TX))
+    placed, _ = strategy.step(placed, strategy.put_batch(batches()[0]))
+    out = jax.tree.leaves(strategy.unplace(placed).params)
+    one = jaxpar.make_train_step(jaxpar.Objective.of(model(**small)), TX)(jaxpar.init_state(model(**small), TX),
+                                                                         batches()[0])[0]
+    assert max(float(jnp.abs(a - b).max()) for a, b in zip(out, jax.tree.leaves(one.params))) > 1e-4
+
+
+def test_bad_sizes_are_named():
+    with pytest.raises(ValueError, match="--tensor-parallel 3 must be >= 1 and divide the 8 devices"):
+        TensorParallel(model(), TX, tensor_parallel=3)
+    with pytest.raises(ValueError, match="not elementwise"):
+        TensorParallel(model(), optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1)), tensor_parallel=2)
+    with pytest.raises(ValueError, match="no module that tensor parallelism can split"):
+        TensorParallel(nnx.Linear(4, 4, rngs=nnx.Rngs(0)), TX, tensor_parallel=2)
+
+
+def test_global_norm_clipping_sees_every_slice():
+    """jaxpar.optim.clip_by_global_norm gets the norm over all slices (replicated leaves once): TP equals single
+    with clipping active."""
+    from jaxpar.optim import clip_by_global_norm
+
+    tx = optax.chain(clip_by_global_norm(0.05), optax.sgd(0.1))
+    small = dict(n_layer=1, dropout=0.0)
+    state = jaxpar.init_state(model(**small), tx)
+    single = jaxpar.make_train_step(jaxpar.Objective.of(model(**small)), tx)
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(1, 4), (DATA, TENSOR))
+    strategy = TensorParallel(model(**small), tx, tensor_parallel=4, mesh=mesh)
+    placed, ref = strategy.init(state), state
+    for b in batches()[:2]:
+        ref, metrics = single(ref, b)
+        placed, _ = strategy.step(placed, strategy.put_batch(b))
+    grad = jax.grad(lambda p: jaxpar.Objective.of(model(**small)).sums(p, state.model_state, batches()[0])[0].loss)
+    norm = np.sqrt(sum(float(jnp.sum(g ** 2)) for g in jax.tree.leaves(grad(state.params)))) / ROWS
+    assert norm > 0.05  # the clip really acts
+    for a, b in zip(jax.tree.leaves(strategy.unplace(placed).params), jax.tree.leaves(ref.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

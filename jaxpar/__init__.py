@@ -24,7 +24,7 @@ from jaxpar.data.datasets import DATASETS, DataError, Dataset, load
 from jaxpar.data.loader import Loader
 from jaxpar.data.sampler import DistributedSampler
 from jaxpar.losses import cross_entropy, mse
-from jaxpar.mesh import DATA, PIPE, make_mesh
+from jaxpar.mesh import DATA, PIPE, TENSOR, make_mesh
 from jaxpar.objective import LossOutput, Objective, OutputLoss
 from jaxpar import optim
 from jaxpar.optim import OPTIMIZERS, make_optimizer
@@ -36,7 +36,9 @@ from jaxpar.strategies.base import STRATEGIES, Strategy, get_builder
 from jaxpar.strategies.data_parallel import DataParallel, chunk_sizes
 from jaxpar.strategies.ddp import DistributedDataParallel, make_ddp_step
 from jaxpar.strategies.pipeline import LayerSpec, Pipeline, PipelineModule, TiedLayerSpec
+from jaxpar.strategies.ddp import sync_batch_norm
 from jaxpar.strategies.single import SingleDevice
+from jaxpar.strategies.tensor import TensorParallel
 from jaxpar.strategies.zero import ZeroRedundancy
 
 __all__ = [
@@ -48,11 +50,11 @@ __all__ = [
     # strategies
     "Strategy", "STRATEGIES", "get_builder", "SingleDevice",
     "DataParallel", "chunk_sizes",
-    "DistributedDataParallel", "make_ddp_step",
+    "DistributedDataParallel", "make_ddp_step", "sync_batch_norm", "TensorParallel",
     "ZeroRedundancy",
     "Pipeline", "PipelineModule", "LayerSpec", "TiedLayerSpec",
     # communication
-    "DATA", "PIPE", "make_mesh", "all_reduce", "ring_all_reduce", "BucketPlan", "plan_buckets",
+    "DATA", "PIPE", "TENSOR", "make_mesh", "all_reduce", "ring_all_reduce", "BucketPlan", "plan_buckets",
     "collectives", "buckets", "comm_cost", "schedule", "memory",
     # data
     "Dataset", "DataError", "DATASETS", "load", "DistributedSampler", "Loader",

@@ -28,10 +28,9 @@ import optax
 from jaxpar.objective import Sums
 from jaxpar.pipeline import optimizer as opt_lib
 from jaxpar.pipeline.schedule import Action, Op, Schedule, message, virtual
-from jaxpar.pipeline.stage import Layout, PartFns, split_float
+from jaxpar.pipeline.stage import Layout, PartFns, part_fns, split_float
 
 
-@jax.jit
 def _add_up(sums: list) -> jax.Array:
     """The micro-batches' Sums added, as one float32 vector (loss, weight, rows, metrics...)."""
     return jnp.stack([sum(xs) for xs in zip(*[jax.tree.leaves(x) for x in sums])])
@@ -39,11 +38,6 @@ def _add_up(sums: list) -> jax.Array:
 
 def _assemble(total, norms: list, n: int) -> jax.Array:
     """[Sums vector (zeros on processes without the last stage), sum of squared gradient norms]."""
-    return _assemble_jit(total, norms, n)
-
-
-@partial(jax.jit, static_argnums=2)
-def _assemble_jit(total, norms, n):
     head = jnp.zeros((n,), jnp.float32) if total is None else total
     return jnp.concatenate([head, sum(norms, jnp.zeros((), jnp.float32))[None]])
 
@@ -55,8 +49,8 @@ class Plan:
     def __init__(self, engine: "Engine", layout: Layout, schedule: Schedule):
         mod, tr = engine.module, engine.transport
         self.schedule = schedule
-        self.fns = [PartFns(mod, v, engine.objective, layout, tr.meshes[mod.stage_of(v)], schedule.num_microbatches)
-                    for v in range(mod.num_parts)]
+        self.fns = [part_fns(mod, v, engine.objective, layout, tr.meshes[mod.stage_of(v)], schedule.num_microbatches,
+                             engine.compiler_options) for v in range(mod.num_parts)]
         self.out_specs, x = [], None
         rows = layout.specs[0].shape[0]
         for v, fns in enumerate(self.fns):
@@ -94,8 +88,12 @@ class Plan:
 class Engine:
     """Runs schedules of a PipelineModule (`module`) on `transport`'s stages; see the module docstring."""
 
-    def __init__(self, module, objective, tx: optax.GradientTransformation, transport, *, needs_norm: bool):
+    def __init__(self, module, objective, tx: optax.GradientTransformation, transport, *, needs_norm: bool,
+                 compiler_options: dict | None = None):
         self.module, self.objective, self.transport = module, objective, transport
+        self.compiler_options = compiler_options
+        self.jit = partial(jax.jit, compiler_options=compiler_options)
+        self._add_up, self._assemble = self.jit(_add_up), self.jit(_assemble, static_argnums=2)
         self.tx, self.needs_norm = optax.with_extra_args_support(tx), needs_norm
         self.state_specs: list = []
         self._plans: dict = {}
@@ -151,7 +149,7 @@ class Engine:
                     got = tr.exchange(src, dst, value, spec)
                     if tr.mine(dst):
                         self._mail[key] = got
-        total = _add_up(self._sums) if self._sums else None  # one call: the Sums of every micro-batch, as a vector
+        total = self._add_up(self._sums) if self._sums else None  # one call: the Sums of every micro-batch, as a vector
         return total, self._state, self._acc
 
     def _part(self, a: Action) -> tuple[int, PartFns]:
@@ -281,7 +279,7 @@ class Engine:
         first = tr.first_device
         norms = [jax.device_put(self._norm_fn(s)(grads[s]), first) for s in tr.local_stages] if self.needs_norm else []
         n = sums_treedef.num_leaves
-        vec = tr.all_processes_sum(_assemble(None if total is None else jax.device_put(total, first), norms, n))
+        vec = tr.all_processes_sum(self._assemble(None if total is None else jax.device_put(total, first), norms, n))
         for s in tr.local_stages:
             params[s], opt_state[s], state[s] = self._update_fn(s)(params[s], opt_state[s], grads[s], state[s],
                                                                    tr.put(vec, s))
@@ -308,7 +306,7 @@ class Engine:
                         out[owned[j]] = g if out[owned[j]] is None else out[owned[j]] + g
                 return out
 
-            self._updates[("reduce", s)] = jax.jit(reduce, out_shardings=self.transport.kinds[s]["rep"])
+            self._updates[("reduce", s)] = self.jit(reduce, out_shardings=self.transport.kinds[s]["rep"])
         return self._updates[("reduce", s)](accs)
 
     def _sum_tied(self, j: int, stages: list[int], grads: dict) -> None:
@@ -331,7 +329,7 @@ class Engine:
     def _norm_fn(self, s: int):
         if ("norm", s) not in self._updates:
             mine = [k for k, j in enumerate(self.module.stage_params[s]) if self.module.owner[j] == s]
-            self._updates[("norm", s)] = jax.jit(lambda g: sum(jnp.sum(jnp.square(g[k].astype(jnp.float32)))
+            self._updates[("norm", s)] = self.jit(lambda g: sum(jnp.sum(jnp.square(g[k].astype(jnp.float32)))
                                                                for k in mine) if mine else jnp.zeros(()))
         return self._updates[("norm", s)]
 
@@ -350,6 +348,6 @@ class Engine:
                 state = [x + 1 if k in counts else x for k, x in enumerate(state)]  # RNG streams advance once
                 return jax.tree.leaves(optax.apply_updates(p, updates)), opt_state, state
 
-            self._updates[("update", s)] = jax.jit(update, donate_argnums=(0, 1, 3))
+            self._updates[("update", s)] = self.jit(update, donate_argnums=(0, 1, 3))
         return self._updates[("update", s)]
 

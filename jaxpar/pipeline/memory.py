@@ -14,7 +14,7 @@ import numpy as np
 
 from jaxpar.pipeline import analysis
 from jaxpar.pipeline.module import PipelineModule
-from jaxpar.pipeline.stage import PartFns
+from jaxpar.pipeline.stage import part_fns
 
 MiB = 2 ** 20
 
@@ -29,7 +29,7 @@ def activation_bytes(pipe, module: PipelineModule, layout) -> list[int]:
     out, x = [], None
     for v in range(module.num_parts):
         s = module.stage_of(v)
-        fns = PartFns(module, v, pipe.objective, layout, tr.meshes[s], pipe.micro_batches)
+        fns = part_fns(module, v, pipe.objective, layout, tr.meshes[s], pipe.micro_batches, engine.compiler_options)
         params = [module.param_specs[j] for j in fns.pidx]
         state = [engine.state_specs[j] for j in fns.sidx]
         data = engine.data_specs(layout, s)

@@ -139,6 +139,7 @@ class PipelineModule:
             model = nnx.Sequential(*build_layers(layers, seed))
             layers = list(model.layers)
         self.model, self.layers, self.loss_fn, self.wrt = model, list(layers), loss_fn, wrt
+        self.unpack = isinstance(model, nnx.Sequential)  # its convention: a tuple output is the next layer's *args
         self.num_stages, self.virtual_stages = num_stages, virtual_stages
         self.partition_method, self.interval, self.example_input = partition_method, activation_checkpoint_interval, \
             example_input

@@ -86,11 +86,23 @@ def join_float(floats, others, treedef, kinds):
     return jax.tree.unflatten(treedef, [next(fl) if f else next(ot) for f in kinds])
 
 
+_COMPILED: dict = {}  # structure key -> PartFns: a part of the same structure on the same devices compiles once
+
+
+def part_fns(module, part: int, objective: Objective, layout: Layout, mesh, micro_batches: int,
+             compiler_options: dict | None = None) -> "PartFns":
+    """PartFns of `part`, shared with any earlier part of the same structure on the same devices (another
+    Pipeline of the same model, another schedule over the same partition): XLA compiles each function once."""
+    fns = PartFns(module, part, objective, layout, mesh, micro_batches, compiler_options)
+    return _COMPILED.setdefault(fns.key, fns)
+
+
 class PartFns:
     """The compiled functions of virtual stage `part` (see the module docstring); `mesh` is the stage's DATA
     sub-mesh (D devices), `micro_batches` keys batch-mode RNG draws (shard = replica * M + micro-batch)."""
 
-    def __init__(self, module, part: int, objective: Objective, layout: Layout, mesh, micro_batches: int):
+    def __init__(self, module, part: int, objective: Objective, layout: Layout, mesh, micro_batches: int,
+                 compiler_options: dict | None = None):
         self.module, self.part, self.obj, self.layout, self.mesh = module, part, objective, layout, mesh
         self.segments = module.parts[part]
         self.first, self.last = part == 0, part == module.num_parts - 1
@@ -101,6 +113,14 @@ class PartFns:
         self.seg_spos = [tuple(spos[j] for j in seg.state_index) for seg in self.segments]
         self.D, self.M = mesh.size, micro_batches
         self.loss = objective.output_loss() if (self.first or self.last) else None
+        obj = objective
+        self.key = (tuple((seg.graphdef, seg.eval_graphdef, seg.param_treedef, seg.state_treedef, seg.remat,
+                           seg.layers.start > 0, pp, sp) for seg, pp, sp in zip(self.segments, self.seg_ppos,
+                                                                                self.seg_spos)),
+                    tuple(module.param_specs[j] for j in self.pidx), self.first, self.last, module.unpack,
+                    obj.loss_fn, obj.wrt, obj.per_sample, obj.rows_per_call, obj.compute_dtype, layout,
+                    tuple(mesh.devices.flat), micro_batches, tuple(sorted((compiler_options or {}).items())))
+        self.options = compiler_options
         replicated_out = "rep" if self.last else "rows"
         self.forward = self._compile(self._forward, ("rep", "rep", "rows", "rows", "rep"),
                                      (replicated_out, "local", "rep"))
@@ -120,7 +140,7 @@ class PartFns:
 
     def _compile(self, fn, ins, outs, donate=()):
         if self.D == 1:
-            return jax.jit(fn, donate_argnums=donate)
+            return jax.jit(fn, donate_argnums=donate, compiler_options=self.options)
         spec = {"rep": P(), "rows": P(DATA), "local": P(DATA)}
         expand = lambda kinds, xs: jax.tree.map(lambda a: a[None], xs) if kinds == "local" else xs  # noqa: E731
         squeeze = lambda kinds, xs: jax.tree.map(lambda a: a[0], xs) if kinds == "local" else xs  # noqa: E731
@@ -134,7 +154,7 @@ class PartFns:
         out_specs = spec[outs] if isinstance(outs, str) else tuple(spec[k] for k in outs)
         mapped = jax.shard_map(body, mesh=self.mesh, in_specs=tuple(spec[k] for k in ins), out_specs=out_specs,
                                check_vma=False)
-        return jax.jit(mapped, donate_argnums=donate)
+        return jax.jit(mapped, donate_argnums=donate, compiler_options=self.options)
 
     # -- the math --------------------------------------------------------------------------------------------
 
@@ -150,13 +170,19 @@ class PartFns:
         return (lax.axis_index(DATA) * self.M + m) if self.D > 1 else m
 
     def _seg_apply(self, k, p, st, x, rows: Rows, train: bool, shard):
+        """(output, state) of segment k on rows; `st` its state leaves, made Variables here, at the caller's
+        trace level (NNX refuses to mutate a Variable from another one)."""
         seg, obj = self.segments[k], self.obj
         graphdef = seg.graphdef if train else seg.eval_graphdef
         p = cast_floating(p, obj.compute_dtype)
+        st = jax.tree.unflatten(seg.state_treedef, list(st))
+
+        unpack, first = self.module.unpack, seg.layers.start
 
         def run(model, a):
-            for layer in model:
-                a = layer(a)
+            for i, layer in enumerate(model, first):  # nnx.Sequential's call convention where the model is one
+                a = layer(*a) if unpack and i and isinstance(a, tuple) else \
+                    layer(**a) if unpack and i and isinstance(a, dict) else layer(a)
             return a
 
         if not obj.per_sample:
@@ -186,8 +212,7 @@ class PartFns:
         return jax.tree.unflatten(seg.param_treedef, [params[i] for i in self.seg_ppos[k]])
 
     def _seg_state(self, k, state):
-        seg = self.segments[k]
-        return jax.tree.unflatten(seg.state_treedef, [state[i] for i in self.seg_spos[k]])
+        return [state[i] for i in self.seg_spos[k]]
 
     def _input(self, x, rows: Rows):
         return cast_floating(self.loss.inputs(rows.data), self.obj.compute_dtype) if self.first else x

@@ -75,25 +75,29 @@ class Batch(NamedTuple):
 
 
 def _used(fn, *specs) -> set[int]:
-    """Positions of the flat leaves of `specs` that `fn(*specs)` really reads (from its jaxpr)."""
+    """Positions of the flat leaves of `specs` that `fn(*specs)` really reads (its jaxpr, dead code removed)."""
+    from jax._src.interpreters import partial_eval as pe
+
     flat, treedef = jax.tree.flatten(specs)
     jaxpr = jax.make_jaxpr(lambda *leaves: fn(*jax.tree.unflatten(treedef, leaves)))(*flat).jaxpr
-    used = {id(v) for eqn in jaxpr.eqns for v in eqn.invars} | {id(v) for v in jaxpr.outvars}
-    return {i for i, v in enumerate(jaxpr.invars) if id(v) in used}
+    _, used = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
+    return {i for i, u in enumerate(used) if u}
 
 
 class Pipeline:
     """The pipeline strategy: `model` (an NNX module with flat ``layers``, or a PipelineModule) cut into
     `num_stages` stages on `mesh` (default: the first num_stages devices, one per stage), trained on `schedule`
     with `micro_batches` micro-batches. ``loss_fn`` must be an OutputLoss (the last stage runs it on the
-    outputs). `batch_size` (global) fixes every batch's padded shape (one compile)."""
+    outputs). `batch_size` (global) fixes every batch's padded shape (one compile). ``compiler_options`` go to
+    every jit (e.g. {"xla_backend_optimization_level": 0}: a third of the compile time, slower code)."""
 
     name = "pipeline"
 
     def __init__(self, model: nnx.Module | PipelineModule, tx: optax.GradientTransformation, *, loss_fn=None,
                  num_stages: int = 2, micro_batches: int = 4, schedule: str = "1f1b", virtual_stages: int = 1,
                  partition_method: str = "parameters", activation_checkpoint_interval: int = 0, mesh=None,
-                 batch_size: int | None = None, example_input=None, seed: int = 0, **objective_options):
+                 batch_size: int | None = None, example_input=None, seed: int = 0, compiler_options: dict | None = None,
+                 **objective_options):
         if not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"micro_batches={micro_batches!r} must be an int >= 1; pass --micro-batches 1 or more.")
         if isinstance(model, PipelineModule):
@@ -123,7 +127,8 @@ class Pipeline:
         self.micro_batches, self.D = M, self.mesh.shape[DATA]
         self.transport = Transport(self.mesh)
         self.needs_norm = opt_lib.probe(tx, module)
-        self.engine = Engine(module, self.objective, tx, self.transport, needs_norm=self.needs_norm)
+        self.engine = Engine(module, self.objective, tx, self.transport, needs_norm=self.needs_norm,
+                             compiler_options=compiler_options)
         self.engine.state_specs = None  # set by init, from the canonical model state
         self._layouts: dict = {}
         self._last: Any = None

@@ -27,6 +27,7 @@ import numpy as np
 from jax import lax
 
 from jaxpar.comm.buckets import LeafInfo, leaf_infos
+from jaxpar.comm.overlap import zero_after
 from jaxpar.types import PyTree
 
 
@@ -57,6 +58,11 @@ class ShardPlan:
     def num_elements(self) -> int:
         """Real (unpadded) elements over all groups."""
         return sum(g.size for g in self.groups)
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element (the parameters' one dtype)."""
+        return np.dtype(self.leaves[0].dtype).itemsize if self.leaves else 4
 
     @property
     def padding(self) -> int:
@@ -159,3 +165,37 @@ def shard_of(plan: ShardPlan, leaves: Sequence[Any], axis_name) -> jax.Array:
     """This device's shard [S] of leaves every device holds whole (no communication: slices of each group)."""
     return jnp.concatenate([my_piece(group_buffer(plan, k, leaves), plan.num_devices, axis_name)
                             for k in range(len(plan.groups))])
+
+
+# ---- stage 2: each group reduce-scattered from inside the backward ----------------------------------------
+
+def _reduce_hook(k: int, plan: ShardPlan, axis_name):
+    """identity(leaves, carrier, token) whose backward reduce-scatters group k's cotangents into the carrier's."""
+
+    @jax.custom_vjp
+    def hook(leaves, carrier, token):
+        return leaves, token
+
+    def fwd(leaves, carrier, token):
+        return (leaves, token), None
+
+    def bwd(_, cts):
+        ct_leaves, ct_token = cts
+        named = dict(zip(plan.groups[k].leaves, ct_leaves))
+        piece = reduce_scatter_group(group_buffer(plan, k, named) + ct_token.astype(ct_leaves[0].dtype), axis_name)
+        return None, piece, zero_after(piece)
+
+    hook.defvjp(fwd, bwd)
+    return hook
+
+
+def hook_groups(leaves: list, carriers: list, plan: ShardPlan, axis_name) -> list:
+    """`leaves` wrapped group by group (last group first, so the backward meets group 0 first and the token
+    orders the reduce-scatters 0, 1, ...); the gradient w.r.t. carrier k is this device's piece of group k."""
+    out, token = list(leaves), jnp.zeros((), jnp.float32)
+    for k in reversed(range(len(plan.groups))):
+        idx = plan.groups[k].leaves
+        wrapped, token = _reduce_hook(k, plan, axis_name)([leaves[i] for i in idx], carriers[k], token)
+        for i, w in zip(idx, wrapped):
+            out[i] = w
+    return out

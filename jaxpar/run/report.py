@@ -112,13 +112,19 @@ def memory_rows(strategy_report: dict, devices: Iterable | None = None) -> list[
 def _communication(r: dict) -> list[tuple[str, Any]]:
     """Rows for the communication a strategy reports: modelled (cost model) and measured (compiled HLO)."""
     rows = []
-    if "model_bytes_sent_per_device" in r:
+    ddp = f"; {r['model_vs_ddp']:.3f}x DDP's all-reduce" if "model_vs_ddp" in r else ""
+    if "model_collectives" in r:  # ZeRO: traffic by collective kind
+        kinds = ", ".join(f"{k} {_mib(v)}" for k, v in r["model_collectives"].items())
+        rows.append(("comm/step, cost model",
+                     f"{_mib(r['model_bytes_sent_per_device'])} sent per device ({kinds}){ddp}"))
+    elif "model_bytes_sent_per_device" in r:
         rows.append(("comm/step, cost model", f"{_mib(r['model_bytes_sent_per_device'])} sent per device in "
                      f"{r.get('model_steps_per_step', '?')} collective steps ({r.get('allreduce', '?')}, "
                      f"{r.get('buckets', '?')} buckets)"))
     if "hlo_bytes_sent_per_device" in r:
         kinds = ", ".join(f"{n} {k}" for k, n in r.get("hlo_collectives", {}).items()) or "no collectives"
-        rows.append(("comm/step, compiled HLO", f"{_mib(r['hlo_bytes_sent_per_device'])} sent per device; {kinds}"))
+        vs = f"; {r['hlo_vs_ddp']:.3f}x DDP's all-reduce" if "hlo_vs_ddp" in r else ""
+        rows.append(("comm/step, compiled HLO", f"{_mib(r['hlo_bytes_sent_per_device'])} sent per device; {kinds}{vs}"))
     if "bubble_fraction" in r:
         rows.append(("pipeline bubble", f"{100 * r['bubble_fraction']:.1f} % of {r.get('ticks', '?')} ticks "
                      f"({r.get('schedule', '?')})"))
@@ -126,7 +132,33 @@ def _communication(r: dict) -> list[tuple[str, Any]]:
 
 
 _SHOWN = {"memory", "devices", "processes", "model_bytes_sent_per_device", "model_steps_per_step", "hlo_bytes_sent_per_device",
-          "hlo_collectives", "bubble_fraction", "ticks"}
+          "hlo_collectives", "bubble_fraction", "ticks", "model_collectives", "model_vs_ddp", "hlo_vs_ddp",
+          "held_memory"}
+
+
+def _held_memory(r: dict) -> list[tuple[str, Any]]:
+    """Rows for the bytes a strategy holds per device (ZeRO): measured, and the ZeRO paper's formula beside them."""
+    m = r.get("held_memory")
+    if not m:
+        return []
+    paper = m["paper"]
+    rows = [("memory/device, held", f"params {_mib(m['params'])} + gradients {_mib(m['gradients'])} + optimizer "
+             f"{_mib(m['optimizer'])} = {_mib(m['total'])} (live arrays; gradients: compiled outputs)"),
+            ("memory/device, ZeRO paper", f"{_mib(paper['total'])} = {paper['formula']} (Psi={m['num_params']:,}, "
+             f"N={r.get('devices', '?')}); held / paper = {m['total'] / paper['total']:.4f}")]
+    if m.get("step_temp") is not None:
+        rows.append(("memory/device, step temps", f"{_mib(m['step_temp'])} (the compiled step's temporaries)"))
+    return rows
+
+
+def memory_fields(strategy_report: dict) -> dict:
+    """The held-memory numbers of a strategy report as flat summary fields (bytes per device), for --metrics-out."""
+    m = strategy_report.get("held_memory")
+    if not m:
+        return {}
+    return {"memory_params_bytes": m["params"], "memory_gradients_bytes": m["gradients"],
+            "memory_optimizer_bytes": m["optimizer"], "memory_held_bytes": m["total"],
+            "memory_paper_bytes": m["paper"]["total"], "memory_paper_formula": m["paper"]["formula"]}
 
 
 def table(summary: dict, strategy_report: dict, mem: list[dict] | None = None) -> str:
@@ -149,6 +181,7 @@ def table(summary: dict, strategy_report: dict, mem: list[dict] | None = None) -
         if r.get("live_bytes") or r.get("peak_bytes"):
             peak = f", allocator peak {_mib(r['peak_bytes'])}" if r.get("peak_bytes") is not None else ""
             rows.append((f"memory {r['device']}", f"live {_mib(r.get('live_bytes'))}{peak}"))
+    rows += _held_memory(strategy_report)
     rows += _communication(strategy_report)
     rows += [(k.replace("_", " "), v) for k, v in strategy_report.items() if k not in _SHOWN]
     rows = [(k, _value(v)) for k, v in rows]

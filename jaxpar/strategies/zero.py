@@ -57,39 +57,6 @@ def paper_bytes(stage: int, num_params: int, num_devices: int, opt_bytes: int = 
     return {**out, "total": sum(out.values()), "formula": FORMULAS[stage].replace("K", str(opt_bytes))}
 
 
-def _reduce_hook(k: int, plan: sh.ShardPlan, axis_name):
-    """identity(leaves, carrier, token) whose backward reduce-scatters group k's cotangents into the carrier's."""
-
-    @jax.custom_vjp
-    def hook(leaves, carrier, token):
-        return leaves, token
-
-    def fwd(leaves, carrier, token):
-        return (leaves, token), None
-
-    def bwd(_, cts):
-        ct_leaves, ct_token = cts
-        named = dict(zip(plan.groups[k].leaves, ct_leaves))
-        piece = sh.reduce_scatter_group(sh.group_buffer(plan, k, named) + ct_token.astype(ct_leaves[0].dtype),
-                                        axis_name)
-        return None, piece, overlap.zero_after(piece)
-
-    hook.defvjp(fwd, bwd)
-    return hook
-
-
-def hook_groups(leaves: list, carriers: list, plan: sh.ShardPlan, axis_name=DATA) -> list:
-    """`leaves` wrapped group by group (last group first, so the backward meets group 0 first and the token
-    orders the reduce-scatters 0, 1, ...); the gradient w.r.t. carrier k is this device's piece of group k."""
-    out, token = list(leaves), jnp.zeros((), jnp.float32)
-    for k in reversed(range(len(plan.groups))):
-        idx = plan.groups[k].leaves
-        wrapped, token = _reduce_hook(k, plan, axis_name)([leaves[i] for i in idx], carriers[k], token)
-        for i, w in zip(idx, wrapped):
-            out[i] = w
-    return out
-
-
 def zero_body(objective: Objective, tx, plan: sh.ShardPlan, stage: int, *, reduce: str = "reduce_scatter",
               grad_accum: int = 1, needs_norm: bool = False, treedef=None, axis_name=DATA, gradients_only=False):
     """The per-device step `(state, local_rows) -> (state, metrics)` (or, with gradients_only, the gradient as
@@ -106,7 +73,7 @@ def zero_body(objective: Objective, tx, plan: sh.ShardPlan, stage: int, *, reduc
             if stage == 3:
                 params = fetch.tagged(treedef, plan, x)
             elif stage == 2:
-                params = jax.tree.unflatten(treedef, hook_groups(leaves, x, plan, axis_name))
+                params = jax.tree.unflatten(treedef, sh.hook_groups(leaves, x, plan, axis_name))
             else:
                 params = jax.tree.unflatten(treedef, x)
             sums, new_state = objective.sums(params, model_state, mb, shard=replica * K + k)
@@ -139,9 +106,11 @@ def zero_body(objective: Objective, tx, plan: sh.ShardPlan, stage: int, *, reduc
 
     def body(state: TrainState, rows: Rows):
         grads, total, model_state = grads_of(state, rows)
+        if stage == 2:
+            grads = jnp.concatenate(grads)  # this device's pieces of the groups: its shard of the gradient
         if gradients_only:
-            return grads if stage == 1 else (jnp.concatenate(grads) if stage == 2 else grads)
-        g = reduce_after_backward(grads) if stage == 1 else (jnp.concatenate(grads) if stage == 2 else grads)
+            return grads
+        g = reduce_after_backward(grads) if stage == 1 else grads
         total = psum_sums(total, axis_name, overlap.zero_after(g))
         g = g / total.weight
         p = state.params if stage == 3 else sh.shard_of(plan, jax.tree.leaves(state.params), axis_name)
@@ -227,10 +196,8 @@ class ZeroRedundancy:
                                             check_vma=False))
 
     def _opt_specs(self, params):
-        _, kinds, outer = zero_optim.layouts(self.tx, params)
-        flat = jax.eval_shape(self.tx.init, zero_optim.flat_tree(jax.ShapeDtypeStruct((7,), jnp.float32)))
-        leaves = jax.tree.flatten(flat, is_leaf=zero_optim._is_flat)[0]
-        return jax.tree.unflatten(outer, [jax.tree.map(lambda _: P(DATA), x) if kind else jax.tree.map(lambda _: P(), x)
+        outer, kinds, leaves = zero_optim.flat_state_shapes(self.tx, params, 7, jnp.float32)
+        return jax.tree.unflatten(outer, [jax.tree.map(lambda _, k=kind: P(DATA) if k else P(), x)
                                           for x, kind in zip(leaves, kinds)])
 
     # -- the strategy contract -----------------------------------------------------------------------------
@@ -308,7 +275,7 @@ class ZeroRedundancy:
             raise ValueError("hlo() needs one step first (it compiles for the batch shape seen).")
         return self._step.lower(placed, self._batch_spec).compile().as_text()
 
-    def memory(self, placed, rows=None) -> dict:
+    def memory(self, placed, rows=None, step: bool = True) -> dict:
         """Per-device bytes of parameters and optimizer state (the placed arrays on the mesh's first device) and of
         gradients (the outputs of the compiled gradient function: what the backward leaves behind), beside the
         ZeRO paper's formula for the same optimizer. `placed` and `rows` may be abstract (jax.ShapeDtypeStruct
@@ -318,12 +285,11 @@ class ZeroRedundancy:
             raise ValueError("memory() needs a batch shape: take one step first or pass rows (ShapeDtypeStructs).")
         device = self.mesh.devices.flat[0]
         compiled = self._grads.lower(placed, rows).compile().memory_analysis()
-        step = self._step.lower(placed, rows).compile().memory_analysis()
+        temp = self._step.lower(placed, rows).compile().memory_analysis().temp_size_in_bytes if step else None
         held = {"params": held_bytes(placed.params, device), "gradients": compiled.output_size_in_bytes,
                 "optimizer": held_bytes(placed.opt_state, device)}
-        opt_bytes = sum(zero_optim.layouts(self.tx, self._abstract_params())[1]) * self.plan.leaves[0].nbytes // \
-            max(1, math.prod(self.plan.leaves[0].shape))
-        return {**held, "total": sum(held.values()), "step_temp": step.temp_size_in_bytes,
+        opt_bytes = sum(zero_optim.layouts(self.tx, self._abstract_params())[1]) * self.plan.itemsize
+        return {**held, "total": sum(held.values()), "step_temp": temp,
                 "paper": paper_bytes(self.stage, self.plan.num_elements, self.mesh.size, opt_bytes),
                 "num_params": self.plan.num_elements, "padding": self.plan.padding}
 
@@ -333,44 +299,40 @@ class ZeroRedundancy:
         if self.plan is None:
             self._setup(state)
         spec = lambda p, a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(self.mesh, p))  # noqa
-        _, kinds, outer = zero_optim.layouts(self.tx, state.params)
-        flat_size = (self.mesh.size * self.plan.shard_size,)
-        leaves = jax.tree.flatten(jax.eval_shape(self.tx.init, zero_optim.flat_tree(
-            jax.ShapeDtypeStruct(flat_size, np.dtype(self.plan.leaves[0].dtype)))), is_leaf=zero_optim._is_flat)[0]
-        opt = [jax.tree.map(lambda a: spec(P(DATA) if kind else P(), a), x) for x, kind in zip(leaves, kinds)]
-        params = jax.ShapeDtypeStruct(flat_size, np.dtype(self.plan.leaves[0].dtype)) if self.stage == 3 else \
-            state.params
-        placed = TrainState(jax.tree.map(lambda a: spec(P(DATA) if self.stage == 3 else P(), a), params),
-                            jax.tree.unflatten(outer, opt), jax.tree.map(lambda a: spec(P(), a), state.model_state),
-                            spec(P(), state.step))
+        flat = jax.ShapeDtypeStruct((self.mesh.size * self.plan.shard_size,), np.dtype(self.plan.leaves[0].dtype))
+        outer, kinds, leaves = zero_optim.flat_state_shapes(self.tx, state.params, flat.shape[0], flat.dtype)
+        opt = [jax.tree.map(lambda a, k=kind: spec(P(DATA) if k else P(), a), x) for x, kind in zip(leaves, kinds)]
+        params = spec(P(DATA), flat) if self.stage == 3 else jax.tree.map(lambda a: spec(P(), a), state.params)
+        rest = jax.tree.map(lambda a: spec(P(), a), (state.model_state, state.step))
+        placed = TrainState(params, jax.tree.unflatten(outer, opt), *rest)
         return placed, jax.tree.map(lambda a: spec(P(DATA), a), rows)
 
     def comm_model(self) -> dict:
         """Bytes each device sends per step by collective kind (ring costs, jaxpar.comm.cost.zero_traffic)."""
-        itemsize = np.dtype(self.plan.leaves[0].dtype).itemsize
-        n = self.mesh.size
-        group_bytes = [n * g.chunk * itemsize for g in self.plan.groups]
-        units = None
-        if self.stage == 3:
+        n, itemsize, units = self.mesh.size, self.plan.itemsize, None
+        if self.stage == 3:  # one group per leaf: a layer gathers its leaves' groups
             chunk = {g.leaves[0]: g.chunk for g in self.plan.groups}
             units = [n * sum(chunk[i] for i in u) * itemsize for u in self._units]
-        return comm_cost.zero_traffic(self.stage, n, group_bytes, units, self.reduce)
+        return comm_cost.zero_traffic(self.stage, n, [n * g.chunk * itemsize for g in self.plan.groups], units,
+                                      self.reduce)
 
     def report(self, placed) -> dict:
         """The partition, the modelled traffic per step, what the compiled step really sends, and the memory."""
         model = self.comm_model()
+        ddp = comm_cost.ring_bytes("all-reduce", self.mesh.size, self.plan.num_elements * self.plan.itemsize)
         out = {"devices": self.mesh.size, "processes": jax.process_count(), "zero_stage": self.stage,
                "zero_reduce": self.reduce if self.stage == 1 else "reduce_scatter", "grad_accum": self.grad_accum,
                "optimizer": "elementwise, global norm psum" if self.needs_norm else "elementwise",
                "shard_plan": str(self.plan), "model_collectives": model,
-               "model_bytes_sent_per_device": sum(model.values())}
+               "model_bytes_sent_per_device": sum(model.values()), "model_vs_ddp": sum(model.values()) / ddp}
         if self._batch_spec is not None:
             text = self.hlo(placed)
             ops = comm_cost.hlo_collectives(text)
             out["hlo_collectives"] = {k: len({c.name for c in ops if c.kind == k}) for k in comm_cost.KINDS
                                       if any(c.kind == k for c in ops)}  # the metrics add one small all-reduce
             out["hlo_bytes_sent_per_device"] = max(comm_cost.hlo_bytes_per_device(text, self.mesh.size))
-            out["zero_memory"] = self.memory(placed)
+            out["hlo_vs_ddp"] = out["hlo_bytes_sent_per_device"] / ddp
+            out["held_memory"] = self.memory(placed)
         return out
 
 

@@ -50,8 +50,9 @@ def layouts(tx: optax.GradientTransformation, params) -> tuple[Any, list[bool], 
     c_leaves, c_outer = jax.tree.flatten(canonical, is_leaf=_like(treedef))
     flat = jax.eval_shape(tx.init, flat_tree(jax.ShapeDtypeStruct((7,), jnp.float32)))
     f_leaves, f_outer = jax.tree.flatten(flat, is_leaf=_is_flat)
-    kinds = [_like(treedef)(x) for x in c_leaves]
-    same = c_outer == f_outer and kinds == [_is_flat(x) for x in f_leaves] and all(
+    shapes = [a.shape for a in jax.tree.leaves(params)]
+    kinds = [_like(treedef)(x) and [a.shape for a in jax.tree.leaves(x)] == shapes for x in c_leaves]
+    same = c_outer == f_outer and kinds == [_is_flat(x) and x[KEY].shape == (7,) for x in f_leaves] and all(
         kind or (jax.tree.structure(a) == jax.tree.structure(b) and
                  [x.shape for x in jax.tree.leaves(a)] == [x.shape for x in jax.tree.leaves(b)])
         for kind, a, b in zip(kinds, c_leaves, f_leaves))
@@ -59,6 +60,14 @@ def layouts(tx: optax.GradientTransformation, params) -> tuple[Any, list[bool], 
         raise ValueError(f"the optimizer's state {c_outer} does not split element by element (leaves shaped like the "
                          f"parameters, or shared scalars such as a step count), so ZeRO cannot partition it; {FIX}.")
     return c_outer, kinds, f_outer
+
+
+def flat_state_shapes(tx: optax.GradientTransformation, params, size: int, dtype) -> tuple[Any, list[bool], list]:
+    """(outer treedef, which leaves are sharded, the flat state's leaves as ShapeDtypeStructs) for a flat vector of
+    `size` elements."""
+    _, kinds, outer = layouts(tx, params)
+    state = jax.eval_shape(tx.init, flat_tree(jax.ShapeDtypeStruct((size,), dtype)))
+    return outer, kinds, jax.tree.flatten(state, is_leaf=_is_flat)[0]
 
 
 def check(tx: optax.GradientTransformation, params, rtol: float = 1e-5) -> bool:

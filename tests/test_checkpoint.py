@@ -23,6 +23,7 @@ STRATEGIES = {  # kept small: the mlp, few devices
     "ddp": {"num_devices": 4},
     "dp": {"num_devices": 2},
     "pipeline": {"num_stages": 2, "micro_batches": 2, "num_devices": 2},
+    "zero": {"zero_stage": 3, "num_devices": 4},
 }
 
 

@@ -1,0 +1,233 @@
+"""ZeRO stages 1-3 against DDP on 8 simulated CPU devices: bytes held per device and step time, GPT configs.
+
+    python bench/zero.py                              # memory: gpt-nano ... gpt2-medium; time: gpt-nano ... gpt-mini
+    python bench/zero.py --memory gpt2 --time gpt-micro --steps 5 --png ''
+
+Memory (bytes per device, float32 Adam, GPT-2's vocabulary and block size): parameters and optimizer state are
+what the strategy's placement puts on one device (the shard shapes of its arrays; the models are abstract,
+nothing is allocated), gradients what its compiled gradient function returns per device (XLA's memory
+analysis): stage 1 the full local gradient, stages 2-3 the device's shard. Beside them the ZeRO paper's formula
+for the same optimizer: 16 Psi (DDP), 8 Psi + 8 Psi/N, 4 Psi + 12 Psi/N, 16 Psi/N. DDP: its replicated state
+and the outputs of a compiled value_and_grad (the full gradient). "step temps" is the compiled step's
+temporaries (activations, gathered weights, the optimizer's scratch), not part of the formula.
+Time: the median of --steps timed steps after 2 warm-up ones, random byte tokens (vocabulary 256, as
+--dataset text), --batch sequences of --seq-len, dropout 0 (nanoGPT's pretraining default), the per-sample
+objective train.py builds; the machine's load average is printed before and after.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+STRATEGIES = ("ddp", "zero-1", "zero-2", "zero-3")
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
+    p.add_argument("--memory", default="gpt-nano,gpt-micro,gpt-mini,gpt-cpu,gpt2,gpt2-medium",
+                   help="GPT configs for the memory table, comma separated ('' for none)")
+    p.add_argument("--time", default="gpt-nano,gpt-micro,gpt-mini", help="GPT configs for the step time ('' for none)")
+    p.add_argument("--batch", type=int, default=16, help="global batch (sequences) of the timed steps")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence of the timed steps")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per run")
+    p.add_argument("--png", default="docs/img/zero_memory.png", help="the plot ('' for none)")
+    return p.parse_args(argv)
+
+
+def strategy(name: str, objective, tx, devices: int, batch_size: int | None = None):
+    import jaxpar
+
+    mesh = jaxpar.make_mesh(devices)
+    if name == "ddp":
+        return jaxpar.DistributedDataParallel(objective, tx, mesh=mesh, batch_size=batch_size)
+    return jaxpar.ZeroRedundancy(objective, tx, stage=int(name[-1]), mesh=mesh, batch_size=batch_size)
+
+
+def ddp_memory(objective, tx, state, rows, devices: int) -> dict:
+    """DDP's bytes per device: its replicated state (shard shapes of a replicated placement) and the outputs of a
+    compiled value_and_grad of one device's rows (the full local gradient it all-reduces)."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxpar
+    from jaxpar.strategies import zero
+
+    mesh = jaxpar.make_mesh(devices)
+    spec = lambda p, a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, p))  # noqa: E731
+    placed = jax.tree.map(lambda a: spec(P(), a), state)
+    local = jax.tree.map(lambda a: spec(P(jaxpar.DATA), a), rows)
+    grads = jax.jit(jax.shard_map(lambda s, r: objective.value_and_grad(s.params, s.model_state, r)[1], mesh=mesh,
+                                  in_specs=(P(), P(jaxpar.DATA)), out_specs=P(jaxpar.DATA), check_vma=False))
+    device = mesh.devices.flat[0]
+    held = {"params": zero.held_bytes(placed.params, device),
+            "gradients": grads.lower(placed, local).compile().memory_analysis().output_size_in_bytes,
+            "optimizer": zero.held_bytes(placed.opt_state, device)}
+    psi = sum(a.size for a in jax.tree.leaves(state.params))
+    return {**held, "total": sum(held.values()), "step_temp": None, "paper": zero.paper_bytes(0, psi, devices),
+            "num_params": psi}
+
+
+def memory_rows(names: list[str], devices: int) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    import jaxpar
+    from jaxpar.models import gpt
+
+    tx, out = optax.adam(1e-3), []
+    for name in names:
+        cfg = gpt.GPTConfig.named(name)
+        model = nnx.eval_shape(lambda: gpt.GPT(cfg, rngs=nnx.Rngs(0)))
+        state = jax.eval_shape(lambda: jaxpar.init_state(gpt.GPT(cfg, rngs=nnx.Rngs(0)), tx))
+        objective = jaxpar.Objective.of(model, per_sample=False)  # the same bytes held; a smaller program
+        t = 16  # tokens per row: the gradients' size does not depend on it
+        rows = jaxpar.Rows({"x": jax.ShapeDtypeStruct((devices, t), jnp.int32),
+                            "y": jax.ShapeDtypeStruct((devices, t), jnp.int32)},
+                           jax.ShapeDtypeStruct((devices,), jnp.float32), jax.ShapeDtypeStruct((devices,), jnp.int32))
+        for s in STRATEGIES:
+            start = time.perf_counter()
+            if s == "ddp":
+                mem = ddp_memory(objective, tx, state, rows, devices)
+            else:
+                z = strategy(s, objective, tx, devices)
+                placed, spec = z.abstract(state, rows)
+                mem = z.memory(placed, spec, step=False)
+            out.append({"model": name, "strategy": s, **mem, "seconds": time.perf_counter() - start})
+            print(f"  {name:<12} {s:<7} held {mem['total'] / 2**20:10.2f} MiB, paper {mem['paper']['total'] / 2**20:10.2f}"
+                  f" MiB ({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
+    return out
+
+
+def time_rows(names: list[str], devices: int, batch: int, seq_len: int, steps: int) -> list[dict]:
+    import jax
+    import numpy as np
+    import optax
+
+    import jaxpar
+    from jaxpar.models import gpt
+    from flax import nnx
+
+    tx, out = optax.adam(1e-3), []
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 256, (batch, seq_len + 1)).astype(np.int32)
+    data = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
+    for name in names:
+        cfg = gpt.GPTConfig.named(name, vocab_size=256, block_size=seq_len)
+        model = gpt.GPT(cfg, rngs=nnx.Rngs(params=0, dropout=0))
+        objective = jaxpar.Objective.of(model)
+        psi = model.num_params(non_embedding=False)
+        for s in STRATEGIES:
+            st = strategy(s, objective, tx, devices, batch)
+            placed = st.init(jaxpar.init_state(model, tx))
+            rows = st.put_batch(data)
+            start = time.perf_counter()
+            for _ in range(2):
+                placed, metrics = st.step(placed, rows)
+            jax.block_until_ready(metrics)
+            compile_s = time.perf_counter() - start
+            times = []
+            for _ in range(steps):
+                start = time.perf_counter()
+                placed, metrics = st.step(placed, rows)
+                jax.block_until_ready(metrics)
+                times.append(time.perf_counter() - start)
+            temp = st._step.lower(placed, rows).compile().memory_analysis().temp_size_in_bytes
+            out.append({"model": name, "strategy": s, "num_params": psi, "step_ms": 1e3 * statistics.median(times),
+                        "compile_s": compile_s, "step_temp": temp, "loss": float(metrics["loss"])})
+            print(f"  {name:<12} {s:<7} {out[-1]['step_ms']:8.1f} ms/step (first two {compile_s:.0f} s)",
+                  file=sys.stderr, flush=True)
+    return out
+
+
+def _mib(b) -> str:
+    return "-" if b is None else f"{b / 2**20:.2f}"
+
+
+def table(mem: list[dict], times: list[dict]) -> str:
+    lines = []
+    if mem:
+        lines += ["| model | Psi | strategy | params MiB | grads MiB | optimizer MiB | held MiB | paper MiB "
+                  "| paper formula | held / paper |", "|---|---:|---|---:|---:|---:|---:|---:|---|---:|"]
+        for r in mem:
+            p = r["paper"]
+            lines.append(f"| {r['model']} | {r['num_params']:,} | {r['strategy']} | {_mib(r['params'])} | "
+                         f"{_mib(r['gradients'])} | {_mib(r['optimizer'])} | {_mib(r['total'])} | {_mib(p['total'])} | "
+                         f"{p['formula']} | {r['total'] / p['total']:.5f} |")
+    if times:
+        lines += ["", "| model (vocab 256) | Psi | strategy | step ms | vs DDP | step temps MiB | loss |",
+                  "|---|---:|---|---:|---:|---:|---:|"]
+        ddp = {r["model"]: r["step_ms"] for r in times if r["strategy"] == "ddp"}
+        for r in times:
+            lines.append(f"| {r['model']} | {r['num_params']:,} | {r['strategy']} | {r['step_ms']:.1f} | "
+                         f"{r['step_ms'] / ddp[r['model']]:.2f}x | {_mib(r['step_temp'])} | {r['loss']:.4f} |")
+    return "\n".join(lines)
+
+
+def plot(mem: list[dict], times: list[dict], path: str, devices: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(1, 2 if times else 1, figsize=(13 if times else 7, 4.2), squeeze=False)
+    ax = axes[0][0]
+    models = list(dict.fromkeys(r["model"] for r in mem))
+    width = 0.8 / len(STRATEGIES)
+    for k, s in enumerate(STRATEGIES):
+        rows = [next(r for r in mem if r["model"] == m and r["strategy"] == s) for m in models]
+        x = np.arange(len(models)) + (k - 1.5) * width
+        ax.bar(x, [r["total"] / 2**20 for r in rows], width, label=s)
+        ax.scatter(x, [r["paper"]["total"] / 2**20 for r in rows], marker="_", color="black", s=80, zorder=3,
+                   label="ZeRO paper's formula" if k == 0 else None)
+    ax.set_xticks(np.arange(len(models)), models, rotation=20)
+    ax.set_yscale("log")
+    ax.set_ylabel("MiB per device (params + grads + Adam)")
+    ax.set_title(f"Held per device, N={devices}, float32 Adam")
+    ax.legend(fontsize=8)
+    if times:
+        ax = axes[0][1]
+        tmodels = list(dict.fromkeys(r["model"] for r in times))
+        for k, s in enumerate(STRATEGIES):
+            rows = [next(r for r in times if r["model"] == m and r["strategy"] == s) for m in tmodels]
+            ax.bar(np.arange(len(tmodels)) + (k - 1.5) * width, [r["step_ms"] for r in rows], width, label=s)
+        ax.set_xticks(np.arange(len(tmodels)), tmodels)
+        ax.set_ylabel("ms per step (median)")
+        ax.set_title(f"Step time, {devices} simulated CPU devices")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> dict:
+    args = parse(argv)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from jaxpar.mesh import simulate_cpu_devices
+    from jaxpar.run.hostmem import tune_host_allocator
+
+    tune_host_allocator()
+    simulate_cpu_devices(args.devices)  # before JAX starts
+    load = os.getloadavg()
+    print(f"load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} ({os.cpu_count()} CPUs)", flush=True)
+    split = lambda s: [x for x in s.split(",") if x]  # noqa: E731
+    mem = memory_rows(split(args.memory), args.devices)
+    times = time_rows(split(args.time), args.devices, args.batch, args.seq_len, args.steps)
+    load = os.getloadavg()
+    print(table(mem, times))
+    print(f"load average after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
+    if args.png and mem:
+        plot(mem, times, args.png, args.devices)
+        print(f"wrote {args.png}")
+    return {"memory": mem, "time": times}
+
+
+if __name__ == "__main__":
+    main()

@@ -154,17 +154,21 @@ class CausalSelfAttention(nnx.Module):
         if self.tensor_axis is not None:
             return self._tensor_parallel(x_BxTxC)
         b, t, c = x_BxTxC.shape
-        h = c // self.n_head
-        q_BxTxNxH, k_BxTxNxH, v_BxTxNxH = (a.reshape(b, t, self.n_head, h)
+        q_BxTxNxH, k_BxTxNxH, v_BxTxNxH = (a.reshape(b, t, self.n_head, c // self.n_head)
                                            for a in jnp.split(self.c_attn(x_BxTxC), 3, axis=-1))
-        if self.attn_dropout.rate > 0 and not self.attn_dropout.deterministic:  # nanoGPT's explicit path
-            att_BxNxTxT = jnp.einsum("bqnh,bknh->bnqk", q_BxTxNxH, k_BxTxNxH) / math.sqrt(h)
-            att_BxNxTxT = jnp.where(jnp.tril(jnp.ones((t, t), bool)), att_BxNxTxT, -jnp.inf)
-            att_BxNxTxT = jax.nn.softmax(att_BxNxTxT.astype(jnp.float32), axis=-1).astype(q_BxTxNxH.dtype)
-            y_BxTxNxH = jnp.einsum("bnqk,bknh->bqnh", self.attn_dropout(att_BxNxTxT), v_BxTxNxH)
-        else:
-            y_BxTxNxH = causal_attention(q_BxTxNxH, k_BxTxNxH, v_BxTxNxH, self.attention)
+        y_BxTxNxH = self._attend(q_BxTxNxH, k_BxTxNxH, v_BxTxNxH, self.attn_dropout)
         return self.resid_dropout(self.c_proj(y_BxTxNxH.reshape(b, t, c)))
+
+    def _attend(self, q_BxTxNxH, k_BxTxNxH, v_BxTxNxH, dropout) -> jax.Array:
+        """Causal attention; with attention dropout on in training, nanoGPT's explicit path (the weights formed,
+        `dropout(att)` applied), else the fused call."""
+        if not (self.attn_dropout.rate > 0 and not self.attn_dropout.deterministic):
+            return causal_attention(q_BxTxNxH, k_BxTxNxH, v_BxTxNxH, self.attention)
+        t, h = q_BxTxNxH.shape[1], q_BxTxNxH.shape[-1]
+        att_BxNxTxT = jnp.einsum("bqnh,bknh->bnqk", q_BxTxNxH, k_BxTxNxH) / math.sqrt(h)
+        att_BxNxTxT = jnp.where(jnp.tril(jnp.ones((t, t), bool)), att_BxNxTxT, -jnp.inf)
+        att_BxNxTxT = jax.nn.softmax(att_BxNxTxT.astype(jnp.float32), axis=-1).astype(q_BxTxNxH.dtype)
+        return jnp.einsum("bnqk,bknh->bqnh", dropout(att_BxNxTxT), v_BxTxNxH)
 
     def _tensor_parallel(self, x_BxTxC: jax.Array) -> jax.Array:
         """This rank's heads: f(x) @ its qkv columns, attention, then g(y @ its c_proj rows) + the bias."""
@@ -172,13 +176,7 @@ class CausalSelfAttention(nnx.Module):
         h, n = c // self.n_head, self.n_head // self.tensor_size  # head size, this rank's heads
         qkv_BxTx3D = megatron.column_linear(self.c_attn, megatron.f(x_BxTxC, self.tensor_axis))
         q_BxTxNxH, k_BxTxNxH, v_BxTxNxH = (a.reshape(b, t, n, h) for a in jnp.split(qkv_BxTx3D, 3, axis=-1))
-        if self.attn_dropout.rate > 0 and not self.attn_dropout.deterministic:
-            att_BxNxTxT = jnp.einsum("bqnh,bknh->bnqk", q_BxTxNxH, k_BxTxNxH) / math.sqrt(h)
-            att_BxNxTxT = jnp.where(jnp.tril(jnp.ones((t, t), bool)), att_BxNxTxT, -jnp.inf)
-            att_BxNxTxT = jax.nn.softmax(att_BxNxTxT.astype(jnp.float32), axis=-1).astype(q_BxTxNxH.dtype)
-            y_BxTxNxH = jnp.einsum("bnqk,bknh->bqnh", self._head_dropout(att_BxNxTxT), v_BxTxNxH)
-        else:
-            y_BxTxNxH = causal_attention(q_BxTxNxH, k_BxTxNxH, v_BxTxNxH, self.attention)
+        y_BxTxNxH = self._attend(q_BxTxNxH, k_BxTxNxH, v_BxTxNxH, self._head_dropout)
         return self.resid_dropout(megatron.row_linear(self.c_proj, y_BxTxNxH.reshape(b, t, n * h),
                                                       self.tensor_axis))
 

@@ -96,19 +96,31 @@ def kwargs_from_state_dict(name: str, state_dict: Mapping[str, Any]) -> dict[str
     return {}
 
 
-def from_torch_state_dict(name: str, state_dict: Mapping[str, Any], **kwargs: Any) -> nnx.Module:
-    """Model `name` holding a PyTorch state dict's weights. Sizes not in kwargs are read off the dict.
+def from_torch_state_dict(name: str, state_dict: Mapping[str, Any], *, seed: int = 0, **kwargs: Any) -> nnx.Module:
+    """Model `name` holding a PyTorch state dict's weights. Sizes not in kwargs are read off the dict; the RNG
+    streams (dropout) are seeded from `seed`, as `get` seeds them.
 
     Raises ValueError naming the key on missing/unexpected keys or wrong shapes. GPT configs read either layout
     (Hugging Face's or nanoGPT's) and take n_head / dropout in kwargs (jaxpar.models.gpt.from_torch_state_dict).
     """
     _check_name(name)
     if name in GPT_NAMES:
-        return gpt.from_torch_state_dict(state_dict, name=name, **kwargs)
+        return gpt.from_torch_state_dict(state_dict, name=name, seed=seed, **kwargs)
     kwargs = {**kwargs_from_state_dict(name, state_dict), **kwargs}
     model = abstract(name, **kwargs)  # every weight is overwritten: skip the random init
     load_torch_state_dict(model, state_dict, name)
+    seed_streams(model, seed)
     return model
+
+
+def seed_streams(model: nnx.Module, seed: int) -> None:
+    """Give an abstract model's RNG streams concrete keys, as nnx.Rngs(dropout=seed) forks them, in place."""
+    rngs = nnx.Rngs(dropout=seed)
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.RngStream):
+            fresh = rngs.dropout.fork()
+            node.key.set_value(fresh.key.get_value())
+            node.count.set_value(fresh.count.get_value())
 
 
 def to_torch_state_dict(model: nnx.Module, **options: Any) -> dict[str, np.ndarray]:

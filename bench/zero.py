@@ -8,11 +8,15 @@ what the strategy's placement puts on one device (the shard shapes of its arrays
 nothing is allocated), gradients what its compiled gradient function returns per device (XLA's memory
 analysis): stage 1 the full local gradient, stages 2-3 the device's shard. Beside them the ZeRO paper's formula
 for the same optimizer: 16 Psi (DDP), 8 Psi + 8 Psi/N, 4 Psi + 12 Psi/N, 16 Psi/N. DDP: its replicated state
-and the outputs of a compiled value_and_grad (the full gradient). "step temps" is the compiled step's
-temporaries (activations, gathered weights, the optimizer's scratch), not part of the formula.
-Time: the median of --steps timed steps after 2 warm-up ones, random byte tokens (vocabulary 256, as
---dataset text), --batch sequences of --seq-len, dropout 0 (nanoGPT's pretraining default), the per-sample
-objective train.py builds; the machine's load average is printed before and after.
+and the outputs of a compiled value_and_grad (the full gradient). Beside the step times: the bytes each device
+sends per step by the compiled step's collectives (jaxpar.comm.cost.hlo_bytes_per_device, ring costs; the
+metrics' small psum included) and the compiled step's temporaries (activations, gathered weights, the
+optimizer's scratch; not part of the formula).
+Time: per config every strategy is compiled and warmed up (2 steps), then --repeats rounds alternate between
+them; a round is the median of --steps steps, the best round counts (load from elsewhere on a shared machine
+hits all alike). Random byte tokens (vocabulary 256, as --dataset text), --batch sequences of --seq-len,
+dropout 0 (nanoGPT's pretraining default), the per-sample objective train.py builds; "loss" is the loss of one
+more step, the same for every strategy. The machine's load average is printed before and after.
 """
 from __future__ import annotations
 
@@ -33,7 +37,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--time", default="gpt-nano,gpt-micro,gpt-mini", help="GPT configs for the step time ('' for none)")
     p.add_argument("--batch", type=int, default=16, help="global batch (sequences) of the timed steps")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence of the timed steps")
-    p.add_argument("--steps", type=int, default=8, help="timed steps per run")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per round")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds per strategy, alternating; the best counts")
     p.add_argument("--png", default="docs/img/zero_memory.png", help="the plot ('' for none)")
     return p.parse_args(argv)
 
@@ -105,42 +110,52 @@ def memory_rows(names: list[str], devices: int) -> list[dict]:
     return out
 
 
-def time_rows(names: list[str], devices: int, batch: int, seq_len: int, steps: int) -> list[dict]:
+def time_rows(names: list[str], devices: int, batch: int, seq_len: int, steps: int, repeats: int) -> list[dict]:
+    """Per config: every strategy compiled and warmed up, then `repeats` rounds that alternate between them (load
+    from elsewhere hits them alike); a round's time is the median of its `steps` steps, the best round counts."""
     import jax
     import numpy as np
     import optax
-
-    import jaxpar
-    from jaxpar.models import gpt
     from flax import nnx
 
+    import jaxpar
+    from jaxpar.comm import cost as comm_cost
+    from jaxpar.models import gpt
+
     tx, out = optax.adam(1e-3), []
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, 256, (batch, seq_len + 1)).astype(np.int32)
+    tokens = np.random.default_rng(0).integers(0, 256, (batch, seq_len + 1)).astype(np.int32)
     data = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
     for name in names:
         cfg = gpt.GPTConfig.named(name, vocab_size=256, block_size=seq_len)
         model = gpt.GPT(cfg, rngs=nnx.Rngs(params=0, dropout=0))
         objective = jaxpar.Objective.of(model)
-        psi = model.num_params(non_embedding=False)
+        runs = {}
         for s in STRATEGIES:
             st = strategy(s, objective, tx, devices, batch)
-            placed = st.init(jaxpar.init_state(model, tx))
-            rows = st.put_batch(data)
+            placed, rows = st.init(jaxpar.init_state(model, tx)), st.put_batch(data)
             start = time.perf_counter()
             for _ in range(2):
                 placed, metrics = st.step(placed, rows)
             jax.block_until_ready(metrics)
-            compile_s = time.perf_counter() - start
-            times = []
-            for _ in range(steps):
-                start = time.perf_counter()
-                placed, metrics = st.step(placed, rows)
-                jax.block_until_ready(metrics)
-                times.append(time.perf_counter() - start)
-            temp = st._step.lower(placed, rows).compile().memory_analysis().temp_size_in_bytes
-            out.append({"model": name, "strategy": s, "num_params": psi, "step_ms": 1e3 * statistics.median(times),
-                        "compile_s": compile_s, "step_temp": temp, "loss": float(metrics["loss"])})
+            compiled = st._step.lower(placed, rows).compile()
+            temp = compiled.memory_analysis().temp_size_in_bytes
+            sent = max(comm_cost.hlo_bytes_per_device(compiled.as_text(), devices))
+            runs[s] = [st, placed, rows, time.perf_counter() - start, (temp, sent), []]
+        for _ in range(repeats):
+            for s, run in runs.items():
+                st, placed, rows = run[:3]
+                times = []
+                for _ in range(steps):
+                    start = time.perf_counter()
+                    placed, metrics = st.step(placed, rows)
+                    jax.block_until_ready(metrics)
+                    times.append(time.perf_counter() - start)
+                run[1] = placed
+                run[5].append(statistics.median(times))
+        for s, (st, placed, rows, compile_s, (temp, sent), rounds) in runs.items():
+            out.append({"model": name, "strategy": s, "num_params": model.num_params(non_embedding=False),
+                        "step_ms": 1e3 * min(rounds), "compile_s": compile_s, "step_temp": temp, "hlo_sent": sent,
+                        "loss": float(st.step(placed, rows)[1]["loss"])})
             print(f"  {name:<12} {s:<7} {out[-1]['step_ms']:8.1f} ms/step (first two {compile_s:.0f} s)",
                   file=sys.stderr, flush=True)
     return out
@@ -161,12 +176,14 @@ def table(mem: list[dict], times: list[dict]) -> str:
                          f"{_mib(r['gradients'])} | {_mib(r['optimizer'])} | {_mib(r['total'])} | {_mib(p['total'])} | "
                          f"{p['formula']} | {r['total'] / p['total']:.5f} |")
     if times:
-        lines += ["", "| model (vocab 256) | Psi | strategy | step ms | vs DDP | step temps MiB | loss |",
-                  "|---|---:|---|---:|---:|---:|---:|"]
-        ddp = {r["model"]: r["step_ms"] for r in times if r["strategy"] == "ddp"}
+        lines += ["", "| model (vocab 256) | Psi | strategy | step ms | vs DDP | HLO MiB sent / device | vs DDP "
+                  "| step temps MiB | loss |", "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+        ddp = {r["model"]: r for r in times if r["strategy"] == "ddp"}
         for r in times:
+            d = ddp[r["model"]]
             lines.append(f"| {r['model']} | {r['num_params']:,} | {r['strategy']} | {r['step_ms']:.1f} | "
-                         f"{r['step_ms'] / ddp[r['model']]:.2f}x | {_mib(r['step_temp'])} | {r['loss']:.4f} |")
+                         f"{r['step_ms'] / d['step_ms']:.2f}x | {_mib(r['hlo_sent'])} | "
+                         f"{r['hlo_sent'] / d['hlo_sent']:.3f}x | {_mib(r['step_temp'])} | {r['loss']:.4f} |")
     return "\n".join(lines)
 
 
@@ -219,7 +236,7 @@ def main(argv=None) -> dict:
     print(f"load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} ({os.cpu_count()} CPUs)", flush=True)
     split = lambda s: [x for x in s.split(",") if x]  # noqa: E731
     mem = memory_rows(split(args.memory), args.devices)
-    times = time_rows(split(args.time), args.devices, args.batch, args.seq_len, args.steps)
+    times = time_rows(split(args.time), args.devices, args.batch, args.seq_len, args.steps, args.repeats)
     load = os.getloadavg()
     print(table(mem, times))
     print(f"load average after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)

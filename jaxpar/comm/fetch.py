@@ -12,8 +12,8 @@ and this device's pieces of every parameter (one group per leaf, jaxpar.comm.sha
 Each leaf is its own all-gather (XLA may combine them; DeepSpeed coalesces a module's): with one buffer per
 leaf, a bias that an XLA fusion of the backward re-reads keeps only itself alive, where a shared buffer kept the
 layer's whole forward copy. A weight shared by two layers (GPT-2's tied wte) is fetched by both. "Issued once X
-exists" is an exact 0.0 computed from X and added to one element of each piece (XLA:CPU drops optimization
-barriers; an arithmetic dependency it keeps). Each layer is a custom_vjp whose forward runs `jax.checkpoint`
+exists" is an exact 0.0 computed from X and added to the pieces (XLA:CPU drops optimization barriers; an
+arithmetic dependency it keeps). Each layer is a custom_vjp whose forward runs `jax.checkpoint`
 with a policy that saves everything but the gathered weights and layout ops on them (transposes, casts), so
 the backward re-gathers; its backward ties the re-gather to the incoming cotangent. The objective's per-sample
 vmap (dropout keyed by sample) would batch that custom_vjp and reduce-scatter per sample, so under vmap the
@@ -53,8 +53,8 @@ class Settings(NamedTuple):
     wrt: Any  # the objective's filter of trained state
     axis_name: str
     per_sample: bool  # the objective vmaps the loss over rows: fetch through custom_vmap
-    base: type  # the model's own class (a model without `layers` is called through it)
-    prefetch: bool = True
+    prefetch: bool = True  # gather layer k+1 once layer k's input exists (backward: once layer k+1's began)
+    base: type | None = None  # the model's own class (a model without `layers` is called through it)
 
 
 def _is_var(x) -> bool:
@@ -89,16 +89,8 @@ def gather(variables: list, axis_name) -> list[jax.Array]:
 
 
 def _tie(tree: Any, token: jax.Array) -> Any:
-    """`tree` with an exact 0.0 `token` added to the first element of every float array: the arrays now depend on
-    what made the token. One element, not a broadcast: XLA moves `all_gather(x + scalar)` past the all-gather
-    and then merges the backward's re-gather into the forward's."""
-    def one(a):
-        if not jnp.issubdtype(a.dtype, jnp.floating) or not a.size:
-            return a
-        flat = a.reshape(-1)
-        return flat.at[0].add(token.astype(a.dtype)).reshape(a.shape)
-
-    return jax.tree.map(one, tree)
+    """`tree` with an exact 0.0 `token` added to its float arrays: they now depend on what made the token."""
+    return jax.tree.map(lambda a: a + token.astype(a.dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
 
 
 def _token(tree: Any) -> jax.Array:

@@ -180,7 +180,7 @@ class ZeroRedundancy:
         self.param_treedef = jax.tree.structure(params)
         objective, treedef = self.objective, self.param_treedef
         if self.stage == 3:
-            settings = fetch.Settings(objective.wrt, DATA, objective.per_sample, object, self.prefetch)
+            settings = fetch.Settings(objective.wrt, DATA, objective.per_sample, self.prefetch)
             graphdef, eval_graphdef = fetch.fetching_graphdefs(objective, params, state.model_state, settings)
             objective = objective.replace(graphdef=graphdef, eval_graphdef=eval_graphdef)
             treedef = fetch.tagged_treedef(params)
@@ -246,7 +246,7 @@ class ZeroRedundancy:
         flat = lambda a: _host(a).reshape(self.mesh.size, -1)  # noqa: E731
         abstract = self._abstract_params()
         _, kinds, _ = zero_optim.layouts(self.tx, abstract)
-        leaves = jax.tree.flatten(placed.opt_state, is_leaf=zero_optim._is_flat)[0]
+        leaves = jax.tree.flatten(placed.opt_state, is_leaf=zero_optim.is_flat)[0]
         opt = [flat(x[zero_optim.KEY]) if kind else jax.tree.map(_first, x) for x, kind in zip(leaves, kinds)]
         if self.stage == 3:
             params = jax.tree.unflatten(self.param_treedef,

@@ -34,7 +34,7 @@ def flat_tree(vector: Any) -> dict:
     return {KEY: vector}
 
 
-def _is_flat(x) -> bool:
+def is_flat(x) -> bool:
     return isinstance(x, dict) and list(x) == [KEY]
 
 
@@ -49,10 +49,10 @@ def layouts(tx: optax.GradientTransformation, params) -> tuple[Any, list[bool], 
     canonical = jax.eval_shape(tx.init, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params))
     c_leaves, c_outer = jax.tree.flatten(canonical, is_leaf=_like(treedef))
     flat = jax.eval_shape(tx.init, flat_tree(jax.ShapeDtypeStruct((7,), jnp.float32)))
-    f_leaves, f_outer = jax.tree.flatten(flat, is_leaf=_is_flat)
+    f_leaves, f_outer = jax.tree.flatten(flat, is_leaf=is_flat)
     shapes = [a.shape for a in jax.tree.leaves(params)]
     kinds = [_like(treedef)(x) and [a.shape for a in jax.tree.leaves(x)] == shapes for x in c_leaves]
-    same = c_outer == f_outer and kinds == [_is_flat(x) and x[KEY].shape == (7,) for x in f_leaves] and all(
+    same = c_outer == f_outer and kinds == [is_flat(x) and x[KEY].shape == (7,) for x in f_leaves] and all(
         kind or (jax.tree.structure(a) == jax.tree.structure(b) and
                  [x.shape for x in jax.tree.leaves(a)] == [x.shape for x in jax.tree.leaves(b)])
         for kind, a, b in zip(kinds, c_leaves, f_leaves))
@@ -67,7 +67,7 @@ def flat_state_shapes(tx: optax.GradientTransformation, params, size: int, dtype
     `size` elements."""
     _, kinds, outer = layouts(tx, params)
     state = jax.eval_shape(tx.init, flat_tree(jax.ShapeDtypeStruct((size,), dtype)))
-    return outer, kinds, jax.tree.flatten(state, is_leaf=_is_flat)[0]
+    return outer, kinds, jax.tree.flatten(state, is_leaf=is_flat)[0]
 
 
 def check(tx: optax.GradientTransformation, params, rtol: float = 1e-5) -> bool:

@@ -15,11 +15,17 @@ The optimizer runs on the flat slice, so it must be elementwise (jaxpar.strategi
 clipping gets the norm through a psum of the slices' squared norms. `unplace` returns the canonical TrainState
 (the tree jaxpar.init_state gives) and `init` takes one, so any strategy resumes another's checkpoint.
 torch FSDP: FULL_SHARD is stage 3, SHARD_GRAD_OP stage 2. ZeRO-Offload is not here.
+
+Where it differs from DeepSpeed: DeepSpeed reduces each bucket slice to the rank owning it (one dist.reduce per
+owner) where XLA wants equal-chunk reduce-scatters, hence one padded group per bucket here; stage 3 partitions
+every parameter (DeepSpeed keeps those under stage3_param_persistence_threshold, 1e5 elements, whole), prefetches
+one layer (not stage3_prefetch_bucket_size elements), and lets XLA drop the backward re-gathers of weights the
+backward does not read (biases, the first layer), which DeepSpeed issues.
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp

@@ -4,8 +4,8 @@ That equals the single-device update only for ELEMENTWISE transforms: each outpu
 same element of the gradient, parameters and state, and on nothing else. sgd, momentum, adam, adamw, adadelta
 are; adafactor (factored row/column moments), LAMB / LARS (per-leaf trust ratios) and optax.clip_by_global_norm
 (the norm over every leaf) are not. `check` finds out before training, numerically: tx runs on a shrunk copy of
-the parameters (each dimension cut to 3) once as the canonical tree and once as flat pieces cut across leaf
-boundaries, and the updates must agree. A transform that agrees once it is given the global norm
+the parameters (each dimension cut to 3) once as the canonical tree and once as flat pieces, one cut through the
+largest leaf, and the updates must agree. A transform that agrees once it is given the global norm
 (jaxpar.optim.clip_by_global_norm, an optax extra argument ``global_norm``) gets it: the step adds the shards'
 squared norms over the DATA axis. Anything else is refused with a one-line ValueError naming the fix.
 
@@ -81,8 +81,10 @@ def check(tx: optax.GradientTransformation, params, rtol: float = 1e-5) -> bool:
     draw = lambda: [rng.standard_normal(s).astype(np.float32) for s in shrink]  # noqa: E731
     p0, grads = draw(), [draw(), draw()]
     ravel = lambda xs: np.concatenate([np.ravel(x) for x in xs])  # noqa: E731
-    total = ravel(p0).size
-    cuts = sorted({0, max(1, total // 3), max(1, 2 * total // 3), total})  # across leaf boundaries
+    sizes = [int(np.prod(x)) for x in shrink]
+    big = int(np.argmax(sizes))  # cut the largest leaf in two (a per-leaf transform must see it), and the middle
+    total = sum(sizes)
+    cuts = sorted({0, sum(sizes[:big]) + sizes[big] // 2, total // 2, total})
 
     def run(tree_of, norm: bool) -> list[np.ndarray]:
         p, out = tree_of(p0), []

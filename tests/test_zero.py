@@ -197,6 +197,37 @@ def test_batch_mode_equals_ddp():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+class NoLayers(nnx.Module):
+    """A model without `layers`: stage 3 gathers it whole, as one unit, before its forward and its backward."""
+
+    def __init__(self, rngs):
+        self.a, self.b = nnx.Linear(6, 9, rngs=rngs), nnx.Linear(9, 3, rngs=rngs)
+        self.drop = nnx.Dropout(0.3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.b(self.drop(jax.nn.relu(self.a(x))))
+
+
+def test_a_model_without_layers_is_one_unit():
+    model, rng = NoLayers(nnx.Rngs(params=0, dropout=1)), np.random.default_rng(0)
+    batches = [as_rows({"x": rng.normal(size=(13, 6)).astype(np.float32), "y": rng.integers(0, 3, 13).astype(np.int32)},
+                       np.arange(13 * i, 13 * i + 13)) for i in range(STEPS)]
+    objective, state = Objective.of(model), jaxpar.init_state(model, TX)
+    grad = jax.jit(lambda r: objective.value_and_grad(state.params, state.model_state, r)[1])
+    halves = [leaves(grad(jax.tree.map(lambda a: a[i * 4:(i + 1) * 4], batches[0]))) for i in range(2)]
+    assert max(np.abs(a - b).max() for a, b in zip(*halves)) > 1e-4  # the premise: device gradients differ
+    ref, step = state, jaxpar.make_train_step(objective, TX)
+    for b in batches:
+        ref, _ = step(ref, b)
+    z = jaxpar.ZeroRedundancy(objective, TX, stage=3, mesh=jaxpar.make_mesh(4), batch_size=13)
+    placed = z.init(state)
+    for b in batches:
+        placed, _ = z.step(placed, z.put_batch(b))
+    assert z._units == [[0, 1, 2, 3]]
+    for a, b in zip(leaves(z.unplace(placed).params), leaves(ref.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 # -- what the compiled step sends ---------------------------------------------------------------------------
 
 def hlo_of(stage: int, n: int, **options):

@@ -475,6 +475,7 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
         if cfg.report:
             summary["report"] = strategy.report(placed)
             summary["memory"] = report.memory_rows(summary["report"])
+            summary.update(report.memory_fields(summary["report"]))  # held bytes (ZeRO) in the summary record
             if main_process:
                 print(report.table(summary, summary["report"], summary["memory"]))
         if cfg.export_torch and main_process and not stopped:

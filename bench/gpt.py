@@ -1,0 +1,284 @@
+"""GPT-2 training throughput: jaxpar's single and DDP steps against PyTorch, same architecture, weights and batch.
+
+    python bench/gpt.py                                   # CPU: gpt-cpu (4 x 256), batch 16 x 256, single and DDP x 2
+    python bench/gpt.py --model gpt2 --batch-size 16 --seq-len 1024 --precision bf16   # a GPU: torch.compile
+
+jaxpar: SingleDevice, and DistributedDataParallel on --ddp simulated CPU devices in this process (psum, buckets,
+overlap: the defaults). PyTorch: the nanoGPT twin (tests/gpt_torch.py, F.scaled_dot_product_attention) loaded
+with jaxpar's initial weights, in spawned worker processes kept alive between rounds: on a CPU eagerly with the
+same thread count as XLA's pool (--threads, default os.cpu_count()), DDP over gloo with --ddp processes x
+(threads / ddp) threads; on a GPU under torch.compile (--compile), bf16 autocast with --precision bf16 (jaxpar:
+bf16 compute, float32 master weights, cuDNN attention). Both sides: AdamW(6e-4, betas (0.9, 0.95), weight decay
+0.1 on every weight), the same global batch of real text (the standard library's bytes; random tokens when the
+vocabulary is larger than 256), DDP ranks each taking their contiguous share.
+
+Rounds alternate between the runs (load from elsewhere on a shared machine hits them alike); each run's best
+round gives tokens/s, the median round is shown too; tokens per CPU-second divide by the CPU time of every
+thread and process of the run, a measure of work that other load disturbs less. MFU is model FLOPs
+(jaxpar.models.gpt.flops_per_token, nanoGPT's 6N + 12 L H Q T) per second over the device's peak: the GPU
+table (jaxpar.run.flops) or --peak-tflops; on a CPU the peak is measured (torch's float32 GEMM at 2048^3 with
+the same threads), so CPU MFU reads "of the GEMM rate this CPU reaches".
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import time
+
+TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="a GPT config name (default: gpt-cpu on a CPU, gpt2 on a GPU)")
+    p.add_argument("--batch-size", type=int, default=16, help="global batch (sequences)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: 256 CPU, 1024 GPU)")
+    p.add_argument("--vocab-size", type=int, default=None, help="default: 256 (bytes) for small configs, 50304 "
+                   "for gpt2* (GPT-2's 50257 padded to a multiple of 64, as nanoGPT)")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    p.add_argument("--ddp", type=int, default=None, help="DDP devices = torch processes (default 2 on a CPU, "
+                   "0 on a GPU: no DDP run)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads per side (default os.cpu_count())")
+    p.add_argument("--steps", type=int, default=4, help="timed steps per round")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds per run, alternating")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the PyTorch model (default: on a GPU only)")
+    p.add_argument("--per-sample", default="on", choices=("on", "off"), help="jaxpar's objective mode")
+    p.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for MFU")
+    p.add_argument("--torch", action=argparse.BooleanOptionalAction, default=True, help="also run PyTorch")
+    return p.parse_args(argv)
+
+
+# ---- PyTorch: worker processes kept alive between rounds ----------------------------------------------------
+
+def _torch_worker(rank: int, world: int, port: int, spec: dict, commands, out) -> None:
+    """One rank: build the twin from jaxpar's state dict, warm up, then time one round per command."""
+    sys.path.insert(0, TESTS)
+    import gpt_torch
+    import numpy as np
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    cuda = spec["device"] == "cuda"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    cfg = gpt_torch.GPTConfig(**spec["config"])
+    model = gpt_torch.GPT(cfg).to(device)
+    model.load_state_dict({k: torch.as_tensor(v) for k, v in spec["state_dict"].items()})
+    if world > 1:
+        import torch.distributed as dist
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank] if cuda else None)
+    opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    rows = slice(rank * len(spec["x"]) // world, (rank + 1) * len(spec["x"]) // world)
+    x, y = (torch.as_tensor(np.asarray(spec[k][rows], np.int64)).to(device) for k in ("x", "y"))
+    forward = torch.compile(model) if spec["compile"] else model
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec["bf16"])
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with autocast:
+            logits = forward(x)
+            loss = torch.nn.functional.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
+        loss.backward()
+        opt.step()
+        return loss
+
+    first = float(step())
+    step()
+    out.put(("ready", rank, first))
+    while commands[rank].get() is not None:
+        if world > 1:
+            torch.distributed.barrier()
+        if cuda:
+            torch.cuda.synchronize()
+        t, cpu = time.perf_counter(), time.process_time()
+        for _ in range(spec["steps"]):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+        if world > 1:
+            torch.distributed.barrier()
+        out.put((rank, time.perf_counter() - t, time.process_time() - cpu))
+    if world > 1:
+        torch.distributed.destroy_process_group()
+
+
+class TorchRun:
+    """PyTorch on `world` spawned ranks (world 1: no DDP); `measure()` times one round on all of them."""
+
+    def __init__(self, world: int, spec: dict):
+        import torch.multiprocessing as mp
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        os.environ["OMP_NUM_THREADS"] = str(spec["threads"])
+        ctx = mp.get_context("spawn")
+        self.commands, self.out, self.world = [ctx.Queue() for _ in range(world)], ctx.Queue(), world
+        self.tokens = spec["x"].size * spec["steps"]
+        self.procs = mp.start_processes(_torch_worker, args=(world, port, spec, self.commands, self.out),
+                                        nprocs=world, join=False, start_method="spawn")
+        ready = [self.out.get() for _ in range(world)]
+        self.first_loss = sum(r[2] for r in ready) / world  # equal shards: the mean is the global mean loss
+
+    def measure(self) -> tuple[float, float]:
+        """(tokens/s, tokens per CPU-second of all ranks) of one round."""
+        for q in self.commands:
+            q.put(True)
+        runs = [self.out.get() for _ in range(self.world)]
+        return self.tokens / max(w for _, w, _ in runs), self.tokens / sum(c for _, _, c in runs)
+
+    def close(self) -> None:
+        for q in self.commands:
+            q.put(None)
+        self.procs.join()
+
+
+# ---- jaxpar -------------------------------------------------------------------------------------------------
+
+class JaxparRun:
+    """A strategy warmed up on one placed batch; `measure()` times one round of steps."""
+
+    def __init__(self, strategy, state, batch: dict, steps: int):
+        import jax
+
+        self.strategy, self.steps, self.tokens = strategy, steps, batch["x"].size * steps
+        self.placed, self.batch = strategy.init(state), strategy.put_batch(batch)
+        self.placed, metrics = strategy.step(self.placed, self.batch)
+        self.first_loss = float(metrics["loss"])
+        self.placed, metrics = strategy.step(self.placed, self.batch)
+        jax.block_until_ready((self.placed, metrics))
+
+    def measure(self) -> tuple[float, float]:
+        import jax
+
+        t, cpu = time.perf_counter(), time.process_time()
+        for _ in range(self.steps):
+            self.placed, metrics = self.strategy.step(self.placed, self.batch)
+        jax.block_until_ready((self.placed, metrics))
+        return self.tokens / (time.perf_counter() - t), self.tokens / (time.process_time() - cpu)
+
+
+def cpu_gemm_tflops(threads: int) -> float:
+    """The float32 GEMM rate this CPU reaches with `threads` threads (torch, 2048^3, best of 5), in TFLOP/s."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a = torch.rand(2048, 2048)
+    a @ a
+    best = min(_timed(lambda: a @ a) for _ in range(5))
+    return 2 * 2048 ** 3 / best / 1e12
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def main(argv=None) -> None:
+    args = parse(argv)
+    threads = args.threads or os.cpu_count()
+    from jaxpar.mesh import simulate_cpu_devices
+
+    simulate_cpu_devices(max(2 if args.ddp is None else args.ddp, 1))  # before JAX starts; no effect on a GPU
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # on a GPU the torch workers share it
+    gpu = _has_gpu()
+    ddp = (0 if gpu else 2) if args.ddp is None else args.ddp
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import jaxpar
+    from jaxpar import models
+    from jaxpar.data import text
+    from jaxpar.models import gpt
+    from jaxpar.run import flops
+
+    name = args.model or ("gpt2" if gpu else "gpt-cpu")
+    seq_len = args.seq_len or (1024 if gpu else 256)
+    vocab = args.vocab_size or (50304 if name.startswith("gpt2") else 256)
+    compile_torch = gpu if args.compile is None else args.compile
+    model = models.get(name, seed=0, vocab_size=vocab, block_size=seq_len)
+    cfg = model.config
+    if vocab == 256:
+        batch = text.load("train", None, seq_len=seq_len, seed=0).batch(np.arange(args.batch_size))
+    else:
+        tokens = np.random.default_rng(0).integers(0, vocab, (args.batch_size, seq_len + 1), dtype=np.int32)
+        batch = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
+    tx = optax.adamw(6e-4, b1=0.9, b2=0.95, weight_decay=0.1)
+    options = dict(compute_dtype=jnp.bfloat16 if args.precision == "bf16" else None,
+                   per_sample=args.per_sample == "on")
+    fpt = gpt.flops_per_token(cfg, seq_len)
+    state = jaxpar.init_state(model, tx)
+    runs = {"jaxpar single": JaxparRun(jaxpar.SingleDevice(model, tx, **options), state, batch, args.steps)}
+    if ddp:
+        ddp_strategy = jaxpar.DistributedDataParallel(model, tx, mesh=jaxpar.make_mesh(ddp), **options)
+        runs[f"jaxpar DDP {ddp} dev"] = JaxparRun(ddp_strategy, state, batch, args.steps)
+    torch_label = "torch.compile" if compile_torch else "torch eager"
+    if args.torch:
+        spec = dict(config=dict(vocab_size=vocab, block_size=seq_len, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                                n_embd=cfg.n_embd), state_dict=model.torch_state_dict("nanogpt"), x=batch["x"],
+                    y=batch["y"], steps=args.steps, threads=threads, device="cuda" if gpu else "cpu",
+                    compile=compile_torch, bf16=args.precision == "bf16")
+        runs[f"{torch_label} single"] = TorchRun(1, spec)
+        if ddp:
+            runs[f"torch DDP {'nccl' if gpu else 'gloo'} {ddp}x{max(threads // ddp, 1)}"] = TorchRun(
+                ddp, {**spec, "threads": max(threads // ddp, 1)})
+    load_before = os.getloadavg()
+    rounds = {k: [] for k in runs}
+    for _ in range(args.rounds):
+        for k, run in runs.items():
+            rounds[k].append(run.measure())
+    load_after = os.getloadavg()
+    for run in runs.values():
+        if isinstance(run, TorchRun):
+            run.close()
+    peak, peak_note = args.peak_tflops, "--peak-tflops"
+    if peak is None and gpu:
+        peak, peak_note = flops.peak_tflops(), f"table ({jax.devices()[0].device_kind})"
+    if peak is None and not gpu:
+        peak, peak_note = cpu_gemm_tflops(threads), f"measured fp32 GEMM, {threads} threads"
+    devices = lambda k: ddp if "DDP" in k else 1  # noqa: E731
+
+    print(f"\nGPT {name}: {cfg.n_layer} layers x {cfg.n_embd} wide, {cfg.n_head} heads, vocab {vocab}, "
+          f"{model.num_params() / 1e6:.2f}M params (less wpe), batch {args.batch_size} x {seq_len} tokens, "
+          f"{args.precision}, {fpt / 1e6:.1f} MFLOP/token")
+    print(f"jax {jax.__version__} on {jax.default_backend()} ({jax.devices()[0].device_kind}); "
+          f"{threads} threads; {args.rounds} rounds x {args.steps} steps, alternating; load average "
+          f"{load_before[0]:.2f} before, {load_after[0]:.2f} after; peak {peak:.3g} TFLOP/s per device ({peak_note})")
+    print("first-step loss (same weights and batch): " + ", ".join(f"{k} {r.first_loss:.5f}" for k, r in runs.items()))
+    torch_single = f"{torch_label} single"
+    print(f"\n| run | tokens/s (best) | median | tokens/CPU-s | vs torch | vs torch per CPU-s | TFLOP/s | MFU |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for k, v in rounds.items():
+        best, median, per_cpu = max(a for a, _ in v), statistics.median(a for a, _ in v), max(c for _, c in v)
+        peer = next((p for p in rounds if p.startswith("torch") and ("DDP" in p) == ("DDP" in k)), None)
+        if peer is None and torch_single in rounds:
+            peer = torch_single
+        vs = vs_cpu = "-"
+        if peer and peer != k:
+            vs = f"{best / max(a for a, _ in rounds[peer]):.2f}x"
+            vs_cpu = f"{per_cpu / max(c for _, c in rounds[peer]):.2f}x"
+        achieved = best * fpt / 1e12
+        print(f"| {k} | {best:,.0f} | {median:,.0f} | {per_cpu:,.0f} | {vs} | {vs_cpu} | {achieved:.3g} | "
+              f"{100 * achieved / (peak * devices(k)):.1f} % |")
+
+
+def _has_gpu() -> bool:
+    try:
+        import jax
+
+        return jax.default_backend() == "gpu"
+    except RuntimeError:
+        return False
+
+
+if __name__ == "__main__":
+    main()

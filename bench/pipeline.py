@@ -1,126 +1,380 @@
-"""Pipeline step time, bubble fraction and activation memory against the micro-batch count: GPipe, 1F1B and
-interleaved 1F1B, side by side with single-device training of the same model on the same global batch.
+"""Pipeline benchmarks: jaxpar's engine against torch.distributed.pipelining across processes, against one device,
+and its bubble. Tables print in Markdown; run `uptime` before and after (the machine may be shared).
 
-    python bench/pipeline.py                                   # 16-layer MLP stack, 4 stages on 4 simulated CPU devices
-    python bench/pipeline.py --model convnet --stages 2 --batch 64 --micro-batches 1,2,4,8
-    python bench/pipeline.py --devices 0 --stages 4            # the real devices (GPU)
+    python bench/pipeline.py --processes 2               # AlexNet 64x64, batch 64, 4 micro-batches, 2 stages
+    python bench/pipeline.py --processes 2 --threads 2   # ... each process may use 2 threads (XLA's pool, torch's)
+    python bench/pipeline.py --stack                     # 16 x Linear(512), 2 simulated devices, S=2, M=8, batch 256
+    python bench/pipeline.py --one-stage                 # S=1, M=1 against the single-device step
+    python bench/pipeline.py --zb                        # ZB-H1 vs 1F1B at S=4, M=8: analysis and executed
 
-Per run: the strategy's own step (put_batch once, 2 compiling / warm-up steps, then --steps timed steps; the
-best of --repeats, since the machine may be shared). bubble: idle slots of the schedule's grid (GPipe and 1F1B:
-(S-1)/(M+S-1)). act slots: stage inputs held at once, MEASURED in the program (stage 0 | the most on any stage);
-act MB: the activation buffers a stage allocates (input slots + gradient slots, x micro-batch x widest boundary).
-Simulated CPU devices share the host's cores, so stage parallelism cannot show as speed there: read the step
-times as the cost of the schedule's extra ticks and of recomputation, and the memory columns as what they are.
+--processes: jaxpar's Pipeline in 2 processes x 1 CPU device (python -m jaxpar.launch, gloo) and torch's Schedule1F1B
+/ ScheduleGPipe in 2 processes (gloo; bench/pipeline_torch.py), the same layer split (jaxpar's 'parameters'
+partition: layers 0-18 | 19-21), batch and micro-batches, SGD with momentum, plus each framework's own
+single-process step. Every run is compiled and warmed up first (2 steps, never timed); then rounds of --steps
+steps alternate between the runs (jaxpar 1F1B, torch 1F1B, jaxpar GPipe, ...), so load from elsewhere hits them
+alike, and the best round counts. samples/s = batch x steps / the slowest rank's wall time; samples per CPU-second
+divides by the CPU time of all the run's processes (every thread); CPU s/step is per stage (rank).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
-p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-p.add_argument("--devices", type=int, default=4, help="simulated CPU devices (0: use the real ones)")
-p.add_argument("--model", default="stack", help="stack (16 x Linear(512)+ReLU) | mlp | convnet | alexnet")
-p.add_argument("--stages", type=int, default=4)
-p.add_argument("--batch", type=int, default=64, help="global batch")
-p.add_argument("--micro-batches", default="1,2,4,8,16", help="comma separated")
-p.add_argument("--schedules", default="gpipe,1f1b,interleaved", help="comma separated")
-p.add_argument("--virtual-stages", type=int, default=2, help="chunks per stage for interleaved")
-p.add_argument("--steps", type=int, default=5)
-p.add_argument("--repeats", type=int, default=2)
-args = p.parse_args()
-
-if args.devices:
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-    from jaxpar.mesh import simulate_cpu_devices
-
-    simulate_cpu_devices(args.devices)
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from jaxpar import models  # noqa: E402
-from jaxpar.pipeline import schedule as schedule_lib  # noqa: E402
-from jaxpar.strategies.pipeline import Pipeline, PipelineModule, pipeline_mesh  # noqa: E402
-from jaxpar.step import init_state, make_train_step  # noqa: E402
-from jaxpar.models.layers import Linear, ReLU  # noqa: E402
-from jaxpar.models.nets import Layered  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-class Stack(Layered):
-    """A deep, evenly balanced MLP: the shape pipelines are made for."""
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--processes", type=int, default=0, help="jaxpar vs torch pipelining in this many processes")
+    p.add_argument("--stack", action="store_true", help="the 16 x Linear(512) stack on 2 simulated devices")
+    p.add_argument("--one-stage", action="store_true", help="S=1, M=1 against the single-device step")
+    p.add_argument("--zb", action="store_true", help="ZB-H1 vs 1F1B at S=4, M=8")
+    p.add_argument("--schedules", default="1f1b,gpipe", help="comma separated (--processes)")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--micro-batches", type=int, default=4)
+    p.add_argument("--image", type=int, default=64, help="AlexNet image side")
+    p.add_argument("--threads", type=int, default=1, help="threads per pipeline process (XLA intra-op, torch)")
+    p.add_argument("--pin", action="store_true", help="pin pipeline rank r to core r (one core per stage)")
+    p.add_argument("--single-threads", type=int, default=os.cpu_count(), help="threads of the single-process runs")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per round")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds; the best counts")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--ctl", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
 
-    def __init__(self, width=512, depth=16, classes=10, *, rngs):
-        self.fcs = nnx.List([Linear(width, width if i < depth - 1 else classes, rngs=rngs) for i in range(depth)])
 
-    @property
-    def layers(self):
-        return tuple(x for fc in self.fcs for x in (fc, ReLU()))[:-1]
+def xla_threads(n: int) -> str:
+    """XLA_FLAGS for n threads per process: 1 (Eigen single-threaded), else XLA's default pool (every core)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    return f"--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1 {flags}".strip() if n == 1 else flags
 
 
-def problem():
-    if args.model == "stack":
-        model, shape = Stack(rngs=nnx.Rngs(0)), (512,)
-    else:
-        shape = models.input_shape(args.model)
-        kw = {"in_features": shape[0]} if args.model == "mlp" else {"num_classes": 10}
-        model = models.get(args.model, **kw)
+# ---- jaxpar workers (one group of processes per role, serving rounds from control files) -------------------
+
+def alexnet_problem(args):
+    import jax
+    import numpy as np
+    import optax
+
+    import jaxpar
+    from jaxpar import models
+
+    model = models.get("alexnet", num_classes=10)
     rng = np.random.default_rng(0)
-    batch = {"x": rng.normal(size=(args.batch, *shape)).astype(np.float32),
-             "y": rng.integers(0, 10, args.batch).astype(np.int32), "idx": np.arange(args.batch, dtype=np.int32)}
-    return model, optax.adam(1e-3), batch
+    batch = {"x": rng.normal(size=(args.batch, args.image, args.image, 3)).astype(np.float32),
+             "y": rng.integers(0, 10, args.batch).astype(np.int32)}
+    tx = optax.sgd(0.01, momentum=0.9)
+    del jax
+    return model, jaxpar.OutputLoss(jaxpar.cross_entropy), tx, batch
 
 
-def timed(step, state, batch) -> float:
-    """Best-of-repeats seconds per step, after 2 warm-up (compiling) steps."""
-    for _ in range(2):
-        state, metrics = step(state, batch)
-    jax.block_until_ready(metrics)
-    best = float("inf")
-    for _ in range(args.repeats):
-        times = []
+def jaxpar_worker(args) -> None:
+    """jaxpar-pipeline: one rank of jaxpar.launch, 1 CPU device; jaxpar-single: the single-device step."""
+    from jaxpar.mesh import simulate_cpu_devices
+    from jaxpar.run import distributed
+
+    if args.pin and args.worker == "jaxpar-pipeline":  # before XLA sizes its thread pool from the visible cores
+        os.sched_setaffinity(0, {int(os.environ.get("RANK", "0")) % os.cpu_count()})
+    simulate_cpu_devices(1)
+    distributed.initialize()
+    import jax
+    import jax.numpy as jnp
+
+    import jaxpar
+    from jaxpar.strategies.pipeline import Pipeline, pipeline_mesh
+    from pipeline_torch import rounds
+
+    model, loss, tx, batch = alexnet_problem(args)
+    state, rank = jaxpar.init_state(model, tx), jax.process_index()
+    if args.worker == "jaxpar-single":
+        strategies = {"single": jaxpar.SingleDevice(model, tx, loss_fn=loss)}
+    else:
+        strategies = {name: Pipeline(model, tx, loss_fn=loss, num_stages=jax.process_count(),
+                                     micro_batches=args.micro_batches, schedule=name, batch_size=args.batch,
+                                     mesh=pipeline_mesh(None, jax.process_count()))
+                      for name in args.schedules.split(",")}
+    runs = {}
+    for name, strategy in strategies.items():
+        placed, pb = strategy.init(state), strategy.put_batch(batch)
+        for _ in range(2):  # compile and warm up: never timed
+            placed, metrics = strategy.step(placed, pb)
+        jax.block_until_ready((placed, metrics))
+        runs[name] = [strategy, placed, pb]
+
+    def sync():  # all ranks start a round together (a 4-byte sum over processes)
+        if args.worker != "jaxpar-single":
+            jax.block_until_ready(next(iter(strategies.values())).transport.all_processes_sum(jnp.zeros(1)))
+
+    def run_round(name):
+        strategy, placed, pb = runs[name]
+        sync()
+        t, cpu = time.perf_counter(), time.process_time()
         for _ in range(args.steps):
+            placed, metrics = strategy.step(placed, pb)
+        jax.block_until_ready((placed, metrics))
+        sync()
+        runs[name][1] = placed
+        return time.perf_counter() - t, time.process_time() - cpu
+
+    rounds(args.ctl, args.worker, rank, run_round)
+
+
+# ---- --processes: the driver ---------------------------------------------------------------------------------
+
+def wait_ready(ctl: str, group: str, ranks: int, procs, timeout: float = 1800) -> None:
+    t = time.time()
+    while not all(os.path.exists(os.path.join(ctl, f"ready.{group}.rank{r}")) for r in range(ranks)):
+        for p in procs:
+            if p is not None and p.poll() is not None:
+                raise RuntimeError(f"{group} exited with status {p.returncode} before it was ready")
+        if time.time() - t > timeout:
+            raise RuntimeError(f"{group} not ready after {timeout} s")
+        time.sleep(0.05)
+
+
+def cross_process(args) -> None:
+    import pipeline_torch
+
+    from jaxpar import models
+    from jaxpar.pipeline.module import PipelineModule
+
+    n = args.processes
+    bounds = PipelineModule.from_model(models.abstract("alexnet", num_classes=10), n).bounds
+    ctl = tempfile.mkdtemp(prefix="jaxpar-bench-")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_threads(args.threads)}
+    common = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+              if k in ("schedules", "batch", "micro_batches", "image", "steps")] + (["--pin"] if args.pin else [])
+    me = os.path.abspath(__file__)
+    jax_pipe = subprocess.Popen([sys.executable, "-m", "jaxpar.launch", "--nproc-per-node", str(n), me,
+                                 "--worker", "jaxpar-pipeline", "--ctl", ctl, *common], cwd=ROOT, env=env)
+    env1 = {**env, "XLA_FLAGS": xla_threads(args.single_threads)}
+    jax_single = subprocess.Popen([sys.executable, me, "--worker", "jaxpar-single", "--ctl", ctl, *common], cwd=ROOT,
+                                  env=env1)
+    targs = {"bounds": bounds, "batch": args.batch, "image": args.image, "micro_batches": args.micro_batches,
+             "steps": args.steps, "schedules": args.schedules.split(","), "threads": args.threads,
+             "single_threads": args.single_threads, "pin": args.pin}
+    torch_pipe, torch_single = pipeline_torch.start(ctl, targs, n)
+    try:
+        results = run_rounds(args, ctl, n, jax_pipe, jax_single)
+    finally:  # stop every worker, also after an error (the torch ranks are not daemons)
+        with open(os.path.join(ctl, "stop"), "w") as f:
+            f.write("stop")
+        for p in (jax_pipe, jax_single):
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        for ctx in (torch_pipe, torch_single):
+            for proc in ctx.processes:
+                proc.join(60)
+                if proc.is_alive():
+                    proc.kill()
+    report_cross(args, results, bounds)
+
+
+def run_rounds(args, ctl: str, n: int, jax_pipe, jax_single):
+    """Wait until every worker is warmed up, then alternate the timed rounds: {run: [per-rank timings]}."""
+    import pipeline_torch
+
+    for group, ranks, procs in (("jaxpar-pipeline", n, [jax_pipe]), ("jaxpar-single", 1, [jax_single]),
+                                ("torch", n, []), ("torch-single", 1, [])):
+        wait_ready(ctl, group, ranks, procs)
+    plan = [x for s in args.schedules.split(",") for x in ((f"jaxpar {s}", "jaxpar-pipeline", s, n),
+                                                           (f"torch {s}", "torch", s, n))]
+    plan += [("jaxpar single", "jaxpar-single", "single", 1), ("torch single", "torch-single", "single", 1)]
+    counters = {g: 0 for _, g, _, _ in plan}
+    results = {name: [] for name, *_ in plan}
+    for _ in range(args.rounds):
+        for name, group, run, ranks in plan:
+            k = counters[group]
+            with open(os.path.join(ctl, f"go.{group}.{k}"), "w") as f:
+                f.write(run)
+            got = [json.loads(pipeline_torch.wait_for(os.path.join(ctl, f"done.{group}.{k}.rank{r}")))
+                   for r in range(ranks)]
+            counters[group] += 1
+            results[name].append(got)
+            print(f"  {name}: {args.batch * args.steps / max(g['wall'] for g in got):.1f} samples/s", flush=True)
+    return results
+
+
+def report_cross(args, results: dict, bounds: list) -> None:
+    samples = args.batch * args.steps
+    best = {name: min(rs, key=lambda got: max(g["wall"] for g in got)) for name, rs in results.items()}
+    speed = {name: samples / max(g["wall"] for g in got) for name, got in best.items()}
+    per_cpu = {name: samples / sum(g["cpu"] for g in got) for name, got in best.items()}
+    print(f"\nAlexNet {args.image}x{args.image}, batch {args.batch}, {args.micro_batches} micro-batches, "
+          f"{args.processes} processes x {args.threads} thread(s){', pinned to one core each' if args.pin else ''} "
+          f"(single: 1 process x {args.single_threads}); "
+          f"split layers {bounds}; best of {args.rounds} alternating rounds of {args.steps} steps\n")
+    print("| run | samples/s | vs torch | vs own single | samples/CPU-s | vs torch | CPU s/step per stage |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for name in results:
+        fw, kind = name.split(" ", 1)
+        peer = f"torch {kind}"
+        single = f"{fw} single"
+        cpu = " / ".join(f"{g['cpu'] / args.steps:.3f}" for g in best[name])
+        print(f"| {name} | {speed[name]:.1f} | {speed[name] / speed[peer]:.2f}x | {speed[name] / speed[single]:.2f}x "
+              f"| {per_cpu[name]:.1f} | {per_cpu[name] / per_cpu[peer]:.2f}x | {cpu} |")
+    spread = {n: statistics.median(samples / max(g["wall"] for g in got) for got in rs) for n, rs in results.items()}
+    print("\nmedian samples/s over rounds: " + ", ".join(f"{n} {v:.1f}" for n, v in spread.items()))
+
+
+# ---- in-process modes: the stack, one stage, zero bubble ---------------------------------------------------
+
+def stack_model(width: int = 512, depth: int = 16, classes: int = 10):
+    from flax import nnx
+
+    r = nnx.Rngs(0)
+    layers = []
+    for i in range(depth):
+        layers.append(nnx.Linear(width, width if i < depth - 1 else classes, rngs=r))
+        if i < depth - 1:
+            layers.append(nnx.relu)
+    return nnx.Sequential(*layers)
+
+
+def timed_rounds(runs: dict, steps: int, n_rounds: int) -> dict:
+    """{name: best seconds per step} over alternating rounds; every run warmed up (2 steps) first."""
+    import jax
+
+    state = {}
+    for name, (strategy, state0, batch) in runs.items():
+        placed, pb = strategy.init(state0), strategy.put_batch(batch)
+        for _ in range(2):
+            placed, m = strategy.step(placed, pb)
+        jax.block_until_ready((placed, m))
+        state[name] = [placed, pb]
+    best = {name: float("inf") for name in runs}
+    for _ in range(n_rounds):
+        for name, (strategy, _, _) in runs.items():
+            placed, pb = state[name]
             t = time.perf_counter()
-            state, metrics = step(state, batch)
-            jax.block_until_ready((state, metrics))
-            times.append(time.perf_counter() - t)
-        best = min(best, statistics.median(times))
+            for _ in range(steps):
+                placed, m = strategy.step(placed, pb)
+            jax.block_until_ready((placed, m))
+            best[name] = min(best[name], (time.perf_counter() - t) / steps)
+            state[name][0] = placed
     return best
 
 
-def main():
-    model, tx, batch = problem()
-    graphdef, state = init_state(model, tx)
-    single = timed(make_train_step(graphdef, tx), jax.device_put(state, jax.devices()[0]), batch)
-    S = args.stages
-    print(f"{args.model}: {sum(a.size for a in jax.tree.leaves(state.params)):,} params, global batch {args.batch}, "
-          f"{S} stages on {S} of {jax.device_count()} {jax.devices()[0].platform} devices; "
-          f"single device {single * 1e3:.1f} ms/step")
-    head = (f"{'schedule':<12} {'M':>3} {'V':>2} {'ticks':>5} {'bubble':>7} {'ms/step':>8} {'vs single':>9} "
-            f"{'samples/s':>9} {'act slots':>10} {'act MB':>7}")
-    print(head + "\n" + "-" * len(head))
-    for name in args.schedules.split(","):
-        V = args.virtual_stages if name == "interleaved" else 1
-        for M in [int(m) for m in args.micro_batches.split(",")]:
-            if args.batch % M:
-                continue
-            pm = PipelineModule.from_model(model, S, virtual_stages=V, verbose=False,
-                                           partition_method="uniform" if V > 1 else "parameters")
-            strategy = Pipeline(pm, tx, mesh=pipeline_mesh(S, S), schedule=name, micro_batches=M)
-            placed, pb = strategy.init(state), strategy.put_batch(batch)
-            t = timed(strategy.step, placed, pb)
-            r = strategy.report()
-            live = r["measured_live_activations"]
-            print(f"{name:<12} {M:>3} {V:>2} {r['ticks']:>5} {r['bubble_fraction']:>7.3f} {t * 1e3:>8.1f} "
-                  f"{t / single:>8.2f}x {args.batch / t:>9.0f} {f'{live[0]} | {max(live)}':>10} "
-                  f"{r['activation_bytes_per_stage'] / 2**20:>7.2f}")
-            assert name == "interleaved" or abs(r["bubble_fraction"] - (S - 1) / (M + S - 1)) < 1e-12
-    print("bubble (S-1)/(M+S-1) for gpipe/1f1b; 1F1B holds min(S, M) micro-batches on stage 0, GPipe M "
-          f"({schedule_lib.peak_inflight(schedule_lib.one_f_one_b(S, 8))[0]} vs 8 at M = 8).")
+def in_process(args) -> None:
+    from jaxpar.mesh import simulate_cpu_devices
+
+    simulate_cpu_devices(4 if args.zb else 2)
+    import numpy as np
+    import optax
+
+    import jaxpar
+    from jaxpar.pipeline import analysis
+    from jaxpar.strategies.pipeline import Pipeline, pipeline_mesh
+
+    rng = np.random.default_rng(0)
+    loss, tx = jaxpar.OutputLoss(jaxpar.cross_entropy), optax.sgd(0.01, momentum=0.9)
+    stack = stack_model()
+    sbatch = {"x": rng.normal(size=(256, 512)).astype(np.float32), "y": rng.integers(0, 10, 256).astype(np.int32)}
+    if args.stack or args.zb:
+        S, M = (4, 8) if args.zb else (2, 8)
+        state = jaxpar.init_state(stack, tx)
+        runs = {"single": (jaxpar.SingleDevice(stack, tx, loss_fn=loss), state, sbatch)}
+        for schedule in ("1f1b", "zbh1") if args.zb else ("gpipe", "1f1b", "zbh1"):
+            for ck in (0,) if args.zb else (0, 1):
+                runs[f"{schedule} ckpt {ck}"] = (Pipeline(stack, tx, loss_fn=loss, num_stages=S, micro_batches=M,
+                                                          schedule=schedule, activation_checkpoint_interval=ck,
+                                                          mesh=pipeline_mesh(S, S)), state, sbatch)
+        best = timed_rounds(runs, args.steps, args.rounds)
+        t1 = best.pop("single")
+        print(f"\n16 x Linear(512) + ReLU, batch 256, S={S}, M={M} on {S} simulated CPU devices; one device "
+              f"{t1 * 1e3:.1f} ms/step; best of {args.rounds} alternating rounds of {args.steps} steps\n")
+        print("| schedule | policy | bubble (grid) | bubble (F=I=W, B=2) | ms/step | vs one device | bound | "
+              "within |")
+        print("|---|---|---:|---:|---:|---:|---:|---|")
+        for name, t in best.items():
+            pipe = runs[name][0]
+            bubble = analysis.bubble_fraction(pipe.schedule, analysis.COSTS)
+            factor = 4 / 3 if pipe.module.interval else 1.0
+            bound = 1.5 * t1 / (1 - bubble) * factor
+            print(f"| {pipe.schedule.name} | {'recompute' if factor > 1 else 'store'} | "
+                  f"{analysis.bubble_fraction(pipe.schedule):.3f} | {bubble:.3f} | {t * 1e3:.1f} | {t / t1:.2f}x | "
+                  f"{bound * 1e3:.1f} | {'yes' if t <= bound else 'NO'} |")
+        if args.zb:
+            executed(runs, S, M)
+    if args.one_stage:
+        model, loss_a, tx_a, batch = alexnet_problem(args)
+        runs = {}
+        for label, (m, b) in {"alexnet": (model, batch), "stack": (stack, sbatch)}.items():
+            state = jaxpar.init_state(m, tx_a)
+            runs[f"{label} single"] = (jaxpar.SingleDevice(m, tx_a, loss_fn=loss_a), state, b)
+            runs[f"{label} S=1 M=1"] = (Pipeline(m, tx_a, loss_fn=loss_a, num_stages=1, micro_batches=1,
+                                                 mesh=pipeline_mesh(1, 1)), state, b)
+        best = timed_rounds(runs, args.steps, args.rounds)
+        print(f"\nOne stage, one micro-batch vs the single-device step (best of {args.rounds} alternating rounds)\n")
+        print("| model | single ms/step | pipeline S=1 M=1 ms/step | ratio |")
+        print("|---|---:|---:|---:|")
+        for label in ("alexnet", "stack"):
+            a, b = best[f"{label} single"], best[f"{label} S=1 M=1"]
+            print(f"| {label} | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.3f} |")
+
+
+def executed(runs: dict, S: int, M: int) -> None:
+    """The executed ticks: every action timed alone (blocking after it), per stage and op; the schedule replayed
+    with those durations (analysis.simulate)."""
+    import jax
+
+    from jaxpar.pipeline import analysis
+
+    print("\n| schedule | executed bubble (trace, F=I=W, B=2) | measured ms per action (stage 0: F / B or I / W) | "
+          "bubble with measured durations |")
+    print("|---|---:|---|---:|")
+    for name, (pipe, state, batch) in runs.items():
+        if name == "single":
+            continue
+        durations: dict = {}
+
+        def timer(a, out, last=[time.perf_counter()]):  # noqa: B006  (the previous action's end)
+            jax.block_until_ready(out)
+            now = time.perf_counter()
+            durations.setdefault((a.stage, a.op), []).append(now - last[0])
+            last[0] = now
+
+        placed, pb = pipe.init(state), pipe.put_batch(batch)
+        placed, _ = pipe.step(placed, pb)
+        pipe.engine.timer = timer
+        for _ in range(3):
+            timer.__defaults__[0][0] = time.perf_counter()
+            placed, m = pipe.step(placed, pb)
+        pipe.engine.timer = None
+        grid = [[None] * S for _ in range(pipe.schedule.num_ticks)]
+        for t, a in pipe.engine.trace:
+            grid[t][a.stage] = a
+        from jaxpar.pipeline import schedule as sch
+
+        trace = sch.Schedule("executed", S, M, 1, tuple(map(tuple, grid)), backward=pipe.schedule.backward)
+        med = {k: sorted(v)[len(v) // 2] for k, v in durations.items()}
+        costs = {op: sum(med[(s, o)] for s in range(S) for o in [op] if (s, o) in med) / S
+                 for op in {o for _, o in med}}
+        stage0 = " / ".join(f"{med[(0, op)] * 1e3:.2f}" for op in sorted({o for s, o in med if s == 0},
+                                                                           key=lambda o: "FBIW".index(o.value)))
+        print(f"| {name} | {analysis.bubble_fraction(sch.validate(trace), analysis.COSTS):.3f} | {stage0} | "
+              f"{analysis.bubble_fraction(trace, costs):.3f} |")
+
+
+def main(argv=None) -> None:
+    args = parse(argv)
+    if args.worker:
+        return jaxpar_worker(args)
+    if args.processes:
+        return cross_process(args)
+    if not (args.stack or args.one_stage or args.zb):
+        args.stack = True
+    in_process(args)
 
 
 if __name__ == "__main__":

@@ -7,14 +7,17 @@ jaxpar.pipeline.stage); JAX's asynchronous dispatch lets the stages' devices run
 Roughly, per step::
 
     for t, row in enumerate(schedule.steps):          # ticks
+        exchange every cross-process message RECEIVED at tick t, in the schedule's order (both sides call it)
         for s in my stages: for instruction in row[s]: DISPATCH[instruction.op](instruction)
-        exchange every cross-process message sent at tick t, in the schedule's order (both sides call it)
     REDUCE_GRADS: merge chunks, all-reduce over the stage's replicas, sum tied weights across stages, add the
                   Sums and squared gradient norms over processes (one small vector)
     OPT:          every stage updates its weights with grads / global weight (in place: buffers donated)
 
 A last-stage F followed at once by its own B (or I) runs as one fused call (no residuals kept). Messages between
-stages of one process are device_puts at the send; across processes a ppermute at the end of the send's tick.
+stages of one process are device_puts at the send. Across processes they are ppermutes, which block the
+receiver's Python until the sender arrives: each goes at the start of the tick that uses it, never earlier, so
+no receive delays work that does not need it (exchanging at the send's tick held each stage's backward until the
+next forward's activation had arrived).
 """
 from __future__ import annotations
 
@@ -71,16 +74,16 @@ class Plan:
                         and virtual(a, S) == mod.num_parts - 1:
                     self.fused.add(a)
         self.messages = []  # per tick: (kind, src stage, dst stage, src virtual, micro-batch) across processes
-        for row in schedule.steps:
+        for row in schedule.steps:  # exchanged when RECEIVED: a late receive never holds up other work
             tick = []
             for s, ins in enumerate(row):
                 for a in ins:
                     msg = message(a, S)
-                    if msg and msg[0] == "send":
+                    if msg and msg[0] == "recv":
                         _, (kind, dst_v, m) = msg
-                        src_v = virtual(a, S)
-                        if not tr.same_process(s, mod.stage_of(dst_v)):
-                            tick.append((kind, s, mod.stage_of(dst_v), src_v, m))
+                        src_v = dst_v - 1 if kind == "act" else dst_v + 1
+                        if not tr.same_process(s, mod.stage_of(src_v)):
+                            tick.append((kind, mod.stage_of(src_v), s, src_v, m))
             self.messages.append(tick)
         del rows
 
@@ -138,10 +141,7 @@ class Engine:
         mine = tr.local_stages
         for t, row in enumerate(plan.schedule.steps):
             self._tick = t
-            for s in mine:
-                for a in row[s]:
-                    self.dispatch[a.op](a)
-            for kind, src, dst, src_v, m in plan.messages[t]:
+            for kind, src, dst, src_v, m in plan.messages[t]:  # both sides, in the schedule's order
                 if tr.mine(src) or tr.mine(dst):
                     key = (kind, src_v + (1 if kind == "act" else -1), m)
                     spec = plan.out_specs[src_v] if kind == "act" else plan.grad_specs[src_v - 1]
@@ -149,6 +149,9 @@ class Engine:
                     got = tr.exchange(src, dst, value, spec)
                     if tr.mine(dst):
                         self._mail[key] = got
+            for s in mine:
+                for a in row[s]:
+                    self.dispatch[a.op](a)
         total = self._add_up(self._sums) if self._sums else None  # one call: the Sums of every micro-batch, as a vector
         return total, self._state, self._acc
 
@@ -283,7 +286,7 @@ class Engine:
         for s in tr.local_stages:
             params[s], opt_state[s], state[s] = self._update_fn(s)(params[s], opt_state[s], grads[s], state[s],
                                                                    tr.put(vec, s))
-        return params, opt_state, state, vec[:n]
+        return params, opt_state, state, vec  # [Sums..., squared norm]
 
     def _parts_of(self, s: int) -> list[int]:
         return [v for v in range(self.module.num_parts) if self.module.stage_of(v) == s]

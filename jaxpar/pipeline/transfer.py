@@ -66,6 +66,7 @@ class Transport:
         self.kinds = [{"rows": NamedSharding(m, P(DATA)), "local": NamedSharding(m, P(DATA)),
                        "rep": NamedSharding(m, P())} for m in self.meshes]
         procs = sorted(set(self.process))
+        self._zeros: dict = {}
         self.proc_devices = tuple(next(devs[0] for s, devs in enumerate(self.devices) if self.process[s] == p)
                                   for p in procs)
 
@@ -96,9 +97,12 @@ class Transport:
         for k, spec in enumerate(jax.tree.leaves(specs)):
             if value is not None:
                 parts = [s.data for s in order(jax.tree.leaves(value)[k].addressable_shards)]
-            else:
+            else:  # the receiver's side of the buffer: zeros made once (an eager op waits for a busy device)
                 local = (spec.shape[0] // self.D,) + tuple(spec.shape[1:]) if sharded else tuple(spec.shape)
-                parts = [jnp.zeros(local, spec.dtype, device=d) for d in devs]
+                key = (mine, local, jnp.dtype(spec.dtype))
+                if key not in self._zeros:
+                    self._zeros[key] = [jax.device_put(np.zeros(local, spec.dtype), d) for d in devs]
+                parts = self._zeros[key]
             arrays.append(jax.make_array_from_single_device_arrays(spec.shape, sharding, parts))
         out = fn(arrays)
         target = self.kinds[mine][kind]

@@ -210,8 +210,15 @@ class Pipeline:
             dict(placed.params), dict(placed.opt_state), state, acc, total, plan.sums_treedef)
         self._last = (batch.layout, plan)
         extra = [_advance(a, k) for a, k in zip(placed.extra_state, self._extra_kinds())]
-        return PipelineState(params, opt_state, state, extra, placed.step + 1), \
-            metrics_of(jax.tree.unflatten(plan.sums_treedef, list(vec)))
+        return PipelineState(params, opt_state, state, extra, placed.step + 1), self._metrics(plan.sums_treedef)(vec)
+
+    def _metrics(self, treedef):
+        """vector -> the step's metrics, jitted (eager slicing would wait for the step: the clock runs on)."""
+        key = ("metrics", treedef)
+        if key not in self._layouts:
+            self._layouts[key] = self.engine.jit(
+                lambda v: metrics_of(jax.tree.unflatten(treedef, [v[i] for i in range(treedef.num_leaves)])))
+        return self._layouts[key]
 
     def evaluate(self, placed: PipelineState, batch) -> Sums:
         """Sums of the loss and metrics over the real rows of `batch` in eval mode, on the forward-only schedule."""

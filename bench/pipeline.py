@@ -165,8 +165,7 @@ def cross_process(args) -> None:
     try:
         results = run_rounds(args, ctl, n, jax_pipe, jax_single)
     finally:  # stop every worker, also after an error (the torch ranks are not daemons)
-        with open(os.path.join(ctl, "stop"), "w") as f:
-            f.write("stop")
+        pipeline_torch.write(os.path.join(ctl, "stop"), "stop")
         for p in (jax_pipe, jax_single):
             try:
                 p.wait(timeout=60)
@@ -195,8 +194,7 @@ def run_rounds(args, ctl: str, n: int, jax_pipe, jax_single):
     for _ in range(args.rounds):
         for name, group, run, ranks in plan:
             k = counters[group]
-            with open(os.path.join(ctl, f"go.{group}.{k}"), "w") as f:
-                f.write(run)
+            pipeline_torch.write(os.path.join(ctl, f"go.{group}.{k}"), run)
             got = [json.loads(pipeline_torch.wait_for(os.path.join(ctl, f"done.{group}.{k}.rank{r}")))
                    for r in range(ranks)]
             counters[group] += 1

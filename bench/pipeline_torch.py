@@ -31,18 +31,23 @@ def wait_for(path: str, stop: str | None = None, poll: float = 0.002) -> str:
         return f.read()
 
 
+def write(path: str, text: str) -> None:
+    """Write a control file atomically (a reader never sees it half written)."""
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
 def rounds(ctl: str, group: str, rank: int, run_round) -> None:
     """Serve rounds: wait for go.<group>.<k> (its text names the run), time it, write done.<group>.<k>.rank<r>."""
-    with open(os.path.join(ctl, f"ready.{group}.rank{rank}"), "w") as f:
-        f.write("ok")
+    write(os.path.join(ctl, f"ready.{group}.rank{rank}"), "ok")
     k = 0
     while True:
         name = wait_for(os.path.join(ctl, f"go.{group}.{k}"), os.path.join(ctl, "stop"))
         if name == "stop":
             return
         wall, cpu = run_round(name)
-        with open(os.path.join(ctl, f"done.{group}.{k}.rank{rank}"), "w") as f:
-            json.dump({"wall": wall, "cpu": cpu}, f)
+        write(os.path.join(ctl, f"done.{group}.{k}.rank{rank}"), json.dumps({"wall": wall, "cpu": cpu}))
         k += 1
 
 

@@ -242,6 +242,29 @@ def test_tied_weights_sum_their_gradient_and_stay_equal():
     assert np.max(np.abs(np.asarray(placed.params[0][0]) - np.asarray(placed.params[1][0]))) > 1e-4
 
 
+def test_gpt2_with_its_lm_head_tied_to_wte_equals_single():
+    """jaxpar.models.gpt's tiny config: `layers` = Embedding | Block | Block | LMHead, wte on both ends."""
+    from jaxpar.models.gpt import GPT, GPTConfig
+
+    def make():
+        cfg = GPTConfig.named("gpt-nano", vocab_size=32, block_size=8, n_layer=2, dropout=0.1)
+        return GPT(cfg, rngs=nnx.Rngs(params=0, dropout=1))
+
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.integers(0, 32, (6, 8)).astype(np.int32), "y": rng.integers(0, 32, (6, 8)).astype(np.int32)}
+    loss = jaxpar.OutputLoss(jaxpar.cross_entropy)
+    objective, state = jaxpar.Objective.of(make(), loss), jaxpar.init_state(make(), TX)
+    step, ref = reference_step(objective, TX), state
+    for _ in range(STEPS):
+        ref, _ = step(ref, jaxpar.as_rows(batch))
+    pipe = pipeline(make(), TX, loss_fn=loss, micro_batches=2, schedule="1f1b")
+    assert len(pipe.module.tied) == 1 and "tied wte/embedding on stages [0, 1]" in pipe.module.describe()
+    placed = pipe.init(state)
+    for _ in range(STEPS):
+        placed, _ = pipe.step(placed, pipe.put_batch(batch))
+    assert_equal_states(pipe.unplace(placed), ref)
+
+
 def test_each_end_gets_only_the_batch_leaves_it_reads():
     model, loss, batch = mixed()
     pipe = pipeline(model, TX, loss_fn=loss, num_stages=3, mesh=pipeline_mesh(3, 3))

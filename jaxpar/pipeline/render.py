@@ -33,8 +33,9 @@ def _blend(rgb, toward: float, amount: float) -> tuple[float, float, float]:
 def render(schedule, path: str, *, title: str | None = None, dpi: int = 120) -> str:
     """Draw the timeline as a PNG at ``path`` (like DeepSpeed's pipeline figure) and return ``path``.
 
-    One row per stage (stage 0 on top), one column per tick; each F / B is a box coloured by micro-batch,
-    forward lighter and backward darker, labelled like the text grid; chunks c > 0 are hatched.
+    One row per stage (stage 0 on top), one column per tick; each F / B / I / W is a box coloured by
+    micro-batch, forward lighter and backward darker (a deferred W light and dotted), labelled like the text grid;
+    chunks c > 0 are hatched.
     """
     try:
         from matplotlib import colormaps
@@ -54,11 +55,12 @@ def render(schedule, path: str, *, title: str | None = None, dpi: int = 120) -> 
             if a is None:
                 continue
             base = cmap(a.microbatch % cmap.N)
-            face = _blend(base, 1.0, 0.45) if a.op is Op.F else _blend(base, 0.0, 0.3)
-            ax.add_patch(Rectangle((t, s), 1, 1, facecolor=face, edgecolor="black", linewidth=0.6,
-                                   hatch=_HATCHES[a.chunk % len(_HATCHES)]))
+            light = a.op in (Op.F, Op.W)  # F and the deferred W light, B and I (the critical path) dark
+            face = _blend(base, 1.0, 0.45 if a.op is Op.F else 0.15) if light else _blend(base, 0.0, 0.3)
+            hatch = ".." if a.op is Op.W else _HATCHES[a.chunk % len(_HATCHES)]
+            ax.add_patch(Rectangle((t, s), 1, 1, facecolor=face, edgecolor="black", linewidth=0.6, hatch=hatch))
             ax.text(t + 0.5, s + 0.5, a.cell, ha="center", va="center", fontsize=7 if len(a.cell) < 4 else 6,
-                    color="black" if a.op is Op.F else "white",
+                    color="black" if light else "white",
                     bbox=dict(boxstyle="square,pad=0.1", facecolor=face, edgecolor="none"))
     ax.set_xlim(0, T)
     ax.set_ylim(S, 0)

@@ -168,10 +168,12 @@ def cpu_gemm_tflops(threads: int) -> float:
     """The float32 GEMM rate this CPU reaches with `threads` threads (torch, 2048^3, best of 5), in TFLOP/s."""
     import torch
 
+    before = torch.get_num_threads()
     torch.set_num_threads(threads)
     a = torch.rand(2048, 2048)
     a @ a
     best = min(_timed(lambda: a @ a) for _ in range(5))
+    torch.set_num_threads(before)
     return 2 * 2048 ** 3 / best / 1e12
 
 
@@ -232,6 +234,7 @@ def main(argv=None) -> None:
             runs[f"torch DDP {'nccl' if gpu else 'gloo'} {ddp}x{max(threads // ddp, 1)}"] = TorchRun(
                 ddp, {**spec, "threads": max(threads // ddp, 1)})
     load_before = os.getloadavg()
+    cpu_peak = None if gpu or args.peak_tflops else cpu_gemm_tflops(threads)
     rounds = {k: [] for k in runs}
     for _ in range(args.rounds):
         for k, run in runs.items():
@@ -243,9 +246,9 @@ def main(argv=None) -> None:
     peak, peak_note = args.peak_tflops, "--peak-tflops"
     if peak is None and gpu:
         peak, peak_note = flops.peak_tflops(), f"table ({jax.devices()[0].device_kind})"
-    if peak is None and not gpu:
-        peak, peak_note = cpu_gemm_tflops(threads), f"measured fp32 GEMM, {threads} threads"
-    devices = lambda k: ddp if "DDP" in k else 1  # noqa: E731
+    if peak is None and not gpu:  # the better of two measurements, before and after the rounds
+        peak, peak_note = max(cpu_peak, cpu_gemm_tflops(threads)), f"measured fp32 GEMM, {threads} threads"
+    devices = lambda k: ddp if "DDP" in k and gpu else 1  # noqa: E731  (simulated CPU devices share one CPU)
 
     print(f"\nGPT {name}: {cfg.n_layer} layers x {cfg.n_embd} wide, {cfg.n_head} heads, vocab {vocab}, "
           f"{model.num_params() / 1e6:.2f}M params (less wpe), batch {args.batch_size} x {seq_len} tokens, "

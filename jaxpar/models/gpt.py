@@ -13,8 +13,10 @@ final `ln_f`, and `lm_head` tied to `wte` (logits = x @ wte^T; the model holds t
 zero. Dropout (stock nnx.Dropout) after the embeddings, on the attention weights, after each residual projection.
 
 Attention runs through `jax.nn.dot_product_attention`: cuDNN's fused (flash) kernel on a GPU for bf16/fp16 inputs
-and head sizes it takes, XLA elsewhere. With attention dropout on in training, the weights are formed explicitly
-(as nanoGPT's non-flash path does), since the fused call has no dropout.
+and head sizes it takes, XLA elsewhere (on CPUs in query blocks, see causal_attention). With attention dropout on in
+training, the weights are formed explicitly (as nanoGPT's non-flash path does), since the fused call has no dropout.
+On CPUs the Linears' and the head's products go through `matmul` / `matmul_t`, whose weight gradient is one plain
+GEMM over every token (XLA:CPU would run it as a transposed-operand dot outside YNNPACK: 22 % of a step's time).
 
 Layouts: NNX kernels are [in, out], which is HF's Conv1D layout, so HF weights load as they are; nanoGPT's
 nn.Linear weights are [out, in] and are transposed.
@@ -31,6 +33,8 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.comm import megatron
+from jaxpar.models.gpt_ops import (CPU_QUERY_BLOCK, attention_impl, causal_attention,  # noqa: F401
+                                   linear_dot_general, matmul, matmul_t)
 
 CONFIGS = {  # name -> (n_layer, n_head, n_embd)
     "gpt2": (12, 12, 768),  # 124M with GPT-2's vocabulary
@@ -42,12 +46,8 @@ CONFIGS = {  # name -> (n_layer, n_head, n_embd)
     "gpt-nano": (3, 3, 48),
     "gpt-cpu": (4, 4, 256),  # 4 layers x 256 wide: the CPU benchmark's model
 }
-LAYOUTS = ("hf", "nanogpt")
 ATTENTION = ("auto", "xla", "cudnn")
 LN_EPS = 1e-5  # torch's LayerNorm default, GPT-2's
-CPU_QUERY_BLOCK = 64  # causal attention on CPUs: query rows per block (up to 8 blocks), see causal_attention
-_LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # HF Conv1D / nanoGPT nn.Linear
-_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers older checkpoints carry: not weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,40 +92,11 @@ class GPTConfig:
 
 def _linear(n_in: int, n_out: int, cfg: GPTConfig, std: float, rngs: nnx.Rngs) -> nnx.Linear:
     return nnx.Linear(n_in, n_out, use_bias=cfg.bias, kernel_init=nnx.initializers.normal(std),
-                      bias_init=nnx.initializers.zeros_init(), rngs=rngs)
+                      bias_init=nnx.initializers.zeros_init(), dot_general=linear_dot_general, rngs=rngs)
 
 
 def _layer_norm(cfg: GPTConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
     return nnx.LayerNorm(cfg.n_embd, epsilon=LN_EPS, use_bias=cfg.bias, rngs=rngs)
-
-
-def attention_impl(setting: str, dtype, head_dim: int) -> str:
-    """'cudnn' (fused flash attention) on a GPU for bf16/fp16 and head sizes cuDNN takes, else 'xla'."""
-    if setting != "auto":
-        return setting
-    fits = jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128
-    return "cudnn" if fits and jax.default_backend() == "gpu" else "xla"
-
-
-def causal_attention(q_BxTxNxH: jax.Array, k_BxTxNxH: jax.Array, v_BxTxNxH: jax.Array,
-                     setting: str = "auto") -> jax.Array:
-    """softmax(q k^T / sqrt(H), causal) v through `jax.nn.dot_product_attention`: one call on GPUs (cuDNN's fused
-    kernel for bf16/fp16); on CPUs in query blocks of about CPU_QUERY_BLOCK rows, each over its key prefix only.
-
-    XLA:CPU materialises the T x T scores and their gradients (memory-bound passes); the blocks skip most of the
-    masked upper triangle: at T=256 in 4 blocks, 35 % less attention time than one causal call (bench/gpt.py)."""
-    impl = attention_impl(setting, q_BxTxNxH.dtype, q_BxTxNxH.shape[-1])
-    t = q_BxTxNxH.shape[-3]
-    blocks = max(1, min(8, t // CPU_QUERY_BLOCK)) if jax.default_backend() == "cpu" else 1
-    if blocks == 1:
-        return jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxNxH, v_BxTxNxH, is_causal=True, implementation=impl)
-    bounds = np.linspace(0, t, blocks + 1).astype(int)
-    out = []
-    for lo, hi in zip(bounds[:-1], bounds[1:]):  # rows lo:hi see keys 0:hi, key j <= row i
-        mask_1x1xQxK = np.tril(np.ones((hi - lo, hi), bool), k=lo)[None, None]
-        out.append(jax.nn.dot_product_attention(q_BxTxNxH[..., lo:hi, :, :], k_BxTxNxH[..., :hi, :, :],
-                                                v_BxTxNxH[..., :hi, :, :], mask=mask_1x1xQxK, implementation=impl))
-    return jnp.concatenate(out, axis=-3)
 
 
 class CausalSelfAttention(nnx.Module):
@@ -253,7 +224,11 @@ class LMHead(nnx.Module):
         self.ln_f, self.wte = ln_f, wte
 
     def __call__(self, x_BxTxC: jax.Array) -> jax.Array:
-        return self.wte.attend(self.ln_f(x_BxTxC))
+        h = self.ln_f(x_BxTxC)
+        if jax.default_backend() != "cpu":
+            return self.wte.attend(h)
+        h, table_VxC = self.wte.promote_dtype((h, self.wte.embedding[...]), dtype=self.wte.dtype)
+        return matmul_t(h, table_VxC)  # x @ wte^T, its weight gradient one NN GEMM
 
 
 class GPT(nnx.Module):
@@ -285,151 +260,15 @@ class GPT(nnx.Module):
         n = sum(math.prod(a.shape) for a in jax.tree.leaves(nnx.state(self, nnx.Param)))
         return n - (math.prod(self.wpe.embedding.shape) if non_embedding else 0)
 
-    # -- PyTorch state dicts -------------------------------------------------------------------------------
+    # -- PyTorch state dicts (jaxpar.models.gpt_state_dict) -------------------------------------------------
 
     def torch_state_dict(self, layout: str = "hf") -> dict[str, np.ndarray]:
-        """The weights under GPT2LMHeadModel's keys (`layout='hf'`, Conv1D weights [in, out]) or nanoGPT's
-        (`'nanogpt'`, nn.Linear weights [out, in]); lm_head.weight is wte's copy, as both state dicts hold it."""
-        _check_layout(layout)
-        out = {}
-        for key, (module, name) in _entries(self).items():
-            value = np.asarray(getattr(module, name)[...], np.float32)
-            out[key] = np.ascontiguousarray(value.T if layout == "nanogpt" and _is_linear_weight(key) else value)
-        out["lm_head.weight"] = out["transformer.wte.weight"]
-        return out
+        """The weights under HF GPT2LMHeadModel's keys and layout ('hf') or nanoGPT's ('nanogpt')."""
+        return gpt_state_dict.to_torch_state_dict(self, layout)
 
     def load_torch_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Copy a GPT-2 state dict (either layout, found from the shapes) into this model, in place."""
-        sd, layout = normalize_state_dict(state_dict)
-        expected = {k: _torch_shape(m, n, k, layout) for k, (m, n) in _entries(self).items()}
-        missing, extra = [k for k in expected if k not in sd], [k for k in sd if k not in expected]
-        if missing or extra:
-            raise ValueError(f"state dict does not match this GPT ({self.config.n_layer} layers, bias="
-                             f"{self.config.bias}): missing {missing[:4]}, unexpected {extra[:4]}; build the model "
-                             "from the state dict (from_torch_state_dict) so its sizes are read off it.")
-        for key, shape in expected.items():
-            if tuple(np.shape(sd[key])) != shape:
-                raise ValueError(f"state dict key {key!r} has shape {tuple(np.shape(sd[key]))}, this GPT expects "
-                                 f"{shape} ({layout} layout); build the model from the state dict instead.")
-        for key, (module, name) in _entries(self).items():
-            value = np.asarray(sd[key], np.float32)
-            getattr(module, name).set_value(jnp.asarray(value.T if layout == "nanogpt" and _is_linear_weight(key)
-                                                        else value))
-
-
-def _entries(model: GPT) -> dict[str, tuple[nnx.Module, str]]:
-    """torch key -> (module, NNX attribute) for every weight, in GPT2LMHeadModel's order (lm_head left out)."""
-    t = "transformer"
-    out = {f"{t}.wte.weight": (model.wte, "embedding"), f"{t}.wpe.weight": (model.wpe, "embedding")}
-    for i, block in enumerate(model.h):
-        p = f"{t}.h.{i}"
-        for key, module in (("ln_1", block.ln_1), ("attn.c_attn", block.attn.c_attn),
-                            ("attn.c_proj", block.attn.c_proj), ("ln_2", block.ln_2), ("mlp.c_fc", block.mlp.c_fc),
-                            ("mlp.c_proj", block.mlp.c_proj)):
-            out.update(_weight_and_bias(f"{p}.{key}", module))
-    out.update(_weight_and_bias(f"{t}.ln_f", model.ln_f))
-    return out
-
-
-def _weight_and_bias(prefix: str, module: nnx.Module) -> dict[str, tuple[nnx.Module, str]]:
-    weight = "kernel" if isinstance(module, nnx.Linear) else "scale"
-    out = {f"{prefix}.weight": (module, weight)}
-    if getattr(module, "bias", None) is not None:
-        out[f"{prefix}.bias"] = (module, "bias")
-    return out
-
-
-def _is_linear_weight(key: str) -> bool:
-    return key.endswith(".weight") and any(f".{name}." in key for name in _LINEARS)
-
-
-def _torch_shape(module: nnx.Module, name: str, key: str, layout: str) -> tuple[int, ...]:
-    shape = tuple(getattr(module, name).shape)
-    return shape[::-1] if layout == "nanogpt" and _is_linear_weight(key) else shape
-
-
-def _check_layout(layout: str) -> None:
-    if layout not in LAYOUTS:
-        raise ValueError(f"torch layout {layout!r} is not known; use 'hf' (transformers' GPT2LMHeadModel) or "
-                         "'nanogpt'.")
-
-
-def normalize_state_dict(state_dict: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], str]:
-    """(the weights under GPT2LMHeadModel's keys, 'hf' | 'nanogpt') of a GPT-2 state dict.
-
-    Accepts HF's GPT2LMHeadModel and GPT2Model (no `transformer.` prefix) dicts and nanoGPT's (a torch.compile'd
-    one's `_orig_mod.` prefix too); drops the causal-mask buffers; checks lm_head.weight equals wte (tied). The
-    layout is read off c_attn's weight: [C, 3C] is HF's Conv1D, [3C, C] nanoGPT's nn.Linear."""
-    sd = {}
-    for key, value in state_dict.items():
-        for prefix in ("_orig_mod.", "module."):
-            key = key[len(prefix):] if key.startswith(prefix) else key
-        if key.endswith(_BUFFERS):
-            continue
-        if not key.startswith(("transformer.", "lm_head.")):
-            key = f"transformer.{key}"
-        sd[key] = np.asarray(value)
-    attn = sd.get("transformer.h.0.attn.c_attn.weight")
-    if "transformer.wte.weight" not in sd or attn is None or np.ndim(attn) != 2:
-        raise ValueError(f"the state dict (keys {list(state_dict)[:5]}...) is not a GPT-2 one: it needs "
-                         "transformer.wte.weight and transformer.h.0.attn.c_attn.weight (Hugging Face's "
-                         "GPT2LMHeadModel or nanoGPT's layout); save model.state_dict() of one of them.")
-    c = sd["transformer.wte.weight"].shape[1]
-    if attn.shape not in ((c, 3 * c), (3 * c, c)):
-        raise ValueError(f"transformer.h.0.attn.c_attn.weight has shape {attn.shape}; with wte's width {c} it must "
-                         f"be [{c}, {3 * c}] (HF Conv1D) or [{3 * c}, {c}] (nanoGPT nn.Linear).")
-    head = sd.pop("lm_head.weight", None)
-    if head is not None and (head.shape != sd["transformer.wte.weight"].shape
-                             or not np.array_equal(head, sd["transformer.wte.weight"])):
-        raise ValueError("lm_head.weight differs from transformer.wte.weight, but GPT-2 ties them (one matrix); "
-                         "pass the state dict of a tied model (or copy wte into lm_head).")
-    return sd, "hf" if attn.shape == (c, 3 * c) else "nanogpt"
-
-
-def _sizes(sd: Mapping[str, np.ndarray]) -> tuple[int, int, int, int]:
-    """(vocab, block size, layers, width) of a normalized GPT-2 state dict."""
-    vocab, width = sd["transformer.wte.weight"].shape
-    layers = 1 + max(int(k.split(".")[2]) for k in sd if k.startswith("transformer.h."))
-    return int(vocab), int(sd["transformer.wpe.weight"].shape[0]), layers, int(width)
-
-
-def config_from_state_dict(state_dict: Mapping[str, Any], n_head: int | None = None, **overrides: Any) -> GPTConfig:
-    """The GPTConfig a state dict was saved from: vocab, block size, width, layers and bias read off it; the head
-    count is not in the weights, so `n_head` must be given (or a config name's, see from_torch_state_dict)."""
-    sd, _ = normalize_state_dict(state_dict)
-    vocab, block, layers, width = _sizes(sd)
-    if n_head is None:
-        raise ValueError(f"the state dict holds a GPT of width {width} and {layers} layers, but the head count is not "
-                         "in the weights; pass --n-head (n_head=...), or a config name such as gpt2.")
-    return GPTConfig(vocab_size=vocab, block_size=block, n_layer=layers, n_head=n_head, n_embd=width,
-                     bias="transformer.ln_f.bias" in sd, **{k: v for k, v in overrides.items() if v is not None})
-
-
-def from_torch_state_dict(state_dict: Mapping[str, Any], n_head: int | None = None, name: str | None = None,
-                          seed: int = 0, **overrides: Any) -> GPT:
-    """A GPT holding a state dict's weights (HF or nanoGPT layout); sizes read off the dict, the head count from
-    `n_head` or the config `name` (whose layers and width must match), other fields (dropout, attention) from
-    `overrides`; dropout streams from `seed`."""
-    if name is not None:
-        n_layer, heads, n_embd = GPTConfig.named(name).n_layer, GPTConfig.named(name).n_head, CONFIGS[name][2]
-        _, _, layers, width = _sizes(normalize_state_dict(state_dict)[0])
-        if (layers, width) != (n_layer, n_embd):
-            raise ValueError(f"the state dict holds {layers} layers x {width} wide, but --model {name} is {n_layer} x "
-                             f"{n_embd}; pass the config name of that size ({_name_of(layers, width)}).")
-        n_head = heads if n_head is None else n_head
-    cfg = config_from_state_dict(state_dict, n_head, **overrides)
-    model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(params=0, dropout=0)))  # every weight is overwritten
-    streams = [s for _, s in nnx.iter_graph(model) if isinstance(s, nnx.RngStream)]
-    for i, stream in enumerate(streams):  # eval_shape left abstract keys: one real, distinct key per stream
-        stream.key.set_value(jax.random.fold_in(jax.random.key(seed), i))
-        stream.count.set_value(jnp.zeros((), jnp.uint32))
-    model.load_torch_state_dict(state_dict)
-    return model
-
-
-def _name_of(layers: int, width: int) -> str:
-    names = [n for n, (l, _, c) in CONFIGS.items() if (l, c) == (layers, width)]
-    return " or ".join(names) if names else "none has it: add one to jaxpar.models.gpt.CONFIGS"
+        """Copy a GPT-2 state dict (either layout) into this model, in place."""
+        gpt_state_dict.load_torch_state_dict(self, state_dict)
 
 
 def flops_per_token(cfg: GPTConfig, seq_len: int | None = None) -> float:
@@ -440,3 +279,8 @@ def flops_per_token(cfg: GPTConfig, seq_len: int | None = None) -> float:
     per_block = 12 * c * c + (13 * c if cfg.bias else 2 * c)  # c_attn, c_proj, c_fc, c_proj (+ biases), 2 LNs
     n = cfg.n_layer * per_block + v * c + (2 if cfg.bias else 1) * c
     return 6.0 * n + 12.0 * cfg.n_layer * c * t
+
+
+from jaxpar.models import gpt_state_dict  # noqa: E402  (it imports GPT from here)
+from jaxpar.models.gpt_state_dict import (LAYOUTS, config_from_state_dict, from_torch_state_dict,  # noqa: E402,F401
+                                          normalize_state_dict)

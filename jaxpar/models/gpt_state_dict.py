@@ -1,0 +1,169 @@
+"""GPT-2 state dicts in PyTorch's two layouts: Hugging Face's GPT2LMHeadModel and nanoGPT's.
+
+    sd = to_torch_state_dict(model, "hf")      # numpy arrays under torch's keys; lm_head.weight = wte's copy
+    model = from_torch_state_dict(sd, n_head=12)   # either layout, found from c_attn's shape; sizes read off it
+
+NNX kernels are [in, out], which is HF's Conv1D layout, so HF weights load as they are; nanoGPT's nn.Linear
+weights are [out, in] and are transposed. Keys: transformer.wte / wpe, transformer.h.{i}.ln_1 / attn.c_attn /
+attn.c_proj / ln_2 / mlp.c_fc / mlp.c_proj, transformer.ln_f, lm_head (tied).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxpar.models.gpt import CONFIGS, GPT, GPTConfig
+
+LAYOUTS = ("hf", "nanogpt")
+_LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # HF Conv1D / nanoGPT nn.Linear
+_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers older checkpoints carry: not weights
+
+
+def to_torch_state_dict(model: GPT, layout: str = "hf") -> dict[str, np.ndarray]:
+    """The weights under GPT2LMHeadModel's keys (`layout='hf'`, Conv1D weights [in, out]) or nanoGPT's
+    (`'nanogpt'`, nn.Linear weights [out, in]); lm_head.weight is wte's copy, as both state dicts hold it."""
+    _check_layout(layout)
+    out = {}
+    for key, (module, name) in _entries(model).items():
+        value = np.asarray(getattr(module, name)[...], np.float32)
+        out[key] = np.ascontiguousarray(value.T if layout == "nanogpt" and _is_linear_weight(key) else value)
+    out["lm_head.weight"] = out["transformer.wte.weight"]
+    return out
+
+
+def load_torch_state_dict(model: GPT, state_dict: Mapping[str, Any]) -> None:
+    """Copy a GPT-2 state dict (either layout, found from the shapes) into `model`, in place."""
+    sd, layout = normalize_state_dict(state_dict)
+    expected = {k: _torch_shape(m, n, k, layout) for k, (m, n) in _entries(model).items()}
+    missing, extra = [k for k in expected if k not in sd], [k for k in sd if k not in expected]
+    if missing or extra:
+        raise ValueError(f"state dict does not match this GPT ({model.config.n_layer} layers, bias="
+                         f"{model.config.bias}): missing {missing[:4]}, unexpected {extra[:4]}; build the model "
+                         "from the state dict (from_torch_state_dict) so its sizes are read off it.")
+    for key, shape in expected.items():
+        if tuple(np.shape(sd[key])) != shape:
+            raise ValueError(f"state dict key {key!r} has shape {tuple(np.shape(sd[key]))}, this GPT expects "
+                             f"{shape} ({layout} layout); build the model from the state dict instead.")
+    for key, (module, name) in _entries(model).items():
+        value = np.asarray(sd[key], np.float32)
+        getattr(module, name).set_value(jnp.asarray(value.T if layout == "nanogpt" and _is_linear_weight(key)
+                                                    else value))
+
+
+def _entries(model: GPT) -> dict[str, tuple[nnx.Module, str]]:
+    """torch key -> (module, NNX attribute) for every weight, in GPT2LMHeadModel's order (lm_head left out)."""
+    t = "transformer"
+    out = {f"{t}.wte.weight": (model.wte, "embedding"), f"{t}.wpe.weight": (model.wpe, "embedding")}
+    for i, block in enumerate(model.h):
+        p = f"{t}.h.{i}"
+        for key, module in (("ln_1", block.ln_1), ("attn.c_attn", block.attn.c_attn),
+                            ("attn.c_proj", block.attn.c_proj), ("ln_2", block.ln_2), ("mlp.c_fc", block.mlp.c_fc),
+                            ("mlp.c_proj", block.mlp.c_proj)):
+            out.update(_weight_and_bias(f"{p}.{key}", module))
+    out.update(_weight_and_bias(f"{t}.ln_f", model.ln_f))
+    return out
+
+
+def _weight_and_bias(prefix: str, module: nnx.Module) -> dict[str, tuple[nnx.Module, str]]:
+    weight = "kernel" if isinstance(module, nnx.Linear) else "scale"
+    out = {f"{prefix}.weight": (module, weight)}
+    if getattr(module, "bias", None) is not None:
+        out[f"{prefix}.bias"] = (module, "bias")
+    return out
+
+
+def _is_linear_weight(key: str) -> bool:
+    return key.endswith(".weight") and any(f".{name}." in key for name in _LINEARS)
+
+
+def _torch_shape(module: nnx.Module, name: str, key: str, layout: str) -> tuple[int, ...]:
+    shape = tuple(getattr(module, name).shape)
+    return shape[::-1] if layout == "nanogpt" and _is_linear_weight(key) else shape
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"torch layout {layout!r} is not known; use 'hf' (transformers' GPT2LMHeadModel) or "
+                         "'nanogpt'.")
+
+
+def normalize_state_dict(state_dict: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], str]:
+    """(the weights under GPT2LMHeadModel's keys, 'hf' | 'nanogpt') of a GPT-2 state dict.
+
+    Accepts HF's GPT2LMHeadModel and GPT2Model (no `transformer.` prefix) dicts and nanoGPT's (a torch.compile'd
+    one's `_orig_mod.` prefix too); drops the causal-mask buffers; checks lm_head.weight equals wte (tied). The
+    layout is read off c_attn's weight: [C, 3C] is HF's Conv1D, [3C, C] nanoGPT's nn.Linear."""
+    sd = {}
+    for key, value in state_dict.items():
+        for prefix in ("_orig_mod.", "module."):
+            key = key[len(prefix):] if key.startswith(prefix) else key
+        if key.endswith(_BUFFERS):
+            continue
+        if not key.startswith(("transformer.", "lm_head.")):
+            key = f"transformer.{key}"
+        sd[key] = np.asarray(value)
+    attn = sd.get("transformer.h.0.attn.c_attn.weight")
+    if "transformer.wte.weight" not in sd or attn is None or np.ndim(attn) != 2:
+        raise ValueError(f"the state dict (keys {list(state_dict)[:5]}...) is not a GPT-2 one: it needs "
+                         "transformer.wte.weight and transformer.h.0.attn.c_attn.weight (Hugging Face's "
+                         "GPT2LMHeadModel or nanoGPT's layout); save model.state_dict() of one of them.")
+    c = sd["transformer.wte.weight"].shape[1]
+    if attn.shape not in ((c, 3 * c), (3 * c, c)):
+        raise ValueError(f"transformer.h.0.attn.c_attn.weight has shape {attn.shape}; with wte's width {c} it must "
+                         f"be [{c}, {3 * c}] (HF Conv1D) or [{3 * c}, {c}] (nanoGPT nn.Linear).")
+    head = sd.pop("lm_head.weight", None)
+    if head is not None and (head.shape != sd["transformer.wte.weight"].shape
+                             or not np.array_equal(head, sd["transformer.wte.weight"])):
+        raise ValueError("lm_head.weight differs from transformer.wte.weight, but GPT-2 ties them (one matrix); "
+                         "pass the state dict of a tied model (or copy wte into lm_head).")
+    return sd, "hf" if attn.shape == (c, 3 * c) else "nanogpt"
+
+
+def _sizes(sd: Mapping[str, np.ndarray]) -> tuple[int, int, int, int]:
+    """(vocab, block size, layers, width) of a normalized GPT-2 state dict."""
+    vocab, width = sd["transformer.wte.weight"].shape
+    layers = 1 + max(int(k.split(".")[2]) for k in sd if k.startswith("transformer.h."))
+    return int(vocab), int(sd["transformer.wpe.weight"].shape[0]), layers, int(width)
+
+
+def config_from_state_dict(state_dict: Mapping[str, Any], n_head: int | None = None, **overrides: Any) -> GPTConfig:
+    """The GPTConfig a state dict was saved from: vocab, block size, width, layers and bias read off it; the head
+    count is not in the weights, so `n_head` must be given (or a config name's, see from_torch_state_dict)."""
+    sd, _ = normalize_state_dict(state_dict)
+    vocab, block, layers, width = _sizes(sd)
+    if n_head is None:
+        raise ValueError(f"the state dict holds a GPT of width {width} and {layers} layers, but the head count is not "
+                         "in the weights; pass --n-head (n_head=...), or a config name such as gpt2.")
+    return GPTConfig(vocab_size=vocab, block_size=block, n_layer=layers, n_head=n_head, n_embd=width,
+                     bias="transformer.ln_f.bias" in sd, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def from_torch_state_dict(state_dict: Mapping[str, Any], n_head: int | None = None, name: str | None = None,
+                          seed: int = 0, **overrides: Any) -> GPT:
+    """A GPT holding a state dict's weights (HF or nanoGPT layout); sizes read off the dict, the head count from
+    `n_head` or the config `name` (whose layers and width must match), other fields (dropout, attention) from
+    `overrides`; dropout streams from `seed`."""
+    if name is not None:
+        n_layer, heads, n_embd = GPTConfig.named(name).n_layer, GPTConfig.named(name).n_head, CONFIGS[name][2]
+        _, _, layers, width = _sizes(normalize_state_dict(state_dict)[0])
+        if (layers, width) != (n_layer, n_embd):
+            raise ValueError(f"the state dict holds {layers} layers x {width} wide, but --model {name} is {n_layer} x "
+                             f"{n_embd}; pass the config name of that size ({_name_of(layers, width)}).")
+        n_head = heads if n_head is None else n_head
+    cfg = config_from_state_dict(state_dict, n_head, **overrides)
+    model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(params=0, dropout=0)))  # every weight is overwritten
+    streams = [s for _, s in nnx.iter_graph(model) if isinstance(s, nnx.RngStream)]
+    for i, stream in enumerate(streams):  # eval_shape left abstract keys: one real, distinct key per stream
+        stream.key.set_value(jax.random.fold_in(jax.random.key(seed), i))
+        stream.count.set_value(jnp.zeros((), jnp.uint32))
+    model.load_torch_state_dict(state_dict)
+    return model
+
+
+def _name_of(layers: int, width: int) -> str:
+    names = [n for n, (l, _, c) in CONFIGS.items() if (l, c) == (layers, width)]
+    return " or ".join(names) if names else "none has it: add one to jaxpar.models.gpt.CONFIGS"

@@ -1,6 +1,6 @@
-"""GPT-2 (jaxpar.models.gpt): logits equal the PyTorch twin (tests/gpt_torch.py, nanoGPT's layout) and Hugging Face's
-GPT2LMHeadModel in both directions of the state-dict conversion; every data-parallel strategy equals the single
-device with dropout on; the CLI's GPT path (text data, tokens/s, bits per byte, MFU, export); bad input.
+"""GPT-2 (jaxpar.models.gpt): logits and gradients equal the PyTorch twin's (tests/gpt_torch.py, nanoGPT's layout)
+and Hugging Face's GPT2LMHeadModel's (tests/fixtures/gpt.npz, from make_gpt_fixture.py), and export gives back
+torch's own state dict; every data-parallel strategy equals the single device with dropout on; the CLI's GPT path (text data, tokens/s, bits per byte, MFU, export); bad input.
 
 The tiny model: 2 layers x 32 wide, 4 heads, 64 tokens, sequences of 16.
 """
@@ -19,8 +19,7 @@ from flax import nnx
 import jaxpar
 from jaxpar.models import gpt
 
-V, T, L, H, C = 64, 16, 2, 4, 32
-TINY = dict(vocab_size=V, block_size=T, n_layer=L, n_head=H, n_embd=C)
+from make_gpt_fixture import CASES, FIXTURE, TINY, C, H, L, T, V  # noqa: E402  (tests/, the fixture's sizes)
 GPT2_PARAMS = 124_439_808  # GPT2LMHeadModel("gpt2").num_parameters(): wte counted once (tied)
 
 
@@ -44,55 +43,24 @@ def scramble(model: gpt.GPT, seed: int) -> gpt.GPT:
     return model
 
 
-def torch_twin(bias: bool = True):
-    import gpt_torch
-    import torch
-
-    torch.manual_seed(0)
-    model = gpt_torch.GPT(gpt_torch.GPTConfig(bias=bias, **TINY)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(0, 0.3).add_(1.0 if name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")) else 0.0)
-    return model
-
-
-def hf_model():
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()  # GPT2Config's default bos/eos ids lie outside a 64-token vocabulary
-    torch.manual_seed(1)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_positions=T, n_layer=L, n_head=H, n_embd=C)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(0, 0.3).add_(1.0 if name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")) else 0.0)
-    return model
-
-
-def torch_logits(model, x: np.ndarray) -> np.ndarray:
-    import torch
-
-    with torch.no_grad():
-        out = model(torch.as_tensor(x))
-    return (out.logits if hasattr(out, "logits") else out).numpy()
-
-
-def to_numpy(state_dict) -> dict[str, np.ndarray]:
-    return {k: v.detach().numpy() for k, v in state_dict.items()}
+def fixture(case: str) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+    """(torch's state dict, tokens, torch's logits) of one model in tests/fixtures/gpt.npz (make_gpt_fixture.py)."""
+    with np.load(FIXTURE) as f:
+        sd = {k[len(case) + 4:]: f[k] for k in f.files if k.startswith(f"{case}/sd/")}
+        return sd, f[f"{case}/x"], f[f"{case}/logits"]
 
 
 # -- PyTorch interop -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("layout, bias", [("hf", True), ("nanogpt", True), ("nanogpt", False)])
-def test_torch_to_jaxpar_logits_equal(layout, bias):
-    torch_model = hf_model() if layout == "hf" else torch_twin(bias)
-    x = tokens()
-    want = torch_logits(torch_model, x)
+@pytest.mark.parametrize("case", CASES)
+def test_torch_to_jaxpar_logits_equal(case):
+    """Hugging Face's GPT2LMHeadModel and the nanoGPT twin (with and without biases): their state dicts load, and
+    the logits equal torch's."""
+    layout, bias = CASES[case]
+    sd, x, want = fixture(case)
     fresh = logits_of(gpt.GPT(gpt.GPTConfig(bias=bias, **TINY), rngs=nnx.Rngs(0)), x)
     assert np.abs(fresh - want).max() > 1.0  # the sides differ before the weights travel
-    sd = to_numpy(torch_model.state_dict())
     assert gpt.normalize_state_dict(sd)[1] == layout
     model = gpt.from_torch_state_dict(sd, n_head=H)
     assert model.config == gpt.GPTConfig(bias=bias, **TINY)  # sizes read off the state dict
@@ -100,41 +68,41 @@ def test_torch_to_jaxpar_logits_equal(layout, bias):
     np.testing.assert_allclose(logits_of(model, x), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("layout, bias", [("hf", True), ("nanogpt", True), ("nanogpt", False)])
-def test_jaxpar_to_torch_logits_equal(layout, bias):
-    import torch
-
-    model = scramble(gpt.GPT(gpt.GPTConfig(bias=bias, **TINY), rngs=nnx.Rngs(0)), seed=2)
-    x = tokens(seed=1)
-    want = logits_of(model, x)
-    torch_model = hf_model() if layout == "hf" else torch_twin(bias)
-    assert np.abs(torch_logits(torch_model, x) - want).max() > 1.0
-    sd = model.torch_state_dict(layout)
-    assert set(sd) == set(torch_model.state_dict())  # lm_head.weight included: both torch models hold it
-    torch_model.load_state_dict({k: torch.as_tensor(v) for k, v in sd.items()}, strict=True)
-    assert np.abs(want).max() > 5.0
-    np.testing.assert_allclose(torch_logits(torch_model, x), want, rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize("case", CASES)
+def test_jaxpar_to_torch_state_dict_is_torchs_own(case):
+    """Export gives back exactly the state dict torch saved (every key torch's state_dict() has, lm_head.weight
+    included; same shapes, same values), so torch loads it strictly and computes the logits checked above. The
+    exported weights are jaxpar's: a scrambled model exports different values."""
+    layout, bias = CASES[case]
+    sd, _, _ = fixture(case)
+    other = scramble(gpt.GPT(gpt.GPTConfig(bias=bias, **TINY), rngs=nnx.Rngs(0)), seed=2).torch_state_dict(layout)
+    assert set(other) == set(sd)
+    assert all(np.abs(other[k] - sd[k]).max() > 0.1 for k in sd if not k.endswith(".attn.bias"))
+    back = gpt.from_torch_state_dict(sd, n_head=H).torch_state_dict(layout)
+    assert set(back) == set(sd)
+    for k, v in sd.items():
+        assert back[k].shape == v.shape and back[k].dtype == v.dtype, k
+        np.testing.assert_array_equal(back[k], v, err_msg=k)
 
 
 def test_gradients_equal_the_torch_twins():
     """The whole backward (the CPU weight-gradient GEMMs of gpt.matmul included) against torch autograd: the
     gradient of the mean token cross-entropy, read back through the nanoGPT state-dict layout."""
-    import torch
-
-    model = scramble(gpt.GPT(gpt.GPTConfig(**TINY), rngs=nnx.Rngs(0)), seed=7)
-    twin = torch_twin()
-    twin.load_state_dict({k: torch.as_tensor(np.array(v)) for k, v in model.torch_state_dict("nanogpt").items()})
-    x, y = tokens(4, seed=3), tokens(4, seed=4)
-    loss = torch.nn.functional.cross_entropy(twin(torch.as_tensor(x)).view(-1, V), torch.as_tensor(y).view(-1))
-    loss.backward()
+    sd, _, _ = fixture("nanogpt")
+    with np.load(FIXTURE) as f:
+        x, y, loss = f["grad/x"], f["grad/y"], float(f["grad/loss"])
+        want = {k[5:]: f[k] for k in f.files if k.startswith("grad/") and k[5:] in sd}
+    model = gpt.from_torch_state_dict(sd, n_head=H)
     objective = jaxpar.Objective.of(model)
     params, rest = objective.split(model)
     (sums, _), grads = jax.jit(objective.value_and_grad)(params, rest, jaxpar.as_rows({"x": x, "y": y}))
-    assert float(sums.loss / sums.weight) == pytest.approx(loss.item(), rel=1e-5)
+    assert float(sums.loss / sums.weight) == pytest.approx(loss, rel=1e-5)
     graphdef = nnx.graphdef(model)
     got = nnx.merge(graphdef, jax.tree.map(lambda g: g / sums.weight, grads), rest).torch_state_dict("nanogpt")
-    for name, p in twin.named_parameters():
-        np.testing.assert_allclose(got[name], p.grad.numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
+    assert len(want) == 2 + 2 + 12 * L  # wte, wpe, ln_f (2), every block's 12 weights (lm_head is wte, tied)
+    for name, g in want.items():
+        assert np.abs(g).max() > 1e-4, name  # a gradient that could be wrong
+        np.testing.assert_allclose(got[name], g, rtol=1e-4, atol=1e-6, err_msg=name)
 
 
 @pytest.mark.parametrize("vmapped", [False, True])
@@ -396,9 +364,6 @@ def corpus(tmp_path):
 
 
 def test_train_gpt_on_text_reports_tokens_bits_per_byte_and_exports(corpus, tmp_path, capsys):
-    import gpt_torch
-    import torch
-
     from jaxpar import cli
 
     out = str(tmp_path / "gpt.npz")
@@ -415,11 +380,13 @@ def test_train_gpt_on_text_reports_tokens_bits_per_byte_and_exports(corpus, tmp_
     assert 0 < summary["unigram_bits_per_byte"] < 8
     model = gpt.GPT(gpt.GPTConfig.named("gpt-nano", vocab_size=256, block_size=16), rngs=nnx.Rngs(0))
     nnx.update(model, summary["state"].params)
-    twin = gpt_torch.GPT(gpt_torch.GPTConfig(vocab_size=256, block_size=16, n_layer=3, n_head=3, n_embd=48)).eval()
-    with np.load(out) as sd:
-        twin.load_state_dict({k: torch.as_tensor(sd[k]) for k in sd.files})
+    with np.load(out) as f:
+        sd = dict(f)
+    third = {k for k in sd if k.startswith("transformer.h.2.")}  # gpt-nano has 3 layers, the fixture's twin 2
+    assert len(third) == 12 and set(sd) - third == set(fixture("nanogpt")[0])  # the nanoGPT twin's own keys
     x = np.random.default_rng(0).integers(0, 256, (2, 16))
-    np.testing.assert_allclose(torch_logits(twin, x), logits_of(model, x), rtol=1e-5, atol=1e-5)
+    exported = gpt.from_torch_state_dict(sd, n_head=3)
+    np.testing.assert_array_equal(logits_of(exported, x), logits_of(model, x))
 
 
 def test_cli_gpt_model_from_init_torch_and_npz_tokens(tmp_path, corpus):

@@ -30,6 +30,19 @@ def devices_used(strategy) -> int:
     return len(getattr(strategy, "devices", [None]))
 
 
+def local_devices_used(strategy) -> list | None:
+    """This process's devices the strategy runs on (None: not known, so every device), for the memory rows."""
+    import jax
+
+    if getattr(strategy, "mesh", None) is not None:
+        devices = list(strategy.mesh.devices.flat)
+    elif getattr(strategy, "devices", None) is not None:
+        devices = list(strategy.devices)
+    else:
+        return None
+    return [d for d in devices if d.process_index == jax.process_index()]
+
+
 def validate(cfg: Config) -> None:
     """Reject a bad configuration before any work starts (names, ranges); strategies check their own rules."""
     from jaxpar import models
@@ -474,7 +487,7 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
                       "continue with the same command plus --resume.")
         if cfg.report:
             summary["report"] = strategy.report(placed)
-            summary["memory"] = report.memory_rows(summary["report"])
+            summary["memory"] = report.memory_rows(summary["report"], local_devices_used(strategy))
             summary.update(report.memory_fields(summary["report"]))  # held bytes (ZeRO) in the summary record
             if main_process:
                 print(report.table(summary, summary["report"], summary["memory"]))

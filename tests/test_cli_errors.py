@@ -114,6 +114,10 @@ CASES = [
     ("unknown loss", ["--loss", "hinge"], ["'hinge'", "use one of", "mse"]),
     ("unknown per-sample", ["--per-sample", "maybe"], ["'maybe'", "use on, off"]),
     ("negative momentum", ["--momentum", "-0.5"], ["--momentum -0.5", ">= 0", "torch's default"]),
+    ("3-D devices not D x S x T", ["--strategy", "pipeline", "--num-stages", "2", "--tensor-parallel", "2",
+                                   "--num-devices", "6"], ["--num-devices 6", "multiple of", "2 x 2", "--num-devices 4"]),
+    ("3-D heads not split by T", ["--strategy", "pipeline", "--model", "gpt-nano", "--tensor-parallel", "2",
+                                  "--num-devices", "4"], ["3 heads", "--tensor-parallel 2", "use a --tensor-parallel"]),
     ("eval split the npz lacks", ["--eval-split", "test"], ["--eval-split 'test'", "'train'",
                                                            "pass --eval-split '' (that skips evaluation)"]),
 ]

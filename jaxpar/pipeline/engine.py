@@ -294,6 +294,8 @@ class Engine:
     def _reduce(self, s: int, accs: list) -> list:
         """Chunks' accumulators -> the stage's gradient list (summed over its D replicas), replicated; as they
         are for one chunk on one device."""
+        if self.module.tensor_layouts is not None:
+            return self._reduce_slices(s)(accs)
         if len(accs) == 1 and self.transport.D == 1:
             return list(accs[0])
         if ("reduce", s) not in self._updates:
@@ -311,6 +313,33 @@ class Engine:
 
             self._updates[("reduce", s)] = self.jit(reduce, out_shardings=self.transport.kinds[s]["rep"])
         return self._updates[("reduce", s)](accs)
+
+    def _reduce_slices(self, s: int):
+        """3-D: the chunks' per-device accumulators (a leading axis of D x T) summed over DATA only, under
+        shard_map over the stage's (DATA, TENSOR) mesh: each tensor rank keeps the gradient of its own slices,
+        placed as the parameters are (the plan's specs); replicated leaves come out once."""
+        if ("reduce", s) not in self._updates:
+            from jax import lax
+            from jax.sharding import PartitionSpec as P
+
+            from jaxpar.mesh import DATA
+
+            mod, mesh = self.module, self.transport.meshes[s]
+            owned = {j: k for k, j in enumerate(mod.stage_params[s])}
+            parts = [sorted({j for seg in mod.parts[v] for j in seg.param_index}) for v in self._parts_of(s)]
+            specs = [mod.tensor_layouts[j].spec(len(mod.param_specs[j].shape)) for j in mod.stage_params[s]]
+
+            def reduce(accs):
+                out = [None] * len(owned)
+                for idx, acc in zip(parts, accs):
+                    for j, g in zip(idx, acc):
+                        out[owned[j]] = g[0] if out[owned[j]] is None else out[owned[j]] + g[0]
+                return [lax.psum(g, DATA) for g in out] if mesh.shape[DATA] > 1 else out
+
+            mapped = jax.shard_map(reduce, mesh=mesh, in_specs=(P(tuple(mesh.axis_names)),), out_specs=specs,
+                                   check_vma=False)
+            self._updates[("reduce", s)] = self.jit(mapped)
+        return self._updates[("reduce", s)]
 
     def _sum_tied(self, j: int, stages: list[int], grads: dict) -> None:
         mod, tr = self.module, self.transport

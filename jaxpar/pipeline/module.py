@@ -152,6 +152,26 @@ class PipelineModule:
             profile=None if example_input is None else self.layer_costs)
         self.parts = [self._segments(v) for v in range(self.num_parts)]
         self._ownership()
+        self.tensor_parallel, self.tensor_layouts = 1, None  # set_tensor_parallel: Megatron splits per parameter
+
+    def set_tensor_parallel(self, tp: int, axis: str) -> None:
+        """Split every stage's blocks over `tp` ranks of mesh axis `axis` (Megatron): the per-parameter plan of
+        jaxpar.strategies.tensor (`tensor_layouts`, canonical leaf order), the model's splittable modules pointed
+        at `axis` in place, and the segments rebuilt so their graphdefs carry it. ValueError (from the plan) when a
+        split does not divide."""
+        from jaxpar.strategies.tensor import set_tensor_axis, tensor_plan
+
+        if tp == 1:
+            return
+        self.tensor_layouts = tensor_plan(self.model, tp, self.wrt)
+        split_tied = [self.param_paths[j] for j in self.tied if self.tensor_layouts[j].axis is not None]
+        if split_tied:  # the engine sums a tie's gradient across stages as one replicated leaf
+            raise ValueError(f"parameter {split_tied[0]} is tied across stages and split over tensor ranks; "
+                             "tensor parallelism supports tied weights only when they are replicated (as GPT-2's "
+                             "wte is): keep the tied module out of tensor_layout().")
+        set_tensor_axis(self.model, axis, tp)
+        self.tensor_parallel = tp
+        self.parts = [self._segments(v) for v in range(self.num_parts)]
 
     @classmethod
     def from_model(cls, model: nnx.Module, num_stages: int, **kwargs) -> "PipelineModule":

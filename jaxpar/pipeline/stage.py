@@ -16,6 +16,13 @@ segment vmapped over rows, reseeding the segment's RNG streams by sample id as t
 dropout masks equal single-device ones. With D data-parallel replicas of the stage the functions run under
 shard_map over its DATA sub-mesh: rows sharded, weights replicated; residuals and gradient accumulators stay
 per device (a leading axis of D) until the reduction once per step.
+
+3-D (data x pipeline x Megatron tensor): with ``module.tensor_layouts`` set (PipelineModule.set_tensor_parallel)
+the stage's sub-mesh is (DATA, TENSOR) and the functions run under shard_map over both axes: each weight comes in
+as its slice (the per-parameter PartitionSpecs of jaxpar.strategies.tensor's plan, kind "params"), the blocks
+inside call Megatron's f / g over TENSOR, activations, their gradients and the batch are replicated over TENSOR
+(kind "rows": by rows over DATA only), and the per-device values -- residuals, cotangents, gradient accumulators
+of the slices -- carry a leading axis of D x T (kind "local").
 """
 from __future__ import annotations
 
@@ -111,7 +118,10 @@ class PartFns:
         ppos, spos = {j: k for k, j in enumerate(self.pidx)}, {j: k for k, j in enumerate(self.sidx)}
         self.seg_ppos = [tuple(ppos[j] for j in seg.param_index) for seg in self.segments]
         self.seg_spos = [tuple(spos[j] for j in seg.state_index) for seg in self.segments]
-        self.D, self.M = mesh.size, micro_batches
+        self.D, self.M = mesh.shape[DATA], micro_batches  # data replicas of the stage (x T tensor ranks: mesh.size)
+        layouts = getattr(module, "tensor_layouts", None)
+        self.param_specs = P() if layouts is None else \
+            [layouts[j].spec(len(module.param_specs[j].shape)) for j in self.pidx]
         self.loss = objective.output_loss() if (self.first or self.last) else None
         obj = objective
         self.key = (tuple((seg.graphdef, seg.eval_graphdef, seg.param_treedef, seg.state_treedef, seg.remat,
@@ -119,29 +129,32 @@ class PartFns:
                                                                                 self.seg_spos)),
                     tuple(module.param_specs[j] for j in self.pidx), self.first, self.last, module.unpack,
                     obj.loss_fn, obj.wrt, obj.per_sample, obj.rows_per_call, obj.compute_dtype, layout,
-                    tuple(mesh.devices.flat), micro_batches, tuple(sorted((compiler_options or {}).items())))
+                    tuple(mesh.devices.flat), tuple(mesh.shape.items()), str(self.param_specs), micro_batches,
+                    tuple(sorted((compiler_options or {}).items())))
         self.options = compiler_options
         replicated_out = "rep" if self.last else "rows"
-        self.forward = self._compile(self._forward, ("rep", "rep", "rows", "rows", "rep"),
+        self.forward = self._compile(self._forward, ("params", "rep", "rows", "rows", "rep"),
                                      (replicated_out, "local", "rep"))
-        self.backward = self._compile(self._backward, ("local", "rep", "rep", "rows", "rows", "local", "rows"),
+        self.backward = self._compile(self._backward, ("local", "params", "rep", "rows", "rows", "local", "rows"),
                                       ("local", "rows"), donate=(0,))
-        self.input_grad = self._compile(self._input_grad, ("rep", "rep", "rows", "rows", "local", "rows"),
+        self.input_grad = self._compile(self._input_grad, ("params", "rep", "rows", "rows", "local", "rows"),
                                         ("rows", "local"))
-        self.weight_grad = self._compile(self._weight_grad, ("local", "rep", "rep", "rows", "rows", "local", "local"),
-                                         "local", donate=(0,))
-        self.forward_backward = self._compile(self._forward_backward, ("local", "rep", "rep", "rows", "rows", "rep"),
+        self.weight_grad = self._compile(self._weight_grad,
+                                         ("local", "params", "rep", "rows", "rows", "local", "local"), "local",
+                                         donate=(0,))
+        self.forward_backward = self._compile(self._forward_backward, ("local", "params", "rep", "rows", "rows", "rep"),
                                               ("local", "rows", "rep", "rep"), donate=(0,))
-        self.forward_input_grad = self._compile(self._forward_input_grad, ("rep", "rep", "rows", "rows", "rep"),
+        self.forward_input_grad = self._compile(self._forward_input_grad, ("params", "rep", "rows", "rows", "rep"),
                                                 ("rows", "local", "local", "rep", "rep"))
-        self.evaluate = self._compile(self._evaluate, ("rep", "rep", "rows", "rows"), replicated_out)
+        self.evaluate = self._compile(self._evaluate, ("params", "rep", "rows", "rows"), replicated_out)
 
     # -- compiling: one device, or shard_map over the stage's replicas ---------------------------------------
 
     def _compile(self, fn, ins, outs, donate=()):
-        if self.D == 1:
+        if self.mesh.size == 1:
             return jax.jit(fn, donate_argnums=donate, compiler_options=self.options)
-        spec = {"rep": P(), "rows": P(DATA), "local": P(DATA)}
+        local = P(DATA) if len(self.mesh.axis_names) == 1 else P(tuple(self.mesh.axis_names))  # one slice a device
+        spec = {"rep": P(), "rows": P(DATA), "local": local, "params": self.param_specs}
         expand = lambda kinds, xs: jax.tree.map(lambda a: a[None], xs) if kinds == "local" else xs  # noqa: E731
         squeeze = lambda kinds, xs: jax.tree.map(lambda a: a[0], xs) if kinds == "local" else xs  # noqa: E731
 

@@ -24,7 +24,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.mesh import DATA, PIPE
+from jaxpar.mesh import DATA, PIPE, TENSOR
 
 PAIR, PROC = "pair", "proc"
 
@@ -47,13 +47,17 @@ def _proc_program(devices: tuple):
 
 
 class Transport:
-    """Placement of the S stages of `mesh` (DATA, PIPE) and the moves between them."""
+    """Placement of the S stages of `mesh` (DATA, PIPE) -- or (DATA, PIPE, TENSOR): each stage then a (DATA,
+    TENSOR) sub-mesh, its "rows" split over DATA and replicated over TENSOR, its "local" values one per device --
+    and the moves between them."""
 
     def __init__(self, mesh: Mesh):
         self.mesh = mesh
         self.S, self.D = mesh.shape[PIPE], mesh.shape[DATA]
+        self.T = mesh.shape.get(TENSOR, 1)
         self.me = jax.process_index()
-        self.devices = [tuple(mesh.devices[:, s]) for s in range(self.S)]
+        grids = [mesh.devices[:, s, :] if TENSOR in mesh.axis_names else mesh.devices[:, s] for s in range(self.S)]
+        self.devices = [tuple(g.flat) for g in grids]
         self.process = []
         for s, devs in enumerate(self.devices):
             procs = {d.process_index for d in devs}
@@ -62,10 +66,18 @@ class Transport:
                                  "stage must live in one process: use --num-stages a multiple of the process count "
                                  "(or DDP for pure data parallelism across processes).")
             self.process.append(procs.pop())
-        self.meshes = [Mesh(np.array(devs, dtype=object), (DATA,)) for devs in self.devices]
-        self.kinds = [{"rows": NamedSharding(m, P(DATA)), "local": NamedSharding(m, P(DATA)),
+        if TENSOR in mesh.axis_names:
+            self.meshes = [Mesh(g, (DATA, TENSOR)) for g in grids]
+        else:
+            self.meshes = [Mesh(np.array(devs, dtype=object), (DATA,)) for devs in self.devices]
+        each = lambda m: P(DATA) if len(m.axis_names) == 1 else P(tuple(m.axis_names))  # noqa: E731
+        self.kinds = [{"rows": NamedSharding(m, P(DATA)), "local": NamedSharding(m, each(m)),
                        "rep": NamedSharding(m, P())} for m in self.meshes]
         procs = sorted(set(self.process))
+        if self.T > 1 and len(procs) > 1:
+            raise ValueError(f"tensor_parallel={self.T} with stages in {len(procs)} processes is not supported (the "
+                             "cross-process transfers move DATA-sharded buffers only); run the 3-D pipeline in one "
+                             "process, or use --tensor-parallel 1 across processes.")
         self._zeros: dict = {}
         self.proc_devices = tuple(next(devs[0] for s, devs in enumerate(self.devices) if self.process[s] == p)
                                   for p in procs)

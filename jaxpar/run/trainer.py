@@ -38,6 +38,8 @@ def local_devices_used(strategy) -> list | None:
         devices = list(strategy.mesh.devices.flat)
     elif getattr(strategy, "devices", None) is not None:
         devices = list(strategy.devices)
+    elif getattr(strategy, "device", None) is not None:
+        devices = [strategy.device]
     else:
         return None
     return [d for d in devices if d.process_index == jax.process_index()]
@@ -68,6 +70,19 @@ def validate(cfg: Config) -> None:
         model_kwargs_of(cfg)
     if cfg.model in models.GPT_NAMES:  # heads vs width, dropout range: before any data is read
         models.GPTConfig.named(cfg.model, n_head=cfg.n_head, dropout=cfg.dropout)
+    if cfg.strategy == "pipeline" and cfg.tensor_parallel != 1:  # 3-D: D x S x T devices, heads split over T
+        tp, stages = cfg.tensor_parallel, cfg.num_stages
+        if tp < 1:
+            raise ValueError(f"--tensor-parallel {tp} must be >= 1; pass 1 (no tensor parallelism) or more.")
+        if cfg.num_devices and cfg.num_devices % (stages * tp):
+            fit = stages * tp * max(1, cfg.num_devices // (stages * tp))
+            raise ValueError(f"--num-devices {cfg.num_devices} must be a multiple of --num-stages x --tensor-parallel "
+                             f"= {stages} x {tp} (D x S x T); use --num-devices {fit}.")
+        if cfg.model in models.GPT_NAMES:
+            heads = models.GPTConfig.named(cfg.model, n_head=cfg.n_head).n_head
+            if heads % tp:
+                raise ValueError(f"--model {cfg.model} has {heads} heads, which --tensor-parallel {tp} does not split "
+                                 f"evenly; use a --tensor-parallel dividing {heads} (or --n-head a multiple of {tp}).")
     if cfg.torch_layout not in models.gpt.LAYOUTS:
         raise ValueError(f"--torch-layout {cfg.torch_layout!r} is not known; use hf (transformers' GPT2LMHeadModel) "
                          "or nanogpt.")

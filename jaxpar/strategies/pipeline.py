@@ -28,7 +28,7 @@ from flax import nnx
 
 from jaxpar.batch import Rows, as_rows, check_unpadded, pad_rows, round_up
 from jaxpar.config import Config
-from jaxpar.mesh import DATA, PIPE, make_mesh
+from jaxpar.mesh import DATA, PIPE, TENSOR, make_mesh
 from jaxpar.objective import Objective, OutputLoss, Sums, metrics_of
 from jaxpar.pipeline import analysis, generators
 from jaxpar.pipeline import optimizer as opt_lib
@@ -44,12 +44,26 @@ __all__ = ["Batch", "LayerSpec", "Pipeline", "PipelineModule", "PipelineState", 
 WHOLE_BATCH = True  # train.py: every process of a pipeline run reads the whole global batch
 
 
-def pipeline_mesh(devices: int | Sequence | None = None, num_stages: int = 1):
+def pipeline_mesh(devices: int | Sequence | None = None, num_stages: int = 1, tensor_parallel: int = 1):
     """A (DATA, PIPE) mesh with PIPE the outer axis, as DeepSpeed's PipeDataParallelTopology: stage s holds the
-    consecutive devices ``s*D .. s*D + D-1``, so stages spread over processes and replicas stay within them."""
+    consecutive devices ``s*D .. s*D + D-1``, so stages spread over processes and replicas stay within them.
+
+    With tensor_parallel T > 1: a (DATA, PIPE, TENSOR) mesh in Megatron-LM's rank order -- tensor ranks adjacent,
+    then data, then pipeline: device ``s*D*T + d*T + t`` is stage s, replica d, tensor rank t -- so a tensor group
+    (the most communication) is T consecutive devices and stage s holds the consecutive ``s*D*T .. (s+1)*D*T - 1``.
+    """
     all_devices = jax.devices()
     devices = all_devices[:devices] if isinstance(devices, int) else list(devices or all_devices)
     n = len(devices)
+    if tensor_parallel != 1:
+        T, S = tensor_parallel, num_stages
+        if not isinstance(T, int) or T < 1 or not isinstance(S, int) or S < 1 or n % (S * T):
+            raise ValueError(f"num_devices={n} must be a multiple of num_stages x tensor_parallel = {S} x {T} "
+                             f"(D x S x T devices: data x pipeline x tensor); use --num-devices "
+                             f"{max(S * T, n - n % (S * T))} or --num-stages / --tensor-parallel whose product "
+                             f"divides {n}.")
+        grid = np.array(devices, dtype=object).reshape(S, n // (S * T), T).transpose(1, 0, 2)  # [DATA, PIPE, TENSOR]
+        return jax.sharding.Mesh(grid, (DATA, PIPE, TENSOR))
     if not 1 <= num_stages <= n or n % num_stages:
         raise ValueError(f"num_devices={n} must be a multiple of num_stages={num_stages} (one data-parallel group "
                          f"of {num_stages} stages per {num_stages} devices); use --num-devices "
@@ -87,7 +101,10 @@ def _used(fn, *specs) -> set[int]:
 class Pipeline:
     """The pipeline strategy: `model` (an NNX module with flat ``layers``, or a PipelineModule) cut into
     `num_stages` stages on `mesh` (default: the first num_stages devices, one per stage), trained on `schedule`
-    with `micro_batches` micro-batches. ``loss_fn`` must be an OutputLoss (the last stage runs it on the
+    with `micro_batches` micro-batches. ``tensor_parallel`` T > 1: 3-D parallelism, every stage's blocks split
+    over T devices as Megatron's (jaxpar.strategies.tensor's plan; the model must define tensor_layout(), as
+    jaxpar.models.gpt's blocks do), on a (DATA, PIPE, TENSOR) mesh in Megatron's device order (`pipeline_mesh`;
+    default: S x T devices). ``loss_fn`` must be an OutputLoss (the last stage runs it on the
     outputs). `batch_size` (global) fixes every batch's padded shape (one compile). ``compiler_options`` go to
     every jit (e.g. {"xla_backend_optimization_level": 0}: a third of the compile time, slower code)."""
 
@@ -97,9 +114,15 @@ class Pipeline:
                  num_stages: int = 2, micro_batches: int = 4, schedule: str = "1f1b", virtual_stages: int = 1,
                  partition_method: str = "parameters", activation_checkpoint_interval: int = 0, mesh=None,
                  batch_size: int | None = None, example_input=None, seed: int = 0, compiler_options: dict | None = None,
-                 **objective_options):
+                 tensor_parallel: int = 1, **objective_options):
         if not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"micro_batches={micro_batches!r} must be an int >= 1; pass --micro-batches 1 or more.")
+        T = tensor_parallel
+        if not isinstance(T, int) or isinstance(T, bool) or T < 1:
+            raise ValueError(f"tensor_parallel={T!r} must be an int >= 1; pass --tensor-parallel 1 or more.")
+        if mesh is not None and mesh.shape.get(TENSOR, 1) != T:
+            raise ValueError(f"mesh {dict(mesh.shape)} must have a {TENSOR!r} axis of tensor_parallel={T}; build it "
+                             "with jaxpar.strategies.pipeline.pipeline_mesh(devices, num_stages, tensor_parallel).")
         if isinstance(model, PipelineModule):
             module = model
         else:
@@ -113,7 +136,9 @@ class Pipeline:
         self.objective = Objective.of(module.model, loss_fn, **objective_options)
         self.objective.output_loss()  # a one-line ValueError for a loss(model, batch)
         S, V, M = module.num_stages, module.virtual_stages, micro_batches
-        self.mesh = pipeline_mesh(S, S) if mesh is None else mesh
+        self.mesh = pipeline_mesh(S * T, S, T) if mesh is None else mesh
+        self.tp = T
+        module.set_tensor_parallel(T, TENSOR)  # after the objective: the whole model's graph stays unsplit
         if self.mesh.shape.get(PIPE) != S:
             raise ValueError(f"mesh {dict(self.mesh.shape)} must have a {PIPE!r} axis of num_stages={S}; build it "
                              "with jaxpar.strategies.pipeline.pipeline_mesh(devices, num_stages).")
@@ -148,10 +173,46 @@ class Pipeline:
         fresh = lambda x: jax.tree.map(lambda a: jnp.array(a, copy=True), x)  # noqa: E731  (the step donates them)
         put = lambda x, s: jax.device_put(fresh(x), tr.kinds[s]["rep"])  # noqa: E731
         out = PipelineState({}, {}, {}, [rest[j] for j in mod.extra_state], int(state.step))
+        if mod.tensor_layouts is not None:
+            return self._init_slices(state, rest, out)
         for s in tr.local_stages:
             out.params[s] = put([params[j] for j in mod.stage_params[s]], s)
             out.opt_state[s] = put(opt_lib.to_stage(self.tx, mod, s, state.opt_state), s)
             out.model_state[s] = put([rest[j] for j in mod.stage_state[s]], s)
+        return out
+
+    def _init_slices(self, state: TrainState, rest: list, out: PipelineState) -> PipelineState:
+        """3-D: split leaves in tensor order (qkv columns per rank, as TensorParallel.init), each stage's weights
+        and optimizer moments sharded over its TENSOR axis by the plan, the rest replicated."""
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        from jaxpar.strategies.tensor import map_params
+
+        mod, tr, lays = self.module, self.transport, self.module.tensor_layouts
+        order = lambda a, lay: np.take(np.asarray(a), lay.order, axis=lay.axis) if lay.order else np.asarray(a)  # noqa
+        params_tree = map_params(order, state.params, state.params, lays)
+        opt_state = map_params(order, state.opt_state, state.params, lays)
+        params = jax.tree.leaves(params_tree)
+        is_spec = lambda x: isinstance(x, P)  # noqa: E731
+
+        def place(tree, specs, s):
+            leaves, treedef = jax.tree.flatten(tree)
+            shards = [NamedSharding(tr.meshes[s], sp) for sp in jax.tree.leaves(specs, is_leaf=is_spec)]
+            return jax.tree.unflatten(treedef, [jax.device_put(jnp.array(a, copy=True), sh)
+                                                for a, sh in zip(leaves, shards)])
+
+        for s in tr.local_stages:
+            idx, mine = mod.stage_params[s], [lays[j] for j in mod.stage_params[s]]
+            sp = [lay.spec(np.ndim(params[j])) for j, lay in zip(idx, mine)]
+            out.params[s] = place([params[j] for j in idx], sp, s)
+            stage_opt = opt_lib.to_stage(self.tx, mod, s, opt_state)
+            stage_params = jax.tree.unflatten(opt_lib.stage_treedef(mod, s), [params[j] for j in idx])
+            specs = map_params(lambda a, lay: lay.spec(np.ndim(a)), stage_opt, stage_params, mine)
+            specs = jax.tree.map(lambda x: x if is_spec(x) else P(), specs, is_leaf=is_spec)
+            out.opt_state[s] = place(stage_opt, specs, s)
+            out.model_state[s] = jax.device_put([jnp.array(rest[j], copy=True) for j in mod.stage_state[s]],
+                                                tr.kinds[s]["rep"])
         return out
 
     def layout(self, rows: Rows) -> Layout:
@@ -239,7 +300,11 @@ class Pipeline:
         across processes every stage's leaves are summed in from the process that owns them."""
         mod, tr = self.module, self.transport
         home = tr.first_device
-        first = lambda a: jnp.array(jax.device_put(a.addressable_data(0), home), copy=True)  # noqa: E731
+
+        def first(a):  # a split leaf (3-D) gathered whole; a replicated one from its first copy
+            if isinstance(a, jax.Array) and not a.sharding.is_fully_replicated:
+                return jax.device_put(np.asarray(a), home)
+            return jnp.array(jax.device_put(a.addressable_data(0), home), copy=True)
         params = [None] * len(mod.param_paths)
         rest = [None] * len(mod.state_paths)
         for s in tr.local_stages:
@@ -254,8 +319,17 @@ class Pipeline:
         for j, a in zip(mod.extra_state, placed.extra_state):
             rest[j] = jax.device_put(a, home)
         opt_state = opt_lib.to_canonical(self.tx, mod, stage_opt)
-        return TrainState(jax.tree.unflatten(mod.param_treedef, params), opt_state,
-                          jax.tree.unflatten(mod.state_treedef, rest), jnp.asarray(placed.step, jnp.int32))
+        params = jax.tree.unflatten(mod.param_treedef, params)
+        if mod.tensor_layouts is not None:  # qkv columns back in q | k | v order
+            from jaxpar.strategies.tensor import map_params
+
+            def back(a, lay):
+                return jnp.take(a, jnp.asarray(np.argsort(lay.order)), axis=lay.axis) if lay.order else a
+
+            opt_state = map_params(back, opt_state, params, mod.tensor_layouts)
+            params = map_params(back, params, params, mod.tensor_layouts)
+        return TrainState(params, opt_state, jax.tree.unflatten(mod.state_treedef, rest),
+                          jnp.asarray(placed.step, jnp.int32))
 
     def _gather(self, params: list, rest: list, stage_opt: dict):
         """Every process's leaves, by one sum over processes (zeros where a process does not own a leaf)."""
@@ -278,7 +352,10 @@ class Pipeline:
     def describe(self) -> str:
         sch, mod = self.schedule, self.module
         return (f"{self.mesh.devices.size} devices ({jax.process_count()} processes), mesh {dict(self.mesh.shape)}: "
-                f"{mod.num_stages} stages x {self.D} data replicas, schedule {sch.name} ({sch.num_microbatches} "
+                f"D x S x T = {self.D} x {mod.num_stages} x {self.tp} (data x pipeline x tensor): "
+                f"{mod.num_stages} stages x {self.D} data replicas"
+                + (f", Megatron tensor parallelism over {self.tp} devices per stage" if self.tp > 1 else "")
+                + f", schedule {sch.name} ({sch.num_microbatches} "
                 f"micro-batches" + (f", {sch.virtual_stages} chunks per stage" if sch.virtual_stages > 1 else "")
                 + (f", activation checkpoint interval {mod.interval}" if mod.interval else "") + ")")
 
@@ -288,12 +365,15 @@ class Pipeline:
 
         sch = self.schedule
         out = {"devices": self.mesh.devices.size, "processes": jax.process_count(), "mesh": dict(self.mesh.shape),
+               "data_parallel": self.D, "num_stages": self.module.num_stages, "tensor_parallel": self.tp,
                "partition": self.module.describe(), "schedule": sch.name, "ticks": sch.num_ticks,
                "bubble_fraction": analysis.bubble_fraction(sch),
                "bubble_fraction_zb_costs": analysis.bubble_fraction(sch, analysis.COSTS),
                "peak_inflight": analysis.peak_inflight(sch), "tied": len(self.module.tied),
                "global_norm_across_stages": self.needs_norm}
-        if self._last is not None:
+        if self._last is not None and self.tp > 1:
+            out["stage_memory_mib"] = "not estimated for tensor_parallel > 1"
+        elif self._last is not None:
             out["stage_memory_mib"] = memory.text(memory.table(self, self._last[0]))
         return out
 
@@ -304,7 +384,8 @@ def _advance(a, is_count: bool):
 
 def build(model: nnx.Module, tx: optax.GradientTransformation, cfg: Config, loss_fn=None) -> Pipeline:
     """The strategy train.py builds: --num-stages, --micro-batches, --schedule, --virtual-stages,
-    --partition-method, --activation-checkpoint-interval; all devices (--num-devices), stages outermost."""
+    --partition-method, --activation-checkpoint-interval, --tensor-parallel (3-D: D x S x T = --num-devices, in
+    Megatron's device order: tensor ranks adjacent, then data, then pipeline); stages outermost."""
     from jaxpar.precision import compute_dtype
 
     per_sample = {None: None, "on": True, "off": False}[cfg.per_sample]
@@ -319,7 +400,8 @@ def build(model: nnx.Module, tx: optax.GradientTransformation, cfg: Config, loss
     return Pipeline(model, tx, loss_fn=loss_fn, num_stages=cfg.num_stages, micro_batches=cfg.micro_batches,
                     schedule=cfg.schedule, virtual_stages=cfg.virtual_stages, partition_method=cfg.partition_method,
                     activation_checkpoint_interval=cfg.activation_checkpoint_interval,
-                    mesh=pipeline_mesh(cfg.num_devices, cfg.num_stages), batch_size=cfg.batch_size,
+                    mesh=pipeline_mesh(cfg.num_devices, cfg.num_stages, cfg.tensor_parallel),
+                    tensor_parallel=cfg.tensor_parallel, batch_size=cfg.batch_size,
                     example_input=example, seed=cfg.seed, per_sample=per_sample,
                     compute_dtype=compute_dtype(cfg.precision))
 

@@ -1,0 +1,144 @@
+"""3-D parallelism -- data x pipeline x Megatron tensor -- equals the single-device step: a tiny GPT-2
+(jaxpar.models.gpt, dropout on, tied wte) trained 2 steps with Adam by `Pipeline(..., tensor_parallel=T)` on
+D x S x T = 2 x 2 x 2 (all 8 simulated devices, 1F1B) and 1 x 2 x 2 (interleaved, 2 chunks per stage) has the
+single step's parameters and optimizer state at float32 rtol 1e-5. First the comparison is shown able to fail:
+the parameters moved, and the same split without the qkv column re-order differs. The compiled stage functions
+hold Megatron's all-reduces (two per block each way, within the tensor groups only), the devices follow
+Megatron's order, and bad combinations are refused with one line before any work.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxpar
+from jaxpar.mesh import DATA, PIPE, TENSOR
+from jaxpar.pipeline.stage import split_float
+from jaxpar.models.gpt import GPT, GPTConfig
+from jaxpar.strategies.pipeline import Pipeline, pipeline_mesh
+from jaxpar.strategies.tensor import Layout, tensor_all_reduces
+
+FAST = {"xla_backend_optimization_level": 0}  # both sides: these models run in ms, compiling is the cost
+CFG = dict(vocab_size=24, block_size=6, n_layer=2, n_head=4, n_embd=16, dropout=0.2)
+# Adam's eps well above the float32 noise of gradients that are 0 in exact arithmetic (the k bias: softmax ignores
+# it): with eps=1e-8 any summation order turns their ~1e-11 into +-lr updates, whatever the strategy
+TX = optax.adam(1e-2, eps=1e-4)
+STEPS, ROWS, RTOL, ATOL = 2, 8, 1e-5, 1e-6
+LOSS = jaxpar.OutputLoss(jaxpar.cross_entropy)
+
+
+def model(**kw) -> GPT:
+    return GPT(GPTConfig(**{**CFG, **kw}), rngs=nnx.Rngs(params=0, dropout=1))
+
+
+@functools.lru_cache(maxsize=None)
+def batch():
+    x = np.random.default_rng(0).integers(0, CFG["vocab_size"], (ROWS, CFG["block_size"] + 1)).astype(np.int32)
+    return {"x": x[:, :-1], "y": x[:, 1:]}
+
+
+@functools.lru_cache(maxsize=None)
+def reference():
+    """(initial state, the state after STEPS single-device steps)."""
+    objective, state = jaxpar.Objective.of(model(), LOSS), jaxpar.init_state(model(), TX)
+    step = jax.jit(lambda s, rows: jaxpar.train_step(objective, TX, s, rows), compiler_options=FAST)
+    out = state
+    for _ in range(STEPS):
+        out, _ = step(out, jaxpar.as_rows(batch()))
+    return state, out
+
+
+@functools.lru_cache(maxsize=None)
+def run(D: int, S: int, T: int, schedule: str = "1f1b", canonical_qkv: bool = False):
+    """(pipeline, its state after STEPS steps as the canonical TrainState, the last placed state and batch)."""
+    pipe = Pipeline(model(), TX, loss_fn=LOSS, num_stages=S, micro_batches=2, schedule=schedule,
+                    virtual_stages=2 if schedule == "interleaved" else 1, tensor_parallel=T,
+                    mesh=pipeline_mesh(D * S * T, S, T), compiler_options=FAST)
+    if canonical_qkv:  # the same split, each rank taking columns as they come: q of some heads, k of others
+        pipe.module.tensor_layouts = [Layout(lay.axis) for lay in pipe.module.tensor_layouts]
+    placed = pipe.init(reference()[0])
+    for _ in range(STEPS):
+        placed, metrics = pipe.step(placed, batched := pipe.put_batch(batch()))
+    assert float(metrics["samples"]) == ROWS
+    return pipe, pipe.unplace(placed), placed, batched
+
+
+def max_diff(a, b) -> float:
+    return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def assert_equal(got, want) -> None:
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=RTOL, atol=ATOL,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+def test_the_comparison_can_fail():
+    """The steps move the weights far beyond the tolerance, and a wrong layout (no qkv re-order) lands elsewhere."""
+    state, ref = reference()
+    assert max_diff(state.params, ref.params) > 1e-3
+    _, wrong, _, _ = run(2, 2, 2, canonical_qkv=True)  # the compiled functions are those of the right layout
+    assert max_diff(wrong.params, ref.params) > 1e-4
+
+
+@pytest.mark.parametrize("D,S,T,schedule", [(2, 2, 2, "1f1b"), (1, 2, 2, "interleaved")])
+def test_3d_equals_the_single_step(D, S, T, schedule):
+    pipe, out, placed, _ = run(D, S, T, schedule)
+    ref = reference()[1]
+    assert_equal(out.params, ref.params)
+    assert_equal(out.opt_state, ref.opt_state)
+    split = next(a for a in placed.params[0] if not a.sharding.is_fully_replicated)
+    assert {s.data.shape for s in split.addressable_shards} != {split.shape}  # each rank holds a slice
+    assert f"D x S x T = {D} x {S} x {T}" in pipe.describe()
+    assert pipe.report()["tensor_parallel"] == T
+
+
+def test_devices_follow_megatrons_order():
+    """Tensor ranks adjacent, then data, then pipeline: device s*D*T + d*T + t."""
+    mesh = pipeline_mesh(8, 2, 2)
+    assert mesh.axis_names == (DATA, PIPE, TENSOR)
+    ids = np.vectorize(lambda d: d.id)(mesh.devices)
+    assert all(ids[d, s, t] == s * 4 + d * 2 + t for d in range(2) for s in range(2) for t in range(2))
+
+
+def test_stage_functions_hold_megatrons_all_reduces():
+    """Stage 0 (the embedding and block 0): its forward all-reduces twice within the tensor groups (g after the
+    attention and after the MLP), its backward twice (f's transpose) -- and nothing else over TENSOR."""
+    pipe, _, placed, batched = run(2, 2, 2)
+    plan, engine = pipe._last[1], pipe.engine
+    fns = plan.fns[0]
+    assert fns.first and not fns.last
+    blocks = sum(name == "Block" for name in pipe.module.names[pipe.module.bounds[0]:pipe.module.bounds[1]])
+    params = [placed.params[0][i] for i in engine._stage_pos(0, fns.pidx)]
+    state = [placed.model_state[0][i] for i in engine._stage_pos(0, fns.sidx, state=True)]
+    data, m = batched.stages[0][0], pipe.transport.put(jnp.int32(0), 0)
+    mesh = pipe.transport.meshes[0]
+    forward = tensor_all_reduces(fns.forward.lower(params, state, None, data, m).compile().as_text(), mesh)
+    y, saved, _ = fns.forward(params, state, None, data, m)
+    dy = split_float(y)[0]  # the output's gradient, as the next stage sends it
+    backward = tensor_all_reduces(fns.backward.lower(None, params, state, None, data, saved, dy).compile().as_text(),
+                                  mesh)
+    assert blocks >= 1
+    assert forward == (2 * blocks, 0)
+    assert backward == (0, 2 * blocks)
+
+
+def test_bad_combinations_are_named():
+    with pytest.raises(ValueError, match=r"num_devices=6 must be a multiple of num_stages x tensor_parallel = 2 x 2"):
+        pipeline_mesh(6, 2, 2)
+    with pytest.raises(ValueError, match="has 4 heads, which --tensor-parallel 8 does not split evenly"):
+        Pipeline(model(), TX, loss_fn=LOSS, num_stages=1, tensor_parallel=8, mesh=pipeline_mesh(8, 1, 8))
+    mlp = nnx.Sequential(nnx.Linear(4, 4, rngs=nnx.Rngs(0)), nnx.Linear(4, 4, rngs=nnx.Rngs(1)))
+    with pytest.raises(ValueError, match="Sequential has no module that tensor parallelism can split"):
+        Pipeline(mlp, TX, loss_fn=jaxpar.OutputLoss(jaxpar.mse), num_stages=2, tensor_parallel=2)
+    with pytest.raises(ValueError, match=r"must have a 'tensor' axis of tensor_parallel=2"):
+        Pipeline(model(), TX, loss_fn=LOSS, num_stages=2, tensor_parallel=2, mesh=pipeline_mesh(4, 2))
+    with pytest.raises(ValueError, match=r"tensor_parallel=0 must be an int >= 1"):
+        Pipeline(model(), TX, loss_fn=LOSS, num_stages=2, tensor_parallel=0)

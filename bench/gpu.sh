@@ -19,9 +19,9 @@ EOF
 
 # 1. the test suite: as written (conftest.py simulates 8 CPU devices for the multi-device tests), then the GPT
 #    model tests on the GPU itself (single-device ones; float32 matmuls at full precision, not TF32)
-python -m pytest -q -p no:cacheprovider tests >"$OUT/tests_cpu.log" 2>&1
+python -m pytest -o addopts="-q" -p no:cacheprovider tests >"$OUT/tests_cpu.log" 2>&1  # one process: xdist may be missing
 echo "$?" >"$OUT/tests_cpu.rc"
-JAX_PLATFORMS=cuda JAX_DEFAULT_MATMUL_PRECISION=highest python -m pytest -q -p no:cacheprovider tests/test_gpt.py \
+JAX_PLATFORMS=cuda JAX_DEFAULT_MATMUL_PRECISION=highest python -m pytest -o addopts="-q" -p no:cacheprovider tests/test_gpt.py \
     -k "logits or state_dict or attention or layers or bf16 or size or init" >"$OUT/tests_gpu.log" 2>&1
 echo "$?" >"$OUT/tests_gpu.rc"
 

@@ -1,5 +1,5 @@
 """3-D parallelism -- data x pipeline x Megatron tensor -- equals the single-device step: a tiny GPT-2
-(jaxpar.models.gpt, dropout on, tied wte) trained 2 steps with Adam by `Pipeline(..., tensor_parallel=T)` on
+(jaxpar.models.gpt, dropout on, tied wte) trained 3 steps with Adam by `Pipeline(..., tensor_parallel=T)` on
 D x S x T = 2 x 2 x 2 (all 8 simulated devices, 1F1B) and 1 x 2 x 2 (interleaved, 2 chunks per stage) has the
 single step's parameters and optimizer state at float32 rtol 1e-5. First the comparison is shown able to fail:
 the parameters moved, and the same split without the qkv column re-order differs. The compiled stage functions
@@ -29,7 +29,7 @@ CFG = dict(vocab_size=24, block_size=6, n_layer=2, n_head=4, n_embd=16, dropout=
 # Adam's eps well above the float32 noise of gradients that are 0 in exact arithmetic (the k bias: softmax ignores
 # it): with eps=1e-8 any summation order turns their ~1e-11 into +-lr updates, whatever the strategy
 TX = optax.adam(1e-2, eps=1e-4)
-STEPS, ROWS, RTOL, ATOL = 2, 8, 1e-5, 1e-6
+STEPS, ROWS, RTOL, ATOL = 3, 8, 1e-5, 1e-6
 LOSS = jaxpar.OutputLoss(jaxpar.cross_entropy)
 
 

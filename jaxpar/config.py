@@ -62,7 +62,7 @@ class Config:
     # pipeline
     num_stages: int = 2
     micro_batches: int = 4
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zbh1 (zero-bubble H1)
     virtual_stages: int = 1  # model chunks per stage (interleaved)
     partition_method: str = "parameters"  # parameters | uniform | type:REGEX | profile
     activation_checkpoint_interval: int = 0

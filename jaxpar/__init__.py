@@ -13,7 +13,7 @@ own are imported as modules: `jaxpar.comm.collectives`, `jaxpar.comm.buckets`, `
 `jaxpar.pipeline.schedule`, `jaxpar.run.memory`, `jaxpar.run.checkpoint`, `jaxpar.run.distributed`,
 `jaxpar.launch`, `jaxpar.models`, `jaxpar.losses`. docs/architecture.md maps the folders.
 """
-from jaxpar import losses
+from jaxpar import losses, models
 from jaxpar.batch import Rows, as_rows, pad_rows
 from jaxpar.comm import buckets, collectives
 from jaxpar.comm import cost as comm_cost
@@ -44,6 +44,8 @@ from jaxpar.strategies.zero import ZeroRedundancy
 __all__ = [
     # the model-and-loss contract, and the reference step every strategy matches
     "Objective", "OutputLoss", "LossOutput", "losses", "cross_entropy", "mse",
+    # the bundled models: the tutorials' PyTorch twins and GPT-2 (jaxpar.models.get, GPT, state-dict conversion)
+    "models",
     "Rows", "as_rows", "pad_rows",
     "TrainState", "init_state", "train_step", "apply_updates", "make_train_step", "make_eval_step",
     "OPTIMIZERS", "make_optimizer", "optim", "Config",

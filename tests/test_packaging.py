@@ -28,3 +28,14 @@ def test_import_leaves_the_allocator_alone():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["{}", "True"], out.stdout  # nothing on import; the explicit call applies it
+
+
+def test_the_models_are_reached_from_import_jaxpar_alone():
+    """A fresh interpreter: `import jaxpar` and nothing else gives every name of __all__, `jaxpar.models` among
+    them (the README's `jaxpar.models.GPT`, `jaxpar.models.get`), and no top-level `models` module appears."""
+    code = ("import sys, jaxpar; missing = [n for n in jaxpar.__all__ if not hasattr(jaxpar, n)]; "
+            "print(missing, jaxpar.models.__name__, jaxpar.models.GPT.__name__, callable(jaxpar.models.get), "
+            "'models' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["[]", "jaxpar.models", "GPT", "True", "False"], out.stdout

@@ -89,6 +89,10 @@ if __name__ == "__main__":
         sys.exit(_code)
     simulate_devices(_args.devices)  # before jax is imported
 
+from jaxpar.run.hostmem import tune_host_allocator  # noqa: E402
+
+tune_host_allocator()  # as train.py does, before JAX allocates
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -96,7 +100,7 @@ from jax import lax  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jaxpar.comm import collectives as C  # noqa: E402  (importing jaxpar also tunes glibc's allocator)
+from jaxpar.comm import collectives as C  # noqa: E402
 from jaxpar.comm import cost as K  # noqa: E402
 from jaxpar.run import distributed  # noqa: E402
 from jaxpar.comm.buckets import plan_buckets, reduce_buckets  # noqa: E402

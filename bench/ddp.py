@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import time
 
@@ -88,63 +87,10 @@ def _torch_worker(rank: int, world: int, port: int, batch: int, steps: int, comm
     dist.destroy_process_group()
 
 
-class TorchDDP:
-    """PyTorch DDP ranks kept alive between timed rounds, so rounds can alternate with jaxpar's."""
-
-    def __init__(self, world: int, batch: int, steps: int):
-        import torch.multiprocessing as mp
-
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        os.environ["OMP_NUM_THREADS"] = "1"
-        ctx = mp.get_context("spawn")
-        self.commands, self.out = [ctx.Queue() for _ in range(world)], ctx.Queue()
-        self.world, self.samples = world, batch * steps
-        self.procs = mp.start_processes(_torch_worker, args=(world, port, batch, steps, self.commands, self.out),
-                                        nprocs=world, join=False, start_method="spawn")
-
-    def measure(self) -> tuple[float, float]:
-        """(samples/s, samples per CPU-second of all ranks) of one round."""
-        for q in self.commands:
-            q.put(True)
-        runs = [self.out.get() for _ in range(self.world)]
-        return self.samples / max(w for _, w, _ in runs), self.samples / sum(c for _, _, c in runs)
-
-    def close(self) -> None:
-        for q in self.commands:
-            q.put(None)
-        self.procs.join()
-
-
-# ---- jaxpar ---------------------------------------------------------------------------------------------------
-
-class JaxparRun:
-    """A strategy compiled and warmed up on one placed batch; `measure()` times one round of steps."""
-
-    def __init__(self, strategy, state, batch: dict, steps: int):
-        import jax
-
-        self.strategy, self.steps, self.samples = strategy, steps, len(batch["y"]) * steps
-        self.placed, self.batch = strategy.init(state), strategy.put_batch(batch)
-        for _ in range(2):
-            self.placed, metrics = strategy.step(self.placed, self.batch)
-        jax.block_until_ready((self.placed, metrics))
-
-    def measure(self) -> tuple[float, float]:
-        """(samples/s, samples per CPU-second of this process)."""
-        import jax
-
-        t, cpu = time.perf_counter(), time.process_time()
-        for _ in range(self.steps):
-            self.placed, metrics = self.strategy.step(self.placed, self.batch)
-        jax.block_until_ready((self.placed, metrics))
-        return self.samples / (time.perf_counter() - t), self.samples / (time.process_time() - cpu)
-
-
 def main(argv=None) -> None:
     args = parse(argv)
     from jaxpar.mesh import simulate_cpu_devices
+    from rounds import JaxparRun, TorchRanks
 
     simulate_cpu_devices(args.devices)
     import jax
@@ -173,11 +119,13 @@ def main(argv=None) -> None:
             for name, cfg in configs.items():
                 model = models.get("convnet", **({} if impl == "auto" else {"conv_impl": impl}))
                 tx = make_tx(cfg, 100)
-                _, state = init_state(model, tx, cfg.seed)
-                runs[name + suffix] = JaxparRun(get_builder(cfg.strategy)(model, tx, cfg), state, batch, args.steps)
+                state = init_state(model, tx)
+                runs[name + suffix] = JaxparRun(get_builder(cfg.strategy)(model, tx, cfg), state, batch, args.steps,
+                                                   units=batch_size)
                 baseline[name + suffix] = "single" + suffix
         if args.torch:
-            runs[torch_name] = TorchDDP(args.devices, batch_size, args.steps)
+            runs[torch_name] = TorchRanks(_torch_worker, args.devices, (batch_size, args.steps),
+                                          units=batch_size * args.steps)
             baseline[torch_name] = next(iter(runs))
         speed = {name: (0.0, 0.0) for name in runs}
         for _ in range(args.repeats):  # rounds alternate between the runs: load on the machine hits all alike
@@ -186,7 +134,7 @@ def main(argv=None) -> None:
         for name, run in runs.items():
             print(f"  batch {batch_size} {name}: {speed[name][0]:.0f} samples/s, {speed[name][1]:.0f} per CPU-s",
                   flush=True)
-            if isinstance(run, TorchDDP):
+            if isinstance(run, TorchRanks):
                 run.close()
         rows.append((batch_size, speed))
 

@@ -119,7 +119,7 @@ def main() -> None:
     shape = models.input_shape(args.model)
     model = models.get(args.model, seed=0)
     tx = make_optimizer(args.optimizer, 0.01)
-    _, state = init_state(model, tx, seed=0)
+    state = init_state(model, tx)
     host = make_batches(4, args.batch, shape)
     cfg = Config(model=args.model, batch_size=args.batch, optimizer=args.optimizer)
     print(f"{args.model}: global batch {args.batch}, {len(devices)} {devices[0].platform} devices, "
@@ -164,7 +164,7 @@ def main() -> None:
 
     # a wide output (the tutorial's LinearModel with many classes): where loss_on_device pays off
     wide, wide_cfg = models.get("linear", seed=0, output_size=args.wide_classes), cfg.replace(strategy="dp")
-    _, wide_state = init_state(wide, tx, seed=0)
+    wide_state = init_state(wide, tx)
     wide_batch = make_batches(1, args.batch, (5,), args.wide_classes)[0]
     print(f"\nlinear 5 -> {args.wide_classes} (wide output), global batch {args.batch}: the master's extra bytes")
     for lod in (False, True):

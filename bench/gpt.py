@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -88,7 +87,7 @@ def _torch_worker(rank: int, world: int, port: int, spec: dict, commands, out) -
         opt.step()
         return loss
 
-    first = float(step())
+    first = float(step().detach())
     step()
     out.put(("ready", rank, first))
     while commands[rank].get() is not None:
@@ -108,60 +107,15 @@ def _torch_worker(rank: int, world: int, port: int, spec: dict, commands, out) -
         torch.distributed.destroy_process_group()
 
 
-class TorchRun:
-    """PyTorch on `world` spawned ranks (world 1: no DDP); `measure()` times one round on all of them."""
+def torch_run(world: int, spec: dict):
+    """PyTorch on `world` spawned ranks (world 1: no DDP), `first_loss` the mean of the ranks' first losses (equal
+    shards: the global mean loss)."""
+    from rounds import TorchRanks
 
-    def __init__(self, world: int, spec: dict):
-        import torch.multiprocessing as mp
-
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        os.environ["OMP_NUM_THREADS"] = str(spec["threads"])
-        ctx = mp.get_context("spawn")
-        self.commands, self.out, self.world = [ctx.Queue() for _ in range(world)], ctx.Queue(), world
-        self.tokens = spec["x"].size * spec["steps"]
-        self.procs = mp.start_processes(_torch_worker, args=(world, port, spec, self.commands, self.out),
-                                        nprocs=world, join=False, start_method="spawn")
-        ready = [self.out.get() for _ in range(world)]
-        self.first_loss = sum(r[2] for r in ready) / world  # equal shards: the mean is the global mean loss
-
-    def measure(self) -> tuple[float, float]:
-        """(tokens/s, tokens per CPU-second of all ranks) of one round."""
-        for q in self.commands:
-            q.put(True)
-        runs = [self.out.get() for _ in range(self.world)]
-        return self.tokens / max(w for _, w, _ in runs), self.tokens / sum(c for _, _, c in runs)
-
-    def close(self) -> None:
-        for q in self.commands:
-            q.put(None)
-        self.procs.join()
-
-
-# ---- jaxpar -------------------------------------------------------------------------------------------------
-
-class JaxparRun:
-    """A strategy warmed up on one placed batch; `measure()` times one round of steps."""
-
-    def __init__(self, strategy, state, batch: dict, steps: int):
-        import jax
-
-        self.strategy, self.steps, self.tokens = strategy, steps, batch["x"].size * steps
-        self.placed, self.batch = strategy.init(state), strategy.put_batch(batch)
-        self.placed, metrics = strategy.step(self.placed, self.batch)
-        self.first_loss = float(metrics["loss"])
-        self.placed, metrics = strategy.step(self.placed, self.batch)
-        jax.block_until_ready((self.placed, metrics))
-
-    def measure(self) -> tuple[float, float]:
-        import jax
-
-        t, cpu = time.perf_counter(), time.process_time()
-        for _ in range(self.steps):
-            self.placed, metrics = self.strategy.step(self.placed, self.batch)
-        jax.block_until_ready((self.placed, metrics))
-        return self.tokens / (time.perf_counter() - t), self.tokens / (time.process_time() - cpu)
+    run = TorchRanks(_torch_worker, world, (spec,), units=spec["x"].size * spec["steps"], threads=spec["threads"],
+                     ready=True)
+    run.first_loss = sum(r[2] for r in run.ready) / world
+    return run
 
 
 def cpu_gemm_tflops(threads: int) -> float:
@@ -198,6 +152,7 @@ def main(argv=None) -> None:
     import optax
 
     import jaxpar
+    from rounds import JaxparRun, TorchRanks
     from jaxpar import models
     from jaxpar.data import text
     from jaxpar.models import gpt
@@ -219,19 +174,20 @@ def main(argv=None) -> None:
                    per_sample=args.per_sample == "on")
     fpt = gpt.flops_per_token(cfg, seq_len)
     state = jaxpar.init_state(model, tx)
-    runs = {"jaxpar single": JaxparRun(jaxpar.SingleDevice(model, tx, **options), state, batch, args.steps)}
+    tokens = batch["x"].size
+    runs = {"jaxpar single": JaxparRun(jaxpar.SingleDevice(model, tx, **options), state, batch, args.steps, tokens)}
     if ddp:
         ddp_strategy = jaxpar.DistributedDataParallel(model, tx, mesh=jaxpar.make_mesh(ddp), **options)
-        runs[f"jaxpar DDP {ddp} dev"] = JaxparRun(ddp_strategy, state, batch, args.steps)
+        runs[f"jaxpar DDP {ddp} dev"] = JaxparRun(ddp_strategy, state, batch, args.steps, tokens)
     torch_label = "torch.compile" if compile_torch else "torch eager"
     if args.torch:
         spec = dict(config=dict(vocab_size=vocab, block_size=seq_len, n_layer=cfg.n_layer, n_head=cfg.n_head,
                                 n_embd=cfg.n_embd), state_dict=model.torch_state_dict("nanogpt"), x=batch["x"],
                     y=batch["y"], steps=args.steps, threads=threads, device="cuda" if gpu else "cpu",
                     compile=compile_torch, bf16=args.precision == "bf16")
-        runs[f"{torch_label} single"] = TorchRun(1, spec)
+        runs[f"{torch_label} single"] = torch_run(1, spec)
         if ddp:
-            runs[f"torch DDP {'nccl' if gpu else 'gloo'} {ddp}x{max(threads // ddp, 1)}"] = TorchRun(
+            runs[f"torch DDP {'nccl' if gpu else 'gloo'} {ddp}x{max(threads // ddp, 1)}"] = torch_run(
                 ddp, {**spec, "threads": max(threads // ddp, 1)})
     load_before = os.getloadavg()
     cpu_peak = None if gpu or args.peak_tflops else cpu_gemm_tflops(threads)
@@ -241,7 +197,7 @@ def main(argv=None) -> None:
             rounds[k].append(run.measure())
     load_after = os.getloadavg()
     for run in runs.values():
-        if isinstance(run, TorchRun):
+        if isinstance(run, TorchRanks):
             run.close()
     peak, peak_note = args.peak_tflops, "--peak-tflops"
     if peak is None and gpu:

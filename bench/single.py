@@ -19,13 +19,18 @@ import resource
 import sys
 import time
 
-import jaxpar  # noqa: F401  (first: tunes glibc's allocator before JAX allocates)
-import jax
+import jaxpar
+
+jaxpar.tune_host_allocator()  # first, as train.py does: glibc's allocator tuned before JAX allocates
+
+import jax  # noqa: E402
 import jax.numpy as jnp
 import numpy as np
 
 from jaxpar import models
 from jaxpar.optim import make_optimizer
+from jaxpar.batch import as_rows
+from jaxpar.objective import Objective
 from jaxpar.step import init_state, make_train_step
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
@@ -70,9 +75,10 @@ def jax_runner(name: str, batch: int, args, x: np.ndarray, y: np.ndarray):
     """A `run(steps)` closure over a compiled, warmed-up jaxpar train step; also returns the initial model."""
     model = models.get(name, **_model_kwargs(name, args))
     tx = make_optimizer(args.optimizer, DEFAULT_LR[args.optimizer])
-    graphdef, state = init_state(model, tx, seed=0)
-    step = make_train_step(graphdef, tx)
-    data = {"x": jnp.asarray(x), "y": jnp.asarray(y), "idx": jnp.arange(batch, dtype=jnp.int32)}
+    objective = Objective.of(model)  # the classifier default: cross-entropy, per-sample (dropout split-free)
+    state = init_state(model, tx, objective)
+    step = make_train_step(objective, tx)
+    data = as_rows({"x": jnp.asarray(x), "y": jnp.asarray(y)})
     box = [state]
 
     def run(steps: int) -> None:

@@ -187,13 +187,11 @@ class Pipeline:
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
 
-        from jaxpar.strategies.tensor import map_params
+        from jaxpar.strategies.tensor import in_tensor_order, leaf_specs, map_params
 
         mod, tr, lays = self.module, self.transport, self.module.tensor_layouts
-        order = lambda a, lay: np.take(np.asarray(a), lay.order, axis=lay.axis) if lay.order else np.asarray(a)  # noqa
-        params_tree = map_params(order, state.params, state.params, lays)
-        opt_state = map_params(order, state.opt_state, state.params, lays)
-        params = jax.tree.leaves(params_tree)
+        params = jax.tree.leaves(map_params(in_tensor_order, state.params, state.params, lays))
+        opt_state = map_params(in_tensor_order, state.opt_state, state.params, lays)
         is_spec = lambda x: isinstance(x, P)  # noqa: E731
 
         def place(tree, specs, s):
@@ -208,9 +206,7 @@ class Pipeline:
             out.params[s] = place([params[j] for j in idx], sp, s)
             stage_opt = opt_lib.to_stage(self.tx, mod, s, opt_state)
             stage_params = jax.tree.unflatten(opt_lib.stage_treedef(mod, s), [params[j] for j in idx])
-            specs = map_params(lambda a, lay: lay.spec(np.ndim(a)), stage_opt, stage_params, mine)
-            specs = jax.tree.map(lambda x: x if is_spec(x) else P(), specs, is_leaf=is_spec)
-            out.opt_state[s] = place(stage_opt, specs, s)
+            out.opt_state[s] = place(stage_opt, leaf_specs(stage_opt, stage_params, mine), s)
             out.model_state[s] = jax.device_put([jnp.array(rest[j], copy=True) for j in mod.stage_state[s]],
                                                 tr.kinds[s]["rep"])
         return out
@@ -321,10 +317,10 @@ class Pipeline:
         opt_state = opt_lib.to_canonical(self.tx, mod, stage_opt)
         params = jax.tree.unflatten(mod.param_treedef, params)
         if mod.tensor_layouts is not None:  # qkv columns back in q | k | v order
-            from jaxpar.strategies.tensor import map_params
+            from jaxpar.strategies.tensor import in_canonical_order, map_params
 
             def back(a, lay):
-                return jnp.take(a, jnp.asarray(np.argsort(lay.order)), axis=lay.axis) if lay.order else a
+                return jax.device_put(in_canonical_order(a, lay), home) if lay.order else a
 
             opt_state = map_params(back, opt_state, params, mod.tensor_layouts)
             params = map_params(back, params, params, mod.tensor_layouts)

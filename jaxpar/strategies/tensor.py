@@ -123,6 +123,25 @@ def _is_spec(x) -> bool:
     return isinstance(x, P)
 
 
+def in_tensor_order(a, lay: Layout) -> np.ndarray:
+    """A canonical leaf with its entries in rank order along the split axis (each rank's qkv columns together)."""
+    a = np.asarray(a)
+    return np.take(a, lay.order, axis=lay.axis) if lay.order else a
+
+
+def in_canonical_order(a, lay: Layout) -> np.ndarray:
+    """in_tensor_order undone: the qkv columns back in q | k | v order."""
+    a = np.asarray(a)
+    return np.take(a, np.argsort(lay.order), axis=lay.axis) if lay.order else a
+
+
+def leaf_specs(tree, params, plan: Sequence[Layout]):
+    """The PartitionSpec of every leaf of `tree` (the params, or optimizer state over them) by the plan; leaves not
+    shaped like a parameter (step counts) replicated."""
+    specs = map_params(lambda a, lay: lay.spec(np.ndim(a)), tree, params, plan)
+    return jax.tree.map(lambda x: x if _is_spec(x) else P(), specs, is_leaf=_is_spec)
+
+
 class TensorParallel:
     """Megatron tensor parallelism (T ranks) x data parallelism on a (DATA, TENSOR) mesh:
     `TensorParallel(model, tx, tensor_parallel=2, loss_fn=...)`. The model's splittable modules are pointed at
@@ -160,18 +179,14 @@ class TensorParallel:
     # -- placement -----------------------------------------------------------------------------------------
 
     def _specs(self, state: TrainState) -> TrainState:
-        specs = lambda tree: map_params(lambda a, lay: lay.spec(np.ndim(a)), tree, state.params, self.plan)  # noqa
-        replicated = lambda tree: jax.tree.map(lambda x: x if _is_spec(x) else P(), tree, is_leaf=_is_spec)  # noqa
-        return TrainState(specs(state.params), replicated(specs(state.opt_state)), replicated(state.model_state), P())
+        replicated = jax.tree.map(lambda _: P(), state.model_state)
+        return TrainState(leaf_specs(state.params, state.params, self.plan),
+                          leaf_specs(state.opt_state, state.params, self.plan), replicated, P())
 
     def init(self, state: TrainState) -> TrainState:
         """The canonical state onto the mesh: split leaves in tensor order, sharded over TENSOR; the rest replicated."""
-        def ordered(a, lay):
-            a = np.asarray(a)
-            return np.take(a, lay.order, axis=lay.axis) if lay.order else a
-
-        host = state._replace(params=map_params(ordered, state.params, state.params, self.plan),
-                              opt_state=map_params(ordered, state.opt_state, state.params, self.plan))
+        host = state._replace(params=map_params(in_tensor_order, state.params, state.params, self.plan),
+                              opt_state=map_params(in_tensor_order, state.opt_state, state.params, self.plan))
         specs = self._specs(state)
         if self._step is None:
             self._step = self._compile(specs)
@@ -207,8 +222,7 @@ class TensorParallel:
             return a
 
         def back(a, lay):
-            a = np.asarray(gathered(a))
-            return jnp.asarray(np.take(a, np.argsort(lay.order), axis=lay.axis) if lay.order else a)
+            return jnp.asarray(in_canonical_order(gathered(a), lay))
 
         device = jax.local_devices()[0]
         first = lambda a: jax.device_put(a.addressable_data(0), device) if isinstance(a, jax.Array) else a  # noqa

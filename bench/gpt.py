@@ -47,6 +47,8 @@ def parse(argv=None) -> argparse.Namespace:
                    help="torch.compile the PyTorch model (default: on a GPU only)")
     p.add_argument("--per-sample", default="on", choices=("on", "off"), help="jaxpar's objective mode")
     p.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for MFU")
+    p.add_argument("--plain", action=argparse.BooleanOptionalAction, default=True,
+                   help="also a hand-written NNX step without jaxpar (fp32): the ceiling jaxpar's own code sits under")
     p.add_argument("--torch", action=argparse.BooleanOptionalAction, default=True, help="also run PyTorch")
     return p.parse_args(argv)
 
@@ -118,6 +120,48 @@ def torch_run(world: int, spec: dict):
     return run
 
 
+class PlainRun:
+    """The ceiling without jaxpar: the same model and optimizer in a hand-written jitted NNX step (nnx.split, the
+    mean cross-entropy over the whole batch, jax.value_and_grad, optax), timed like JaxparRun."""
+
+    def __init__(self, model, tx, batch: dict, steps: int, units: float):
+        import jax
+        import jax.numpy as jnp
+        import optax
+        from flax import nnx
+
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        x, y = jnp.asarray(batch["x"]), jnp.asarray(batch["y"])
+
+        def loss(p):
+            logits = nnx.merge(graphdef, p, rest)(x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        @jax.jit
+        def step(p, o):
+            value, g = jax.value_and_grad(loss)(p)
+            u, o = tx.update(g, o, p)
+            return optax.apply_updates(p, u), o, value
+
+        self.step, self.steps, self.units = step, steps, units * steps
+        self.state = (params, tx.init(params))
+        p, o, first = step(*self.state)
+        self.first_loss = float(first)
+        self.state = step(p, o)[:2]
+        jax.block_until_ready(self.state)
+
+    def measure(self) -> tuple[float, float]:
+        import jax
+
+        t, cpu = time.perf_counter(), time.process_time()
+        p, o = self.state
+        for _ in range(self.steps):
+            p, o, _ = self.step(p, o)
+        jax.block_until_ready((p, o))
+        self.state = (p, o)
+        return self.units / (time.perf_counter() - t), self.units / (time.process_time() - cpu)
+
+
 def cpu_gemm_tflops(threads: int) -> float:
     """The float32 GEMM rate this CPU reaches with `threads` threads (torch, 2048^3, best of 5), in TFLOP/s."""
     import torch
@@ -176,6 +220,8 @@ def main(argv=None) -> None:
     state = jaxpar.init_state(model, tx)
     tokens = batch["x"].size
     runs = {"jaxpar single": JaxparRun(jaxpar.SingleDevice(model, tx, **options), state, batch, args.steps, tokens)}
+    if args.plain and args.precision == "fp32":
+        runs["plain NNX step (no jaxpar)"] = PlainRun(model, tx, batch, args.steps, tokens)
     if ddp:
         ddp_strategy = jaxpar.DistributedDataParallel(model, tx, mesh=jaxpar.make_mesh(ddp), **options)
         runs[f"jaxpar DDP {ddp} dev"] = JaxparRun(ddp_strategy, state, batch, args.steps, tokens)

@@ -304,6 +304,8 @@ def in_process(args) -> None:
                   f"{bound * 1e3:.1f} | {'yes' if t <= bound else 'NO'} |")
         if args.zb:
             executed(runs, S, M)
+        else:
+            micro_batch_rates(stack, sbatch, M, args.rounds)
     if args.one_stage:
         model, loss_a, tx_a, batch = alexnet_problem(args)
         runs = {}
@@ -319,6 +321,55 @@ def in_process(args) -> None:
         for label in ("alexnet", "stack"):
             a, b = best[f"{label} single"], best[f"{label} S=1 M=1"]
             print(f"| {label} | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.3f} |")
+
+
+def micro_batch_rates(stack, batch: dict, M: int, n_rounds: int) -> None:
+    """What a pipeline stage's micro-batches cost the GEMMs: forward + backward of the whole stack on one device
+    (no optimizer), on the whole batch and on its M micro-batches one after another, jaxpar (XLA:CPU) and torch
+    eager at 2 threads, alternating. The bound above allows 1.5x for this; a ratio beyond it is the kernels'."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    graphdef, params, rest = nnx.split(stack, nnx.Param, ...)
+    grad = jax.jit(jax.grad(lambda p, x: jnp.sum(nnx.merge(graphdef, p, rest)(x))))
+    n = batch["x"].shape[0]
+    whole, parts = jnp.asarray(batch["x"]), [jnp.asarray(batch["x"][i:i + n // M]) for i in range(0, n, n // M)]
+    runs = {"jaxpar whole": lambda: jax.block_until_ready(grad(params, whole)),
+            "jaxpar micro": lambda: jax.block_until_ready([grad(params, x) for x in parts])}
+    try:
+        import torch
+
+        torch.set_num_threads(2)
+        net = torch.nn.Sequential(*[m for i in range(16) for m in (torch.nn.Linear(512, 512 if i < 15 else 10),)
+                                    + ((torch.nn.ReLU(),) if i < 15 else ())])
+        tw, tparts = torch.from_numpy(batch["x"]), [torch.from_numpy(batch["x"][i:i + n // M]) for i in
+                                                     range(0, n, n // M)]
+
+        def fb(xs):
+            for x in xs:
+                net(x).sum().backward()
+
+        runs.update({"torch whole": lambda: fb([tw]), "torch micro": lambda: fb(tparts)})
+    except ImportError:
+        pass
+    for run in runs.values():
+        run(), run()
+    best = {k: float("inf") for k in runs}
+    for _ in range(max(n_rounds, 3)):
+        for k, run in runs.items():
+            t = time.perf_counter()
+            for _ in range(5):
+                run()
+            best[k] = min(best[k], (time.perf_counter() - t) / 5)
+    print(f"\nForward + backward on one device (2 threads, no optimizer): the whole batch of {n} against its {M} "
+          f"micro-batches of {n // M} rows in turn\n")
+    print("| framework | whole batch ms | micro-batches ms | micro / whole |")
+    print("|---|---:|---:|---:|")
+    for fw in ("jaxpar", "torch"):
+        if f"{fw} whole" in best:
+            a, b = best[f"{fw} whole"], best[f"{fw} micro"]
+            print(f"| {fw} | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f}x |")
 
 
 def executed(runs: dict, S: int, M: int) -> None:

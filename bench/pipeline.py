@@ -5,7 +5,7 @@ and its bubble. Tables print in Markdown; run `uptime` before and after (the mac
     python bench/pipeline.py --processes 2 --threads 2   # ... each process may use 2 threads (XLA's pool, torch's)
     python bench/pipeline.py --stack                     # 16 x Linear(512), 2 simulated devices, S=2, M=8, batch 256
     python bench/pipeline.py --one-stage                 # S=1, M=1 against the single-device step
-    python bench/pipeline.py --zb                        # ZB-H1 vs 1F1B at S=4, M=8: analysis and executed
+    python bench/pipeline.py --zb                        # ZB-H1 and ZB-V vs 1F1B at S=4, M=8: analysis, executed
 
 --processes: jaxpar's Pipeline in 2 processes x 1 CPU device (python -m jaxpar.launch, gloo) and torch's Schedule1F1B
 / ScheduleGPipe in 2 processes (gloo; bench/pipeline_torch.py), the same layer split (jaxpar's 'parameters'
@@ -36,7 +36,7 @@ def parse(argv=None):
     p.add_argument("--processes", type=int, default=0, help="jaxpar vs torch pipelining in this many processes")
     p.add_argument("--stack", action="store_true", help="the 16 x Linear(512) stack on 2 simulated devices")
     p.add_argument("--one-stage", action="store_true", help="S=1, M=1 against the single-device step")
-    p.add_argument("--zb", action="store_true", help="ZB-H1 vs 1F1B at S=4, M=8")
+    p.add_argument("--zb", action="store_true", help="ZB-H1 and ZB-V vs 1F1B at S=4, M=8")
     p.add_argument("--schedules", default="1f1b,gpipe", help="comma separated (--processes)")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--micro-batches", type=int, default=4)
@@ -282,10 +282,11 @@ def in_process(args) -> None:
         S, M = (4, 8) if args.zb else (2, 8)
         state = jaxpar.init_state(stack, tx)
         runs = {"single": (jaxpar.SingleDevice(stack, tx, loss_fn=loss), state, sbatch)}
-        for schedule in ("1f1b", "zbh1") if args.zb else ("gpipe", "1f1b", "zbh1"):
+        for schedule in ("1f1b", "zbh1", "zbv") if args.zb else ("gpipe", "1f1b", "zbh1"):
             for ck in (0,) if args.zb else (0, 1):
                 runs[f"{schedule} ckpt {ck}"] = (Pipeline(stack, tx, loss_fn=loss, num_stages=S, micro_batches=M,
                                                           schedule=schedule, activation_checkpoint_interval=ck,
+                                                          virtual_stages=2 if schedule == "zbv" else 1,
                                                           mesh=pipeline_mesh(S, S)), state, sbatch)
         best = timed_rounds(runs, args.steps, args.rounds)
         t1 = best.pop("single")
@@ -405,7 +406,8 @@ def executed(runs: dict, S: int, M: int) -> None:
             grid[t][a.stage] = a
         from jaxpar.pipeline import schedule as sch
 
-        trace = sch.Schedule("executed", S, M, 1, tuple(map(tuple, grid)), backward=pipe.schedule.backward)
+        trace = sch.Schedule("executed", S, M, pipe.schedule.virtual_stages, tuple(map(tuple, grid)),
+                             backward=pipe.schedule.backward, placement=pipe.schedule.placement)
         med = {k: sorted(v)[len(v) // 2] for k, v in durations.items()}
         costs = {op: sum(med[(s, o)] for s in range(S) for o in [op] if (s, o) in med) / S
                  for op in {o for _, o in med}}

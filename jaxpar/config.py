@@ -62,8 +62,8 @@ class Config:
     # pipeline
     num_stages: int = 2
     micro_batches: int = 4
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zbh1 (zero-bubble H1)
-    virtual_stages: int = 1  # model chunks per stage (interleaved)
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zbh1 (zero-bubble H1) | zbv (ZB-V, 2 chunks)
+    virtual_stages: int = 1  # model chunks per stage (interleaved; zbv: 2)
     partition_method: str = "parameters"  # parameters | uniform | type:REGEX | profile
     activation_checkpoint_interval: int = 0
     # runs, files and reports

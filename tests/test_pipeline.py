@@ -54,6 +54,13 @@ def tiny_lm():
     return model, jaxpar.OutputLoss(jaxpar.cross_entropy), {"x": d["x"], "y": d["y"], "mask": d["mask"]}
 
 
+def deep_lm():
+    """tiny_lm with 4 blocks: Embedding | Block x 4 | Head. Cut into 6 parts, one stage holds two (or three)
+    identical blocks, which share compiled functions but never parameters."""
+    model, loss, batch = tiny_lm()
+    return lm.TinyLM(vocab=32, dim=16, heads=2, depth=4, max_len=8, rngs=nnx.Rngs(params=0, dropout=1)), loss, batch
+
+
 class Tokens(nnx.Module):
     """tokens -> (features with dropout, the int tokens): an int array rides along the stage boundaries."""
 
@@ -83,7 +90,7 @@ def mixed():
     return model, jaxpar.OutputLoss(jaxpar.mse), batch
 
 
-PROBLEMS = {"mlp": mlp, "lm": tiny_lm, "mixed": mixed}
+PROBLEMS = {"mlp": mlp, "lm": tiny_lm, "mixed": mixed, "deep_lm": deep_lm}
 TX = optax.sgd(0.1, momentum=0.9)  # SGD: Adam turns rounding-level gradients of exactly-zero entries into steps
 
 
@@ -149,9 +156,12 @@ def run(name: str, tx=TX, data=1, **kw):
 CASES = {
     "mlp": [("gpipe", 2, 4, 1, 0), ("gpipe", 4, 5, 1, 1), ("1f1b", 1, 1, 1, 0), ("1f1b", 2, 5, 1, 2),
             ("interleaved", 2, 4, 2, 0), ("interleaved", 2, 3, 2, 1), ("zbh1", 2, 5, 1, 1),
-            ("zbh1", 4, 8, 1, 0)],
-    "lm": [("gpipe", 2, 2, 1, 0), ("1f1b", 4, 2, 1, 1), ("interleaved", 2, 2, 2, 0), ("zbh1", 2, 2, 1, 0)],
-    "mixed": [("gpipe", 3, 2, 1, 0), ("1f1b", 2, 3, 1, 1), ("interleaved", 2, 3, 2, 0), ("zbh1", 4, 4, 1, 1)],
+            ("zbh1", 4, 8, 1, 0), ("zbv", 2, 4, 2, 0), ("zbv", 3, 5, 2, 1)],
+    "lm": [("gpipe", 2, 2, 1, 0), ("1f1b", 4, 2, 1, 1), ("interleaved", 2, 2, 2, 0), ("zbh1", 2, 2, 1, 0),
+           ("zbv", 2, 3, 2, 0)],
+    "mixed": [("gpipe", 3, 2, 1, 0), ("1f1b", 2, 3, 1, 1), ("interleaved", 2, 3, 2, 0), ("zbh1", 4, 4, 1, 1),
+              ("zbv", 2, 3, 2, 1)],
+    "deep_lm": [("interleaved", 2, 3, 3, 0), ("zbv", 3, 4, 2, 0)],
 }
 
 
@@ -176,7 +186,10 @@ def test_pipeline_equals_single(name, case):
         executed = sch.Schedule("executed", S, M, V, tuple(map(tuple, grid)), backward="IW")
         assert analysis.bubble_fraction(sch.validate(executed), analysis.COSTS) == pytest.approx(3 / 27)
         assert analysis.bubble_fraction(sch.one_f_one_b(4, 8), analysis.COSTS) == pytest.approx(3 / 11)
-    if interval == 0 and schedule in ("gpipe", "interleaved"):  # the forward-only schedule evaluates
+    if schedule == "zbv":  # the V: stage 0 holds the first and the last chunk, stage S-1 the two middle ones
+        assert pipe.module.placement == "v" == pipe.eval_schedule.placement
+        assert [pipe.module.stage_of(v) for v in range(2 * S)] == list(range(S)) + list(reversed(range(S)))
+    if interval == 0 and schedule in ("gpipe", "interleaved", "zbv"):  # the forward-only schedule evaluates
         model, loss, batch = PROBLEMS[name]()
         want = jaxpar.step.eval_sums(jaxpar.Objective.of(model, loss), ref.params, ref.model_state,
                                      jaxpar.as_rows(batch))
@@ -322,6 +335,7 @@ def test_bad_input_is_refused_before_any_work():
         (dict(schedule="pipedream"), "name='pipedream' is not a schedule"),
         (dict(schedule="forward"), "schedule='forward' has no backward and cannot train"),
         (dict(virtual_stages=2), "virtual_stages=2 needs schedule='interleaved'"),
+        (dict(schedule="zbv"), "schedule='zbv' runs two model chunks per stage in a V; got virtual_stages=1"),
         (dict(num_stages=7), "num_stages x virtual_stages=7 parts cannot be cut from 6 layers"),
         (dict(loss_fn=lambda m, b: (jnp.sum(m(b["x"])), 1.0)), "needs the loss on the model's outputs"),
     ]

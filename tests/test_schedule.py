@@ -286,6 +286,43 @@ def test_split_backward_communication_and_rules():
         sch.validate(mixed)  # a fused B in a split schedule
 
 
+@pytest.mark.parametrize("S", STAGES + (5,))
+@pytest.mark.parametrize("M", MICROBATCHES + (5, 9))
+def test_zb_v_validates_and_holds_1f1b_memory(S, M):
+    z = sch.zb_v(S, M)
+    assert sch.validate(z) is z and sch.validate(sch.add_communication(z))
+    assert (z.placement, z.virtual_stages, z.backward) == ("v", 2, "IW")
+    for st in range(S):  # every micro-batch: F, I, W of both chunks on every stage
+        assert sorted(a.op.value + str(a.chunk) for a in z.program(st)) == sorted(["F0", "I0", "W0", "F1", "I1",
+                                                                                     "W1"] * M)
+    # at most 2S chunk activations (half a stage each) held: 1F1B's S full stages
+    assert max(sch.peak_inflight(z)) <= 2 * S
+    if M >= 2 * S - 1:  # S-1 idle ticks per stage of 6M+S-1: half ZB-H1's (S-1)/(3M+S-1) in time
+        assert z.num_ticks == 6 * M + S - 1
+        assert bubble(z) == Fraction(S - 1, 6 * M + S - 1)
+        if S > 1:
+            assert sch.bubble_fraction(z, sch.COSTS) < sch.bubble_fraction(sch.zb_h1(S, M), sch.COSTS)
+
+
+def test_zb_v_placement():
+    S = 3
+    assert [sch.virtual(sch.Action(s, Op.F, 0, c), S, "v") for c in (0, 1) for s in range(S)] == [0, 1, 2, 5, 4, 3]
+    assert [sch.at(v, Op.F, 0, S, "v").stage for v in range(2 * S)] == [0, 1, 2, 2, 1, 0]
+    assert [sch.virtual(sch.Action(s, Op.F, 0, 1), S) for s in range(S)] == [3, 4, 5]  # loop: unchanged
+    z = sch.add_communication(sch.zb_v(S, 5))
+    crossing = [(x.src.stage, x.dst.stage) for x in sch.transfers(z) if x.kind == "act"]
+    assert (2, 2) in crossing and all(abs(a - b) <= 1 for a, b in crossing)  # neighbours only; S-1 keeps its own
+    first = [a.cell for a in z.program(0)[:6]]  # stage 0: 2S-1 chunk-0 forwards, then F I W of chunk 1
+    assert first == ["F0", "F1", "F2", "F3", "F4", "F0c1"]
+    with pytest.raises(ValueError, match="zbv runs two chunks per stage"):
+        sch.make("zbv", 2, 4)
+    with pytest.raises(ValueError, match="placement='w' must be one of"):
+        dataclasses.replace(z, placement="w")
+    # a V schedule read as a loop one breaks the rules: the placement is part of the data
+    with pytest.raises(ScheduleError):
+        sch.validate(dataclasses.replace(sch.zb_v(2, 3), placement="loop"))
+
+
 @pytest.mark.parametrize("S,M,V", [(1, 1, 1), (3, 4, 1), (2, 3, 2)])
 def test_forward_only(S, M, V):
     f = sch.make("forward", S, M, V)
@@ -313,6 +350,7 @@ def test_simulate_with_unit_costs_is_the_grid(name, V):
 
 def test_make_knows_the_new_schedules():
     assert sch.make("zbh1", 2, 3).name == "zbh1" and sch.make("forward", 2, 3).name == "forward"
+    assert sch.make("zbv", 2, 3, 2).name == "zbv"
     assert sch.zb_h1(3, 4).table()[3][2] == (sch.INPUT_GRAD, 0, 0)  # the last stage's I0 right after its F0
     assert sch.zb_h1(3, 4).table()[8][2] == (sch.WEIGHT_GRAD, 0, 0)
     with pytest.raises(ValueError, match="virtual_stages=2 needs model chunks"):

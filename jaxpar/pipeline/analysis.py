@@ -29,7 +29,7 @@ def simulate(schedule: Schedule, costs: dict | None = None) -> tuple[dict[Action
         for s in range(S):
             while pc[s] < len(programs[s]):
                 a = programs[s][pc[s]]
-                ds = deps(a, S, V, bw)
+                ds = deps(a, S, V, bw, schedule.placement)
                 if any(d not in span for d in ds):
                     break
                 start = max([free[s]] + [span[d][1] for d in ds])
@@ -88,16 +88,16 @@ def transfers(schedule: Schedule) -> list[Transfer]:
 
     ``use_tick - send_tick`` is 1 when the consumer runs at the next tick, more when the value must be buffered.
     """
-    S, V = schedule.num_stages, schedule.virtual_stages
+    S, V, place = schedule.num_stages, schedule.virtual_stages, schedule.placement
     tick = {a: t for t, row in enumerate(schedule.grid) for a in row if a}
     out = []
     for a, t in tick.items():
-        v = virtual(a, S)
+        v = virtual(a, S, place)
         if a.op is Op.F and v < S * V - 1:
-            dst = at(v + 1, Op.F, a.microbatch, S)
+            dst = at(v + 1, Op.F, a.microbatch, S, place)
             out.append(Transfer("act", a, dst, t, tick[dst]))
         elif a.op in (Op.B, Op.I) and v > 0:
-            dst = at(v - 1, a.op, a.microbatch, S)
+            dst = at(v - 1, a.op, a.microbatch, S, place)
             out.append(Transfer("grad", a, dst, t, tick[dst]))
     return sorted(out, key=lambda x: (x.send_tick, x.src.stage))
 

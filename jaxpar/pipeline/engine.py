@@ -71,14 +71,14 @@ class Plan:
             prog = schedule.program(s)
             for a, b in zip(prog, prog[1:]):
                 if a.op is Op.F and b.op in (Op.B, Op.I) and (b.microbatch, b.chunk) == (a.microbatch, a.chunk) \
-                        and virtual(a, S) == mod.num_parts - 1:
+                        and virtual(a, S, schedule.placement) == mod.num_parts - 1:
                     self.fused.add(a)
         self.messages = []  # per tick: (kind, src stage, dst stage, src virtual, micro-batch) across processes
         for row in schedule.steps:  # exchanged when RECEIVED: a late receive never holds up other work
             tick = []
             for s, ins in enumerate(row):
                 for a in ins:
-                    msg = message(a, S)
+                    msg = message(a, S, schedule.placement)
                     if msg and msg[0] == "recv":
                         _, (kind, dst_v, m) = msg
                         src_v = dst_v - 1 if kind == "act" else dst_v + 1
@@ -156,7 +156,7 @@ class Engine:
         return total, self._state, self._acc
 
     def _part(self, a: Action) -> tuple[int, PartFns]:
-        v = virtual(a, self.module.num_stages)
+        v = virtual(a, self.module.num_stages, self.module.placement)
         return v, self._p.fns[v]
 
     def _args(self, a: Action, fns: PartFns):
@@ -259,13 +259,14 @@ class Engine:
         self._done(a, self._acc[v])
 
     def _send(self, a: Action) -> None:
-        _, (kind, dst_v, m) = message(a, self.module.num_stages)
-        dst, src_v = self.module.stage_of(dst_v), virtual(a, self.module.num_stages)
+        S, place = self.module.num_stages, self.module.placement
+        _, (kind, dst_v, m) = message(a, S, place)
+        dst, src_v = self.module.stage_of(dst_v), virtual(a, S, place)
         if self.transport.same_process(a.stage, dst):  # else: exchanged at the end of the tick
             self._mail[(kind, dst_v, m)] = self.transport.put(self._out.pop((kind, src_v, m)), dst, "rows")
 
     def _recv(self, a: Action) -> None:
-        _, key = message(a, self.module.num_stages)
+        _, key = message(a, self.module.num_stages, self.module.placement)
         if key not in self._mail:
             raise RuntimeError(f"{a!r}: nothing was received for {key}; the schedule's sends and receives disagree "
                                "(validate() it).")

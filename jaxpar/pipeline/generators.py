@@ -4,6 +4,7 @@
     1f1b         warm-up forwards, then one forward / one backward, then the rest        (DeepSpeed TrainSchedule)
     interleaved  1F1B over V model chunks per stage                                       (Megatron, torch Interleaved1F1B)
     zbh1         1F1B with the backward split into I and W, each W deferred into a bubble (zero-bubble ZB-H1)
+    zbv          two chunks per stage in a V (down the stages, back up), I and W split    (ZB-V, torch ZBVZeroBubble)
     forward      forwards only, for evaluation                                            (torch _ScheduleForwardOnly)
 """
 from __future__ import annotations
@@ -27,12 +28,13 @@ def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
                          name="gpipe", num_microbatches=M)
 
 
-def forward_only(num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
-    """Inference: every stage forwards the micro-batches in order (chunk by chunk); no backward, no optimizer."""
+def forward_only(num_stages: int, num_microbatches: int, virtual_stages: int = 1, placement: str = "loop") -> Schedule:
+    """Inference: every stage forwards the micro-batches in order (chunk by chunk); no backward, no optimizer.
+    ``placement`` as the training schedule's (zbv's "v"), so the same stages hold the same chunks."""
     _check_args(num_stages, num_microbatches, virtual_stages)
     M, V = num_microbatches, virtual_stages
     return from_programs([[_f(s, m, c) for c in range(V) for m in range(M)] for s in range(num_stages)],
-                         name="forward", num_microbatches=M, virtual_stages=V, backward="")
+                         name="forward", num_microbatches=M, virtual_stages=V, backward="", placement=placement)
 
 
 def _one_f_one_b_program(fwd: list[Action], bwd: list[Action], warmup: int) -> list[Action]:
@@ -121,15 +123,77 @@ def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
     return from_programs(programs, name="zbh1", num_microbatches=M, backward="IW")
 
 
+def zb_v(num_stages: int, num_microbatches: int) -> Schedule:
+    """Zero-bubble ZB-V (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory"; torch's
+    ScheduleZBVZeroBubble): two model chunks per stage in the "v" placement -- chunk 0 of stage s is virtual stage
+    s, chunk 1 is 2S-1-s -- so stage 0 holds the first and the last chunk (inputs and loss on one device) and
+    stage S-1 passes its chunk 0's output to its own chunk 1 without a transfer. Backward split into I and W.
+
+    Stage s's program, as torch builds it (n = max(M, 2S-1), then the actions of micro-batches >= M dropped):
+    2(S-s)-1 chunk-0 forwards; s pairs (F chunk 1, F chunk 0); S-s triples (F, I, W of chunk 1); then, while
+    forwards remain, (F0, I0, W0, F1, I1, W1); the cool-down: s pairs (I0, I1), S-s pairs (I0, W0), the
+    remaining W's of chunk 1, then of chunk 0. A stage holds at most 2S chunk activations (half a stage each)
+    between F and W: 1F1B's S full stages. With M >= 2S-1 every stage idles S-1 ticks of 6M+S-1 (one chunk action
+    per tick): (S-1) / (6M+S-1), half ZB-H1's bubble in time at the same memory; smaller M still validate.
+    """
+    _check_args(num_stages, num_microbatches)
+    S, M = num_stages, num_microbatches
+    n = max(M, 2 * S - 1)
+    programs = []
+    for s in range(S):
+        prog: list[Action] = []
+        cnt = {"f0": 0, "f1": 0, "b0": 0, "b1": 0}
+
+        def put(op: Op, chunk: int, key: str, advance: bool = True) -> None:
+            prog.append(Action(s, op, cnt[key], chunk))
+            cnt[key] += advance
+
+        for _ in range(2 * (S - s) - 1):
+            put(Op.F, 0, "f0")
+        for _ in range(s):
+            put(Op.F, 1, "f1")
+            put(Op.F, 0, "f0")
+        for _ in range(S - s):
+            put(Op.F, 1, "f1")
+            put(Op.I, 1, "b1", advance=False)
+            put(Op.W, 1, "b1")
+        while cnt["f1"] < cnt["f0"] or cnt["f0"] < n:
+            if cnt["f0"] < n:
+                put(Op.F, 0, "f0")
+            put(Op.I, 0, "b0", advance=False)
+            put(Op.W, 0, "b0")
+            put(Op.F, 1, "f1")
+            put(Op.I, 1, "b1", advance=False)
+            put(Op.W, 1, "b1")
+        cnt["w0"], cnt["w1"] = cnt["b0"], cnt["b1"]
+        for _ in range(s):
+            put(Op.I, 0, "b0")
+            put(Op.I, 1, "b1")
+        for _ in range(S - s):
+            put(Op.I, 0, "b0")
+            put(Op.W, 0, "w0")
+        while cnt["w1"] < cnt["b1"]:
+            put(Op.W, 1, "w1")
+        while cnt["w0"] < cnt["b0"]:
+            put(Op.W, 0, "w0")
+        programs.append([a for a in prog if a.microbatch < M])
+    return from_programs(programs, name="zbv", num_microbatches=M, virtual_stages=2, backward="IW", placement="v")
+
+
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b, "zbh1": zb_h1,
-             "forward": forward_only}
+             "zbv": zb_v, "forward": forward_only}
 
 
 def make(name: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
-    """Build a schedule by name: gpipe, 1f1b, zbh1, interleaved or forward (the last two take virtual_stages)."""
+    """Build a schedule by name: gpipe, 1f1b, zbh1, interleaved or forward (the last two take virtual_stages),
+    zbv (two chunks per stage, V placement: virtual_stages must be 2)."""
     if name not in SCHEDULES:
         raise ValueError(f"{name=} is not a schedule; use one of {sorted(SCHEDULES)}")
     _check_args(num_stages, num_microbatches, virtual_stages)
+    if name == "zbv":
+        if virtual_stages != 2:
+            raise ValueError(f"zbv runs two chunks per stage (its V); got {virtual_stages=}; pass virtual_stages=2")
+        return zb_v(num_stages, num_microbatches)
     if name == "interleaved":
         return interleaved_1f1b(num_stages, num_microbatches, virtual_stages)
     if name == "forward":

@@ -130,7 +130,12 @@ class PipelineModule:
     def __init__(self, layers: Sequence[Any], num_stages: int, loss_fn: Callable | None = None,
                  partition_method: str = "parameters", activation_checkpoint_interval: int = 0, *,
                  virtual_stages: int = 1, seed: int = 0, wrt: Any = nnx.Param, example_input: Any = None,
-                 model: nnx.Module | None = None):
+                 model: nnx.Module | None = None, placement: str = "loop"):
+        from jaxpar.pipeline.schedule import PLACEMENTS
+
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement={placement!r} must be one of {PLACEMENTS} ('v' is zbv's: chunk 1 of stage s "
+                             "is virtual stage 2S-1-s)")
         for label, x, low in (("num_stages", num_stages, 1), ("virtual_stages", virtual_stages, 1),
                               ("activation_checkpoint_interval", activation_checkpoint_interval, 0)):
             if not isinstance(x, int) or isinstance(x, bool) or x < low:
@@ -140,7 +145,7 @@ class PipelineModule:
             layers = list(model.layers)
         self.model, self.layers, self.loss_fn, self.wrt = model, list(layers), loss_fn, wrt
         self.unpack = isinstance(model, nnx.Sequential)  # its convention: a tuple output is the next layer's *args
-        self.num_stages, self.virtual_stages = num_stages, virtual_stages
+        self.num_stages, self.virtual_stages, self.placement = num_stages, virtual_stages, placement
         self.partition_method, self.interval, self.example_input = partition_method, activation_checkpoint_interval, \
             example_input
         self.names = [getattr(type(l), "__name__", "layer") if isinstance(l, nnx.Module)
@@ -262,10 +267,13 @@ class PipelineModule:
         return self.num_stages * self.virtual_stages
 
     def stage_of(self, part: int) -> int:
-        return part % self.num_stages
+        """The stage holding virtual stage `part` (schedule.at's placement)."""
+        chunk, r = divmod(part, self.num_stages)
+        return self.num_stages - 1 - r if self.placement == "v" and chunk % 2 else r
 
     def part_of(self, stage: int, chunk: int = 0) -> int:
-        return chunk * self.num_stages + stage
+        S = self.num_stages
+        return chunk * S + (S - 1 - stage if self.placement == "v" and chunk % 2 else stage)
 
     def describe(self) -> str:
         """The partition: per part, its layers and parameter count; tied parameters."""

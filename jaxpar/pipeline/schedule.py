@@ -15,7 +15,9 @@ which can fill a bubble). A schedule's ``backward`` says which: "B", "IW", or ""
 Time model of the grid: every compute action takes one tick; `jaxpar.pipeline.analysis.simulate` replays the
 programs with other costs (F=1, B=2, I=W=1, the zero-bubble paper's) to compare fused and split backwards.
 Interleaved (Megatron) schedules: stage s holds V model chunks; chunk c of stage s is the VIRTUAL stage
-v = c*S + s, so activations travel the ring S-1 -> 0 between chunks. ``add_communication`` adds sends,
+v = c*S + s ("loop" placement), so activations travel the ring S-1 -> 0 between chunks. The "v" placement (ZB-V,
+torch's style="v") runs the odd chunks back up: chunk 1 of stage s is v = 2S-1-s, so stage S-1 holds the two
+middle virtual stages (no transfer between them) and stage 0 the first and the last. ``add_communication`` adds sends,
 receives, loads, the gradient reduction and the optimizer step to per-tick instruction lists (``steps[t][s]``);
 ``validate`` checks the numbered RULES and dry-runs those lists for deadlock; jaxpar.pipeline.engine runs them.
 The generators (gpipe, 1f1b, interleaved, zbh1, forward) live in jaxpar.pipeline.generators and the analysis
@@ -119,10 +121,13 @@ class Schedule:
     grid: tuple[tuple[Action | None, ...], ...]
     steps: tuple[tuple[tuple[Action, ...], ...], ...] = ()
     backward: str = "B"
+    placement: str = "loop"  # where chunk c of stage s sits in the model: see virtual()
 
     def __post_init__(self):
         if self.backward not in BACKWARDS:
             raise ValueError(f"backward={self.backward!r} must be 'B' (fused), 'IW' (split) or '' (forward-only)")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement={self.placement!r} must be one of {PLACEMENTS}")
         if not self.steps:
             object.__setattr__(self, "steps", tuple(tuple((a,) if a else () for a in row) for row in self.grid))
 
@@ -147,26 +152,33 @@ class Schedule:
         return grid_text(self)
 
 
-def virtual(a: Action, S: int) -> int:
-    """The virtual stage of ``a``: chunk * S + stage."""
+PLACEMENTS = ("loop", "v")
+
+
+def virtual(a: Action, S: int, placement: str = "loop") -> int:
+    """The virtual stage of ``a``: chunk * S + stage ("loop"); "v" counts the odd chunks back, chunk * S + S-1 -
+    stage, so the model runs down the stages and back up (ZB-V)."""
+    if placement == "v" and a.chunk % 2:
+        return a.chunk * S + S - 1 - a.stage
     return a.chunk * S + a.stage
 
 
-def at(v: int, op: Op, mb: int | None, S: int) -> Action:
+def at(v: int, op: Op, mb: int | None, S: int, placement: str = "loop") -> Action:
     """The action ``op`` of micro-batch ``mb`` on virtual stage v."""
-    return Action(v % S, op, mb, v // S)
+    chunk, r = divmod(v, S)
+    return Action(S - 1 - r if placement == "v" and chunk % 2 else r, op, mb, chunk)
 
 
-def deps(a: Action, S: int, V: int, backward: str = "B") -> list[Action]:
+def deps(a: Action, S: int, V: int, backward: str = "B", placement: str = "loop") -> list[Action]:
     """Compute actions that must run at an earlier tick than ``a`` (rules 2-4)."""
-    v, m = virtual(a, S), a.microbatch
+    v, m = virtual(a, S, placement), a.microbatch
     if a.op is Op.F:
-        return [at(v - 1, Op.F, m, S)] if v > 0 else []
+        return [at(v - 1, Op.F, m, S, placement)] if v > 0 else []
     if a.op is Op.W:
         return [Action(a.stage, Op.I, m, a.chunk)]
     own = Action(a.stage, Op.F, m, a.chunk)
     grad = Op.I if backward == "IW" else Op.B
-    return [own, at(v + 1, grad, m, S)] if v < S * V - 1 else [own]
+    return [own, at(v + 1, grad, m, S, placement)] if v < S * V - 1 else [own]
 
 
 def _check_args(num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> None:
@@ -204,7 +216,8 @@ def _check_programs(programs: Sequence[Sequence[Action]], M: int, V: int, backwa
 
 
 def from_programs(programs: Sequence[Sequence[Action]], *, name: str = "custom",
-                  num_microbatches: int | None = None, virtual_stages: int = 1, backward: str | None = None) -> Schedule:
+                  num_microbatches: int | None = None, virtual_stages: int = 1, backward: str | None = None,
+                  placement: str = "loop") -> Schedule:
     """Clock per-stage compute programs into a grid: each tick, every stage runs its next action if all its
     dependencies ran at earlier ticks (as soon as possible), else idles. Raises ScheduleError rule 6 on deadlock.
     ``backward`` None: read off the programs ("IW" if they hold I or W, "B" if B, else "")."""
@@ -219,11 +232,13 @@ def from_programs(programs: Sequence[Sequence[Action]], *, name: str = "custom",
     while any(pc[s] < len(programs[s]) for s in range(S)):
         t = len(grid)
         nxt = [programs[s][pc[s]] if pc[s] < len(programs[s]) else None for s in range(S)]
-        row = tuple(a if a and all(done.get(d, t) < t for d in deps(a, S, V, backward)) else None for a in nxt)
+        row = tuple(a if a and all(done.get(d, t) < t for d in deps(a, S, V, backward, placement)) else None
+                    for a in nxt)
         if not any(row):
-            stuck = Schedule(name, S, M, V, tuple(grid) + (tuple(nxt),), backward=backward)
+            stuck = Schedule(name, S, M, V, tuple(grid) + (tuple(nxt),), backward=backward, placement=placement)
             waits = "; ".join(f"stage {a.stage} waits at {a!r} for "
-                              f"{[d for d in deps(a, S, V, backward) if d not in done]}" for a in nxt if a)
+                              f"{[d for d in deps(a, S, V, backward, placement) if d not in done]}"
+                              for a in nxt if a)
             cells = [(t, a.stage) for a in nxt if a]
             raise ScheduleError(6, f"deadlock at tick {t} (marked: the action each stage is stuck at): {waits}",
                                 grid_text(stuck, cells), cells)
@@ -232,7 +247,7 @@ def from_programs(programs: Sequence[Sequence[Action]], *, name: str = "custom",
                 done[a] = t
                 pc[a.stage] += 1
         grid.append(row)
-    return Schedule(name, S, M, V, tuple(grid), backward=backward)
+    return Schedule(name, S, M, V, tuple(grid), backward=backward, placement=placement)
 
 
 def add_communication(schedule: Schedule) -> Schedule:
@@ -252,7 +267,7 @@ def add_communication(schedule: Schedule) -> Schedule:
         for s, a in enumerate(row):
             ins = []
             if a is not None:
-                m, c, v = a.microbatch, a.chunk, virtual(a, S)
+                m, c, v = a.microbatch, a.chunk, virtual(a, S, schedule.placement)
                 if a.op is Op.F:
                     ins += [Action(s, Op.LOAD, m, c)] if v in (0, last) else []
                     ins += [Action(s, Op.RECV_ACT, m, c)] if v > 0 else []
@@ -280,23 +295,23 @@ _MESSAGES = {Op.SEND_ACT: ("send", "act", 1), Op.RECV_ACT: ("recv", "act", 0),
              Op.SEND_GRAD: ("send", "grad", -1), Op.RECV_GRAD: ("recv", "grad", 0)}
 
 
-def message(a: Action, S: int) -> tuple[str, tuple[str, int, int]] | None:
+def message(a: Action, S: int, placement: str = "loop") -> tuple[str, tuple[str, int, int]] | None:
     """(direction, (kind, receiving virtual stage, micro-batch)) of a send / receive; None otherwise."""
     if a.op not in _MESSAGES:
         return None
     direction, kind, hop = _MESSAGES[a.op]
-    return direction, (kind, virtual(a, S) + hop, a.microbatch)
+    return direction, (kind, virtual(a, S, placement) + hop, a.microbatch)
 
 
-def _sender(recv: Action, S: int) -> Action:
+def _sender(recv: Action, S: int, placement: str = "loop") -> Action:
     """The send that a receive waits for."""
-    _, (kind, v, m) = message(recv, S)
-    return at(v - 1, Op.SEND_ACT, m, S) if kind == "act" else at(v + 1, Op.SEND_GRAD, m, S)
+    _, (kind, v, m) = message(recv, S, placement)
+    return at(v - 1, Op.SEND_ACT, m, S, placement) if kind == "act" else at(v + 1, Op.SEND_GRAD, m, S, placement)
 
 
 def _dry_run(schedule: Schedule) -> None:
     """Rule 6: run each stage's instruction stream in order; a receive blocks until its send has run."""
-    S = schedule.num_stages
+    S, place = schedule.num_stages, schedule.placement
     streams = [[(t, a) for t, row in enumerate(schedule.steps) for a in row[s]] for s in range(S)]
     pc, in_flight = [0] * S, Counter()
     progress = True
@@ -304,7 +319,7 @@ def _dry_run(schedule: Schedule) -> None:
         progress = False
         for s in range(S):
             while pc[s] < len(streams[s]):
-                msg = message(streams[s][pc[s]][1], S)
+                msg = message(streams[s][pc[s]][1], S, place)
                 if msg and msg[0] == "recv":
                     if not in_flight[msg[1]]:
                         break  # blocking receive: its send has not run yet
@@ -315,7 +330,8 @@ def _dry_run(schedule: Schedule) -> None:
                 progress = True
     stuck = [streams[s][pc[s]] for s in range(S) if pc[s] < len(streams[s])]
     if stuck:
-        waits = "; ".join(f"stage {a.stage} blocks at {a!r} (tick {t}) waiting for {_sender(a, S)!r}" for t, a in stuck)
+        waits = "; ".join(f"stage {a.stage} blocks at {a!r} (tick {t}) waiting for {_sender(a, S, place)!r}"
+                          for t, a in stuck)
         cells = [(t, a.stage) for t, a in stuck]
         raise ScheduleError(6, f"deadlock: {waits}", grid_text(schedule, cells), cells)
     left = sorted(k for k, n in in_flight.items() if n)
@@ -349,7 +365,7 @@ def validate(schedule: Schedule) -> Schedule:
     _check_once(where, S, M, V, bw, fail)
     tick = {a: cells[0][0] for a, cells in where.items()}
     for a, t in sorted(tick.items(), key=lambda kv: kv[1]):
-        for d in deps(a, S, V, bw):  # a backward's own F comes first, so a swapped F/B reads as rule 2
+        for d in deps(a, S, V, bw, schedule.placement):  # a backward's own F comes first, so a swapped F/B reads as rule 2
             if tick[d] >= t:
                 rule = 3 if a.op is Op.F else 2 if d.op is Op.F or a.op is Op.W else 4
                 fail(rule, f"{a!r} at tick {t} must follow {d!r} at tick {tick[d]}", [(t, a.stage)])
@@ -362,4 +378,4 @@ def validate(schedule: Schedule) -> Schedule:
 from jaxpar.pipeline.analysis import (COSTS, UNIT, Transfer, bubble_fraction, buffer_slots,  # noqa: E402,F401
                                       peak_inflight, simulate, transfers)
 from jaxpar.pipeline.generators import (SCHEDULES, forward_only, gpipe, interleaved_1f1b, make,  # noqa: E402,F401
-                                        one_f_one_b, zb_h1)
+                                        one_f_one_b, zb_h1, zb_v)

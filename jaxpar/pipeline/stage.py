@@ -26,6 +26,8 @@ of the slices -- carry a leading axis of D x T (kind "local").
 """
 from __future__ import annotations
 
+import copy
+
 from typing import Any, NamedTuple
 
 import jax
@@ -101,7 +103,14 @@ def part_fns(module, part: int, objective: Objective, layout: Layout, mesh, micr
     """PartFns of `part`, shared with any earlier part of the same structure on the same devices (another
     Pipeline of the same model, another schedule over the same partition): XLA compiles each function once."""
     fns = PartFns(module, part, objective, layout, mesh, micro_batches, compiler_options)
-    return _COMPILED.setdefault(fns.key, fns)
+    shared = _COMPILED.setdefault(fns.key, fns)
+    if shared is fns:
+        return fns
+    # the same compiled functions (they take the parameters as arguments), but THIS part's parameters and state:
+    # two parts of one structure on one stage (interleaved or V chunks of identical blocks) hold different ones
+    out = copy.copy(shared)
+    out.part, out.pidx, out.sidx = fns.part, fns.pidx, fns.sidx
+    return out
 
 
 class PartFns:

@@ -128,6 +128,7 @@ class Pipeline:
         else:
             module = PipelineModule.from_model(
                 model, num_stages, partition_method=partition_method, virtual_stages=virtual_stages,
+                placement="v" if schedule == "zbv" else "loop",
                 activation_checkpoint_interval=activation_checkpoint_interval, example_input=example_input,
                 wrt=objective_options.get("wrt", nnx.Param), seed=seed)
         if loss_fn is None and module.loss_fn is not None:
@@ -145,10 +146,19 @@ class Pipeline:
         if schedule == "forward":
             raise ValueError("schedule='forward' has no backward and cannot train; use gpipe, 1f1b, interleaved or "
                              "zbh1 (the strategy evaluates with the forward schedule by itself).")
-        if V > 1 and schedule != "interleaved":
-            raise ValueError(f"virtual_stages={V} needs schedule='interleaved' (model chunks); got {schedule!r}.")
+        if schedule == "zbv" and V != 2:
+            raise ValueError(f"schedule='zbv' runs two model chunks per stage in a V; got virtual_stages={V}; pass "
+                             "virtual_stages=2 (--virtual-stages 2).")
+        if V > 1 and schedule not in ("interleaved", "zbv"):
+            raise ValueError(f"virtual_stages={V} needs schedule='interleaved' or 'zbv' (model chunks); got "
+                             f"{schedule!r}.")
+        want = "v" if schedule == "zbv" else "loop"
+        if module.placement != want:
+            raise ValueError(f"the PipelineModule places its chunks {module.placement!r} but schedule={schedule!r} "
+                             f"runs them {want!r}; build it with PipelineModule(..., placement={want!r}).")
         self.schedule = schedule_lib.validate(schedule_lib.add_communication(generators.make(schedule, S, M, V)))
-        self.eval_schedule = schedule_lib.validate(schedule_lib.add_communication(generators.forward_only(S, M, V)))
+        self.eval_schedule = schedule_lib.validate(schedule_lib.add_communication(
+            generators.forward_only(S, M, V, placement=want)))
         self.micro_batches, self.D = M, self.mesh.shape[DATA]
         self.transport = Transport(self.mesh)
         self.needs_norm = opt_lib.probe(tx, module)

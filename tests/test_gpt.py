@@ -265,6 +265,9 @@ STRATEGIES = {
     "ddp_psum_2": lambda model, tx: jaxpar.DistributedDataParallel(model, tx, mesh=jaxpar.make_mesh(2)),
     "ddp_ring_4_buckets": lambda model, tx: jaxpar.DistributedDataParallel(
         model, tx, mesh=jaxpar.make_mesh(4), allreduce="ring", bucket_cap_mb=0.001, overlap=True),
+    # ZB-V: the embedding and the tied head are both chunks of stage 0, one copy of wte taking both gradients
+    "pipeline_zbv": lambda model, tx: jaxpar.Pipeline(model, tx, num_stages=2, micro_batches=2, schedule="zbv",
+                                                      virtual_stages=2),
 }
 
 

@@ -7,7 +7,7 @@
 ring        ring_allreduce.png: the 2(N-1) steps of jaxpar.comm.collectives.ring_all_reduce on N=4 devices, simulated
             on symbolic chunks ("a0+b0") with the chunk indices the device code uses, checked against its numpy
             twin ring_all_reduce_ref run on the same symbols.
-schedules   schedule_{gpipe,1f1b,interleaved,zbh1}.png: jaxpar.pipeline.schedule.render of S=4 stages, M=8
+schedules   schedule_{gpipe,1f1b,interleaved,zbh1,zbv}.png: jaxpar.pipeline.schedule.render of S=4 stages, M=8
             micro-batches (V=2 chunks for interleaved); the titles give bubble_fraction and peak_inflight.
 loss        loss_curves.png: train.py in one subprocess per strategy (each simulates its own 8 CPU devices),
             the "step" records of their --metrics-out files on one chart, and below it each run's gap to
@@ -180,7 +180,7 @@ def draw_ring(path: str, n: int = 4) -> str:
 
 # ---- pipeline schedules ------------------------------------------------------------------------------------
 
-SCHEDULE_FIGURES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zbh1", 1))  # (name, chunks) at S=4, M=8
+SCHEDULE_FIGURES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zbh1", 1), ("zbv", 2))  # (name, chunks), S=4, M=8
 
 
 def draw_schedules(out: str, stages: int = 4, micro_batches: int = 8) -> list[str]:
@@ -192,7 +192,7 @@ def draw_schedules(out: str, stages: int = 4, micro_batches: int = 8) -> list[st
         peaks = schedule.peak_inflight(s)
         chunks = f", V={v} chunks per stage" if v > 1 else ""
         unit = f" (each 1/{v} of a stage's)" if v > 1 else ""
-        costs = f" ({schedule.bubble_fraction(s, schedule.COSTS):.1%} with B = I + W)" if name != "zbh1" else ""
+        costs = f" ({schedule.bubble_fraction(s, schedule.COSTS):.1%} with B = I + W)" if s.backward == "B" else ""
         title = (f"{name}: S={stages} stages, M={micro_batches} micro-batches{chunks}; {s.num_ticks} ticks, "
                  f"bubble {schedule.bubble_fraction(s):.1%}{costs}\n"
                  f"peak in-flight activations per stage: {peaks}{unit}")

@@ -4,7 +4,7 @@
     1f1b         warm-up forwards, then one forward / one backward, then the rest        (DeepSpeed TrainSchedule)
     interleaved  1F1B over V model chunks per stage                                       (Megatron, torch Interleaved1F1B)
     zbh1         1F1B with the backward split into I and W, each W deferred into a bubble (zero-bubble ZB-H1)
-    zbv          two chunks per stage in a V (down the stages, back up), I and W split    (ZB-V, torch ZBVZeroBubble)
+    zbv          two chunks per stage in a V (down the stages, back up), I and W split   (ZB-V, torch's ZBV)
     forward      forwards only, for evaluation                                            (torch _ScheduleForwardOnly)
 """
 from __future__ import annotations

@@ -46,8 +46,8 @@ def table(pipe, layout) -> list[dict]:
     variants = {}
     for name, n in (("store", 0), ("recompute", interval)):
         other = mod if n == mod.interval else PipelineModule.from_model(
-            mod.model, mod.num_stages, partition_method=mod.partition_method, virtual_stages=mod.virtual_stages, placement=mod.placement,
-            activation_checkpoint_interval=n, wrt=mod.wrt, example_input=mod.example_input)
+            mod.model, mod.num_stages, partition_method=mod.partition_method, virtual_stages=mod.virtual_stages,
+            placement=mod.placement, activation_checkpoint_interval=n, wrt=mod.wrt, example_input=mod.example_input)
         variants[name] = activation_bytes(pipe, other, layout)
     held = analysis.peak_inflight(sch)
     rows = []

@@ -365,7 +365,8 @@ def validate(schedule: Schedule) -> Schedule:
     _check_once(where, S, M, V, bw, fail)
     tick = {a: cells[0][0] for a, cells in where.items()}
     for a, t in sorted(tick.items(), key=lambda kv: kv[1]):
-        for d in deps(a, S, V, bw, schedule.placement):  # a backward's own F comes first, so a swapped F/B reads as rule 2
+        # a backward's own F comes first, so a swapped F/B reads as rule 2
+        for d in deps(a, S, V, bw, schedule.placement):
             if tick[d] >= t:
                 rule = 3 if a.op is Op.F else 2 if d.op is Op.F or a.op is Op.W else 4
                 fail(rule, f"{a!r} at tick {t} must follow {d!r} at tick {tick[d]}", [(t, a.stage)])

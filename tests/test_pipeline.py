@@ -344,6 +344,11 @@ def test_bad_input_is_refused_before_any_work():
             Pipeline(model, TX, **{"loss_fn": loss, **kw})
     with pytest.raises(ValueError, match="has no `layers`"):
         Pipeline(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), TX, loss_fn=loss)
+    looped = jaxpar.PipelineModule.from_model(model, 2, virtual_stages=2)  # chunks placed for interleaved
+    with pytest.raises(ValueError, match="places its chunks 'loop' but schedule='zbv' runs them 'v'"):
+        Pipeline(looped, TX, loss_fn=loss, schedule="zbv", virtual_stages=2)
+    with pytest.raises(ValueError, match="placement='w' must be one of"):
+        jaxpar.PipelineModule.from_model(model, 2, placement="w")
     with pytest.raises(ValueError, match="must have a 'pipe' axis of num_stages=2"):
         Pipeline(model, TX, loss_fn=loss, mesh=pipeline_mesh(3, 3))
     with pytest.raises(ValueError, match="num_devices=3 must be a multiple of num_stages=2"):

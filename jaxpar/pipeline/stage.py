@@ -27,7 +27,6 @@ of the slices -- carry a leading axis of D x T (kind "local").
 from __future__ import annotations
 
 import copy
-
 from typing import Any, NamedTuple
 
 import jax

@@ -1,5 +1,6 @@
 """DeepSpeed's pipeline engine: the model's layers cut into stages that each own their weights, micro-batches run
-on a schedule that is plain data (GPipe, 1F1B, interleaved, zero-bubble ZB-H1; forward-only for evaluation).
+on a schedule that is plain data (GPipe, 1F1B, interleaved, zero-bubble ZB-H1 and ZB-V; forward-only for
+evaluation).
 
     pipe = Pipeline(model, optax.sgd(0.1), loss_fn=jaxpar.OutputLoss(mse), num_stages=2, micro_batches=4)
     placed = pipe.init(jaxpar.init_state(model, pipe.tx))         # the canonical state, cut into stages
@@ -144,8 +145,8 @@ class Pipeline:
             raise ValueError(f"mesh {dict(self.mesh.shape)} must have a {PIPE!r} axis of num_stages={S}; build it "
                              "with jaxpar.strategies.pipeline.pipeline_mesh(devices, num_stages).")
         if schedule == "forward":
-            raise ValueError("schedule='forward' has no backward and cannot train; use gpipe, 1f1b, interleaved or "
-                             "zbh1 (the strategy evaluates with the forward schedule by itself).")
+            raise ValueError("schedule='forward' has no backward and cannot train; use gpipe, 1f1b, interleaved, "
+                             "zbh1 or zbv (the strategy evaluates with the forward schedule by itself).")
         if schedule == "zbv" and V != 2:
             raise ValueError(f"schedule='zbv' runs two model chunks per stage in a V; got virtual_stages={V}; pass "
                              "virtual_stages=2 (--virtual-stages 2).")

@@ -120,46 +120,38 @@ def torch_run(world: int, spec: dict):
     return run
 
 
-class PlainRun:
+class PlainStep:
     """The ceiling without jaxpar: the same model and optimizer in a hand-written jitted NNX step (nnx.split, the
-    mean cross-entropy over the whole batch, jax.value_and_grad, optax), timed like JaxparRun."""
+    mean cross-entropy over the whole batch, jax.value_and_grad, optax). Shaped like a strategy (init, put_batch,
+    step) so rounds.JaxparRun times it as it times jaxpar's."""
 
-    def __init__(self, model, tx, batch: dict, steps: int, units: float):
+    def __init__(self, model, tx):
         import jax
-        import jax.numpy as jnp
         import optax
         from flax import nnx
 
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        x, y = jnp.asarray(batch["x"]), jnp.asarray(batch["y"])
+        graphdef, self.params, rest = nnx.split(model, nnx.Param, ...)
 
-        def loss(p):
-            logits = nnx.merge(graphdef, p, rest)(x)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        def loss(p, batch):
+            logits = nnx.merge(graphdef, p, rest)(batch["x"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
         @jax.jit
-        def step(p, o):
-            value, g = jax.value_and_grad(loss)(p)
+        def step(state, batch):
+            p, o = state
+            value, g = jax.value_and_grad(loss)(p, batch)
             u, o = tx.update(g, o, p)
-            return optax.apply_updates(p, u), o, value
+            return (optax.apply_updates(p, u), o), {"loss": value}
 
-        self.step, self.steps, self.units = step, steps, units * steps
-        self.state = (params, tx.init(params))
-        p, o, first = step(*self.state)
-        self.first_loss = float(first)
-        self.state = step(p, o)[:2]
-        jax.block_until_ready(self.state)
+        self.tx, self.step = tx, step
 
-    def measure(self) -> tuple[float, float]:
-        import jax
+    def init(self, state):
+        return self.params, self.tx.init(self.params)  # the model's own weights: the same as `state`'s
 
-        t, cpu = time.perf_counter(), time.process_time()
-        p, o = self.state
-        for _ in range(self.steps):
-            p, o, _ = self.step(p, o)
-        jax.block_until_ready((p, o))
-        self.state = (p, o)
-        return self.units / (time.perf_counter() - t), self.units / (time.process_time() - cpu)
+    def put_batch(self, batch: dict) -> dict:
+        import jax.numpy as jnp
+
+        return {"x": jnp.asarray(batch["x"]), "y": jnp.asarray(batch["y"])}
 
 
 def cpu_gemm_tflops(threads: int) -> float:
@@ -221,7 +213,7 @@ def main(argv=None) -> None:
     tokens = batch["x"].size
     runs = {"jaxpar single": JaxparRun(jaxpar.SingleDevice(model, tx, **options), state, batch, args.steps, tokens)}
     if args.plain and args.precision == "fp32":
-        runs["plain NNX step (no jaxpar)"] = PlainRun(model, tx, batch, args.steps, tokens)
+        runs["plain NNX step (no jaxpar)"] = JaxparRun(PlainStep(model, tx), state, batch, args.steps, tokens)
     if ddp:
         ddp_strategy = jaxpar.DistributedDataParallel(model, tx, mesh=jaxpar.make_mesh(ddp), **options)
         runs[f"jaxpar DDP {ddp} dev"] = JaxparRun(ddp_strategy, state, batch, args.steps, tokens)

@@ -342,8 +342,10 @@ def micro_batch_rates(stack, batch: dict, M: int, n_rounds: int) -> None:
         import torch
 
         torch.set_num_threads(2)
-        net = torch.nn.Sequential(*[m for i in range(16) for m in (torch.nn.Linear(512, 512 if i < 15 else 10),)
-                                    + ((torch.nn.ReLU(),) if i < 15 else ())])
+        layers = []
+        for i in range(16):  # stack_model's shapes (timing only: torch's own initial weights)
+            layers += [torch.nn.Linear(512, 512), torch.nn.ReLU()] if i < 15 else [torch.nn.Linear(512, 10)]
+        net = torch.nn.Sequential(*layers)
         tw, tparts = torch.from_numpy(batch["x"]), [torch.from_numpy(batch["x"][i:i + n // M]) for i in
                                                      range(0, n, n // M)]
 

@@ -27,6 +27,7 @@ import jax
 from flax import nnx
 
 from jaxpar.pipeline import partition as partition_lib
+from jaxpar.pipeline import schedule as schedule_lib
 
 
 class LayerSpec:
@@ -131,11 +132,9 @@ class PipelineModule:
                  partition_method: str = "parameters", activation_checkpoint_interval: int = 0, *,
                  virtual_stages: int = 1, seed: int = 0, wrt: Any = nnx.Param, example_input: Any = None,
                  model: nnx.Module | None = None, placement: str = "loop"):
-        from jaxpar.pipeline.schedule import PLACEMENTS
-
-        if placement not in PLACEMENTS:
-            raise ValueError(f"placement={placement!r} must be one of {PLACEMENTS} ('v' is zbv's: chunk 1 of stage s "
-                             "is virtual stage 2S-1-s)")
+        if placement not in schedule_lib.PLACEMENTS:
+            raise ValueError(f"placement={placement!r} must be one of {schedule_lib.PLACEMENTS} ('v' is zbv's: chunk "
+                             "1 of stage s is virtual stage 2S-1-s)")
         for label, x, low in (("num_stages", num_stages, 1), ("virtual_stages", virtual_stages, 1),
                               ("activation_checkpoint_interval", activation_checkpoint_interval, 0)):
             if not isinstance(x, int) or isinstance(x, bool) or x < low:
@@ -267,13 +266,8 @@ class PipelineModule:
         return self.num_stages * self.virtual_stages
 
     def stage_of(self, part: int) -> int:
-        """The stage holding virtual stage `part` (schedule.at's placement)."""
-        chunk, r = divmod(part, self.num_stages)
-        return self.num_stages - 1 - r if self.placement == "v" and chunk % 2 else r
-
-    def part_of(self, stage: int, chunk: int = 0) -> int:
-        S = self.num_stages
-        return chunk * S + (S - 1 - stage if self.placement == "v" and chunk % 2 else stage)
+        """The stage holding virtual stage `part` under this module's placement."""
+        return schedule_lib.stage_of(part, self.num_stages, self.placement)
 
     def describe(self) -> str:
         """The partition: per part, its layers and parameter count; tied parameters."""

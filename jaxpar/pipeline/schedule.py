@@ -163,10 +163,15 @@ def virtual(a: Action, S: int, placement: str = "loop") -> int:
     return a.chunk * S + a.stage
 
 
+def stage_of(v: int, S: int, placement: str = "loop") -> int:
+    """The stage holding virtual stage v: virtual() inverted."""
+    chunk, r = divmod(v, S)
+    return S - 1 - r if placement == "v" and chunk % 2 else r
+
+
 def at(v: int, op: Op, mb: int | None, S: int, placement: str = "loop") -> Action:
     """The action ``op`` of micro-batch ``mb`` on virtual stage v."""
-    chunk, r = divmod(v, S)
-    return Action(S - 1 - r if placement == "v" and chunk % 2 else r, op, mb, chunk)
+    return Action(stage_of(v, S, placement), op, mb, v // S)
 
 
 def deps(a: Action, S: int, V: int, backward: str = "B", placement: str = "loop") -> list[Action]:

@@ -124,12 +124,13 @@ class Pipeline:
         if mesh is not None and mesh.shape.get(TENSOR, 1) != T:
             raise ValueError(f"mesh {dict(mesh.shape)} must have a {TENSOR!r} axis of tensor_parallel={T}; build it "
                              "with jaxpar.strategies.pipeline.pipeline_mesh(devices, num_stages, tensor_parallel).")
+        placement = "v" if schedule == "zbv" else "loop"  # the schedules' chunk placement (schedule.virtual)
         if isinstance(model, PipelineModule):
             module = model
         else:
             module = PipelineModule.from_model(
                 model, num_stages, partition_method=partition_method, virtual_stages=virtual_stages,
-                placement="v" if schedule == "zbv" else "loop",
+                placement=placement,
                 activation_checkpoint_interval=activation_checkpoint_interval, example_input=example_input,
                 wrt=objective_options.get("wrt", nnx.Param), seed=seed)
         if loss_fn is None and module.loss_fn is not None:
@@ -153,13 +154,12 @@ class Pipeline:
         if V > 1 and schedule not in ("interleaved", "zbv"):
             raise ValueError(f"virtual_stages={V} needs schedule='interleaved' or 'zbv' (model chunks); got "
                              f"{schedule!r}.")
-        want = "v" if schedule == "zbv" else "loop"
-        if module.placement != want:
+        if module.placement != placement:
             raise ValueError(f"the PipelineModule places its chunks {module.placement!r} but schedule={schedule!r} "
-                             f"runs them {want!r}; build it with PipelineModule(..., placement={want!r}).")
+                             f"runs them {placement!r}; build it with PipelineModule(..., placement={placement!r}).")
         self.schedule = schedule_lib.validate(schedule_lib.add_communication(generators.make(schedule, S, M, V)))
         self.eval_schedule = schedule_lib.validate(schedule_lib.add_communication(
-            generators.forward_only(S, M, V, placement=want)))
+            generators.forward_only(S, M, V, placement=placement)))
         self.micro_batches, self.D = M, self.mesh.shape[DATA]
         self.transport = Transport(self.mesh)
         self.needs_norm = opt_lib.probe(tx, module)

@@ -369,9 +369,15 @@ def worker(out: str) -> None:
     processes) and the MLP as 4 stages (1F1B, global-norm clipping); each saves the state it unplaces. (ZB-V
     across processes is not run here: one of three clean-clone CI runs hung in this test after it was added, and
     the hang has not been reproduced or explained yet.)"""
+    import faulthandler
+    import signal
+
     from jaxpar.mesh import simulate_cpu_devices
     from jaxpar.run import distributed
 
+    # a stuck rank prints every thread's stack: itself after WATCHDOG s, the other on the launcher's SIGTERM
+    faulthandler.dump_traceback_later(WATCHDOG, exit=True)
+    faulthandler.register(signal.SIGTERM, chain=True)
     simulate_cpu_devices(2)
     distributed.initialize()
     rank = jax.process_index()
@@ -383,11 +389,13 @@ def worker(out: str) -> None:
         placed = pipe.init(jaxpar.init_state(model, tx))
         for _ in range(STEPS):
             placed, m = pipe.step(placed, pipe.put_batch(batch))
+            print(f"process {rank} {label} step {_} loss {float(m['loss']):.6f}", flush=True)
         print(f"process {rank}/{jax.process_count()} {label}: {pipe.describe()} loss {float(m['loss']):.6f}",
               flush=True)
         np.savez(f"{out}.{label}.rank{rank}.npz", *map(np.asarray, jax.tree.leaves(pipe.unplace(placed).params)))
 
 
+WATCHDOG = 420  # seconds; the test waits 600
 CLIP = optax.chain(jaxpar.optim.clip_by_global_norm(0.05), optax.sgd(0.1, momentum=0.9))
 
 
@@ -397,7 +405,12 @@ def test_two_processes_equal_single(tmp_path):
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     refs = {"mlp": reference("mlp", CLIP)[1], "lm": reference("lm")[1]}  # meanwhile, in this process
-    out, _ = proc.communicate(timeout=600)
+    try:
+        out, _ = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out = proc.communicate()[0]
+        pytest.fail(f"the two processes did not finish in 600 s; their output:\n{out}")
     assert proc.returncode == 0, out
     assert "process 1/2 mlp: 4 devices (2 processes), mesh {'data': 1, 'pipe': 4}" in out, out
     assert "process 0/2 lm: 4 devices (2 processes), mesh {'data': 2, 'pipe': 2}" in out, out

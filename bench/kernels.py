@@ -1,7 +1,7 @@
 """What XLA:CPU's kernels give against PyTorch's on this machine, below any jaxpar code: GEMMs (small-row ones too),
 the ConvNet's convolutions in jaxpar's three implementations, and a textbook JAX GPT step.
 
-    python bench/kernels.py                     # all three tables, 2 threads on both sides
+    python bench/kernels.py                     # every table, 2 threads on both sides
     python bench/kernels.py --only gemm,conv
 
 Every row times the same shapes and values on both sides, alternating, best of --repeats runs of --calls calls
@@ -12,6 +12,9 @@ Every row times the same shapes and values on both sides, alternating, best of -
 - conv: the ConvNet's second convolution (32 -> 64 channels, 3x3, 26x26, batch 128), forward and forward +
   backward, XLA's conv, jaxpar's "chunked" (32 samples per call, the CPU default) and im2col against torch's
   conv2d (oneDNN);
+- attention: gpt-cpu's attention (batch 16, 4 heads of 64, 256 tokens): its batched GEMMs and softmax, each
+  against torch at --threads and at 1 thread, then causal attention forward + backward, jaxpar's
+  (jaxpar.models.gpt_ops.causal_attention, what the GPT runs on CPUs) against torch's scaled_dot_product_attention;
 - gpt: a GPT step written plainly in jax.numpy (no NNX, no jaxpar: nanoGPT's math, whole batch, AdamW) against
   torch eager on the same shapes as bench/gpt.py's gpt-cpu, so jaxpar's own 0.7-0.8x there can be read against
   what plain JAX reaches.
@@ -37,7 +40,7 @@ TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--only", default="gemm,conv,gpt", help="comma separated: gemm, conv, gpt")
+    p.add_argument("--only", default="gemm,conv,attention,gpt", help="comma separated: gemm, conv, attention, gpt")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (XLA uses every core)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--calls", type=int, default=10)
@@ -187,6 +190,54 @@ def gpt(args) -> None:
     print(f"| whole batch, jax.nn.dot_product_attention | {tokens / tj:,.0f} | {tokens / tt:,.0f} | {tt / tj:.2f}x |")
 
 
+def attention(args) -> None:
+    import torch
+
+    from jaxpar.models.gpt_ops import causal_attention
+
+    B, N, T, H = 16, 4, 256, 64
+    rng = np.random.default_rng(0)
+    q, k, v, dy = (rng.standard_normal((B, T, N, H), dtype=np.float32) for _ in range(4))
+    s = rng.standard_normal((B, N, T, T), dtype=np.float32)
+    qn, sn = np.ascontiguousarray(q.transpose(0, 2, 1, 3)), s  # [B, N, T, H] and [B, N, T, T], both sides
+    qj, sj, qt, st = jnp.asarray(qn), jnp.asarray(sn), torch.from_numpy(qn), torch.from_numpy(sn)
+    gemm_flops = 2 * B * N * T * T * H / 1e9
+    rows = [("q k^T (batched GEMM)", jax.jit(lambda a: jnp.einsum("bnqh,bnkh->bnqk", a, a)), (qj,),
+             lambda: qt @ qt.transpose(-1, -2), gemm_flops),
+            ("p v (batched GEMM)", jax.jit(lambda p, a: p @ a), (sj, qj), lambda: st @ qt, gemm_flops),
+            ("p^T dy (batched GEMM, the backward's)", jax.jit(lambda p, a: jnp.einsum("bnqk,bnqh->bnkh", p, a)),
+             (sj, qj), lambda: st.transpose(-1, -2) @ qt, gemm_flops),
+            ("softmax over the keys", jax.jit(lambda p: jax.nn.softmax(p, axis=-1)), (sj,),
+             lambda: torch.softmax(st, -1), None)]
+    print(f"\n| attention part, batch {B} x {N} heads, {T} tokens, head {H} | jax ms | torch ms ({args.threads} "
+          "threads) | torch ms (1 thread) | jax speed vs torch |")
+    print("|---|---:|---:|---:|---:|")
+    for name, fn, fargs, tfn, flops in rows:
+        tj, tt = best_pair(lambda: fn(*fargs), tfn, args.repeats, args.calls)
+        torch.set_num_threads(1)
+        _, t1 = best_pair(lambda: fn(*fargs), tfn, 2, args.calls)
+        torch.set_num_threads(args.threads)
+        rate = "" if flops is None else f" ({flops / tj:.0f} vs {flops / tt:.0f} / {flops / t1:.0f} GFLOP/s)"
+        print(f"| {name}{rate} | {tj * 1e3:.2f} | {tt * 1e3:.2f} | {t1 * 1e3:.2f} | {tt / tj:.2f}x |")
+
+    loss = lambda q, k, v, dy: jnp.sum(causal_attention(q, k, v, "xla") * dy)  # noqa: E731
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    jargs = [jnp.asarray(a) for a in (q, k, v, dy)]
+    tq, tk, tv, tdy = (torch.from_numpy(np.ascontiguousarray(a.transpose(0, 2, 1, 3))).requires_grad_()
+                       for a in (q, k, v, dy))
+
+    def torch_fwd_bwd():
+        for t in (tq, tk, tv):
+            t.grad = None
+        torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True).backward(tdy)
+
+    tj, tt = best_pair(lambda: grad(*jargs), torch_fwd_bwd, args.repeats, args.calls)
+    dq = np.asarray(grad(*jargs)[0])
+    err = float(np.abs(dq - tq.grad.numpy().transpose(0, 2, 1, 3)).max())
+    print(f"| causal attention forward + backward (dq max diff {err:.1e}) | {tj * 1e3:.2f} | {tt * 1e3:.2f} | | "
+          f"{tt / tj:.2f}x |")
+
+
 def main(argv=None) -> None:
     args = parse(argv)
     import torch
@@ -195,7 +246,7 @@ def main(argv=None) -> None:
     print(f"jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__} with {args.threads} threads, "
           f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
     for name in args.only.split(","):
-        {"gemm": gemm, "conv": conv, "gpt": gpt}[name](args)
+        {"gemm": gemm, "conv": conv, "attention": attention, "gpt": gpt}[name](args)
 
 
 if __name__ == "__main__":

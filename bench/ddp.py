@@ -90,9 +90,11 @@ def _torch_worker(rank: int, world: int, port: int, batch: int, steps: int, comm
 def main(argv=None) -> None:
     args = parse(argv)
     from jaxpar.mesh import simulate_cpu_devices
+    from jaxpar.run.hostmem import tune_host_allocator
     from rounds import JaxparRun, TorchRanks
 
     simulate_cpu_devices(args.devices)
+    tune_host_allocator()  # the CPU fast path train.py takes, before JAX allocates
     import jax
     import numpy as np
 

@@ -28,17 +28,20 @@ p.add_argument("--wide-classes", type=int, default=10_000, help="outputs of the 
 p.add_argument("--out", default="runs/dp_vs_ddp.png", help="PNG bar chart")
 args = p.parse_args()
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jaxpar.mesh import simulate_cpu_devices  # noqa: E402
+from jaxpar.run.hostmem import tune_host_allocator  # noqa: E402
+
 if args.devices:  # before JAX starts: the simulated device count is fixed at backend start-up
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + f" --xla_force_host_platform_device_count={args.devices}").strip()
+    simulate_cpu_devices(args.devices)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+tune_host_allocator()  # the CPU fast path train.py takes, before JAX allocates
 
 import time  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jaxpar import models  # noqa: E402
 from jaxpar.run import memory  # noqa: E402
 from jaxpar.config import Config  # noqa: E402

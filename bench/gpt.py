@@ -177,8 +177,10 @@ def main(argv=None) -> None:
     args = parse(argv)
     threads = args.threads or os.cpu_count()
     from jaxpar.mesh import simulate_cpu_devices
+    from jaxpar.run.hostmem import tune_host_allocator
 
     simulate_cpu_devices(max(2 if args.ddp is None else args.ddp, 1))  # before JAX starts; no effect on a GPU
+    tune_host_allocator()  # the CPU fast path train.py takes, before JAX allocates
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # on a GPU the torch workers share it
     gpu = _has_gpu()
     ddp = (0 if gpu else 2) if args.ddp is None else args.ddp

@@ -66,8 +66,10 @@ def held_out(eval_step, state, test, batch_size: int, n: int | None = None) -> f
 
 def train(args) -> None:
     from jaxpar.mesh import simulate_cpu_devices
+    from jaxpar.run.hostmem import tune_host_allocator
 
     simulate_cpu_devices(args.devices)
+    tune_host_allocator()  # the CPU fast path train.py takes, before JAX allocates
     import numpy as np
     import optax
 

@@ -79,11 +79,13 @@ def alexnet_problem(args):
 def jaxpar_worker(args) -> None:
     """jaxpar-pipeline: one rank of jaxpar.launch, 1 CPU device; jaxpar-single: the single-device step."""
     from jaxpar.mesh import simulate_cpu_devices
+    from jaxpar.run.hostmem import tune_host_allocator
     from jaxpar.run import distributed
 
     if args.pin and args.worker == "jaxpar-pipeline":  # before XLA sizes its thread pool from the visible cores
         os.sched_setaffinity(0, {int(os.environ.get("RANK", "0")) % os.cpu_count()})
     simulate_cpu_devices(1)
+    tune_host_allocator()  # the CPU fast path train.py takes, before JAX allocates
     distributed.initialize()
     import jax
     import jax.numpy as jnp
@@ -265,8 +267,10 @@ def timed_rounds(runs: dict, steps: int, n_rounds: int) -> dict:
 
 def in_process(args) -> None:
     from jaxpar.mesh import simulate_cpu_devices
+    from jaxpar.run.hostmem import tune_host_allocator
 
     simulate_cpu_devices(4 if args.zb else 2)
+    tune_host_allocator()  # the CPU fast path train.py takes, before JAX allocates
     import numpy as np
     import optax
 

@@ -58,6 +58,8 @@ CASES = [
     ("unknown model", ["--model", "resnet50"], ["'resnet50'", "use one of", "mlp"]),
     ("unknown dataset", ["--dataset", "imagenet"], ["'imagenet'", "use one of", "mnist"]),
     ("unknown optimizer", ["--optimizer", "lamb"], ["'lamb'", "use one of", "adamw"]),
+    ("unknown conv impl", ["--model", "convnet", "--conv-impl", "winograd"], ["'winograd'", "use one of", "im2col"]),
+    ("conv impl without a conv", ["--conv-impl", "im2col"], ["--conv-impl", "'linear'", "drop --conv-impl"]),
     ("unknown precision", ["--precision", "fp8"], ["'fp8'", "use one of", "bf16"]),
     ("zero batch", ["--batch-size", "0"], ["--batch-size 0", ">= 1"]),
     ("zero steps", ["--steps", "0"], ["--steps 0", ">= 1", "leave it out"]),

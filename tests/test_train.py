@@ -6,6 +6,7 @@ import os
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 import train
 
@@ -88,6 +89,19 @@ def test_init_torch_reads_the_sizes_off_the_state_dict(tmp_path):
     np.savez(tmp_path / "sd.npz", **sd)
     out = train.main(BASE + ["--strategy", "single", "--init-torch", str(tmp_path / "sd.npz"), "--steps", "1"])
     assert [a.shape for a in leaves(out["state"])] == [(64,), (784, 64), (10,), (64, 10)]
+
+
+def test_conv_impl_reaches_every_convolution():
+    """--conv-impl sets each Conv2d of the built-in CNNs; without it they resolve to the backend's default."""
+    from jaxpar import models
+    from jaxpar.config import Config
+    from jaxpar.data import datasets
+    from jaxpar.run.trainer import make_model
+
+    data = datasets.load("synthetic", "train[:8]", model="convnet")
+    impls = lambda m: [c.impl for _, c in nnx.iter_graph(m) if isinstance(c, models.Conv2d)]  # noqa: E731
+    assert impls(make_model(Config(model="convnet"), data)) == [None, None]
+    assert impls(make_model(Config(model="convnet", conv_impl="im2col"), data)) == ["im2col", "im2col"]
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

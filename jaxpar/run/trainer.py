@@ -63,6 +63,12 @@ def validate(cfg: Config) -> None:
     if cfg.loss is not None and cfg.loss not in LOSSES and ":" not in cfg.loss:
         raise ValueError(f"--loss {cfg.loss!r} is not known; use one of: {', '.join(LOSSES)}, or MODULE:NAME / "
                          "FILE.py:NAME naming fn(outputs, batch) -> (loss_sum, weight_sum[, metrics]).")
+    if cfg.conv_impl is not None:
+        if cfg.conv_impl not in models.CONV_IMPLS:
+            raise ValueError(f"--conv-impl {cfg.conv_impl!r} is not known; use one of: {', '.join(models.CONV_IMPLS)}.")
+        if cfg.model not in ("convnet", "alexnet"):
+            raise ValueError(f"--conv-impl is for the built-in convnet and alexnet; --model {cfg.model!r} has no "
+                             "Conv2d to set: drop --conv-impl.")
     if cfg.model_kwargs is not None:
         if ":" not in cfg.model:
             raise ValueError(f"--model-kwargs is for --model MODULE:NAME; the built-in {cfg.model!r} takes its "
@@ -174,7 +180,8 @@ def builtin_kwargs(cfg: Config, x_shape: tuple, num_classes: int) -> dict:
         return {"input_size": features, "output_size": num_classes}
     if cfg.model == "mlp":
         return {"in_features": features, "hidden_dim": 128, "out_features": num_classes}
-    return {"num_classes": num_classes} if cfg.model == "alexnet" else {}
+    out = {"num_classes": num_classes} if cfg.model == "alexnet" else {}
+    return out | ({"conv_impl": cfg.conv_impl} if cfg.conv_impl and cfg.model in ("convnet", "alexnet") else {})
 
 
 def make_model(cfg: Config, train_set) -> nnx.Module:

@@ -18,7 +18,7 @@ class Config:
     train_split: str = "train"  # tfds split syntax, e.g. 'test[:8000]'
     eval_split: str | None = None  # tfds split syntax, e.g. 'test[8000:]'; '' skips; default 'test' where there is one
     image_size: int | None = None  # resize images to this side (alexnet: 64 by default, 224 in DeepSpeed's tutorial)
-    conv_impl: str | None = None  # chunked | im2col | xla: convnet's and alexnet's convolution (default: chunked on CPUs, XLA's elsewhere)
+    conv_impl: str | None = None  # chunked | im2col | xla: convnet's and alexnet's conv (default chunked on CPUs, else xla)
     seq_len: int = 256  # --dataset text: window length in bytes (tokens); at most the GPT's block size
     # GPT models (gpt2, gpt2-medium, ..., gpt-mini, gpt-micro, gpt-nano, gpt-cpu: jaxpar.models.gpt)
     n_head: int | None = None  # attention heads (default: the config name's); must divide the width

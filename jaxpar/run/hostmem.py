@@ -4,9 +4,9 @@ XLA:CPU's convolution backward allocates and frees hundreds of MB of fresh buffe
 defaults each large buffer is an mmap/munmap pair whose pages fault in again on first touch, so a ConvNet step
 spends a large share of its time in the kernel. Raising the mmap and trim thresholds (and using one arena) makes
 glibc reuse those pages instead. The GPT step gains too (its 4 MiB activations come and go every step: 15-25% on
-a 2-core CPU, README "The CPU fast path"). Must run before JAX allocates: train.py (`jaxpar.cli.main`) does it, and library
-users may call `jaxpar.tune_host_allocator()` first thing; `import jaxpar` leaves malloc alone. Opt out with
-JAXPAR_NO_MALLOPT=1.
+a 2-core CPU, README "The CPU fast path"). Must run before JAX allocates: train.py (`jaxpar.cli.main`) and the
+benchmarks do it, and library users may call `jaxpar.tune_host_allocator()` first thing; `import jaxpar` leaves
+malloc alone. Opt out with JAXPAR_NO_MALLOPT=1.
 """
 from __future__ import annotations
 

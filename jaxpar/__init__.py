@@ -1,6 +1,7 @@
 """jaxpar: PyTorch's, DeepSpeed's and Megatron's parallel training strategies, rebuilt in JAX and Flax NNX.
 
-Bring your own NNX model, loss and batch, or take a bundled one (`jaxpar.get_model("gpt2")`, `jaxpar.ConvNet`):
+Bring your own NNX model, loss and batch, or take a bundled one (`jaxpar.get_model("gpt2")`, `jaxpar.ConvNet`;
+the names in `jaxpar.MODELS`):
 
     import jaxpar, optax
     ddp = jaxpar.DistributedDataParallel(model, optax.adam(1e-3), loss_fn=loss_fn, mesh=jaxpar.make_mesh(4))
@@ -27,6 +28,7 @@ from jaxpar.losses import cross_entropy, mse
 from jaxpar.mesh import DATA, PIPE, TENSOR, make_mesh
 from jaxpar.models import (GPT, MLP, AlexNet, ConvNet, GPTConfig, LinearModel, from_torch_state_dict,
                            to_torch_state_dict)
+from jaxpar.models import NAMES as MODELS
 from jaxpar.models import get as get_model
 from jaxpar.objective import LossOutput, Objective, OutputLoss
 from jaxpar import optim
@@ -49,7 +51,7 @@ __all__ = [
     "Objective", "OutputLoss", "LossOutput", "losses", "cross_entropy", "mse",
     # the bundled models: the tutorials' PyTorch twins and GPT-2, by name or by class, and their PyTorch /
     # Hugging Face state dicts (the rest -- layers, configs, GPT layouts -- in jaxpar.models)
-    "models", "get_model", "LinearModel", "MLP", "ConvNet", "AlexNet", "GPT", "GPTConfig",
+    "models", "MODELS", "get_model", "LinearModel", "MLP", "ConvNet", "AlexNet", "GPT", "GPTConfig",
     "from_torch_state_dict", "to_torch_state_dict",
     "Rows", "as_rows", "pad_rows",
     "TrainState", "init_state", "train_step", "apply_updates", "make_train_step", "make_eval_step",

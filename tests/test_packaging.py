@@ -32,14 +32,15 @@ def test_import_leaves_the_allocator_alone():
 
 def test_the_models_are_reached_from_import_jaxpar_alone():
     """A fresh interpreter: `import jaxpar` and nothing else gives every name of __all__, `jaxpar.models` among
-    them (the README's `jaxpar.models.GPT`, `jaxpar.models.get`), the bundled models at the top level too (the
-    same objects), and no top-level `models` module appears."""
+    them (the README's `jaxpar.models.GPT`, `jaxpar.models.get`), the bundled models and their names (MODELS) at
+    the top level too (the same objects), and no top-level `models` module appears."""
     code = ("import sys, jaxpar; missing = [n for n in jaxpar.__all__ if not hasattr(jaxpar, n)]; "
             "top = [n for n in ('GPT', 'GPTConfig', 'ConvNet', 'AlexNet', 'MLP', 'LinearModel', "
             "'from_torch_state_dict', 'to_torch_state_dict') "
             "if getattr(jaxpar, n, None) is not getattr(jaxpar.models, n) or n not in jaxpar.__all__]; "
             "print(missing, top, jaxpar.models.__name__, jaxpar.models.GPT.__name__, callable(jaxpar.models.get), "
-            "jaxpar.get_model is jaxpar.models.get, type(jaxpar.get_model('mlp')).__name__, 'models' in sys.modules)")
+            "jaxpar.get_model is jaxpar.models.get, type(jaxpar.get_model('mlp')).__name__, 'models' in sys.modules, "
+            "jaxpar.MODELS is jaxpar.models.NAMES and 'MODELS' in jaxpar.__all__ and 'gpt2' in jaxpar.MODELS)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["[]", "[]", "jaxpar.models", "GPT", "True", "True", "MLP", "False"], out.stdout
+    assert out.stdout.split() == ["[]", "[]", "jaxpar.models", "GPT", "True", "True", "MLP", "False", "True"], out.stdout

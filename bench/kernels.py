@@ -191,6 +191,8 @@ def gpt(args) -> None:
 
 
 def attention(args) -> None:
+    """gpt-cpu's attention: its batched GEMMs and softmax (torch at --threads and at 1), then causal attention
+    forward + backward, jaxpar's query blocks against torch's scaled_dot_product_attention."""
     import torch
 
     from jaxpar.models.gpt_ops import causal_attention

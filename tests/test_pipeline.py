@@ -387,9 +387,9 @@ def worker(out: str) -> None:
         model, loss, batch = PROBLEMS[name]()
         pipe = pipeline(model, tx, loss_fn=loss, num_stages=S, mesh=pipeline_mesh(None, S), **kw)
         placed = pipe.init(jaxpar.init_state(model, tx))
-        for _ in range(STEPS):
+        for step in range(STEPS):
             placed, m = pipe.step(placed, pipe.put_batch(batch))
-            print(f"process {rank} {label} step {_} loss {float(m['loss']):.6f}", flush=True)
+            print(f"process {rank} {label} step {step} loss {float(m['loss']):.6f}", flush=True)
         print(f"process {rank}/{jax.process_count()} {label}: {pipe.describe()} loss {float(m['loss']):.6f}",
               flush=True)
         np.savez(f"{out}.{label}.rank{rank}.npz", *map(np.asarray, jax.tree.leaves(pipe.unplace(placed).params)))

@@ -3,6 +3,7 @@ and its bubble. Tables print in Markdown; run `uptime` before and after (the mac
 
     python bench/pipeline.py --processes 2               # AlexNet 64x64, batch 64, 4 micro-batches, 2 stages
     python bench/pipeline.py --processes 2 --threads 2   # ... each process may use 2 threads (XLA's pool, torch's)
+    python bench/pipeline.py --processes 2 --model stack --batch 256 --micro-batches 8 --pin   # the stack, a core each
     python bench/pipeline.py --stack                     # 16 x Linear(512), 2 simulated devices, S=2, M=8, batch 256
     python bench/pipeline.py --one-stage                 # S=1, M=1 against the single-device step
     python bench/pipeline.py --zb                        # ZB-H1 and ZB-V vs 1F1B at S=4, M=8: analysis, executed
@@ -10,7 +11,9 @@ and its bubble. Tables print in Markdown; run `uptime` before and after (the mac
 --processes: jaxpar's Pipeline in 2 processes x 1 CPU device (python -m jaxpar.launch, gloo) and torch's Schedule1F1B
 / ScheduleGPipe in 2 processes (gloo; bench/pipeline_torch.py), the same layer split (jaxpar's 'parameters'
 partition: layers 0-18 | 19-21), batch and micro-batches, SGD with momentum, plus each framework's own
-single-process step. Every run is compiled and warmed up first (2 steps, never timed); then rounds of --steps
+single-process step. `--model stack`: the 16 x Linear(512) stack of --stack instead (split 0-15 | 16-30), with
+the bound 1.5 x T_single / (1 - bubble) beside it; with --pin each stage has a core of its own, the bound's
+premise. Every run is compiled and warmed up first (2 steps, never timed); then rounds of --steps
 steps alternate between the runs (jaxpar 1F1B, torch 1F1B, jaxpar GPipe, ...), so load from elsewhere hits them
 alike, and the best round counts. samples/s = batch x steps / the slowest rank's wall time; samples per CPU-second
 divides by the CPU time of all the run's processes (every thread); CPU s/step is per stage (rank).
@@ -41,6 +44,7 @@ def parse(argv=None):
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--micro-batches", type=int, default=4)
     p.add_argument("--image", type=int, default=64, help="AlexNet image side")
+    p.add_argument("--model", default="alexnet", choices=("alexnet", "stack"), help="--processes: the model")
     p.add_argument("--threads", type=int, default=1, help="threads per pipeline process (XLA intra-op, torch)")
     p.add_argument("--pin", action="store_true", help="pin pipeline rank r to core r (one core per stage)")
     p.add_argument("--single-threads", type=int, default=os.cpu_count(), help="threads of the single-process runs")
@@ -59,20 +63,20 @@ def xla_threads(n: int) -> str:
 
 # ---- jaxpar workers (one group of processes per role, serving rounds from control files) -------------------
 
-def alexnet_problem(args):
-    import jax
+def problem(args):
+    """(model, loss, optimizer, batch) of --model: AlexNet on args.image-sized images, or the Linear stack."""
     import numpy as np
     import optax
 
     import jaxpar
     from jaxpar import models
 
-    model = models.get("alexnet", num_classes=10)
+    stack = args.model == "stack"
+    model = stack_model() if stack else models.get("alexnet", num_classes=10)
     rng = np.random.default_rng(0)
-    batch = {"x": rng.normal(size=(args.batch, args.image, args.image, 3)).astype(np.float32),
-             "y": rng.integers(0, 10, args.batch).astype(np.int32)}
+    shape = (args.batch, 512) if stack else (args.batch, args.image, args.image, 3)
+    batch = {"x": rng.normal(size=shape).astype(np.float32), "y": rng.integers(0, 10, args.batch).astype(np.int32)}
     tx = optax.sgd(0.01, momentum=0.9)
-    del jax
     return model, jaxpar.OutputLoss(jaxpar.cross_entropy), tx, batch
 
 
@@ -94,7 +98,7 @@ def jaxpar_worker(args) -> None:
     from jaxpar.strategies.pipeline import Pipeline, pipeline_mesh
     from pipeline_torch import rounds
 
-    model, loss, tx, batch = alexnet_problem(args)
+    model, loss, tx, batch = problem(args)
     state, rank = jaxpar.init_state(model, tx), jax.process_index()
     if args.worker == "jaxpar-single":
         strategies = {"single": jaxpar.SingleDevice(model, tx, loss_fn=loss)}
@@ -149,20 +153,22 @@ def cross_process(args) -> None:
     from jaxpar.pipeline.module import PipelineModule
 
     n = args.processes
-    bounds = PipelineModule.from_model(models.abstract("alexnet", num_classes=10), n).bounds
+    model = stack_model() if args.model == "stack" else models.abstract("alexnet", num_classes=10)
+    bounds = PipelineModule.from_model(model, n).bounds
     ctl = tempfile.mkdtemp(prefix="jaxpar-bench-")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_threads(args.threads)}
     common = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-              if k in ("schedules", "batch", "micro_batches", "image", "steps")] + (["--pin"] if args.pin else [])
+              if k in ("schedules", "batch", "micro_batches", "image", "steps", "model")]
+    common += ["--pin"] if args.pin else []
     me = os.path.abspath(__file__)
     jax_pipe = subprocess.Popen([sys.executable, "-m", "jaxpar.launch", "--nproc-per-node", str(n), me,
                                  "--worker", "jaxpar-pipeline", "--ctl", ctl, *common], cwd=ROOT, env=env)
     env1 = {**env, "XLA_FLAGS": xla_threads(args.single_threads)}
     jax_single = subprocess.Popen([sys.executable, me, "--worker", "jaxpar-single", "--ctl", ctl, *common], cwd=ROOT,
                                   env=env1)
-    targs = {"bounds": bounds, "batch": args.batch, "image": args.image, "micro_batches": args.micro_batches,
-             "steps": args.steps, "schedules": args.schedules.split(","), "threads": args.threads,
-             "single_threads": args.single_threads, "pin": args.pin}
+    targs = {"model": args.model, "bounds": bounds, "batch": args.batch, "image": args.image,
+             "micro_batches": args.micro_batches, "steps": args.steps, "schedules": args.schedules.split(","),
+             "threads": args.threads, "single_threads": args.single_threads, "pin": args.pin}
     torch_pipe, torch_single = pipeline_torch.start(ctl, targs, n)
     try:
         results = run_rounds(args, ctl, n, jax_pipe, jax_single)
@@ -210,7 +216,8 @@ def report_cross(args, results: dict, bounds: list) -> None:
     best = {name: min(rs, key=lambda got: max(g["wall"] for g in got)) for name, rs in results.items()}
     speed = {name: samples / max(g["wall"] for g in got) for name, got in best.items()}
     per_cpu = {name: samples / sum(g["cpu"] for g in got) for name, got in best.items()}
-    print(f"\nAlexNet {args.image}x{args.image}, batch {args.batch}, {args.micro_batches} micro-batches, "
+    what = "16 x Linear(512) + ReLU" if args.model == "stack" else f"AlexNet {args.image}x{args.image}"
+    print(f"\n{what}, batch {args.batch}, {args.micro_batches} micro-batches, "
           f"{args.processes} processes x {args.threads} thread(s){', pinned to one core each' if args.pin else ''} "
           f"(single: 1 process x {args.single_threads}); "
           f"split layers {bounds}; best of {args.rounds} alternating rounds of {args.steps} steps\n")
@@ -225,6 +232,18 @@ def report_cross(args, results: dict, bounds: list) -> None:
               f"| {per_cpu[name]:.1f} | {per_cpu[name] / per_cpu[peer]:.2f}x | {cpu} |")
     spread = {n: statistics.median(samples / max(g["wall"] for g in got) for got in rs) for n, rs in results.items()}
     print("\nmedian samples/s over rounds: " + ", ".join(f"{n} {v:.1f}" for n, v in spread.items()))
+    if args.model == "stack":  # the --stack bound, T_single the jaxpar single-process step (stored activations)
+        from jaxpar.pipeline import analysis, generators
+
+        t1 = samples / speed["jaxpar single"] / args.steps
+        print(f"\nThe bound 1.5 x T_single / (1 - bubble), T_single {t1 * 1e3:.1f} ms (jaxpar single):\n")
+        print("| schedule | bubble (F=I=W, B=2) | jaxpar ms/step | bound ms | within |")
+        print("|---|---:|---:|---:|---|")
+        for name in args.schedules.split(","):
+            bubble = analysis.bubble_fraction(generators.make(name, args.processes, args.micro_batches),
+                                              analysis.COSTS)
+            t, bound = samples / speed[f"jaxpar {name}"] / args.steps, 1.5 * t1 / (1 - bubble)
+            print(f"| {name} | {bubble:.3f} | {t * 1e3:.1f} | {bound * 1e3:.1f} | {'yes' if t <= bound else 'NO'} |")
 
 
 # ---- in-process modes: the stack, one stage, zero bubble ---------------------------------------------------
@@ -311,8 +330,9 @@ def in_process(args) -> None:
             executed(runs, S, M)
         else:
             micro_batch_rates(stack, sbatch, M, args.rounds)
+            two_devices_at_once(sbatch, M, args.rounds)
     if args.one_stage:
-        model, loss_a, tx_a, batch = alexnet_problem(args)
+        model, loss_a, tx_a, batch = problem(args)
         runs = {}
         for label, (m, b) in {"alexnet": (model, batch), "stack": (stack, sbatch)}.items():
             state = jaxpar.init_state(m, tx_a)
@@ -377,6 +397,49 @@ def micro_batch_rates(stack, batch: dict, M: int, n_rounds: int) -> None:
         if f"{fw} whole" in best:
             a, b = best[f"{fw} whole"], best[f"{fw} micro"]
             print(f"| {fw} | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f}x |")
+
+
+def two_devices_at_once(batch: dict, M: int, n_rounds: int) -> None:
+    """Whether two simulated CPU devices in one process add compute: each stage's work (forward + backward of 8 x
+    Linear(512) + ReLU on one 32-row micro-batch, no optimizer) on one device, the two stages' work one after the
+    other on one device, and each stage's on its own device at once (a pipeline's steady state without the
+    pipeline). With a core per device, "at once" would take half of "in turn"."""
+    import jax
+    import jax.numpy as jnp
+
+    def chain(ws, x):
+        for w in ws:
+            x = jax.nn.relu(x @ w)
+        return jnp.sum(x)
+
+    grad = jax.jit(jax.grad(chain))
+    d0, d1 = jax.devices()[:2]
+    rows = batch["x"].shape[0] // M
+    w = [jax.random.normal(jax.random.key(i), (512, 512)) / 512 ** 0.5 for i in range(8)]
+    x = jnp.asarray(batch["x"][:rows])
+    on0, on1 = jax.device_put((w, x), d0), jax.device_put((w, x), d1)
+    runs = {"one stage, one device": lambda: [grad(*on0) for _ in range(M)],
+            "both stages in turn, one device": lambda: [grad(*on0) for _ in range(2 * M)],
+            "both stages at once, a device each": lambda: [(grad(*on0), grad(*on1)) for _ in range(M)]}
+    for run in runs.values():
+        jax.block_until_ready(run())
+    best = {k: float("inf") for k in runs}
+    for _ in range(max(n_rounds, 5)):
+        for k, run in runs.items():
+            t = time.perf_counter()
+            jax.block_until_ready(run())
+            best[k] = min(best[k], time.perf_counter() - t)
+    flops = 3 * 2 * rows * 512 * 512 * 8 * M  # forward + backward (dx and dW), per stage
+    print(f"\nTwo simulated devices sharing the cores: {M} micro-batches of {rows} rows through each stage's 8 x "
+          "Linear(512) + ReLU, forward + backward, no optimizer (best of alternating rounds)\n")
+    print("| run | ms | GFLOP/s, all devices |")
+    print("|---|---:|---:|")
+    for k, t in best.items():
+        n = 1 if k.startswith("one") else 2
+        print(f"| {k} | {t * 1e3:.1f} | {n * flops / t / 1e9:.0f} |")
+    ratio = best["both stages in turn, one device"] / best["both stages at once, a device each"]
+    print(f"\nThe second device's speed-up: {ratio:.2f}x (2x with a core per device; 1x or less means the two "
+          "devices only share the same cores)")
 
 
 def executed(runs: dict, S: int, M: int) -> None:

@@ -1,6 +1,7 @@
 """The torch side of bench/pipeline.py: AlexNet as PyTorch lays it out (the same 22 layers as jaxpar.models.AlexNet,
-split at the same layer), torch.distributed.pipelining's Schedule1F1B / ScheduleGPipe over gloo, one process per
-stage, and torch's own single-process step. Workers take their rounds from control files (bench/pipeline.py)."""
+split at the same layer) or the Linear stack, torch.distributed.pipelining's Schedule1F1B / ScheduleGPipe over
+gloo, one process per stage, and torch's own single-process step. Workers take their rounds from control files
+(bench/pipeline.py)."""
 from __future__ import annotations
 
 import json
@@ -19,6 +20,25 @@ def alexnet(num_classes: int = 10):
         nn.Conv2d(256, 256, 3, 1, 1), nn.ReLU(), nn.MaxPool2d(3, 2), nn.AdaptiveAvgPool2d(6), nn.Flatten(),
         nn.Dropout(0.5), nn.Linear(256 * 36, 4096), nn.ReLU(), nn.Dropout(0.5), nn.Linear(4096, 4096), nn.ReLU(),
         nn.Linear(4096, num_classes))
+
+
+def stack(width: int = 512, depth: int = 16, classes: int = 10):
+    """bench/pipeline.py's stack_model in torch: 16 x Linear(512) with ReLU between (31 layers)."""
+    import torch.nn as nn
+
+    layers = []
+    for i in range(depth):
+        layers += [nn.Linear(width, width if i < depth - 1 else classes)] + ([nn.ReLU()] if i < depth - 1 else [])
+    return nn.Sequential(*layers)
+
+
+def problem(args: dict):
+    """(model, x, y) of args["model"]: AlexNet on args["image"]-sized images, or the stack on 512 features."""
+    import torch
+
+    model = stack() if args["model"] == "stack" else alexnet()
+    shape = (args["batch"], 512) if args["model"] == "stack" else (args["batch"], 3, args["image"], args["image"])
+    return model, torch.randn(*shape), torch.randint(0, 10, (args["batch"],))
 
 
 def wait_for(path: str, stop: str | None = None, poll: float = 0.002) -> str:
@@ -66,10 +86,9 @@ def pipeline_worker(rank: int, world: int, port: int, ctl: str, args: dict) -> N
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
     lo, hi = args["bounds"][rank], args["bounds"][rank + 1]
-    module = nn.Sequential(*list(alexnet())[lo:hi])
+    model, x, y = problem(args)
+    module = nn.Sequential(*list(model)[lo:hi])
     opt = torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9)
-    x = torch.randn(args["batch"], 3, args["image"], args["image"])
-    y = torch.randint(0, 10, (args["batch"],))
     kinds = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
     stages = {}
     for name in args["schedules"]:
@@ -109,10 +128,8 @@ def single_worker(rank: int, ctl: str, args: dict) -> None:
 
     torch.set_num_threads(args["single_threads"])
     torch.manual_seed(0)
-    model = alexnet()
+    model, x, y = problem(args)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    x = torch.randn(args["batch"], 3, args["image"], args["image"])
-    y = torch.randint(0, 10, (args["batch"],))
 
     def step():
         opt.zero_grad()

@@ -1,4 +1,4 @@
-"""jaxpar/models/: parameter counts, PyTorch parity both ways (fixtures from make_torch_fixtures.py), the layer
+"""models/ (jaxpar.models): parameter counts, PyTorch parity both ways (fixtures from make_torch_fixtures.py), the layer
 view, stock nnx.Dropout made split-independent by the per-sample objective, and the convolution implementations."""
 import os
 

@@ -1,5 +1,6 @@
 """What installing jaxpar puts on a machine, and what importing it does: only the `jaxpar` package (no top-level
-`models` or `train` to collide with a research repo's own), and no process-wide side effects on import."""
+`models` or `train` to collide with a research repo's own; the repository's models/ ships as jaxpar.models), every
+module of the source tree in it, and no process-wide side effects on import."""
 from __future__ import annotations
 
 import os
@@ -17,6 +18,12 @@ def test_install_puts_only_the_jaxpar_package(tmp_path):
     top = {name for name in os.listdir(target) if not name.endswith((".dist-info", ".egg-info"))}
     assert top - {"bin"} == {"jaxpar"}, top  # bin/: the jaxpar-train entry point
     assert os.path.isfile(target / "jaxpar" / "models" / "gpt.py")  # the models ship inside the package
+    installed = {os.path.relpath(os.path.join(d, f), target / "jaxpar") for d, _, fs in os.walk(target / "jaxpar")
+                 for f in fs if f.endswith(".py")}
+    source = {os.path.relpath(os.path.join(d, f), os.path.join(ROOT, "jaxpar")) for d, _, fs in
+              os.walk(os.path.join(ROOT, "jaxpar")) for f in fs if f.endswith(".py")}
+    source |= {os.path.join("models", f) for f in os.listdir(os.path.join(ROOT, "models")) if f.endswith(".py")}
+    assert installed == source, (source - installed, installed - source)  # pyproject's package list is complete
     assert os.path.isfile(target / "jaxpar" / "cli.py") and not os.path.exists(target / "train.py")
 
 

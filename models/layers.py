@@ -1,7 +1,7 @@
 """PyTorch's nn layers as Flax NNX modules, NHWC, each a plain `layer(x)`.
 
 Weights use PyTorch's default init and keep their own layout (`kernel` HWIO for Conv2d, [in, out] for Linear);
-jaxpar/models/convert.py maps them to torch's. Dropout is stock `nnx.Dropout`: jaxpar's per-sample mode
+models/convert.py maps them to torch's. Dropout is stock `nnx.Dropout`: jaxpar's per-sample mode
 (jaxpar.objective) makes its masks independent of how a batch is split.
 """
 from __future__ import annotations

@@ -63,15 +63,15 @@ def xla_threads(n: int) -> str:
 
 # ---- jaxpar workers (one group of processes per role, serving rounds from control files) -------------------
 
-def problem(args):
-    """(model, loss, optimizer, batch) of --model: AlexNet on args.image-sized images, or the Linear stack."""
+def problem(args, model_name: str):
+    """(model, loss, optimizer, batch): "alexnet" on args.image-sized images, or "stack" (stack_model)."""
     import numpy as np
     import optax
 
     import jaxpar
     from jaxpar import models
 
-    stack = args.model == "stack"
+    stack = model_name == "stack"
     model = stack_model() if stack else models.get("alexnet", num_classes=10)
     rng = np.random.default_rng(0)
     shape = (args.batch, 512) if stack else (args.batch, args.image, args.image, 3)
@@ -98,7 +98,7 @@ def jaxpar_worker(args) -> None:
     from jaxpar.strategies.pipeline import Pipeline, pipeline_mesh
     from pipeline_torch import rounds
 
-    model, loss, tx, batch = problem(args)
+    model, loss, tx, batch = problem(args, args.model)
     state, rank = jaxpar.init_state(model, tx), jax.process_index()
     if args.worker == "jaxpar-single":
         strategies = {"single": jaxpar.SingleDevice(model, tx, loss_fn=loss)}
@@ -332,7 +332,7 @@ def in_process(args) -> None:
             micro_batch_rates(stack, sbatch, M, args.rounds)
             two_devices_at_once(sbatch, M, args.rounds)
     if args.one_stage:
-        model, loss_a, tx_a, batch = problem(args)
+        model, loss_a, tx_a, batch = problem(args, "alexnet")
         runs = {}
         for label, (m, b) in {"alexnet": (model, batch), "stack": (stack, sbatch)}.items():
             state = jaxpar.init_state(m, tx_a)

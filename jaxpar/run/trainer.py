@@ -45,6 +45,9 @@ def local_devices_used(strategy) -> list | None:
     return [d for d in devices if d.process_index == jax.process_index()]
 
 
+CONV_MODELS = ("convnet", "alexnet")  # the built-in models with Conv2d layers (--conv-impl)
+
+
 def validate(cfg: Config) -> None:
     """Reject a bad configuration before any work starts (names, ranges); strategies check their own rules."""
     from jaxpar import models
@@ -66,7 +69,7 @@ def validate(cfg: Config) -> None:
     if cfg.conv_impl is not None:
         if cfg.conv_impl not in models.CONV_IMPLS:
             raise ValueError(f"--conv-impl {cfg.conv_impl!r} is not known; use one of: {', '.join(models.CONV_IMPLS)}.")
-        if cfg.model not in ("convnet", "alexnet"):
+        if cfg.model not in CONV_MODELS:
             raise ValueError(f"--conv-impl is for the built-in convnet and alexnet; --model {cfg.model!r} has no "
                              "Conv2d to set: drop --conv-impl.")
     if cfg.model_kwargs is not None:
@@ -181,7 +184,7 @@ def builtin_kwargs(cfg: Config, x_shape: tuple, num_classes: int) -> dict:
     if cfg.model == "mlp":
         return {"in_features": features, "hidden_dim": 128, "out_features": num_classes}
     out = {"num_classes": num_classes} if cfg.model == "alexnet" else {}
-    return out | ({"conv_impl": cfg.conv_impl} if cfg.conv_impl and cfg.model in ("convnet", "alexnet") else {})
+    return out | ({"conv_impl": cfg.conv_impl} if cfg.conv_impl and cfg.model in CONV_MODELS else {})
 
 
 def make_model(cfg: Config, train_set) -> nnx.Module:

@@ -7,20 +7,20 @@ jaxpar.pipeline.stage); JAX's asynchronous dispatch lets the stages' devices run
 Roughly, per step::
 
     for t, row in enumerate(schedule.steps):          # ticks
-        exchange every cross-process message RECEIVED at tick t, in the schedule's order (both sides call it)
         for s in my stages: for instruction in row[s]: DISPATCH[instruction.op](instruction)
+        post every cross-process message SENT at tick t to the courier, in the schedule's order (both sides)
     REDUCE_GRADS: merge chunks, all-reduce over the stage's replicas, sum tied weights across stages, add the
                   Sums and squared gradient norms over processes (one small vector)
     OPT:          every stage updates its weights with grads / global weight (in place: buffers donated)
 
 A last-stage F followed at once by its own B (or I) runs as one fused call (no residuals kept). Messages between
-stages of one process are device_puts at the send. Across processes they are ppermutes, which block the
-receiver's Python until the sender arrives: each goes at the start of the tick that uses it, never earlier, so
-no receive delays work that does not need it (exchanging at the send's tick held each stage's backward until the
-next forward's activation had arrived).
+stages of one process are device_puts at the send. Across processes they are two-sided ppermutes, run by
+one courier thread per process (Transport.post) in the global order, each finished before the next: neither
+side's Python waits for the other until a compute instruction needs the received value.
 """
 from __future__ import annotations
 
+from concurrent.futures import Future
 from functools import partial
 from typing import Any, Callable
 
@@ -73,18 +73,16 @@ class Plan:
                 if a.op is Op.F and b.op in (Op.B, Op.I) and (b.microbatch, b.chunk) == (a.microbatch, a.chunk) \
                         and virtual(a, S, schedule.placement) == mod.num_parts - 1:
                     self.fused.add(a)
-        self.messages = []  # per tick: (kind, src stage, dst stage, src virtual, micro-batch) across processes
-        for row in schedule.steps:  # exchanged when RECEIVED: a late receive never holds up other work
-            tick = []
+        self.messages = []  # per tick: (kind, src stage, dst stage, src virtual, micro-batch) SENT across processes
+        for row in schedule.steps:
+            sent = []
             for s, ins in enumerate(row):
                 for a in ins:
                     msg = message(a, S, schedule.placement)
-                    if msg and msg[0] == "recv":
+                    if msg and msg[0] == "send" and not tr.same_process(s, mod.stage_of(msg[1][1])):
                         _, (kind, dst_v, m) = msg
-                        src_v = dst_v - 1 if kind == "act" else dst_v + 1
-                        if not tr.same_process(s, mod.stage_of(src_v)):
-                            tick.append((kind, mod.stage_of(src_v), s, src_v, m))
-            self.messages.append(tick)
+                        sent.append((kind, s, mod.stage_of(dst_v), virtual(a, S, schedule.placement), m))
+            self.messages.append(sent)
         del rows
 
 
@@ -141,19 +139,30 @@ class Engine:
         mine = tr.local_stages
         for t, row in enumerate(plan.schedule.steps):
             self._tick = t
-            for kind, src, dst, src_v, m in plan.messages[t]:  # both sides, in the schedule's order
-                if tr.mine(src) or tr.mine(dst):
-                    key = (kind, src_v + (1 if kind == "act" else -1), m)
-                    spec = plan.out_specs[src_v] if kind == "act" else plan.grad_specs[src_v - 1]
-                    value = self._out.pop((kind, src_v, m)) if tr.mine(src) else None
-                    got = tr.exchange(src, dst, value, spec)
-                    if tr.mine(dst):
-                        self._mail[key] = got
             for s in mine:
                 for a in row[s]:
                     self.dispatch[a.op](a)
+            self._post(plan, plan.messages[t])
+        tr.drain()  # every exchange done before the step's other collectives (REDUCE_GRADS) start
         total = self._add_up(self._sums) if self._sums else None  # one call: the Sums of every micro-batch, as a vector
         return total, self._state, self._acc
+
+    def _post(self, plan: Plan, messages: list) -> None:
+        """Hand this tick's cross-process messages to the transport's courier, in the schedule's order (both
+        sides); the receiver's mail holds the future."""
+        tr = self.transport
+        for kind, src, dst, src_v, m in messages:
+            if tr.mine(src) or tr.mine(dst):
+                spec = plan.out_specs[src_v] if kind == "act" else plan.grad_specs[src_v - 1]
+                value = self._out.pop((kind, src_v, m)) if tr.mine(src) else None
+                got = tr.post(src, dst, value, spec)
+                if tr.mine(dst):
+                    self._mail[(kind, src_v + (1 if kind == "act" else -1), m)] = got
+
+    def _take(self, key):
+        """A received value (waiting for its exchange if it is still under way), or None."""
+        got = self._mail.pop(key, None)
+        return got.result() if isinstance(got, Future) else got
 
     def _part(self, a: Action) -> tuple[int, PartFns]:
         v = virtual(a, self.module.num_stages, self.module.placement)
@@ -198,7 +207,7 @@ class Engine:
     def _forward(self, a: Action) -> None:
         v, fns = self._part(a)
         params, state = self._args(a, fns)
-        x = self._mail.pop(("act", v, a.microbatch), None)
+        x = self._take(("act", v, a.microbatch))
         data, m = self._data(a), self._index(a)
         if not self._train:
             out = fns.evaluate(params, state, x, data)
@@ -236,7 +245,7 @@ class Engine:
             return self._done(a, None)
         v, fns = self._part(a)
         params, state, x, data, saved, _ = self._stash.pop((v, a.microbatch))
-        dy = self._mail.pop(("grad", v, a.microbatch), None)
+        dy = self._take(("grad", v, a.microbatch))
         self._acc[v], dx = fns.backward(self._acc.get(v), params, state, x, data, saved, dy)
         self._out[("grad", v, a.microbatch)] = dx
         self._done(a, self._acc[v])
@@ -246,7 +255,7 @@ class Engine:
             return self._done(a, None)
         v, fns = self._part(a)
         params, state, x, data, saved, _ = self._stash[(v, a.microbatch)]
-        dy = self._mail.pop(("grad", v, a.microbatch), None)
+        dy = self._take(("grad", v, a.microbatch))
         dx, cots = fns.input_grad(params, state, x, data, saved, dy)
         self._stash[(v, a.microbatch)] = (params, state, x, data, saved, cots)
         self._out[("grad", v, a.microbatch)] = dx

@@ -3,17 +3,19 @@ by a two-sided ``ppermute`` program on a mesh of the sender's and the receiver's
 
 Stage s owns the DATA column ``mesh.devices[:, s]`` of the (DATA, PIPE) mesh, all in one process; its arrays are
 "rows" (sharded over its D devices by rows), "rep" (replicated) or "local" (one slice per device, a leading axis
-of D). A cross-process transfer is a collective both processes must call, in the same order: the engine calls
-`exchange` for every cross-process message of a tick in one global order, which every process derives from the
-schedule (jaxpar.pipeline.engine). The two-sided programs declare each side's buffer "replicated" over the pair
-axis although the sides differ (the sender's value, the receiver's zeros): with check_vma off, ppermute moves
-the sender's shards to the receiver's devices and nothing is sliced or reassembled. Roughly::
+of D). A cross-process transfer is a collective both processes must run, in the same order: the engine posts
+every cross-process message of a tick in one global order, which every process derives from the schedule
+(jaxpar.pipeline.engine), to the process's one courier thread (`post`), which runs them one at a time. The
+two-sided programs declare each side's buffer "replicated" over the pair axis although the sides differ (the
+sender's value, the receiver's zeros): with check_vma off, ppermute moves the sender's shards to the receiver's
+devices and nothing is sliced or reassembled. Roughly::
 
     mesh2 = Mesh([[sender devices], [receiver devices]], ("pair", DATA))
     out = shard_map(lambda x: ppermute(x, "pair", [(0, 1)]), mesh2, P(DATA), P(DATA))(value or zeros)
 """
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import lru_cache
 from typing import Any
 
@@ -79,6 +81,8 @@ class Transport:
                              "cross-process transfers move DATA-sharded buffers only); run the 3-D pipeline in one "
                              "process, or use --tensor-parallel 1 across processes.")
         self._zeros: dict = {}
+        self._courier: ThreadPoolExecutor | None = None  # the one thread that runs this process's exchanges
+        self._posted: list[Future] = []
         self.proc_devices = tuple(next(devs[0] for s, devs in enumerate(self.devices) if self.process[s] == p)
                                   for p in procs)
 
@@ -126,6 +130,27 @@ class Transport:
         """Send `value` (on the sender, None on the receiver) from stage src to stage dst in another process;
         the receiver gets the value on its devices (the sender gets its own buffers back: ignore them)."""
         return self._pair(src, dst, value if self.mine(src) else None, specs, False, "rows")
+
+    def post(self, src: int, dst: int, value: Any, specs: Any) -> Future:
+        """`exchange` run on this process's one courier thread, in the order posted, each finished before the
+        next starts: XLA:CPU runs a program when its inputs are ready, not in dispatch order, and gloo needs every
+        process to run the collectives in one order. Returns at once; the future's result is the receiver's value."""
+        if self._courier is None:
+            self._courier = ThreadPoolExecutor(1, thread_name_prefix="jaxpar-exchange")
+
+        def run():
+            jax.block_until_ready(value)  # ready inputs: XLA runs the program here, not on a compute thread
+            return jax.block_until_ready(self.exchange(src, dst, value, specs))
+
+        fut = self._courier.submit(run)
+        self._posted.append(fut)
+        return fut
+
+    def drain(self) -> None:
+        """Wait for every posted exchange (re-raising its error): no other collective may start before."""
+        posted, self._posted = self._posted, []
+        for fut in posted:
+            fut.result()
 
     def pair_sum(self, a: int, b: int, value: Any, specs: Any) -> Any:
         """The sum of two stages' replicated values (each side passes its own), on both sides (tied gradients)."""

@@ -48,6 +48,13 @@ def _proc_program(devices: tuple):
     return mesh, jax.jit(fn)
 
 
+def _alone(fn, arrays):
+    """Run a cross-process program by itself: its inputs ready first (so XLA runs it now, in this thread, rather
+    than later on a compute thread) and its outputs waited for. XLA:CPU runs programs when their inputs are ready,
+    not in dispatch order; this way each process's gloo collectives run one at a time, in the order called."""
+    return jax.block_until_ready(fn(jax.block_until_ready(arrays)))
+
+
 class Transport:
     """Placement of the S stages of `mesh` (DATA, PIPE) -- or (DATA, PIPE, TENSOR): each stage then a (DATA,
     TENSOR) sub-mesh, its "rows" split over DATA and replicated over TENSOR, its "local" values one per device --
@@ -100,7 +107,7 @@ class Transport:
     def same_process(self, a: int, b: int) -> bool:
         return self.process[a] == self.process[b]
 
-    # -- across processes: both sides call these, in the same order ------------------------------------------
+    # -- across processes: both sides call these, in the same order, one at a time ---------------------------
 
     def _pair(self, src: int, dst: int, value, specs, reduce: bool, kind: str):
         sharded = kind != "rep" and self.D > 1
@@ -120,7 +127,7 @@ class Transport:
                     self._zeros[key] = [jax.device_put(np.zeros(local, spec.dtype), d) for d in devs]
                 parts = self._zeros[key]
             arrays.append(jax.make_array_from_single_device_arrays(spec.shape, sharding, parts))
-        out = fn(arrays)
+        out = _alone(fn, arrays)
         target = self.kinds[mine][kind]
         result = [jax.make_array_from_single_device_arrays(spec.shape, target, [s.data for s in order(a.addressable_shards)])
                   for spec, a in zip(jax.tree.leaves(specs), out)]
@@ -132,17 +139,13 @@ class Transport:
         return self._pair(src, dst, value if self.mine(src) else None, specs, False, "rows")
 
     def post(self, src: int, dst: int, value: Any, specs: Any) -> Future:
-        """`exchange` run on this process's one courier thread, in the order posted, each finished before the
-        next starts: XLA:CPU runs a program when its inputs are ready, not in dispatch order, and gloo needs every
-        process to run the collectives in one order. Returns at once; the future's result is the receiver's value."""
+        """`exchange` run on this process's one courier thread, in the order posted (each finished before the
+        next starts: `_alone`), so neither side's Python waits for the other. Returns at once; the future's result
+        is the receiver's value."""
         if self._courier is None:
             self._courier = ThreadPoolExecutor(1, thread_name_prefix="jaxpar-exchange")
 
-        def run():
-            jax.block_until_ready(value)  # ready inputs: XLA runs the program here, not on a compute thread
-            return jax.block_until_ready(self.exchange(src, dst, value, specs))
-
-        fut = self._courier.submit(run)
+        fut = self._courier.submit(self.exchange, src, dst, value, specs)
         self._posted.append(fut)
         return fut
 
@@ -170,4 +173,4 @@ class Transport:
         mesh, fn = _proc_program(self.proc_devices)
         sharding = NamedSharding(mesh, P())
         arrays = jax.tree.map(lambda a: jax.make_array_from_single_device_arrays(a.shape, sharding, [a]), tree)
-        return jax.tree.map(lambda a: a.addressable_data(0), fn(arrays))
+        return jax.tree.map(lambda a: a.addressable_data(0), _alone(fn, arrays))

@@ -366,9 +366,10 @@ def test_bad_input_is_refused_before_any_work():
 
 def worker(out: str) -> None:
     """2 processes x 2 devices: the LM as 2 stages x 2 replicas (ZB-H1, recompute; data x pipeline across
-    processes) and the MLP as 4 stages (1F1B, global-norm clipping); each saves the state it unplaces. (ZB-V
-    across processes is not run here: one of three clean-clone CI runs hung in this test after it was added, and
-    the hang has not been reproduced or explained yet.)"""
+    processes) and the MLP as 4 stages (1F1B, global-norm clipping); each saves the state it unplaces and the
+    Sums of an evaluation (the forward-only schedule). (ZB-V across processes is not run here: one of three
+    clean-clone CI runs hung in this test after it was added; it was never reproduced. A candidate cause, two gloo
+    collectives in flight at once, is gone since the transport runs them one at a time: see the README.)"""
     import faulthandler
     import signal
 
@@ -392,7 +393,9 @@ def worker(out: str) -> None:
             print(f"process {rank} {label} step {step} loss {float(m['loss']):.6f}", flush=True)
         print(f"process {rank}/{jax.process_count()} {label}: {pipe.describe()} loss {float(m['loss']):.6f}",
               flush=True)
-        np.savez(f"{out}.{label}.rank{rank}.npz", *map(np.asarray, jax.tree.leaves(pipe.unplace(placed).params)))
+        sums = pipe.evaluate(placed, batch)  # the forward-only schedule across the processes
+        np.savez(f"{out}.{label}.rank{rank}.npz", *map(np.asarray, jax.tree.leaves(pipe.unplace(placed).params)),
+                 eval=np.array([float(a) for a in jax.tree.leaves(sums)]))
 
 
 WATCHDOG = 420  # seconds; the test waits 600
@@ -420,6 +423,11 @@ def test_two_processes_equal_single(tmp_path):
         for k, b in enumerate(want):
             np.testing.assert_array_equal(ranks[0][f"arr_{k}"], ranks[1][f"arr_{k}"])  # both unplace the same
             np.testing.assert_allclose(ranks[0][f"arr_{k}"], b, rtol=RTOL, atol=ATOL)
+        model, loss, batch = PROBLEMS[name]()  # evaluation: both processes get single's eval Sums
+        want = jaxpar.step.eval_sums(jaxpar.Objective.of(model, loss), ref.params, ref.model_state,
+                                     jaxpar.as_rows(batch))
+        np.testing.assert_array_equal(ranks[0]["eval"], ranks[1]["eval"])
+        np.testing.assert_allclose(ranks[0]["eval"], [float(a) for a in jax.tree.leaves(want)], rtol=RTOL)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ def recording_transport(release: threading.Event):
     tr = Transport(pipeline_mesh(2, num_stages=2))
     log, lock = [], threading.Lock()
 
-    def exchange(src, dst, value, specs):
+    def exchange(a, b, messages):
+        (_, value, _), = messages
         with lock:
             log.append(("start", value))
         if value == "first":  # holds the courier until the test has posted everything
@@ -34,7 +35,7 @@ def recording_transport(release: threading.Event):
 def test_post_returns_at_once_and_runs_in_order_one_at_a_time():
     release = threading.Event()
     tr, log = recording_transport(release)
-    futures = [tr.post(0, 1, v, None) for v in ("first", "second", "third")]  # would hang here if post blocked
+    futures = [tr.post(0, 1, [(0, v, None)]) for v in ("first", "second", "third")]  # would hang here if post blocked
     assert not futures[0].done() and ("start", "second") not in log  # the first is held; nothing overtook it
     release.set()
     tr.drain()
@@ -47,8 +48,8 @@ def test_an_exchange_error_reaches_drain_and_the_courier_goes_on():
     release = threading.Event()
     release.set()
     tr, log = recording_transport(release)
-    tr.post(0, 1, "bad", None)
-    after = tr.post(0, 1, "after", None)
+    tr.post(0, 1, [(0, "bad", None)])
+    after = tr.post(0, 1, [(0, "after", None)])
     with pytest.raises(ValueError, match="the exchange failed"):
         tr.drain()
     assert after.result() == "got after" and ("end", "after") in log

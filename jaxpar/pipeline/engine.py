@@ -8,19 +8,19 @@ Roughly, per step::
 
     for t, row in enumerate(schedule.steps):          # ticks
         for s in my stages: for instruction in row[s]: DISPATCH[instruction.op](instruction)
-        post every cross-process message SENT at tick t to the courier, in the schedule's order (both sides)
+        post the cross-process messages SENT at tick t to the courier, one program per pair of stages (both sides)
     REDUCE_GRADS: merge chunks, all-reduce over the stage's replicas, sum tied weights across stages, add the
                   Sums and squared gradient norms over processes (one small vector)
     OPT:          every stage updates its weights with grads / global weight (in place: buffers donated)
 
 A last-stage F followed at once by its own B (or I) runs as one fused call (no residuals kept). Messages between
-stages of one process are device_puts at the send. Across processes they are two-sided ppermutes, run by
-one courier thread per process (Transport.post) in the global order, each finished before the next: neither
-side's Python waits for the other until a compute instruction needs the received value.
+stages of one process are device_puts at the send. Across processes they are two-sided ppermutes, all of a
+tick's messages between two stages in one program (1F1B's activation and gradient go together), run by one
+courier thread per process (Transport.post) in the global order, each finished before the next: neither side's
+Python waits for the other until a compute instruction needs the received value.
 """
 from __future__ import annotations
 
-from concurrent.futures import Future
 from functools import partial
 from typing import Any, Callable
 
@@ -43,6 +43,16 @@ def _assemble(total, norms: list, n: int) -> jax.Array:
     """[Sums vector (zeros on processes without the last stage), sum of squared gradient norms]."""
     head = jnp.zeros((n,), jnp.float32) if total is None else total
     return jnp.concatenate([head, sum(norms, jnp.zeros((), jnp.float32))[None]])
+
+
+class _Pending:
+    """A cross-process message on its way: result `i` of a posted exchange (its future)."""
+
+    def __init__(self, fut, i: int):
+        self.fut, self.i = fut, i
+
+    def get(self):
+        return self.fut.result()[self.i]
 
 
 class Plan:
@@ -73,16 +83,18 @@ class Plan:
                 if a.op is Op.F and b.op in (Op.B, Op.I) and (b.microbatch, b.chunk) == (a.microbatch, a.chunk) \
                         and virtual(a, S, schedule.placement) == mod.num_parts - 1:
                     self.fused.add(a)
-        self.messages = []  # per tick: (kind, src stage, dst stage, src virtual, micro-batch) SENT across processes
-        for row in schedule.steps:
-            sent = []
+        self.messages = []  # per tick: [(stage a, stage b, [(kind, src, dst, src virtual, micro-batch)])]
+        for row in schedule.steps:  # the messages SENT across processes, one group per pair of stages
+            groups: dict = {}
             for s, ins in enumerate(row):
                 for a in ins:
                     msg = message(a, S, schedule.placement)
                     if msg and msg[0] == "send" and not tr.same_process(s, mod.stage_of(msg[1][1])):
                         _, (kind, dst_v, m) = msg
-                        sent.append((kind, s, mod.stage_of(dst_v), virtual(a, S, schedule.placement), m))
-            self.messages.append(sent)
+                        dst = mod.stage_of(dst_v)
+                        group = groups.setdefault(frozenset((s, dst)), (s, dst, []))
+                        group[2].append((kind, s, dst, virtual(a, S, schedule.placement), m))
+            self.messages.append(list(groups.values()))
         del rows
 
 
@@ -147,22 +159,26 @@ class Engine:
         total = self._add_up(self._sums) if self._sums else None  # one call: the Sums of every micro-batch, as a vector
         return total, self._state, self._acc
 
-    def _post(self, plan: Plan, messages: list) -> None:
-        """Hand this tick's cross-process messages to the transport's courier, in the schedule's order (both
-        sides); the receiver's mail holds the future."""
+    def _post(self, plan: Plan, groups: list) -> None:
+        """Hand this tick's cross-process messages to the transport's courier, one program per pair of stages, in
+        the schedule's order (both sides); the receiver's mail holds a _Pending."""
         tr = self.transport
-        for kind, src, dst, src_v, m in messages:
-            if tr.mine(src) or tr.mine(dst):
+        for a, b, msgs in groups:
+            if not (tr.mine(a) or tr.mine(b)):
+                continue
+            batch = []
+            for kind, src, _, src_v, m in msgs:
                 spec = plan.out_specs[src_v] if kind == "act" else plan.grad_specs[src_v - 1]
-                value = self._out.pop((kind, src_v, m)) if tr.mine(src) else None
-                got = tr.post(src, dst, value, spec)
+                batch.append((src, self._out.pop((kind, src_v, m)) if tr.mine(src) else None, spec))
+            fut = tr.post(a, b, batch)
+            for i, (kind, src, dst, src_v, m) in enumerate(msgs):
                 if tr.mine(dst):
-                    self._mail[(kind, src_v + (1 if kind == "act" else -1), m)] = got
+                    self._mail[(kind, src_v + (1 if kind == "act" else -1), m)] = _Pending(fut, i)
 
     def _take(self, key):
         """A received value (waiting for its exchange if it is still under way), or None."""
         got = self._mail.pop(key, None)
-        return got.result() if isinstance(got, Future) else got
+        return got.get() if isinstance(got, _Pending) else got
 
     def _part(self, a: Action) -> tuple[int, PartFns]:
         v = virtual(a, self.module.num_stages, self.module.placement)

@@ -32,13 +32,17 @@ PAIR, PROC = "pair", "proc"
 
 
 @lru_cache(maxsize=None)
-def _pair_program(devices: tuple, reduce: bool, sharded: bool):
-    """ppermute (send) or psum (sum both sides) over the pair axis of Mesh([src devs, dst devs]); the buffers
-    sharded by rows over DATA, or whole on every device."""
+def _pair_program(devices: tuple, moves: tuple | None, sharded: bool):
+    """Over the pair axis of Mesh([side 0 devs, side 1 devs]), on a list of buffers: buffer k moved from side 0 to
+    side 1 if moves[k], else from 1 to 0 (one program for all: one collective launch); moves None: each summed
+    over both sides. The buffers sharded by rows over DATA, or whole on every device."""
     mesh = Mesh(np.array(devices, dtype=object).reshape(2, -1), (PAIR, DATA))
-    body = (lambda x: lax.psum(x, PAIR)) if reduce else (lambda x: lax.ppermute(x, PAIR, [(0, 1)]))
+    if moves is None:
+        body = lambda xs: lax.psum(xs, PAIR)  # noqa: E731
+    else:
+        body = lambda xs: [lax.ppermute(x, PAIR, [(0, 1)] if fwd else [(1, 0)]) for x, fwd in zip(xs, moves)]  # noqa
     spec = P(DATA) if sharded else P()
-    return mesh, jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+    return mesh, jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,), out_specs=spec, check_vma=False))
 
 
 @lru_cache(maxsize=None)
@@ -109,43 +113,56 @@ class Transport:
 
     # -- across processes: both sides call these, in the same order, one at a time ---------------------------
 
-    def _pair(self, src: int, dst: int, value, specs, reduce: bool, kind: str):
+    def _pair(self, a: int, b: int, items: list, moves: tuple | None, kind: str) -> list:
+        """One program between stages a (side 0) and b (side 1) over `items`, [(value or None, specs)]: this
+        side's buffers (None: zeros, the receiving side's) -> the program's pytrees on this side, as `kind`."""
         sharded = kind != "rep" and self.D > 1
-        mesh, fn = _pair_program(self.devices[src] + self.devices[dst], reduce, sharded)
+        mesh, fn = _pair_program(self.devices[a] + self.devices[b], moves, sharded)
         sharding = NamedSharding(mesh, P(DATA) if sharded else P())
-        mine = src if self.mine(src) else dst
+        mine = a if self.mine(a) else b
         devs = self.devices[mine]
         order = lambda shards: sorted((s for s in shards if s.device in devs), key=lambda s: devs.index(s.device))  # noqa
-        arrays = []
-        for k, spec in enumerate(jax.tree.leaves(specs)):
-            if value is not None:
-                parts = [s.data for s in order(jax.tree.leaves(value)[k].addressable_shards)]
-            else:  # the receiver's side of the buffer: zeros made once (an eager op waits for a busy device)
-                local = (spec.shape[0] // self.D,) + tuple(spec.shape[1:]) if sharded else tuple(spec.shape)
-                key = (mine, local, jnp.dtype(spec.dtype))
-                if key not in self._zeros:
-                    self._zeros[key] = [jax.device_put(np.zeros(local, spec.dtype), d) for d in devs]
-                parts = self._zeros[key]
-            arrays.append(jax.make_array_from_single_device_arrays(spec.shape, sharding, parts))
-        out = _alone(fn, arrays)
+        arrays, flat = [], []
+        for value, specs in items:
+            leaves = jax.tree.leaves(specs)
+            flat += leaves
+            values = jax.tree.leaves(value) if value is not None else [None] * len(leaves)
+            for spec, leaf in zip(leaves, values):
+                if leaf is not None:
+                    parts = [s.data for s in order(leaf.addressable_shards)]
+                else:  # the receiver's side of the buffer: zeros made once (an eager op waits for a busy device)
+                    local = (spec.shape[0] // self.D,) + tuple(spec.shape[1:]) if sharded else tuple(spec.shape)
+                    key = (mine, local, jnp.dtype(spec.dtype))
+                    if key not in self._zeros:
+                        self._zeros[key] = [jax.device_put(np.zeros(local, spec.dtype), d) for d in devs]
+                    parts = self._zeros[key]
+                arrays.append(jax.make_array_from_single_device_arrays(spec.shape, sharding, parts))
+        out = iter(_alone(fn, arrays))
         target = self.kinds[mine][kind]
-        result = [jax.make_array_from_single_device_arrays(spec.shape, target, [s.data for s in order(a.addressable_shards)])
-                  for spec, a in zip(jax.tree.leaves(specs), out)]
-        return jax.tree.unflatten(jax.tree.structure(specs), result)
+        result = [jax.make_array_from_single_device_arrays(spec.shape, target,
+                                                           [s.data for s in order(o.addressable_shards)])
+                  for spec, o in zip(flat, out)]
+        pos, trees = 0, []
+        for _, specs in items:
+            n = len(jax.tree.leaves(specs))
+            trees.append(jax.tree.unflatten(jax.tree.structure(specs), result[pos:pos + n]))
+            pos += n
+        return trees
 
-    def exchange(self, src: int, dst: int, value: Any, specs: Any) -> Any:
-        """Send `value` (on the sender, None on the receiver) from stage src to stage dst in another process;
-        the receiver gets the value on its devices (the sender gets its own buffers back: ignore them)."""
-        return self._pair(src, dst, value if self.mine(src) else None, specs, False, "rows")
+    def exchange(self, a: int, b: int, messages: list) -> list:
+        """Messages between stages a and b, in other processes, in one program: [(src, value, specs)], src a or
+        b, value the sender's (ignored on the receiver). Returns each message's value on this side: what it
+        received, or its own buffers where it sent (ignore those)."""
+        items = [(value if self.mine(src) else None, specs) for src, value, specs in messages]
+        return self._pair(a, b, items, tuple(src == a for src, _, _ in messages), "rows")
 
-    def post(self, src: int, dst: int, value: Any, specs: Any) -> Future:
+    def post(self, a: int, b: int, messages: list) -> Future:
         """`exchange` run on this process's one courier thread, in the order posted (each finished before the
         next starts: `_alone`), so neither side's Python waits for the other. Returns at once; the future's result
-        is the receiver's value."""
+        is exchange's list."""
         if self._courier is None:
             self._courier = ThreadPoolExecutor(1, thread_name_prefix="jaxpar-exchange")
-
-        fut = self._courier.submit(self.exchange, src, dst, value, specs)
+        fut = self._courier.submit(self.exchange, a, b, messages)
         self._posted.append(fut)
         return fut
 
@@ -157,7 +174,7 @@ class Transport:
 
     def pair_sum(self, a: int, b: int, value: Any, specs: Any) -> Any:
         """The sum of two stages' replicated values (each side passes its own), on both sides (tied gradients)."""
-        return self._pair(a, b, value, specs, True, "rep")
+        return self._pair(a, b, [(value, specs)], None, "rep")[0]
 
     @property
     def first_device(self):

@@ -35,7 +35,7 @@ def recording_transport(release: threading.Event):
 def test_post_returns_at_once_and_runs_in_order_one_at_a_time():
     release = threading.Event()
     tr, log = recording_transport(release)
-    futures = [tr.post(0, 1, [(0, v, None)]) for v in ("first", "second", "third")]  # would hang here if post blocked
+    futures = [tr.post(0, 1, [(0, v, None)]) for v in ("first", "second", "third")]  # a blocking post would wait here
     assert not futures[0].done() and ("start", "second") not in log  # the first is held; nothing overtook it
     release.set()
     tr.drain()

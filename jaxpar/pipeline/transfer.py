@@ -122,10 +122,11 @@ class Transport:
         mine = a if self.mine(a) else b
         devs = self.devices[mine]
         order = lambda shards: sorted((s for s in shards if s.device in devs), key=lambda s: devs.index(s.device))  # noqa
-        arrays, flat = [], []
+        arrays, flat, counts = [], [], []
         for value, specs in items:
             leaves = jax.tree.leaves(specs)
             flat += leaves
+            counts.append(len(leaves))
             values = jax.tree.leaves(value) if value is not None else [None] * len(leaves)
             for spec, leaf in zip(leaves, values):
                 if leaf is not None:
@@ -143,8 +144,7 @@ class Transport:
                                                            [s.data for s in order(o.addressable_shards)])
                   for spec, o in zip(flat, out)]
         pos, trees = 0, []
-        for _, specs in items:
-            n = len(jax.tree.leaves(specs))
+        for (_, specs), n in zip(items, counts):
             trees.append(jax.tree.unflatten(jax.tree.structure(specs), result[pos:pos + n]))
             pos += n
         return trees

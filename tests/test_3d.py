@@ -4,11 +4,19 @@ D x S x T = 2 x 2 x 2 (all 8 simulated devices, 1F1B) and 1 x 2 x 2 (interleaved
 single step's parameters and optimizer state at float32 rtol 1e-5. First the comparison is shown able to fail:
 the parameters moved, and the same split without the qkv column re-order differs. The compiled stage functions
 hold Megatron's all-reduces (two per block each way, within the tensor groups only), the devices follow
-Megatron's order, and bad combinations are refused with one line before any work.
+Megatron's order, and bad combinations are refused with one line before any work. Across 2 processes x 4 devices
+(2 x 2 x 2, a stage per process: activations replicated over `tensor` and the tied wte's gradient move by gloo),
+1F1B and interleaved equal the single step too.
+
+This file is also the worker of the two-process case: `python tests/test_3d.py worker OUT`.
 """
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +39,7 @@ CFG = dict(vocab_size=24, block_size=6, n_layer=2, n_head=4, n_embd=16, dropout=
 TX = optax.adam(1e-2, eps=1e-4)
 STEPS, ROWS, RTOL, ATOL = 3, 8, 1e-5, 1e-6
 LOSS = jaxpar.OutputLoss(jaxpar.cross_entropy)
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def model(**kw) -> GPT:
@@ -142,3 +151,63 @@ def test_bad_combinations_are_named():
         Pipeline(model(), TX, loss_fn=LOSS, num_stages=2, tensor_parallel=2, mesh=pipeline_mesh(4, 2))
     with pytest.raises(ValueError, match=r"tensor_parallel=0 must be an int >= 1"):
         Pipeline(model(), TX, loss_fn=LOSS, num_stages=2, tensor_parallel=0)
+
+
+ACROSS = ("1f1b", "interleaved")  # the schedules the two-process case runs, D x S x T = 2 x 2 x 2
+
+
+def worker(out: str) -> None:
+    """One of 2 processes x 4 devices: each schedule of ACROSS trained STEPS steps on 2 x 2 x 2 (stage 0 in process
+    0, stage 1 in process 1); saves the canonical state it unplaces."""
+    import faulthandler
+    import signal
+
+    from jaxpar.mesh import simulate_cpu_devices
+    from jaxpar.run import distributed
+
+    faulthandler.dump_traceback_later(420, exit=True)  # a stuck rank prints every thread's stack; the test waits 600
+    faulthandler.register(signal.SIGTERM, chain=True)
+    simulate_cpu_devices(4)
+    distributed.initialize()
+    rank = jax.process_index()
+    for schedule in ACROSS:
+        pipe = Pipeline(model(), TX, loss_fn=LOSS, num_stages=2, micro_batches=2, schedule=schedule,
+                        virtual_stages=2 if schedule == "interleaved" else 1, tensor_parallel=2,
+                        mesh=pipeline_mesh(None, 2, 2), compiler_options=FAST)
+        placed = pipe.init(reference()[0])
+        for _ in range(STEPS):
+            placed, metrics = pipe.step(placed, pipe.put_batch(batch()))
+        print(f"process {rank}/{jax.process_count()} {schedule}: {pipe.describe()}", flush=True)
+        got = pipe.unplace(placed)
+        np.savez(f"{out}.{schedule}.rank{rank}.npz", *map(np.asarray, jax.tree.leaves((got.params, got.opt_state))))
+
+
+def test_3d_across_two_processes_equals_the_single_step(tmp_path):
+    """2 processes x 4 devices, D x S x T = 2 x 2 x 2: the stages' activations (replicated over `tensor`, split
+    over `data`) and the tied wte's gradient cross processes; both processes unplace the single step's state."""
+    cmd = [sys.executable, "-m", "jaxpar.launch", "--nproc-per-node", "2", "--term-timeout", "3", __file__, "worker",
+           str(tmp_path / "state")]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    state, ref = reference()  # meanwhile, in this process
+    assert max_diff(state.params, ref.params) > 1e-3  # the steps moved the weights: the comparison can fail
+    try:
+        out, _ = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out = proc.communicate()[0]
+        pytest.fail(f"the two processes did not finish in 600 s; their output:\n{out}")
+    assert proc.returncode == 0, out
+    for schedule in ACROSS:
+        assert (f"process 1/2 {schedule}: 8 devices (2 processes), mesh {{'data': 2, 'pipe': 2, 'tensor': 2}}"
+                in out), out
+        ranks = [np.load(tmp_path / f"state.{schedule}.rank{r}.npz") for r in range(2)]
+        for k, want in enumerate(jax.tree.leaves((ref.params, ref.opt_state))):
+            np.testing.assert_array_equal(ranks[0][f"arr_{k}"], ranks[1][f"arr_{k}"])  # both unplace the same
+            np.testing.assert_allclose(ranks[0][f"arr_{k}"], np.asarray(want), rtol=RTOL, atol=ATOL,
+                                       err_msg=f"{schedule}, leaf {k}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "worker":
+        worker(sys.argv[2])

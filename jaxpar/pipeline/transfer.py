@@ -32,11 +32,15 @@ PAIR, PROC = "pair", "proc"
 
 
 @lru_cache(maxsize=None)
-def _pair_program(devices: tuple, moves: tuple | None, sharded: bool):
+def _pair_program(devices: tuple, moves: tuple | None, sharded: bool, tensor: int = 1):
     """Over the pair axis of Mesh([side 0 devs, side 1 devs]), on a list of buffers: buffer k moved from side 0 to
     side 1 if moves[k], else from 1 to 0 (one program for all: one collective launch); moves None: each summed
-    over both sides. The buffers sharded by rows over DATA, or whole on every device."""
-    mesh = Mesh(np.array(devices, dtype=object).reshape(2, -1), (PAIR, DATA))
+    over both sides. The buffers sharded by rows over DATA, or whole on every device; with tensor T > 1 each
+    side's devices are a (DATA, TENSOR) grid and the buffers replicated over TENSOR (each tensor rank sends its
+    copy to the same rank of the other side)."""
+    axes = (PAIR, DATA) if tensor == 1 else (PAIR, DATA, TENSOR)
+    shape = (2, -1) if tensor == 1 else (2, -1, tensor)
+    mesh = Mesh(np.array(devices, dtype=object).reshape(shape), axes)
     if moves is None:
         body = lambda xs: lax.psum(xs, PAIR)  # noqa: E731
     else:
@@ -75,7 +79,7 @@ class Transport:
         for s, devs in enumerate(self.devices):
             procs = {d.process_index for d in devs}
             if len(procs) > 1:
-                raise ValueError(f"stage {s}'s {len(devs)} data-parallel devices span processes {sorted(procs)}; a "
+                raise ValueError(f"stage {s}'s {len(devs)} devices span processes {sorted(procs)}; a "
                                  "stage must live in one process: use --num-stages a multiple of the process count "
                                  "(or DDP for pure data parallelism across processes).")
             self.process.append(procs.pop())
@@ -87,10 +91,6 @@ class Transport:
         self.kinds = [{"rows": NamedSharding(m, P(DATA)), "local": NamedSharding(m, each(m)),
                        "rep": NamedSharding(m, P())} for m in self.meshes]
         procs = sorted(set(self.process))
-        if self.T > 1 and len(procs) > 1:
-            raise ValueError(f"tensor_parallel={self.T} with stages in {len(procs)} processes is not supported (the "
-                             "cross-process transfers move DATA-sharded buffers only); run the 3-D pipeline in one "
-                             "process, or use --tensor-parallel 1 across processes.")
         self._zeros: dict = {}
         self._courier: ThreadPoolExecutor | None = None  # the one thread that runs this process's exchanges
         self._posted: list[Future] = []
@@ -117,7 +117,7 @@ class Transport:
         """One program between stages a (side 0) and b (side 1) over `items`, [(value or None, specs)]: this
         side's buffers (None: zeros, the receiving side's) -> the program's pytrees on this side, as `kind`."""
         sharded = kind != "rep" and self.D > 1
-        mesh, fn = _pair_program(self.devices[a] + self.devices[b], moves, sharded)
+        mesh, fn = _pair_program(self.devices[a] + self.devices[b], moves, sharded, self.T)
         sharding = NamedSharding(mesh, P(DATA) if sharded else P())
         mine = a if self.mine(a) else b
         devs = self.devices[mine]

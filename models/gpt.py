@@ -200,10 +200,19 @@ class Block(nnx.Module):
 
 class Embedding(nnx.Module):
     """The first pipeline layer: tokens [B, T] -> drop(wte[idx] + wpe[0:T]) [B, T, C]. A view of the model's own
-    `wte`, `wpe` and `drop` (the same objects), not a copy."""
+    `wte`, `wpe` and `drop` (the same objects), not a copy. Under tensor parallelism with `wte` split by vocabulary
+    rows: Megatron's VocabParallelEmbedding (each rank looks up its own rows, one all-reduce)."""
 
-    def __init__(self, wte: nnx.Embed, wpe: nnx.Embed, drop: nnx.Dropout):
+    tensor_axis: str | None = None
+    tensor_size: int = 1
+
+    def __init__(self, wte: nnx.Embed, wpe: nnx.Embed, drop: nnx.Dropout, tensor_axis: str | None = None,
+                 tensor_size: int = 1):
         self.wte, self.wpe, self.drop = wte, wpe, drop
+        self.tensor_axis, self.tensor_size = tensor_axis, tensor_size
+
+    def tensor_layout(self) -> dict[tuple, tuple[str, int]]:
+        return {("wte", "embedding"): ("vocab", 0)}
 
     def __call__(self, idx_BxT: jax.Array) -> jax.Array:
         t = idx_BxT.shape[-1]
@@ -211,28 +220,54 @@ class Embedding(nnx.Module):
             raise ValueError(f"a sequence of {t} tokens is longer than the model's block_size "
                              f"{self.wpe.num_embeddings} (its position table); use --seq-len <= "
                              f"{self.wpe.num_embeddings}, or a model with a larger block size.")
-        return self.drop(self.wte(idx_BxT) + self.wpe(jnp.arange(t)))
+        if _vocab_split(self.wte, self.tensor_axis):
+            tokens = megatron.vocab_parallel_embed(self.wte.embedding[...], idx_BxT, self.tensor_axis)
+        else:
+            tokens = self.wte(idx_BxT)
+        return self.drop(tokens + self.wpe(jnp.arange(t)))
 
 
 class LMHead(nnx.Module):
     """The last pipeline layer: ln_f, then logits against the token embedding, ``x @ wte^T`` (tied: `wte` is the
-    same Embed as the first layer's, as DeepSpeed's TiedLayerSpec('embed', ...) shares it between stages)."""
+    same Embed as the first layer's, as DeepSpeed's TiedLayerSpec('embed', ...) shares it between stages). Under
+    tensor parallelism with `wte` split by vocabulary rows: each rank's logits for its rows, all-gathered (Megatron's
+    parallel_output=False), f before."""
 
     tied = {"wte": "wte"}  # attribute here -> attribute of the first layer holding the same weights
+    tensor_axis: str | None = None
+    tensor_size: int = 1
 
-    def __init__(self, ln_f: nnx.LayerNorm, wte: nnx.Embed):
+    def __init__(self, ln_f: nnx.LayerNorm, wte: nnx.Embed, tensor_axis: str | None = None, tensor_size: int = 1):
         self.ln_f, self.wte = ln_f, wte
+        self.tensor_axis, self.tensor_size = tensor_axis, tensor_size
+
+    def tensor_layout(self) -> dict[tuple, tuple[str, int]]:
+        return {("wte", "embedding"): ("vocab", 0)}
 
     def __call__(self, x_BxTxC: jax.Array) -> jax.Array:
         h = self.ln_f(x_BxTxC)
+        split = _vocab_split(self.wte, self.tensor_axis)
+        if split:
+            h = megatron.f(h, self.tensor_axis)
         if jax.default_backend() != "cpu":
-            return self.wte.attend(h)
-        h, table_VxC = self.wte.promote_dtype((h, self.wte.embedding[...]), dtype=self.wte.dtype)
-        return matmul_t(h, table_VxC)  # x @ wte^T, its weight gradient one NN GEMM
+            logits = self.wte.attend(h)
+        else:
+            h, table_VxC = self.wte.promote_dtype((h, self.wte.embedding[...]), dtype=self.wte.dtype)
+            logits = matmul_t(h, table_VxC)  # x @ wte^T, its weight gradient one NN GEMM
+        return megatron.gather_from_tensor_region(logits, self.tensor_axis) if split else logits
+
+
+def _vocab_split(wte: nnx.Embed, axis: str | None) -> bool:
+    """Inside a tensor-parallel step, whether this rank holds a slice of the vocabulary rows (the plan splits
+    them when T divides the vocabulary) rather than the whole table."""
+    return axis is not None and wte.embedding.shape[0] != wte.num_embeddings
 
 
 class GPT(nnx.Module):
     """GPT-2 (see the module docstring). ``model(idx [B, T] int) -> logits [B, T, vocab]``."""
+
+    tensor_axis: str | None = None  # the TENSOR mesh axis when wte is split by vocabulary rows over it
+    tensor_size: int = 1
 
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         self.config = cfg
@@ -247,7 +282,12 @@ class GPT(nnx.Module):
     def layers(self) -> tuple[nnx.Module, ...]:
         """The flat sequence for the pipeline: Embedding, the blocks, LMHead; their composition is the model.
         The first and last share `wte` (the same nnx.Param): the tie a pipeline keeps on both stages."""
-        return (Embedding(self.wte, self.wpe, self.drop), *self.h, LMHead(self.ln_f, self.wte))
+        axis = self.tensor_axis, self.tensor_size
+        return (Embedding(self.wte, self.wpe, self.drop, *axis), *self.h, LMHead(self.ln_f, self.wte, *axis))
+
+    def tensor_layout(self) -> dict[tuple, tuple[str, int]]:
+        """Megatron's vocabulary-parallel embedding and head: wte split by rows (when T divides the vocabulary)."""
+        return {("wte", "embedding"): ("vocab", 0)}
 
     def __call__(self, idx_BxT: jax.Array) -> jax.Array:
         x = idx_BxT

@@ -4,8 +4,10 @@ D x S x T = 2 x 2 x 2 (all 8 simulated devices, 1F1B) and 1 x 2 x 2 (interleaved
 single step's parameters and optimizer state at float32 rtol 1e-5. First the comparison is shown able to fail:
 the parameters moved, and the same split without the qkv column re-order differs. The compiled stage functions
 hold Megatron's all-reduces (two per block each way, within the tensor groups only), the devices follow
-Megatron's order, and bad combinations are refused with one line before any work. Across 2 processes x 4 devices
-(2 x 2 x 2, a stage per process: activations replicated over `tensor` and the tied wte's gradient move by gloo),
+Megatron's order, the tied wte is split by vocabulary rows on both stages that hold it (Megatron's
+VocabParallelEmbedding, its gradient summed across the stages slice by slice), and bad combinations are refused
+with one line before any work. Across 2 processes x 4 devices
+(2 x 2 x 2, a stage per process: activations replicated over `tensor` and the tied wte's row slices move by gloo),
 1F1B and interleaved equal the single step too.
 
 This file is also the worker of the two-process case: `python tests/test_3d.py worker OUT`.
@@ -105,6 +107,12 @@ def test_3d_equals_the_single_step(D, S, T, schedule):
     assert_equal(out.opt_state, ref.opt_state)
     split = next(a for a in placed.params[0] if not a.sharding.is_fully_replicated)
     assert {s.data.shape for s in split.addressable_shards} != {split.shape}  # each rank holds a slice
+    mod = pipe.module  # the tied wte, on the first and last stage: Megatron's vocabulary rows, V / T per rank
+    j = mod.param_paths.index(("wte", "embedding"))
+    assert sorted(mod.tied[j]) == [0, S - 1]
+    for s in (0, S - 1):
+        wte = placed.params[s][mod.stage_params[s].index(j)]
+        assert {a.data.shape for a in wte.addressable_shards} == {(CFG["vocab_size"] // T, CFG["n_embd"])}
     assert f"D x S x T = {D} x {S} x {T}" in pipe.describe()
     assert pipe.report()["tensor_parallel"] == T
 
@@ -118,8 +126,9 @@ def test_devices_follow_megatrons_order():
 
 
 def test_stage_functions_hold_megatrons_all_reduces():
-    """Stage 0 (the embedding and block 0): its forward all-reduces twice within the tensor groups (g after the
-    attention and after the MLP), its backward twice (f's transpose) -- and nothing else over TENSOR."""
+    """Stage 0 (the embedding and block 0): its forward all-reduces twice per block within the tensor groups (g
+    after the attention and after the MLP) and once for the vocabulary-parallel embedding (its g), its backward
+    twice per block (f's transpose) -- and nothing else over TENSOR."""
     pipe, _, placed, batched = run(2, 2, 2)
     plan, engine = pipe._last[1], pipe.engine
     fns = plan.fns[0]
@@ -135,7 +144,7 @@ def test_stage_functions_hold_megatrons_all_reduces():
     backward = tensor_all_reduces(fns.backward.lower(None, params, state, None, data, saved, dy).compile().as_text(),
                                   mesh)
     assert blocks >= 1
-    assert forward == (2 * blocks, 0)
+    assert forward == (2 * blocks + 1, 0)  # and the vocabulary-parallel embedding's g
     assert backward == (0, 2 * blocks)
 
 

@@ -1,6 +1,6 @@
 """Megatron tensor parallelism (jaxpar.comm.megatron, jaxpar.strategies.tensor) on GPT-2: f and g, the column
-order of the fused qkv projection, TP 2 and 4 (with data replicas) equal to the single step with dropout on, and
-the compiled HLO's two all-reduces per block forward and two backward."""
+order of the fused qkv projection, the vocabulary-parallel embedding and head, TP 2 and 4 (with data replicas) equal
+to the single step with dropout on, and the compiled HLO's two all-reduces per block forward and two backward."""
 from __future__ import annotations
 
 import functools
@@ -67,9 +67,13 @@ def test_plan_splits_the_blocks_and_replicates_the_rest():
     plan = tensor_plan(model(), 2)
     state = nnx.split(model(), nnx.Param, ...)[1]
     names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
-    split = {n for n, lay in zip(names, plan) if lay.axis is not None}
-    assert len(split) == 2 * 6 and all("h" in n for n in split)  # per block: c_attn w+b, 2 c_proj w, c_fc w+b
-    assert not any("ln" in n or "wte" in n or "wpe" in n for n in split)
+    split = {n: lay.axis for n, lay in zip(names, plan) if lay.axis is not None}
+    blocks = [n for n in split if "h" in n]
+    assert len(blocks) == 2 * 6  # per block: c_attn w+b, 2 c_proj w, c_fc w+b
+    assert set(split) - set(blocks) == {"['wte']['embedding'].value"} and split["['wte']['embedding'].value"] == 0
+    assert not any("ln" in n or "wpe" in n for n in split)
+    odd = tensor_plan(model(vocab_size=25), 2)  # a vocabulary T does not divide: wte stays whole, the rest splits
+    assert [lay.axis for lay in odd] == [None if "wte" in n else lay.axis for n, lay in zip(names, plan)]
     with pytest.raises(ValueError, match="has 4 heads, which --tensor-parallel 8 does not split evenly"):
         tensor_plan(model(), 8)
 
@@ -115,11 +119,33 @@ def test_tensor_parallel_equals_the_single_step(tp, devices):
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(out.params)[0], jax.tree.leaves(ref.params)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
     assert float(metrics["samples"]) == ROWS and local  # every row counted once, whatever the replicas
+    wte = placed.params["wte"]["embedding"]  # Megatron's vocabulary-parallel embedding: a rank holds V / tp rows
+    assert {s.data.shape for s in wte.addressable_shards} == {(CFG["vocab_size"] // tp, CFG["n_embd"])}
+
+
+def test_a_vocabulary_tp_does_not_divide_stays_whole():
+    """vocab 25 over 2 ranks: wte (and the head) replicated, the blocks still split; equal to the single step."""
+    small = dict(n_layer=1, vocab_size=25)
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), (DATA, TENSOR))
+    strategy = TensorParallel(model(**small), TX, tensor_parallel=2, mesh=mesh)
+    state = jaxpar.init_state(model(**small), TX)
+    x = np.random.default_rng(1).integers(0, 25, (ROWS, CFG["block_size"] + 1)).astype(np.int32)
+    rows = jaxpar.as_rows({"x": x[:, :-1], "y": x[:, 1:]})
+    placed, _ = strategy.step(strategy.init(state), strategy.put_batch(rows))
+    wte = placed.params["wte"]["embedding"]
+    assert {s.data.shape for s in wte.addressable_shards} == {(25, CFG["n_embd"])}
+    assert "kept whole: wte.embedding: vocabulary 25 is not a multiple of 2" in strategy.describe()
+    one = jaxpar.make_train_step(jaxpar.Objective.of(model(**small)), TX)(state, rows)[0]
+    assert max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(one.params),
+                                                           jax.tree.leaves(state.params))) > 1e-3
+    for a, b in zip(jax.tree.leaves(strategy.unplace(placed).params), jax.tree.leaves(one.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_hlo_has_megatrons_two_all_reduces_per_block_each_way():
-    """Per transformer block: g after attention and after the MLP forward, f's all-reduce at each input backward
-    -- and nothing else within the tensor groups (the data-parallel ones run across them)."""
+    """Per transformer block: g after attention and after the MLP forward, f's all-reduce at each input backward;
+    one more each way for the vocabulary-parallel embedding (g) and head (f), and the logits' one all-gather --
+    and nothing else within the tensor groups (the data-parallel ones run across them)."""
     from jaxpar.strategies.tensor import tensor_all_reduces
 
     m = model(dropout=0.0)
@@ -127,9 +153,14 @@ def test_hlo_has_megatrons_two_all_reduces_per_block_each_way():
     strategy = TensorParallel(m, TX, tensor_parallel=2, mesh=mesh)
     placed = strategy.init(jaxpar.init_state(model(dropout=0.0), TX))
     placed, _ = strategy.step(placed, strategy.put_batch(batches()[0]))
-    assert tensor_all_reduces(strategy.hlo(placed), mesh) == (2 * CFG["n_layer"], 2 * CFG["n_layer"])
+    each_way = 2 * CFG["n_layer"] + 1
+    hlo = strategy.hlo(placed)
+    assert tensor_all_reduces(hlo, mesh) == (each_way, each_way)
+    groups = {tuple(sorted(int(d.id) for d in row)) for row in mesh.devices}
+    gathers = {c.name for c in hlo_collectives(hlo) if c.kind == "all-gather" and set(c.groups) == groups}
+    assert len(gathers) == 1  # the logits, [rows, T, V/2] from each rank
     report = strategy.report(placed)
-    assert report["tensor_all_reduces_forward"] == report["tensor_all_reduces_backward"] == 2 * CFG["n_layer"]
+    assert report["tensor_all_reduces_forward"] == report["tensor_all_reduces_backward"] == each_way
 
 
 def test_the_qkv_column_order_matters():

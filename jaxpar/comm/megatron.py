@@ -12,8 +12,15 @@ rows, and its attention is split by heads (the fused qkv projection by columns, 
     row_linear(y_t)  = g(y_t @ B_t) + b       (the bias once, after the sum)
 
 so a block costs two all-reduces forward (one g after attention, one after the MLP) and two backward (the f at the
-input of each). With `axis=None` every function here is the plain single-device computation, so one model serves
-both: jaxpar.strategies.tensor sets the axis on the modules it shards.
+input of each). The token embedding is split by vocabulary rows (Megatron's VocabParallelEmbedding) and so is the
+tied LM head (its `parallel_output=False` form):
+
+    vocab_parallel_embed(ids) = g(rows of MY vocabulary range, zeros elsewhere)     (one all-reduce forward)
+    logits = gather_from_tensor_region(f(h) @ MY rows^T)                             (all-gather forward; f's
+                                                                                      all-reduce backward)
+
+With `axis=None` every function here is the plain single-device computation, so one model serves both:
+jaxpar.strategies.tensor sets the axis on the modules it shards.
 """
 from __future__ import annotations
 
@@ -60,6 +67,36 @@ def _g_bwd(axis, _, g):
 
 
 reduce_from_tensor_region.defvjp(_g_fwd, _g_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def gather_from_tensor_region(x: jax.Array, axis: str) -> jax.Array:
+    """Megatron's gather_from_tensor_model_parallel_region: the ranks' slices of the last dimension all-gathered
+    (rank order) forward; the backward keeps this rank's slice of the gradient (every rank computed the same loss
+    from the gathered whole, so nothing is summed)."""
+    return lax.all_gather(x, axis, axis=x.ndim - 1, tiled=True)
+
+
+def _gather_fwd(x, axis):
+    return gather_from_tensor_region(x, axis), None
+
+
+def _gather_bwd(axis, _, g):
+    n = g.shape[-1] // lax.psum(1, axis)
+    return (lax.dynamic_slice_in_dim(g, lax.axis_index(axis) * n, n, axis=g.ndim - 1),)
+
+
+gather_from_tensor_region.defvjp(_gather_fwd, _gather_bwd)
+
+
+def vocab_parallel_embed(table_local: jax.Array, ids: jax.Array, axis: str) -> jax.Array:
+    """Megatron's VocabParallelEmbedding: this rank holds rows [t V/T, (t+1) V/T) of the table; ids outside its
+    range look up zeros, and g sums the ranks' lookups (exactly one is not zero)."""
+    rows = table_local.shape[0]
+    local = ids - lax.axis_index(axis) * rows
+    inside = (local >= 0) & (local < rows)
+    out = jnp.take(table_local, jnp.where(inside, local, 0), axis=0)
+    return reduce_from_tensor_region(jnp.where(inside[..., None], out, jnp.zeros((), out.dtype)), axis)
 
 
 def f(x: jax.Array, axis: str | None) -> jax.Array:

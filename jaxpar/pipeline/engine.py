@@ -27,6 +27,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
 from jaxpar.objective import Sums
 from jaxpar.pipeline import optimizer as opt_lib
@@ -347,7 +348,6 @@ class Engine:
         placed as the parameters are (the plan's specs); replicated leaves come out once."""
         if ("reduce", s) not in self._updates:
             from jax import lax
-            from jax.sharding import PartitionSpec as P
 
             from jaxpar.mesh import DATA
 
@@ -369,21 +369,24 @@ class Engine:
         return self._updates[("reduce", s)]
 
     def _sum_tied(self, j: int, stages: list[int], grads: dict) -> None:
+        """A tied weight's gradient summed over the stages holding it, on each: replicated, or under tensor
+        parallelism laid out as the plan splits it (GPT-2's wte by vocabulary rows; each rank sums its rows)."""
         mod, tr = self.module, self.transport
         pos = {s: mod.stage_params[s].index(j) for s in stages}
         spec = jax.ShapeDtypeStruct(mod.param_specs[j].shape, mod.param_specs[j].dtype)
+        lay = P() if mod.tensor_layouts is None else mod.tensor_layouts[j].spec(len(spec.shape))
         a = stages[0]
         for b in stages[1:]:
             if tr.same_process(a, b):
                 if tr.mine(a):
-                    total = grads[a][pos[a]] + tr.put(grads[b][pos[b]], a)
-                    grads[a][pos[a]], grads[b][pos[b]] = total, tr.put(total, b)
+                    total = grads[a][pos[a]] + tr.put_as(grads[b][pos[b]], a, lay)
+                    grads[a][pos[a]], grads[b][pos[b]] = total, tr.put_as(total, b, lay)
             elif tr.mine(a) or tr.mine(b):
                 s = a if tr.mine(a) else b
-                grads[s][pos[s]] = tr.pair_sum(a, b, grads[s][pos[s]], spec)
+                grads[s][pos[s]] = tr.pair_sum(a, b, grads[s][pos[s]], spec, lay)
         for s in stages[2:]:  # more than two copies: every later copy takes the first's total
             if tr.mine(s) and tr.same_process(a, s):
-                grads[s][pos[s]] = tr.put(grads[a][pos[a]], s)
+                grads[s][pos[s]] = tr.put_as(grads[a][pos[a]], s, lay)
 
     def _norm_fn(self, s: int):
         if ("norm", s) not in self._updates:

@@ -168,12 +168,10 @@ class PipelineModule:
         if tp == 1:
             return
         self.tensor_layouts = tensor_plan(self.model, tp, self.wrt)
-        split_tied = [self.param_paths[j] for j in self.tied if self.tensor_layouts[j].axis is not None]
-        if split_tied:  # the engine sums a tie's gradient across stages as one replicated leaf
-            raise ValueError(f"parameter {split_tied[0]} is tied across stages and split over tensor ranks; "
-                             "tensor parallelism supports tied weights only when they are replicated (as GPT-2's "
-                             "wte is): keep the tied module out of tensor_layout().")
         set_tensor_axis(self.model, axis, tp)
+        for layer in self.layers:  # layers that are views of the model (GPT-2's Embedding, LMHead) too
+            if isinstance(layer, nnx.Module):
+                set_tensor_axis(layer, axis, tp)
         self.tensor_parallel = tp
         self.parts = [self._segments(v) for v in range(self.num_parts)]
 

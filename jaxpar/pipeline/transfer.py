@@ -32,12 +32,12 @@ PAIR, PROC = "pair", "proc"
 
 
 @lru_cache(maxsize=None)
-def _pair_program(devices: tuple, moves: tuple | None, sharded: bool, tensor: int = 1):
+def _pair_program(devices: tuple, moves: tuple | None, spec: P, tensor: int = 1):
     """Over the pair axis of Mesh([side 0 devs, side 1 devs]), on a list of buffers: buffer k moved from side 0 to
     side 1 if moves[k], else from 1 to 0 (one program for all: one collective launch); moves None: each summed
-    over both sides. The buffers sharded by rows over DATA, or whole on every device; with tensor T > 1 each
-    side's devices are a (DATA, TENSOR) grid and the buffers replicated over TENSOR (each tensor rank sends its
-    copy to the same rank of the other side)."""
+    over both sides. Each side's devices are a DATA line, or with tensor T > 1 a (DATA, TENSOR) grid, and the
+    buffers lie on it as `spec` says (rows over DATA, whole, or a tensor-split weight): every device exchanges its
+    own piece with the device at the same position on the other side."""
     axes = (PAIR, DATA) if tensor == 1 else (PAIR, DATA, TENSOR)
     shape = (2, -1) if tensor == 1 else (2, -1, tensor)
     mesh = Mesh(np.array(devices, dtype=object).reshape(shape), axes)
@@ -45,7 +45,6 @@ def _pair_program(devices: tuple, moves: tuple | None, sharded: bool, tensor: in
         body = lambda xs: lax.psum(xs, PAIR)  # noqa: E731
     else:
         body = lambda xs: [lax.ppermute(x, PAIR, [(0, 1)] if fwd else [(1, 0)]) for x, fwd in zip(xs, moves)]  # noqa
-    spec = P(DATA) if sharded else P()
     return mesh, jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,), out_specs=spec, check_vma=False))
 
 
@@ -113,12 +112,12 @@ class Transport:
 
     # -- across processes: both sides call these, in the same order, one at a time ---------------------------
 
-    def _pair(self, a: int, b: int, items: list, moves: tuple | None, kind: str) -> list:
+    def _pair(self, a: int, b: int, items: list, moves: tuple | None, spec: P) -> list:
         """One program between stages a (side 0) and b (side 1) over `items`, [(value or None, specs)]: this
-        side's buffers (None: zeros, the receiving side's) -> the program's pytrees on this side, as `kind`."""
-        sharded = kind != "rep" and self.D > 1
-        mesh, fn = _pair_program(self.devices[a] + self.devices[b], moves, sharded, self.T)
-        sharding = NamedSharding(mesh, P(DATA) if sharded else P())
+        side's buffers (None: zeros, the receiving side's), laid out on the stage as `spec` -> the program's pytrees
+        on this side, laid out the same way."""
+        mesh, fn = _pair_program(self.devices[a] + self.devices[b], moves, spec, self.T)
+        sharding = NamedSharding(mesh, spec)
         mine = a if self.mine(a) else b
         devs = self.devices[mine]
         order = lambda shards: sorted((s for s in shards if s.device in devs), key=lambda s: devs.index(s.device))  # noqa
@@ -128,21 +127,21 @@ class Transport:
             flat += leaves
             counts.append(len(leaves))
             values = jax.tree.leaves(value) if value is not None else [None] * len(leaves)
-            for spec, leaf in zip(leaves, values):
+            for leaf_spec, leaf in zip(leaves, values):
                 if leaf is not None:
                     parts = [s.data for s in order(leaf.addressable_shards)]
                 else:  # the receiver's side of the buffer: zeros made once (an eager op waits for a busy device)
-                    local = (spec.shape[0] // self.D,) + tuple(spec.shape[1:]) if sharded else tuple(spec.shape)
-                    key = (mine, local, jnp.dtype(spec.dtype))
+                    local = NamedSharding(self.meshes[mine], spec).shard_shape(tuple(leaf_spec.shape))
+                    key = (mine, local, jnp.dtype(leaf_spec.dtype))
                     if key not in self._zeros:
-                        self._zeros[key] = [jax.device_put(np.zeros(local, spec.dtype), d) for d in devs]
+                        self._zeros[key] = [jax.device_put(np.zeros(local, leaf_spec.dtype), d) for d in devs]
                     parts = self._zeros[key]
-                arrays.append(jax.make_array_from_single_device_arrays(spec.shape, sharding, parts))
+                arrays.append(jax.make_array_from_single_device_arrays(leaf_spec.shape, sharding, parts))
         out = iter(_alone(fn, arrays))
-        target = self.kinds[mine][kind]
-        result = [jax.make_array_from_single_device_arrays(spec.shape, target,
+        target = NamedSharding(self.meshes[mine], spec)
+        result = [jax.make_array_from_single_device_arrays(leaf_spec.shape, target,
                                                            [s.data for s in order(o.addressable_shards)])
-                  for spec, o in zip(flat, out)]
+                  for leaf_spec, o in zip(flat, out)]
         pos, trees = 0, []
         for (_, specs), n in zip(items, counts):
             trees.append(jax.tree.unflatten(jax.tree.structure(specs), result[pos:pos + n]))
@@ -154,7 +153,7 @@ class Transport:
         b, value the sender's (ignored on the receiver). Returns each message's value on this side: what it
         received, or its own buffers where it sent (ignore those)."""
         items = [(value if self.mine(src) else None, specs) for src, value, specs in messages]
-        return self._pair(a, b, items, tuple(src == a for src, _, _ in messages), "rows")
+        return self._pair(a, b, items, tuple(src == a for src, _, _ in messages), P(DATA) if self.D > 1 else P())
 
     def post(self, a: int, b: int, messages: list) -> Future:
         """`exchange` run on this process's one courier thread, in the order posted (each finished before the
@@ -172,9 +171,14 @@ class Transport:
         for fut in posted:
             fut.result()
 
-    def pair_sum(self, a: int, b: int, value: Any, specs: Any) -> Any:
-        """The sum of two stages' replicated values (each side passes its own), on both sides (tied gradients)."""
-        return self._pair(a, b, [(value, specs)], None, "rep")[0]
+    def pair_sum(self, a: int, b: int, value: Any, specs: Any, spec: P = P()) -> Any:
+        """The sum of two stages' values (each side passes its own), on both sides (tied gradients): replicated on
+        each stage, or laid out as `spec` (a weight split over TENSOR), the same on both."""
+        return self._pair(a, b, [(value, specs)], None, spec)[0]
+
+    def put_as(self, value: Any, stage: int, spec: P) -> Any:
+        """`value` onto stage `stage`'s devices, laid out as `spec` on its mesh."""
+        return jax.device_put(value, NamedSharding(self.meshes[stage], spec))
 
     @property
     def first_device(self):

@@ -357,11 +357,14 @@ class Pipeline:
     # -- reports -------------------------------------------------------------------------------------------
 
     def describe(self) -> str:
+        from jaxpar.strategies.tensor import whole_note
+
         sch, mod = self.schedule, self.module
         return (f"{self.mesh.devices.size} devices ({jax.process_count()} processes), mesh {dict(self.mesh.shape)}: "
                 f"D x S x T = {self.D} x {mod.num_stages} x {self.tp} (data x pipeline x tensor): "
                 f"{mod.num_stages} stages x {self.D} data replicas"
                 + (f", Megatron tensor parallelism over {self.tp} devices per stage" if self.tp > 1 else "")
+                + (whole_note(mod.tensor_layouts) if mod.tensor_layouts else "")
                 + f", schedule {sch.name} ({sch.num_microbatches} "
                 f"micro-batches" + (f", {sch.virtual_stages} chunks per stage" if sch.virtual_stages > 1 else "")
                 + (f", activation checkpoint interval {mod.interval}" if mod.interval else "") + ")")

@@ -2,8 +2,9 @@
 
 Each TENSOR group of T devices holds one copy of the model with every transformer block split across it
 (jaxpar.comm.megatron): the fused qkv projection and the MLP's first layer by columns (heads / hidden units), the
-two output projections by rows; everything else -- embeddings, LayerNorms, biases after a row split -- is
-replicated. The plan is plain data computed once from the model: each module that can be split says how
+two output projections by rows; the token embedding (and the LM head tied to it) by vocabulary rows when T divides
+the vocabulary (Megatron's VocabParallelEmbedding; logits all-gathered for the loss); everything else -- positions,
+LayerNorms, biases after a row split -- is replicated. The plan is plain data computed once from the model: each module that can be split says how
 (`tensor_layout()`), and the strategy turns that into, per parameter leaf, a PartitionSpec and a column order:
 
     qkv columns [q | k | v] are re-ordered to [q_0 k_0 v_0 | q_1 k_1 v_1 | ...] so rank t's contiguous slice holds
@@ -44,7 +45,10 @@ from jaxpar.step import TrainState, apply_updates
 from jaxpar.strategies import zero_optim
 from jaxpar.strategies.ddp import from_replica_0, local_devices, psum_sums
 
-KINDS = ("columns", "qkv", "rows")  # split the output dim; the fused q|k|v output dim by heads; the input dim
+# split the output dim; the fused q|k|v output dim by heads; the input dim; an embedding table's rows (the
+# vocabulary), only when T divides them (else replicated: Megatron pads the vocabulary instead, which would change
+# the model)
+KINDS = ("columns", "qkv", "rows", "vocab")
 
 
 class Layout(NamedTuple):
@@ -53,6 +57,7 @@ class Layout(NamedTuple):
 
     axis: int | None = None
     order: tuple[int, ...] | None = None
+    whole: str | None = None  # why a leaf the model would split stays replicated (a vocabulary T does not divide)
 
     def spec(self, ndim: int) -> P:
         return P(*[TENSOR if d == self.axis else None for d in range(ndim)])
@@ -89,6 +94,9 @@ def tensor_plan(model: nnx.Module, tp: int, wrt: Any = nnx.Param) -> list[Layout
         kind, axis, unit = (*wanted[path], 1)[:3]
         size = leaf.shape[axis]
         groups = 3 if kind == "qkv" else 1
+        if kind == "vocab" and size % tp:
+            out.append(Layout(whole=f"{'.'.join(map(str, path))}: vocabulary {size} is not a multiple of {tp}"))
+            continue
         if size % (groups * tp * unit):
             what = f"{size // groups // unit} heads" if unit > 1 else f"{size} entries along axis {axis}"
             raise ValueError(f"{'.'.join(map(str, path))} has {what}, which --tensor-parallel {tp} does not split "
@@ -269,7 +277,8 @@ class TensorParallel:
 
     def describe(self) -> str:
         return (f"({DATA}, {TENSOR}) mesh {dict(self.mesh.shape)}: Megatron tensor parallelism over {self.tp} devices "
-                f"({sum(lay.axis is not None for lay in self.plan)} split leaves), {self.data} data replicas")
+                f"({sum(lay.axis is not None for lay in self.plan)} split leaves), {self.data} data replicas"
+                + whole_note(self.plan))
 
     def report(self, placed) -> dict:
         """The split, and the compiled step's all-reduces within the tensor groups: forward (Megatron's g) and
@@ -280,6 +289,13 @@ class TensorParallel:
             forward, backward = tensor_all_reduces(self.hlo(placed), self.mesh)
             out.update(tensor_all_reduces_forward=forward, tensor_all_reduces_backward=backward)
         return out
+
+
+def whole_note(plan: Sequence[Layout]) -> str:
+    """'; kept whole: <leaf>: <why> (pad ...)' for leaves the model would split but the plan replicates, or ''."""
+    whole = [lay.whole for lay in plan if lay.whole]
+    return (f"; kept whole: {', '.join(whole)} (to split it, pad the vocabulary to a multiple of the "
+            "tensor-parallel size as Megatron and nanoGPT do: GPT-2's 50257 to 50304)") if whole else ""
 
 
 def tensor_all_reduces(hlo_text: str, mesh: Mesh) -> tuple[int, int]:

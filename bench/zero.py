@@ -12,6 +12,9 @@ and the outputs of a compiled value_and_grad (the full gradient). Beside the ste
 sends per step by the compiled step's collectives (jaxpar.comm.cost.hlo_bytes_per_device, ring costs; the
 metrics' small psum included) and the compiled step's temporaries (activations, gathered weights, the
 optimizer's scratch; not part of the formula).
+Megatron TP on the same devices (T the largest divisor of the heads and the device count, the rest data replicas,
+GPT-2's vocabulary padded to 50304): what its placement puts on one device, the token embedding split by
+vocabulary rows (VocabParallelEmbedding) and, beside it, kept whole; gradients are the parameters' shape.
 Time: per config every strategy is compiled and warmed up (2 steps), then --repeats rounds alternate between
 them; a round is the median of --steps steps, the best round counts (load from elsewhere on a shared machine
 hits all alike). Random byte tokens (vocabulary 256, as --dataset text), --batch sequences of --seq-len,
@@ -161,6 +164,58 @@ def time_rows(names: list[str], devices: int, batch: int, seq_len: int, steps: i
     return out
 
 
+def tp_rows(names: list[str], devices: int) -> list[dict]:
+    """Megatron TP's bytes per device (T the largest divisor of the heads and of `devices`; GPT-2's vocabulary
+    padded to 50304 as nanoGPT's, so T divides it): what TensorParallel's placement puts on one device (the shard
+    shapes of its plan), with the token embedding split by vocabulary rows and, beside it, kept whole."""
+    import jax
+    import numpy as np
+    import optax
+    from flax import nnx
+    from jax.sharding import Mesh, NamedSharding
+
+    import jaxpar
+    from jaxpar.models import gpt
+    from jaxpar.strategies import zero
+    from jaxpar.strategies.tensor import Layout, leaf_specs, tensor_plan
+
+    tx, out = optax.adam(1e-3), []
+    for name in names:
+        cfg = gpt.GPTConfig.named(name, vocab_size=50304)
+        tp = max(t for t in range(1, devices + 1) if devices % t == 0 and cfg.n_head % t == 0)
+        if tp == 1:
+            continue
+        model = nnx.eval_shape(lambda: gpt.GPT(cfg, rngs=nnx.Rngs(0)))
+        state = jax.eval_shape(lambda: jaxpar.init_state(gpt.GPT(cfg, rngs=nnx.Rngs(0)), tx))
+        mesh = Mesh(np.array(jax.devices()[:devices]).reshape(devices // tp, tp), (jaxpar.DATA, jaxpar.TENSOR))
+        device = mesh.devices.flat[0]
+        plan = tensor_plan(model, tp)
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state.params)[0]]
+        whole = [Layout() if "wte" in p else lay for p, lay in zip(paths, plan)]
+        for label, layouts in (("vocab split", plan), ("wte whole", whole)):
+            def placed(tree):
+                specs = jax.tree.leaves(leaf_specs(tree, state.params, layouts), is_leaf=lambda x: isinstance(
+                    x, jax.sharding.PartitionSpec))
+                return [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s))
+                        for a, s in zip(jax.tree.leaves(tree), specs)]
+
+            params, opt = zero.held_bytes(placed(state.params), device), zero.held_bytes(placed(state.opt_state), device)
+            psi = sum(a.size for a in jax.tree.leaves(state.params))
+            out.append({"model": name, "tp": tp, "wte": label, "params": params, "gradients": params,
+                        "optimizer": opt, "total": 2 * params + opt, "ddp": 16 * psi, "num_params": psi})
+    return out
+
+
+def tp_table(rows: list[dict]) -> str:
+    lines = ["| model (vocab 50304) | Psi | T | wte | params MiB | grads MiB | optimizer MiB | held MiB | DDP's 16 Psi MiB "
+             "| held / DDP |", "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['num_params']:,} | {r['tp']} | {r['wte']} | {_mib(r['params'])} | "
+                     f"{_mib(r['gradients'])} | {_mib(r['optimizer'])} | {_mib(r['total'])} | {_mib(r['ddp'])} | "
+                     f"{r['total'] / r['ddp']:.3f} |")
+    return "\n".join(lines)
+
+
 def _mib(b) -> str:
     return "-" if b is None else f"{b / 2**20:.2f}"
 
@@ -236,14 +291,17 @@ def main(argv=None) -> dict:
     print(f"load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} ({os.cpu_count()} CPUs)", flush=True)
     split = lambda s: [x for x in s.split(",") if x]  # noqa: E731
     mem = memory_rows(split(args.memory), args.devices)
+    tp = tp_rows(split(args.memory), args.devices)
     times = time_rows(split(args.time), args.devices, args.batch, args.seq_len, args.steps, args.repeats)
     load = os.getloadavg()
     print(table(mem, times))
+    if tp:
+        print("\nMegatron tensor parallelism, the same devices (T x data): held per device\n" + tp_table(tp))
     print(f"load average after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
     if args.png and mem:
         plot(mem, times, args.png, args.devices)
         print(f"wrote {args.png}")
-    return {"memory": mem, "time": times}
+    return {"memory": mem, "tp": tp, "time": times}
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@ Each TENSOR group of T devices holds one copy of the model with every transforme
 (jaxpar.comm.megatron): the fused qkv projection and the MLP's first layer by columns (heads / hidden units), the
 two output projections by rows; the token embedding (and the LM head tied to it) by vocabulary rows when T divides
 the vocabulary (Megatron's VocabParallelEmbedding; logits all-gathered for the loss); everything else -- positions,
-LayerNorms, biases after a row split -- is replicated. The plan is plain data computed once from the model: each module that can be split says how
-(`tensor_layout()`), and the strategy turns that into, per parameter leaf, a PartitionSpec and a column order:
+LayerNorms, biases after a row split -- is replicated. The plan is plain data computed once from the model: each
+module that can be split says how (`tensor_layout()`), and the strategy turns that into, per parameter leaf, a
+PartitionSpec and a column order:
 
     qkv columns [q | k | v] are re-ordered to [q_0 k_0 v_0 | q_1 k_1 v_1 | ...] so rank t's contiguous slice holds
     the q, k and v of its own heads; unplace() puts them back in the canonical order.

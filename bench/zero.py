@@ -14,7 +14,9 @@ metrics' small psum included) and the compiled step's temporaries (activations, 
 optimizer's scratch; not part of the formula).
 Megatron TP on the same devices (T the largest divisor of the heads and the device count, the rest data replicas,
 GPT-2's vocabulary padded to 50304): what its placement puts on one device, the token embedding split by
-vocabulary rows (VocabParallelEmbedding) and, beside it, kept whole; gradients are the parameters' shape.
+vocabulary rows (VocabParallelEmbedding) and, beside it, kept whole; gradients are the parameters' shape. Then
+(--sequence-parallel, on by default) the compiled TP step's temporaries at T=2 without and with Megatron's
+sequence parallelism.
 Time: per config every strategy is compiled and warmed up (2 steps), then --repeats rounds alternate between
 them; a round is the median of --steps steps, the best round counts (load from elsewhere on a shared machine
 hits all alike). Random byte tokens (vocabulary 256, as --dataset text), --batch sequences of --seq-len,
@@ -43,6 +45,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="timed steps per round")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds per strategy, alternating; the best counts")
     p.add_argument("--png", default="docs/img/zero_memory.png", help="the plot ('' for none)")
+    p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
+                   help="also the TP step's temporaries without and with Megatron's sequence parallelism")
     return p.parse_args(argv)
 
 
@@ -206,6 +210,36 @@ def tp_rows(names: list[str], devices: int) -> list[dict]:
     return out
 
 
+def sp_rows(cases=(("gpt-cpu", 16, 64, 0.0), ("gpt-mini", 8, 256, 0.1))) -> list[dict]:
+    """Megatron's sequence parallelism: the compiled TP step's temporaries (XLA's memory analysis: activations and
+    scratch) on 2 devices, T=2, without and with it; a real step is run first (byte vocabulary)."""
+    import jax
+    import numpy as np
+    import optax
+    from flax import nnx
+    from jax.sharding import Mesh
+
+    import jaxpar
+    from jaxpar.models import gpt
+    from jaxpar.strategies.tensor import TensorParallel
+
+    tx, out = optax.adam(1e-3), []
+    for name, batch, seq, dropout in cases:
+        cfg = gpt.GPTConfig.named(name, vocab_size=256, block_size=seq, dropout=dropout)
+        x = np.random.default_rng(0).integers(0, 256, (batch, seq + 1)).astype(np.int32)
+        temp = {}
+        for sp in (False, True):
+            mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), (jaxpar.DATA, jaxpar.TENSOR))
+            tp = TensorParallel(gpt.GPT(cfg, rngs=nnx.Rngs(0)), tx, tensor_parallel=2, sequence_parallel=sp,
+                                mesh=mesh, per_sample=False)
+            placed = tp.init(jaxpar.init_state(gpt.GPT(cfg, rngs=nnx.Rngs(0)), tx))
+            placed, _ = tp.step(placed, tp.put_batch({"x": x[:, :-1], "y": x[:, 1:]}))
+            temp[sp] = tp._step.lower(placed, tp._batch_spec).compile().memory_analysis().temp_size_in_bytes
+        out.append({"model": name, "batch": batch, "seq": seq, "dropout": dropout, "tp": temp[False],
+                    "sp": temp[True]})
+    return out
+
+
 def tp_table(rows: list[dict]) -> str:
     lines = ["| model (vocab 50304) | Psi | T | wte | params MiB | grads MiB | optimizer MiB | held MiB | DDP's 16 Psi MiB "
              "| held / DDP |", "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
@@ -297,6 +331,13 @@ def main(argv=None) -> dict:
     print(table(mem, times))
     if tp:
         print("\nMegatron tensor parallelism, the same devices (T x data): held per device\n" + tp_table(tp))
+    if args.sequence_parallel:
+        sp = sp_rows()
+        print("\nSequence parallelism: the compiled TP step's temporaries, T=2\n| model | batch x seq | dropout | "
+              "TP MiB | TP + SP MiB | SP / TP |\n|---|---|---:|---:|---:|---:|")
+        for r in sp:
+            print(f"| {r['model']} | {r['batch']} x {r['seq']} | {r['dropout']} | {_mib(r['tp'])} | {_mib(r['sp'])} | "
+                  f"{r['sp'] / r['tp']:.3f} |")
     print(f"load average after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
     if args.png and mem:
         plot(mem, times, args.png, args.devices)

@@ -60,6 +60,7 @@ class Config:
     output_device: int = 0  # the master device
     # Megatron tensor parallelism
     tensor_parallel: int = 1  # devices each layer is split over (--strategy tp; with --strategy pipeline: 3-D)
+    sequence_parallel: bool = False  # --strategy tp: LayerNorms and dropout on 1/T of the tokens (Megatron's)
     # pipeline
     num_stages: int = 2
     micro_batches: int = 4

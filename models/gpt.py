@@ -107,6 +107,7 @@ class CausalSelfAttention(nnx.Module):
 
     tensor_axis: str | None = None  # the TENSOR mesh axis when the heads are split over it
     tensor_size: int = 1
+    sequence_parallel: bool = False  # its input and output are this rank's tokens (Megatron's --sequence-parallel)
 
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         self.c_attn = _linear(cfg.n_embd, 3 * cfg.n_embd, cfg, 0.02, rngs)
@@ -142,14 +143,20 @@ class CausalSelfAttention(nnx.Module):
         return jnp.einsum("bnqk,bknh->bqnh", dropout(att_BxNxTxT), v_BxTxNxH)
 
     def _tensor_parallel(self, x_BxTxC: jax.Array) -> jax.Array:
-        """This rank's heads: f(x) @ its qkv columns, attention, then g(y @ its c_proj rows) + the bias."""
+        """This rank's heads: f(x) @ its qkv columns, attention, then g(y @ its c_proj rows) + the bias. Sequence
+        parallel: x is this rank's tokens, all-gathered in place of f, and the output reduce-scattered in place of
+        g."""
+        sp = self.sequence_parallel
+        x_BxTxC = megatron.gather_sequence(x_BxTxC, self.tensor_axis, 1) if sp else megatron.f(x_BxTxC,
+                                                                                              self.tensor_axis)
         b, t, c = x_BxTxC.shape
         h, n = c // self.n_head, self.n_head // self.tensor_size  # head size, this rank's heads
-        qkv_BxTx3D = megatron.column_linear(self.c_attn, megatron.f(x_BxTxC, self.tensor_axis))
+        qkv_BxTx3D = megatron.column_linear(self.c_attn, x_BxTxC)
         q_BxTxNxH, k_BxTxNxH, v_BxTxNxH = (a.reshape(b, t, n, h) for a in jnp.split(qkv_BxTx3D, 3, axis=-1))
         y_BxTxNxH = self._attend(q_BxTxNxH, k_BxTxNxH, v_BxTxNxH, self._head_dropout)
-        return self.resid_dropout(megatron.row_linear(self.c_proj, y_BxTxNxH.reshape(b, t, n * h),
-                                                      self.tensor_axis))
+        y_BxTxC = megatron.row_linear(self.c_proj, y_BxTxNxH.reshape(b, t, n * h), self.tensor_axis,
+                                      1 if sp else None)
+        return sequence_dropout(self.resid_dropout, y_BxTxC, self.tensor_axis, sp)
 
     def _head_dropout(self, att_BxNxTxT: jax.Array) -> jax.Array:
         """nnx.Dropout's mask for ALL heads (the same draw as the single-device model), this rank's heads kept:
@@ -167,6 +174,7 @@ class MLP(nnx.Module):
 
     tensor_axis: str | None = None
     tensor_size: int = 1
+    sequence_parallel: bool = False
 
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         self.c_fc = _linear(cfg.n_embd, 4 * cfg.n_embd, cfg, 0.02, rngs)
@@ -179,8 +187,11 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.tensor_axis is not None:
-            h = jax.nn.gelu(megatron.column_linear(self.c_fc, megatron.f(x, self.tensor_axis)), approximate=True)
-            return self.dropout(megatron.row_linear(self.c_proj, h, self.tensor_axis))
+            sp = self.sequence_parallel
+            x = megatron.gather_sequence(x, self.tensor_axis, 1) if sp else megatron.f(x, self.tensor_axis)
+            h = jax.nn.gelu(megatron.column_linear(self.c_fc, x), approximate=True)
+            y = megatron.row_linear(self.c_proj, h, self.tensor_axis, 1 if sp else None)
+            return sequence_dropout(self.dropout, y, self.tensor_axis, sp)
         return self.dropout(self.c_proj(jax.nn.gelu(self.c_fc(x), approximate=True)))
 
 
@@ -205,11 +216,12 @@ class Embedding(nnx.Module):
 
     tensor_axis: str | None = None
     tensor_size: int = 1
+    sequence_parallel: bool = False
 
     def __init__(self, wte: nnx.Embed, wpe: nnx.Embed, drop: nnx.Dropout, tensor_axis: str | None = None,
-                 tensor_size: int = 1):
+                 tensor_size: int = 1, sequence_parallel: bool = False):
         self.wte, self.wpe, self.drop = wte, wpe, drop
-        self.tensor_axis, self.tensor_size = tensor_axis, tensor_size
+        self.tensor_axis, self.tensor_size, self.sequence_parallel = tensor_axis, tensor_size, sequence_parallel
 
     def tensor_layout(self) -> dict[tuple, tuple[str, int]]:
         return {("wte", "embedding"): ("vocab", 0)}
@@ -220,11 +232,17 @@ class Embedding(nnx.Module):
             raise ValueError(f"a sequence of {t} tokens is longer than the model's block_size "
                              f"{self.wpe.num_embeddings} (its position table); use --seq-len <= "
                              f"{self.wpe.num_embeddings}, or a model with a larger block size.")
+        positions = self.wpe(jnp.arange(t))
+        if self.sequence_parallel:  # this rank's tokens: the lookups' sum reduce-scattered, its positions
+            _check_sequence(t, self.tensor_size)
+            tokens = megatron.vocab_parallel_embed(self.wte.embedding[...], idx_BxT, self.tensor_axis, 1)
+            x = tokens + megatron.my_slice(positions, self.tensor_axis, 0)
+            return sequence_dropout(self.drop, x, self.tensor_axis, True)
         if _vocab_split(self.wte, self.tensor_axis):
             tokens = megatron.vocab_parallel_embed(self.wte.embedding[...], idx_BxT, self.tensor_axis)
         else:
             tokens = self.wte(idx_BxT)
-        return self.drop(tokens + self.wpe(jnp.arange(t)))
+        return self.drop(tokens + positions)
 
 
 class LMHead(nnx.Module):
@@ -236,10 +254,12 @@ class LMHead(nnx.Module):
     tied = {"wte": "wte"}  # attribute here -> attribute of the first layer holding the same weights
     tensor_axis: str | None = None
     tensor_size: int = 1
+    sequence_parallel: bool = False
 
-    def __init__(self, ln_f: nnx.LayerNorm, wte: nnx.Embed, tensor_axis: str | None = None, tensor_size: int = 1):
+    def __init__(self, ln_f: nnx.LayerNorm, wte: nnx.Embed, tensor_axis: str | None = None, tensor_size: int = 1,
+                 sequence_parallel: bool = False):
         self.ln_f, self.wte = ln_f, wte
-        self.tensor_axis, self.tensor_size = tensor_axis, tensor_size
+        self.tensor_axis, self.tensor_size, self.sequence_parallel = tensor_axis, tensor_size, sequence_parallel
 
     def tensor_layout(self) -> dict[tuple, tuple[str, int]]:
         return {("wte", "embedding"): ("vocab", 0)}
@@ -247,7 +267,9 @@ class LMHead(nnx.Module):
     def __call__(self, x_BxTxC: jax.Array) -> jax.Array:
         h = self.ln_f(x_BxTxC)
         split = _vocab_split(self.wte, self.tensor_axis)
-        if split:
+        if self.sequence_parallel:  # every rank's tokens, against its vocabulary rows
+            h = megatron.gather_sequence(h, self.tensor_axis, 1)
+        elif split:
             h = megatron.f(h, self.tensor_axis)
         if jax.default_backend() != "cpu":
             logits = self.wte.attend(h)
@@ -255,6 +277,24 @@ class LMHead(nnx.Module):
             h, table_VxC = self.wte.promote_dtype((h, self.wte.embedding[...]), dtype=self.wte.dtype)
             logits = matmul_t(h, table_VxC)  # x @ wte^T, its weight gradient one NN GEMM
         return megatron.gather_from_tensor_region(logits, self.tensor_axis) if split else logits
+
+
+def sequence_dropout(drop: nnx.Dropout, x_BxTxC: jax.Array, axis: str | None, sequence_parallel: bool) -> jax.Array:
+    """`drop(x)`; under sequence parallelism, where x holds this rank's tokens, the single-device model's mask for
+    every token (the same draw) with this rank's tokens kept: the numbers equal the unsplit model's."""
+    if not sequence_parallel or drop.rate == 0.0 or drop.deterministic:
+        return drop(x_BxTxC)
+    keep = 1.0 - drop.rate
+    whole = (x_BxTxC.shape[0], x_BxTxC.shape[1] * jax.lax.psum(1, axis)) + x_BxTxC.shape[2:]
+    mask = megatron.my_slice(jax.random.bernoulli(drop.rngs(), p=keep, shape=whole), axis, 1)
+    return jax.lax.select(mask, x_BxTxC / keep, jnp.zeros_like(x_BxTxC))
+
+
+def _check_sequence(t: int, tp: int) -> None:
+    if t % tp:
+        raise ValueError(f"a sequence of {t} tokens does not split over --tensor-parallel {tp} ranks "
+                         f"(sequence parallelism gives each rank t / {tp} tokens); use a --seq-len that is a "
+                         f"multiple of {tp}, or no --sequence-parallel.")
 
 
 def _vocab_split(wte: nnx.Embed, axis: str | None) -> bool:
@@ -268,6 +308,7 @@ class GPT(nnx.Module):
 
     tensor_axis: str | None = None  # the TENSOR mesh axis when wte is split by vocabulary rows over it
     tensor_size: int = 1
+    sequence_parallel: bool = False
 
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         self.config = cfg
@@ -282,7 +323,7 @@ class GPT(nnx.Module):
     def layers(self) -> tuple[nnx.Module, ...]:
         """The flat sequence for the pipeline: Embedding, the blocks, LMHead; their composition is the model.
         The first and last share `wte` (the same nnx.Param): the tie a pipeline keeps on both stages."""
-        axis = self.tensor_axis, self.tensor_size
+        axis = self.tensor_axis, self.tensor_size, self.sequence_parallel
         return (Embedding(self.wte, self.wpe, self.drop, *axis), *self.h, LMHead(self.ln_f, self.wte, *axis))
 
     def tensor_layout(self) -> dict[tuple, tuple[str, int]]:

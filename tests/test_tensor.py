@@ -163,6 +163,41 @@ def test_hlo_has_megatrons_two_all_reduces_per_block_each_way():
     assert report["tensor_all_reduces_forward"] == report["tensor_all_reduces_backward"] == each_way
 
 
+@pytest.mark.parametrize("tp,devices", [(2, 2), (2, 8)])
+def test_sequence_parallel_equals_the_single_step(tp, devices):
+    """Megatron's sequence parallelism: between the blocks' split regions each rank holds its tokens (LayerNorms,
+    residual and embedding dropout on them, drawn as the single device draws); with dropout on, 3 steps equal the
+    single step. The compiled step all-gathers the sequence where f was and reduce-scatters where g was (two each
+    per block each way, plus the embedding's and the head's), and sums the replicated leaves' gradients once."""
+    m = model()
+    mesh = Mesh(np.array(jax.devices()[:devices]).reshape(devices // tp, tp), (DATA, TENSOR))
+    strategy = TensorParallel(m, TX, tensor_parallel=tp, sequence_parallel=True, mesh=mesh)
+    placed = strategy.init(jaxpar.init_state(model(), TX))
+    for b in batches():
+        placed, _ = strategy.step(placed, strategy.put_batch(b))
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(strategy.unplace(placed).params)[0],
+                            jax.tree.leaves(reference().params)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+    groups = {tuple(sorted(int(d.id) for d in row)) for row in mesh.devices}
+    kinds = list({c.name: c.kind for c in hlo_collectives(strategy.hlo(placed)) if set(c.groups) == groups}.values())
+    layers = CFG["n_layer"]
+    assert kinds.count("reduce-scatter") == 4 * layers + 2  # g's, and f's transposes; the embedding's and head's
+    assert kinds.count("all-gather") == 4 * layers + 3  # f's, and g's transposes; the head's two (tokens, vocab)
+    assert kinds.count("all-reduce") == 1  # the replicated leaves' gradients (LayerNorms, wpe, row biases), once
+    assert "sequence parallel" in strategy.describe()
+
+
+def test_sequence_parallel_refuses_what_it_cannot_split():
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(1, 4), (DATA, TENSOR))
+    strategy = TensorParallel(model(), TX, tensor_parallel=4, sequence_parallel=True, mesh=mesh)
+    with pytest.raises(ValueError, match=r"a sequence of 6 tokens does not split over --tensor-parallel 4 ranks"):
+        strategy.step(strategy.init(jaxpar.init_state(model(), TX)), strategy.put_batch(batches()[0]))
+    with pytest.raises(ValueError, match=r"--sequence-parallel needs the embedding split by vocabulary rows, but "
+                                         r"wte.embedding: vocabulary 25 is not a multiple of 2"):
+        TensorParallel(model(vocab_size=25), TX, tensor_parallel=2, sequence_parallel=True,
+                       mesh=Mesh(np.array(jax.devices()[:2]).reshape(1, 2), (DATA, TENSOR)))
+
+
 def test_the_qkv_column_order_matters():
     """Without the re-ordering each rank would take q of some heads and k of others: the result differs, so the
     equivalence above really tests the layout."""

@@ -19,6 +19,9 @@ tied LM head (its `parallel_output=False` form):
     logits = gather_from_tensor_region(f(h) @ MY rows^T)                             (all-gather forward; f's
                                                                                       all-reduce backward)
 
+With sequence parallelism (`gather_sequence`, `scatter_sequence_sum`) each f becomes an all-gather of the
+sequence and each g a reduce-scatter: the same bytes, the LayerNorms and dropout on 1/T of the tokens.
+
 With `axis=None` every function here is the plain single-device computation, so one model serves both:
 jaxpar.strategies.tensor sets the axis on the modules it shards.
 """
@@ -89,14 +92,40 @@ def _gather_bwd(axis, _, g):
 gather_from_tensor_region.defvjp(_gather_fwd, _gather_bwd)
 
 
-def vocab_parallel_embed(table_local: jax.Array, ids: jax.Array, axis: str) -> jax.Array:
+# -- sequence parallelism (Korthikanti et al. 2022; Megatron-LM's --sequence-parallel): between the tensor-parallel
+# regions the residual stream is split over the ranks along the sequence; LayerNorms, dropout and the residual adds
+# run on a rank's tokens. Megatron's g_bar (before a column split) and its conjugate (after a row split):
+
+def gather_sequence(x: jax.Array, axis: str, dim: int) -> jax.Array:
+    """The ranks' sequence slices all-gathered along `dim` forward; its transpose, the backward, reduce-scatters
+    (each rank's partial input gradient summed, this rank's tokens kept): Megatron's
+    gather_from_sequence_parallel_region."""
+    return lax.all_gather(x, axis, axis=dim, tiled=True)
+
+
+def scatter_sequence_sum(x: jax.Array, axis: str, dim: int) -> jax.Array:
+    """The ranks' partial sums reduce-scattered along `dim` (this rank's tokens of the sum) forward, all-gathered
+    backward: Megatron's reduce_scatter_to_sequence_parallel_region, in place of g's all-reduce."""
+    return lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
+
+
+def my_slice(x: jax.Array, axis: str, dim: int) -> jax.Array:
+    """This rank's part of `dim` (of T equal parts): a tensor every rank holds whole, cut to its tokens."""
+    n = x.shape[dim] // lax.psum(1, axis)
+    return lax.dynamic_slice_in_dim(x, lax.axis_index(axis) * n, n, axis=dim)
+
+
+def vocab_parallel_embed(table_local: jax.Array, ids: jax.Array, axis: str, sequence_dim: int | None = None):
     """Megatron's VocabParallelEmbedding: this rank holds rows [t V/T, (t+1) V/T) of the table; ids outside its
-    range look up zeros, and g sums the ranks' lookups (exactly one is not zero)."""
+    range look up zeros, and g sums the ranks' lookups (exactly one is not zero); with `sequence_dim` the sum is
+    reduce-scattered along it (sequence parallelism: this rank's tokens)."""
     rows = table_local.shape[0]
     local = ids - lax.axis_index(axis) * rows
     inside = (local >= 0) & (local < rows)
     out = jnp.take(table_local, jnp.where(inside, local, 0), axis=0)
-    return reduce_from_tensor_region(jnp.where(inside[..., None], out, jnp.zeros((), out.dtype)), axis)
+    out = jnp.where(inside[..., None], out, jnp.zeros((), out.dtype))
+    return reduce_from_tensor_region(out, axis) if sequence_dim is None else scatter_sequence_sum(out, axis,
+                                                                                                   sequence_dim)
 
 
 def f(x: jax.Array, axis: str | None) -> jax.Array:
@@ -115,10 +144,12 @@ def column_linear(linear, x: jax.Array) -> jax.Array:
     return y if linear.bias is None else y + linear.bias[...].astype(y.dtype)
 
 
-def row_linear(linear, x: jax.Array, axis: str | None) -> jax.Array:
+def row_linear(linear, x: jax.Array, axis: str | None, sequence_dim: int | None = None) -> jax.Array:
     """``g(x_t @ kernel_t) + bias`` of an nnx.Linear whose kernel [in/T, out] holds this rank's rows: the partial
-    products are summed over `axis`, then the (replicated) bias is added once."""
-    y = g(jnp.dot(x, linear.kernel[...].astype(x.dtype)), axis)
+    products are summed over `axis`, then the (replicated) bias is added once. With `sequence_dim` (sequence
+    parallelism) the sum is reduce-scattered along it instead: this rank's tokens."""
+    y = jnp.dot(x, linear.kernel[...].astype(x.dtype))
+    y = g(y, axis) if sequence_dim is None else scatter_sequence_sum(y, axis, sequence_dim)
     return y if linear.bias is None else y + linear.bias[...].astype(y.dtype)
 
 

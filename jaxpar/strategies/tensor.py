@@ -14,11 +14,13 @@ PartitionSpec and a column order:
 One step, on every device (shard_map over both axes):
 
     sums, grads = grad(objective's summed loss over MY data shard)      # f / g inside the blocks: 2 + 2 per block
+    grads[replicated] = psum(grads[replicated], TENSOR)                 # sequence parallel only: partial per rank
     grads = psum(grads, DATA)                                           # the data-parallel all-reduce
     state = apply_updates(tx, state, grads / psum(weight, DATA))        # each rank updates its own slices
 
 Replicated parameters get identical gradients on every tensor rank (their inputs are the replicated residual
-stream), so only DATA reduces them. The optimizer must be elementwise (it sees slices), or jaxpar's
+stream), so only DATA reduces them -- except under sequence parallelism, where each rank's LayerNorms, positions and
+row biases saw only its tokens, and their gradients are summed over TENSOR first. The optimizer must be elementwise (it sees slices), or jaxpar's
 `clip_by_global_norm`, which this strategy feeds the norm over all slices (replicated leaves counted once).
 Attention dropout: rank t draws the whole [heads, T, T] mask of the single-device model and keeps its heads, so
 the masks, and so the numbers, equal the single-device step's.
@@ -106,11 +108,17 @@ def tensor_plan(model: nnx.Module, tp: int, wrt: Any = nnx.Param) -> list[Layout
     return out
 
 
-def set_tensor_axis(model: nnx.Module, axis: str | None, tp: int) -> nnx.Module:
-    """Point every splittable module of `model` at `axis` (None: single-device), in place; returns the model."""
+def set_tensor_axis(model: nnx.Module, axis: str | None, tp: int, sequence_parallel: bool = False) -> nnx.Module:
+    """Point every splittable module of `model` at `axis` (None: single-device), in place, with Megatron's sequence
+    parallelism on or off; returns the model. ValueError when a module asked for it does not know it."""
     for _, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Module) and callable(getattr(node, "tensor_layout", None)):
+            if sequence_parallel and not hasattr(node, "sequence_parallel"):
+                raise ValueError(f"{type(node).__name__} splits over tensor ranks but has no `sequence_parallel` "
+                                 "attribute to run on a rank's tokens; drop --sequence-parallel for this model.")
             node.tensor_axis, node.tensor_size = axis, tp
+            if hasattr(node, "sequence_parallel"):
+                node.sequence_parallel = sequence_parallel
     return model
 
 
@@ -159,7 +167,8 @@ class TensorParallel:
     name = "tp"
 
     def __init__(self, model: nnx.Module, tx: optax.GradientTransformation, *, tensor_parallel: int = 2,
-                 loss_fn=None, mesh: Mesh | None = None, batch_size: int | None = None, **objective_options):
+                 sequence_parallel: bool = False, loss_fn=None, mesh: Mesh | None = None,
+                 batch_size: int | None = None, **objective_options):
         n = jax.device_count() if mesh is None else mesh.size
         if tensor_parallel < 1 or n % tensor_parallel:
             raise ValueError(f"--tensor-parallel {tensor_parallel} must be >= 1 and divide the {n} devices; use a "
@@ -174,9 +183,14 @@ class TensorParallel:
             raise TypeError(f"TensorParallel takes the model itself (its blocks are pointed at the {TENSOR!r} axis), "
                             f"not a {type(model).__name__}.")
         self.plan = tensor_plan(model, tensor_parallel)
+        whole = [lay.whole for lay in self.plan if lay.whole]
+        if sequence_parallel and whole:  # a whole head's logits and their gradient would be counted T times
+            raise ValueError(f"--sequence-parallel needs the embedding split by vocabulary rows, but {whole[0]}; "
+                             "pad the vocabulary to a multiple of --tensor-parallel (GPT-2's 50257 to 50304).")
         # each rank updates slices of leaves: the optimizer must be elementwise (or want only the global norm)
         self.needs_norm = zero_optim.check(tx, nnx.split(model, nnx.Param, ...)[1])
-        set_tensor_axis(model, TENSOR, tensor_parallel)
+        set_tensor_axis(model, TENSOR, tensor_parallel, sequence_parallel)
+        self.sequence_parallel = bool(sequence_parallel)
         self.objective = Objective.of(model, loss_fn, **objective_options)
         self.tx, self.batch_size = tx, batch_size
         self.data = self.mesh.shape[DATA]
@@ -243,6 +257,7 @@ class TensorParallel:
 
     def _compile(self, specs: TrainState):
         objective, tx, plan, needs_norm = self.objective, self.tx, self.plan, self.needs_norm
+        sp = self.sequence_parallel
         sharded = [lay.axis is not None for lay in plan]
 
         def body(state: TrainState, rows: Rows):
@@ -251,6 +266,9 @@ class TensorParallel:
                 return sums.loss, (sums, new_state)
 
             (_, (sums, new_state)), grads = jax.value_and_grad(loss, has_aux=True)(state.params)
+            if sp:  # replicated leaves saw only this rank's tokens (LayerNorms, positions, row biases): sum them
+                leaves, treedef = jax.tree.flatten(grads)
+                grads = jax.tree.unflatten(treedef, [g if s else lax.psum(g, TENSOR) for g, s in zip(leaves, sharded)])
             grads = lax.psum(grads, DATA)
             total = psum_sums(sums, DATA)
             grads = jax.tree.map(lambda g: g / total.weight, grads)
@@ -279,7 +297,7 @@ class TensorParallel:
     def describe(self) -> str:
         return (f"({DATA}, {TENSOR}) mesh {dict(self.mesh.shape)}: Megatron tensor parallelism over {self.tp} devices "
                 f"({sum(lay.axis is not None for lay in self.plan)} split leaves), {self.data} data replicas"
-                + whole_note(self.plan))
+                + (", sequence parallel" if self.sequence_parallel else "") + whole_note(self.plan))
 
     def report(self, placed) -> dict:
         """The split, and the compiled step's all-reduces within the tensor groups: forward (Megatron's g) and
@@ -320,6 +338,7 @@ def build(model: nnx.Module, tx: optax.GradientTransformation, cfg: Config, loss
     mesh = Mesh(np.array(devices).reshape(n // tp, tp), (DATA, TENSOR))
     from jaxpar.precision import compute_dtype
 
-    return TensorParallel(model, tx, tensor_parallel=tp, mesh=mesh, batch_size=cfg.batch_size, loss_fn=loss_fn,
+    return TensorParallel(model, tx, tensor_parallel=tp, sequence_parallel=cfg.sequence_parallel, mesh=mesh,
+                          batch_size=cfg.batch_size, loss_fn=loss_fn,
                           per_sample={None: None, "on": True, "off": False}[cfg.per_sample],
                           compute_dtype=compute_dtype(cfg.precision))

@@ -15,10 +15,7 @@ This file is also the worker of the two-process case: `python tests/test_3d.py w
 from __future__ import annotations
 
 import functools
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +31,8 @@ from jaxpar.models.gpt import GPT, GPTConfig
 from jaxpar.strategies.pipeline import Pipeline, pipeline_mesh
 from jaxpar.strategies.tensor import Layout, tensor_all_reduces
 
+import two_processes  # noqa: E402  (tests/)
+
 FAST = {"xla_backend_optimization_level": 0}  # both sides: these models run in ms, compiling is the cost
 CFG = dict(vocab_size=24, block_size=6, n_layer=2, n_head=4, n_embd=16, dropout=0.2)
 # Adam's eps well above the float32 noise of gradients that are 0 in exact arithmetic (the k bias: softmax ignores
@@ -41,7 +40,6 @@ CFG = dict(vocab_size=24, block_size=6, n_layer=2, n_head=4, n_embd=16, dropout=
 TX = optax.adam(1e-2, eps=1e-4)
 STEPS, ROWS, RTOL, ATOL = 3, 8, 1e-5, 1e-6
 LOSS = jaxpar.OutputLoss(jaxpar.cross_entropy)
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def model(**kw) -> GPT:
@@ -194,19 +192,10 @@ def worker(out: str) -> None:
 def test_3d_across_two_processes_equals_the_single_step(tmp_path):
     """2 processes x 4 devices, D x S x T = 2 x 2 x 2: the stages' activations (replicated over `tensor`, split
     over `data`) and the tied wte's gradient cross processes; both processes unplace the single step's state."""
-    cmd = [sys.executable, "-m", "jaxpar.launch", "--nproc-per-node", "2", "--term-timeout", "3", __file__, "worker",
-           str(tmp_path / "state")]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = two_processes.start(__file__, str(tmp_path / "state"))
     state, ref = reference()  # meanwhile, in this process
     assert max_diff(state.params, ref.params) > 1e-3  # the steps moved the weights: the comparison can fail
-    try:
-        out, _ = proc.communicate(timeout=600)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out = proc.communicate()[0]
-        pytest.fail(f"the two processes did not finish in 600 s; their output:\n{out}")
-    assert proc.returncode == 0, out
+    out = two_processes.finish(proc)
     for schedule in ACROSS:
         assert (f"process 1/2 {schedule}: 8 devices (2 processes), mesh {{'data': 2, 'pipe': 2, 'tensor': 2}}"
                 in out), out

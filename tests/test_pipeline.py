@@ -11,8 +11,6 @@ This file is also the worker of the multi-process case: `python tests/test_pipel
 from __future__ import annotations
 
 import functools
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 import lm  # noqa: E402
 import regression  # noqa: E402
+import two_processes  # noqa: E402  (tests/)
 
 import jaxpar  # noqa: E402
 from jaxpar.pipeline import analysis, schedule as sch  # noqa: E402
@@ -403,18 +402,9 @@ CLIP = optax.chain(jaxpar.optim.clip_by_global_norm(0.05), optax.sgd(0.1, moment
 
 
 def test_two_processes_equal_single(tmp_path):
-    cmd = [sys.executable, "-m", "jaxpar.launch", "--nproc-per-node", "2", "--term-timeout", "3", __file__, "worker",
-           str(tmp_path / "params")]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = two_processes.start(__file__, str(tmp_path / "params"))
     refs = {"mlp": reference("mlp", CLIP)[1], "lm": reference("lm")[1]}  # meanwhile, in this process
-    try:
-        out, _ = proc.communicate(timeout=600)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out = proc.communicate()[0]
-        pytest.fail(f"the two processes did not finish in 600 s; their output:\n{out}")
-    assert proc.returncode == 0, out
+    out = two_processes.finish(proc)
     assert "process 1/2 mlp: 4 devices (2 processes), mesh {'data': 1, 'pipe': 4}" in out, out
     assert "process 0/2 lm: 4 devices (2 processes), mesh {'data': 2, 'pipe': 2}" in out, out
     for name, ref in refs.items():

@@ -16,7 +16,8 @@ Megatron TP on the same devices (T the largest divisor of the heads and the devi
 GPT-2's vocabulary padded to 50304): what its placement puts on one device, the token embedding split by
 vocabulary rows (VocabParallelEmbedding) and, beside it, kept whole; gradients are the parameters' shape. Then
 (--sequence-parallel, on by default) the compiled TP step's temporaries at T=2 without and with Megatron's
-sequence parallelism.
+sequence parallelism, and (--parallel-output, on by default) with GPT-2's vocabulary, the head's logits all-gathered
+for the loss against kept split into Megatron's vocab_parallel_cross_entropy.
 Time: per config every strategy is compiled and warmed up (2 steps), then --repeats rounds alternate between
 them; a round is the median of --steps steps, the best round counts (load from elsewhere on a shared machine
 hits all alike). Random byte tokens (vocabulary 256, as --dataset text), --batch sequences of --seq-len,
@@ -47,6 +48,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--png", default="docs/img/zero_memory.png", help="the plot ('' for none)")
     p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
                    help="also the TP step's temporaries without and with Megatron's sequence parallelism")
+    p.add_argument("--parallel-output", action=argparse.BooleanOptionalAction, default=True,
+                   help="also the TP step's temporaries with the logits gathered and split into the loss")
     return p.parse_args(argv)
 
 
@@ -210,9 +213,9 @@ def tp_rows(names: list[str], devices: int) -> list[dict]:
     return out
 
 
-def sp_rows(cases=(("gpt-cpu", 16, 64, 0.0), ("gpt-mini", 8, 256, 0.1))) -> list[dict]:
-    """Megatron's sequence parallelism: the compiled TP step's temporaries (XLA's memory analysis: activations and
-    scratch) on 2 devices, T=2, without and with it; a real step is run first (byte vocabulary)."""
+def tp_temps(name: str, batch: int, seq: int, tp: int, vocab: int = 256, dropout: float = 0.0, **options) -> int:
+    """The compiled TP step's temporaries (XLA's memory analysis: activations and scratch) on `tp` devices (no data
+    replicas), whole-batch objective; a real step is run first. `options` go to TensorParallel."""
     import jax
     import numpy as np
     import optax
@@ -223,21 +226,33 @@ def sp_rows(cases=(("gpt-cpu", 16, 64, 0.0), ("gpt-mini", 8, 256, 0.1))) -> list
     from jaxpar.models import gpt
     from jaxpar.strategies.tensor import TensorParallel
 
-    tx, out = optax.adam(1e-3), []
-    for name, batch, seq, dropout in cases:
-        cfg = gpt.GPTConfig.named(name, vocab_size=256, block_size=seq, dropout=dropout)
-        x = np.random.default_rng(0).integers(0, 256, (batch, seq + 1)).astype(np.int32)
-        temp = {}
-        for sp in (False, True):
-            mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), (jaxpar.DATA, jaxpar.TENSOR))
-            tp = TensorParallel(gpt.GPT(cfg, rngs=nnx.Rngs(0)), tx, tensor_parallel=2, sequence_parallel=sp,
-                                mesh=mesh, per_sample=False)
-            placed = tp.init(jaxpar.init_state(gpt.GPT(cfg, rngs=nnx.Rngs(0)), tx))
-            placed, _ = tp.step(placed, tp.put_batch({"x": x[:, :-1], "y": x[:, 1:]}))
-            temp[sp] = tp._step.lower(placed, tp._batch_spec).compile().memory_analysis().temp_size_in_bytes
-        out.append({"model": name, "batch": batch, "seq": seq, "dropout": dropout, "tp": temp[False],
-                    "sp": temp[True]})
-    return out
+    tx = optax.adam(1e-3)
+    cfg = gpt.GPTConfig.named(name, vocab_size=vocab, block_size=seq, dropout=dropout)
+    x = np.random.default_rng(0).integers(0, vocab, (batch, seq + 1)).astype(np.int32)
+    mesh = Mesh(np.array(jax.devices()[:tp]).reshape(1, tp), (jaxpar.DATA, jaxpar.TENSOR))
+    strategy = TensorParallel(gpt.GPT(cfg, rngs=nnx.Rngs(0)), tx, tensor_parallel=tp, mesh=mesh, per_sample=False,
+                              **options)
+    placed = strategy.init(jaxpar.init_state(gpt.GPT(cfg, rngs=nnx.Rngs(0)), tx))
+    placed, _ = strategy.step(placed, strategy.put_batch({"x": x[:, :-1], "y": x[:, 1:]}))
+    return strategy._step.lower(placed, strategy._batch_spec).compile().memory_analysis().temp_size_in_bytes
+
+
+def sp_rows(cases=(("gpt-cpu", 16, 64, 0.0), ("gpt-mini", 8, 256, 0.1))) -> list[dict]:
+    """Megatron's sequence parallelism: the TP step's temporaries at T=2 without and with it (byte vocabulary)."""
+    return [{"model": name, "batch": batch, "seq": seq, "dropout": dropout,
+             **{key: tp_temps(name, batch, seq, 2, dropout=dropout, sequence_parallel=sp, parallel_output=False)
+                for key, sp in (("tp", False), ("sp", True))}}
+            for name, batch, seq, dropout in cases]
+
+
+def parallel_output_rows(cases=(("gpt-cpu", 8, 256, 2), ("gpt-cpu", 8, 256, 4))) -> list[dict]:
+    """Megatron's parallel_output: the TP step's temporaries with GPT-2's vocabulary (50304) when the head's logits
+    are all-gathered for the loss and when they go split into vocab_parallel_cross_entropy."""
+    return [{"model": name, "batch": batch, "seq": seq, "tp": tp,
+             "logits": batch * seq * 50304 * 4,  # one float32 copy of the whole [tokens, V] logits
+             **{key: tp_temps(name, batch, seq, tp, vocab=50304, parallel_output=on)
+                for key, on in (("gathered", False), ("split", True))}}
+            for name, batch, seq, tp in cases]
 
 
 def tp_table(rows: list[dict]) -> str:
@@ -338,6 +353,14 @@ def main(argv=None) -> dict:
         for r in sp:
             print(f"| {r['model']} | {r['batch']} x {r['seq']} | {r['dropout']} | {_mib(r['tp'])} | {_mib(r['sp'])} | "
                   f"{r['sp'] / r['tp']:.3f} |")
+    if args.parallel_output:
+        po = parallel_output_rows()
+        print("\nMegatron's parallel_output: the compiled TP step's temporaries, vocabulary 50304\n"
+              "| model | batch x seq | T | whole logits MiB | gathered MiB | split MiB | split / gathered |\n"
+              "|---|---|---:|---:|---:|---:|---:|")
+        for r in po:
+            print(f"| {r['model']} | {r['batch']} x {r['seq']} | {r['tp']} | {_mib(r['logits'])} | "
+                  f"{_mib(r['gathered'])} | {_mib(r['split'])} | {r['split'] / r['gathered']:.3f} |")
     print(f"load average after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
     if args.png and mem:
         plot(mem, times, args.png, args.devices)

@@ -18,7 +18,8 @@ import sys
 
 from jaxpar.config import Config
 
-_NEGATED = {"shuffle": "--no-shuffle", "overlap": "--no-overlap"}  # booleans that default to on
+_NEGATED = {"shuffle": "--no-shuffle", "overlap": "--no-overlap",  # booleans that default to on
+            "parallel_output": "--no-parallel-output"}
 
 
 def _field_help() -> dict[str, str]:

@@ -5,14 +5,18 @@ Each returns sums (jaxpar.objective says why): wrap one in `jaxpar.OutputLoss` -
 
     cross_entropy     nn.CrossEntropyLoss: integer targets of any shape ([B], [B, T]), ignore_index=-100, and an
                       optional 0/1 ``batch["mask"]`` of the targets' shape; weight = the counted targets;
-                      metrics: accuracy (argmax == target)
+                      metrics: accuracy (argmax == target). It also takes logits split by vocabulary over tensor
+                      ranks (Megatron's parallel_output=True: jaxpar.comm.megatron.VocabParallelLogits)
     mse               nn.MSELoss: squared error summed over every element; weight = the number of elements
 """
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import optax
 
+from jaxpar.comm import megatron
 from jaxpar.objective import LossOutput, OutputLoss
 
 IGNORE_INDEX = -100  # torch's CrossEntropyLoss default
@@ -40,17 +44,42 @@ def _mask(batch, shape) -> jnp.ndarray:
 
 
 def cross_entropy(logits, batch, *, key: str = "y", ignore_index: int = IGNORE_INDEX) -> LossOutput:
-    """Summed softmax cross-entropy of `logits` [..., C] against integer targets [...] (torch's CrossEntropyLoss)."""
+    """Summed softmax cross-entropy of `logits` [..., C] against integer targets [...] (torch's CrossEntropyLoss);
+    `logits` split by vocabulary over tensor ranks (VocabParallelLogits) go through Megatron's
+    vocab_parallel_cross_entropy, never gathered."""
     y = _targets(batch, key)
-    logits = logits.astype(jnp.float32)
-    if logits.shape[:-1] != y.shape:
-        raise ValueError(f"logits {logits.shape} do not match targets {y.shape}: expected logits of shape "
+    split = isinstance(logits, megatron.VocabParallelLogits)
+    local = logits.local if split else logits.astype(jnp.float32)
+    if local.shape[:-1] != y.shape:
+        raise ValueError(f"logits {local.shape} do not match targets {y.shape}: expected logits of shape "
                          f"{tuple(y.shape)} + (classes,).")
     w = _mask(batch, y.shape) * (y != ignore_index)
     safe = jnp.where(y == ignore_index, 0, y)
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, safe)
-    correct = (jnp.argmax(logits, -1) == y).astype(jnp.float32)
+    if split:
+        losses = megatron.vocab_parallel_cross_entropy(local, safe, logits.axis)
+        predicted = megatron.vocab_parallel_argmax(local, logits.axis)
+    else:
+        losses = optax.softmax_cross_entropy_with_integer_labels(local, safe)
+        predicted = jnp.argmax(local, -1)
+    correct = (predicted == y).astype(jnp.float32)
     return LossOutput(jnp.sum(w * losses), jnp.sum(w), {"accuracy": jnp.sum(w * correct)})
+
+
+cross_entropy.takes_vocab_parallel = True  # type: ignore[attr-defined]
+
+
+def takes_vocab_parallel(loss) -> bool:
+    """Whether `loss` (a loss(model, batch), an OutputLoss, a functools.partial of either) declares that it takes
+    logits split by vocabulary (``fn.takes_vocab_parallel = True``, as `cross_entropy` does)."""
+    while True:
+        if getattr(loss, "takes_vocab_parallel", False):
+            return True
+        if isinstance(loss, OutputLoss):
+            loss = loss.fn
+        elif isinstance(loss, functools.partial):
+            loss = loss.func
+        else:
+            return False
 
 
 def mse(outputs, batch, *, key: str = "y") -> LossOutput:

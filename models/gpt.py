@@ -248,23 +248,26 @@ class Embedding(nnx.Module):
 class LMHead(nnx.Module):
     """The last pipeline layer: ln_f, then logits against the token embedding, ``x @ wte^T`` (tied: `wte` is the
     same Embed as the first layer's, as DeepSpeed's TiedLayerSpec('embed', ...) shares it between stages). Under
-    tensor parallelism with `wte` split by vocabulary rows: each rank's logits for its rows, all-gathered (Megatron's
-    parallel_output=False), f before."""
+    tensor parallelism with `wte` split by vocabulary rows, each rank computes the logits of its rows, f before:
+    with `parallel_output` (Megatron's; the strategy sets it when the loss takes them) they stay split, as
+    megatron.VocabParallelLogits, else they are all-gathered."""
 
     tied = {"wte": "wte"}  # attribute here -> attribute of the first layer holding the same weights
     tensor_axis: str | None = None
     tensor_size: int = 1
     sequence_parallel: bool = False
+    parallel_output: bool = False
 
     def __init__(self, ln_f: nnx.LayerNorm, wte: nnx.Embed, tensor_axis: str | None = None, tensor_size: int = 1,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, parallel_output: bool = False):
         self.ln_f, self.wte = ln_f, wte
         self.tensor_axis, self.tensor_size, self.sequence_parallel = tensor_axis, tensor_size, sequence_parallel
+        self.parallel_output = parallel_output
 
     def tensor_layout(self) -> dict[tuple, tuple[str, int]]:
         return {("wte", "embedding"): ("vocab", 0)}
 
-    def __call__(self, x_BxTxC: jax.Array) -> jax.Array:
+    def __call__(self, x_BxTxC: jax.Array) -> jax.Array | megatron.VocabParallelLogits:
         h = self.ln_f(x_BxTxC)
         split = _vocab_split(self.wte, self.tensor_axis)
         if self.sequence_parallel:  # every rank's tokens, against its vocabulary rows
@@ -276,7 +279,11 @@ class LMHead(nnx.Module):
         else:
             h, table_VxC = self.wte.promote_dtype((h, self.wte.embedding[...]), dtype=self.wte.dtype)
             logits = matmul_t(h, table_VxC)  # x @ wte^T, its weight gradient one NN GEMM
-        return megatron.gather_from_tensor_region(logits, self.tensor_axis) if split else logits
+        if not split:
+            return logits
+        if self.parallel_output:
+            return megatron.VocabParallelLogits(logits, self.tensor_axis)
+        return megatron.gather_from_tensor_region(logits, self.tensor_axis)
 
 
 def sequence_dropout(drop: nnx.Dropout, x_BxTxC: jax.Array, axis: str | None, sequence_parallel: bool) -> jax.Array:
@@ -304,11 +311,13 @@ def _vocab_split(wte: nnx.Embed, axis: str | None) -> bool:
 
 
 class GPT(nnx.Module):
-    """GPT-2 (see the module docstring). ``model(idx [B, T] int) -> logits [B, T, vocab]``."""
+    """GPT-2 (see the module docstring). ``model(idx [B, T] int) -> logits [B, T, vocab]`` (under tensor
+    parallelism with `parallel_output`: this rank's vocabulary columns, as megatron.VocabParallelLogits)."""
 
     tensor_axis: str | None = None  # the TENSOR mesh axis when wte is split by vocabulary rows over it
     tensor_size: int = 1
     sequence_parallel: bool = False
+    parallel_output: bool = False  # the head's logits stay split by vocabulary (Megatron's parallel_output=True)
 
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         self.config = cfg
@@ -324,7 +333,8 @@ class GPT(nnx.Module):
         """The flat sequence for the pipeline: Embedding, the blocks, LMHead; their composition is the model.
         The first and last share `wte` (the same nnx.Param): the tie a pipeline keeps on both stages."""
         axis = self.tensor_axis, self.tensor_size, self.sequence_parallel
-        return (Embedding(self.wte, self.wpe, self.drop, *axis), *self.h, LMHead(self.ln_f, self.wte, *axis))
+        return (Embedding(self.wte, self.wpe, self.drop, *axis), *self.h,
+                LMHead(self.ln_f, self.wte, *axis, self.parallel_output))
 
     def tensor_layout(self) -> dict[tuple, tuple[str, int]]:
         """Megatron's vocabulary-parallel embedding and head: wte split by rows (when T divides the vocabulary)."""

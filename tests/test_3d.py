@@ -54,18 +54,19 @@ def batch():
 
 @functools.lru_cache(maxsize=None)
 def reference():
-    """(initial state, the state after STEPS single-device steps)."""
+    """(initial state, the state after STEPS single-device steps, the last step's metrics)."""
     objective, state = jaxpar.Objective.of(model(), LOSS), jaxpar.init_state(model(), TX)
     step = jax.jit(lambda s, rows: jaxpar.train_step(objective, TX, s, rows), compiler_options=FAST)
     out = state
     for _ in range(STEPS):
-        out, _ = step(out, jaxpar.as_rows(batch()))
-    return state, out
+        out, metrics = step(out, jaxpar.as_rows(batch()))
+    return state, out, metrics
 
 
 @functools.lru_cache(maxsize=None)
 def run(D: int, S: int, T: int, schedule: str = "1f1b", canonical_qkv: bool = False):
-    """(pipeline, its state after STEPS steps as the canonical TrainState, the last placed state and batch)."""
+    """(pipeline, its state after STEPS steps as the canonical TrainState, the last placed state and batch, the
+    last step's metrics)."""
     pipe = Pipeline(model(), TX, loss_fn=LOSS, num_stages=S, micro_batches=2, schedule=schedule,
                     virtual_stages=2 if schedule == "interleaved" else 1, tensor_parallel=T,
                     mesh=pipeline_mesh(D * S * T, S, T), compiler_options=FAST)
@@ -75,7 +76,7 @@ def run(D: int, S: int, T: int, schedule: str = "1f1b", canonical_qkv: bool = Fa
     for _ in range(STEPS):
         placed, metrics = pipe.step(placed, batched := pipe.put_batch(batch()))
     assert float(metrics["samples"]) == ROWS
-    return pipe, pipe.unplace(placed), placed, batched
+    return pipe, pipe.unplace(placed), placed, batched, metrics
 
 
 def max_diff(a, b) -> float:
@@ -91,18 +92,21 @@ def assert_equal(got, want) -> None:
 
 def test_the_comparison_can_fail():
     """The steps move the weights far beyond the tolerance, and a wrong layout (no qkv re-order) lands elsewhere."""
-    state, ref = reference()
+    state, ref, _ = reference()
     assert max_diff(state.params, ref.params) > 1e-3
-    _, wrong, _, _ = run(2, 2, 2, canonical_qkv=True)  # the compiled functions are those of the right layout
+    _, wrong, _, _, _ = run(2, 2, 2, canonical_qkv=True)  # the compiled functions are those of the right layout
     assert max_diff(wrong.params, ref.params) > 1e-4
 
 
 @pytest.mark.parametrize("D,S,T,schedule", [(2, 2, 2, "1f1b"), (1, 2, 2, "interleaved")])
 def test_3d_equals_the_single_step(D, S, T, schedule):
-    pipe, out, placed, _ = run(D, S, T, schedule)
-    ref = reference()[1]
+    pipe, out, placed, _, metrics = run(D, S, T, schedule)
+    _, ref, single = reference()
     assert_equal(out.params, ref.params)
     assert_equal(out.opt_state, ref.opt_state)
+    for name in ("loss", "accuracy"):  # the last stage's loss on vocabulary-split logits (parallel_output)
+        np.testing.assert_allclose(metrics[name], single[name], rtol=RTOL, err_msg=name)
+    assert "logits split by vocabulary into the loss" in pipe.describe()
     split = next(a for a in placed.params[0] if not a.sharding.is_fully_replicated)
     assert {s.data.shape for s in split.addressable_shards} != {split.shape}  # each rank holds a slice
     mod = pipe.module  # the tied wte, on the first and last stage: Megatron's vocabulary rows, V / T per rank
@@ -127,7 +131,7 @@ def test_stage_functions_hold_megatrons_all_reduces():
     """Stage 0 (the embedding and block 0): its forward all-reduces twice per block within the tensor groups (g
     after the attention and after the MLP) and once for the vocabulary-parallel embedding (its g), its backward
     twice per block (f's transpose) -- and nothing else over TENSOR."""
-    pipe, _, placed, batched = run(2, 2, 2)
+    pipe, _, placed, batched, _ = run(2, 2, 2)
     plan, engine = pipe._last[1], pipe.engine
     fns = plan.fns[0]
     assert fns.first and not fns.last
@@ -193,12 +197,13 @@ def test_3d_across_two_processes_equals_the_single_step(tmp_path):
     """2 processes x 4 devices, D x S x T = 2 x 2 x 2: the stages' activations (replicated over `tensor`, split
     over `data`) and the tied wte's gradient cross processes; both processes unplace the single step's state."""
     proc = two_processes.start(__file__, str(tmp_path / "state"))
-    state, ref = reference()  # meanwhile, in this process
+    state, ref, _ = reference()  # meanwhile, in this process
     assert max_diff(state.params, ref.params) > 1e-3  # the steps moved the weights: the comparison can fail
     out = two_processes.finish(proc)
     for schedule in ACROSS:
         assert (f"process 1/2 {schedule}: 8 devices (2 processes), mesh {{'data': 2, 'pipe': 2, 'tensor': 2}}"
                 in out), out
+        assert "logits split by vocabulary into the loss (parallel_output)" in out
         ranks = [np.load(tmp_path / f"state.{schedule}.rank{r}.npz") for r in range(2)]
         for k, want in enumerate(jax.tree.leaves((ref.params, ref.opt_state))):
             np.testing.assert_array_equal(ranks[0][f"arr_{k}"], ranks[1][f"arr_{k}"])  # both unplace the same

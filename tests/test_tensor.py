@@ -89,31 +89,41 @@ def batches():
 
 
 @functools.lru_cache(maxsize=None)
-def reference():
+def single_run():
+    """The single-device step on batches(): (final state, each step's metrics)."""
     m = model()
     objective = jaxpar.Objective.of(m)
     state = jaxpar.init_state(m, TX)
     step = jaxpar.make_train_step(objective, TX)
-    out = state
+    out, metrics = state, []
     for b in batches():
-        out, _ = step(out, b)
+        out, mets = step(out, b)
+        metrics.append(mets)
     assert max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(out.params),
                                                            jax.tree.leaves(state.params))) > 1e-3
-    return out
+    return out, metrics
 
 
-@pytest.mark.parametrize("tp,devices", [(2, 2), (4, 4), (2, 8)])
-def test_tensor_parallel_equals_the_single_step(tp, devices):
+def reference():
+    return single_run()[0]
+
+
+@pytest.mark.parametrize("tp,devices,parallel_output", [(2, 2, None), (4, 4, None), (2, 8, None), (2, 2, False)])
+def test_tensor_parallel_equals_the_single_step(tp, devices, parallel_output):
     """Heads and hidden units split over `tp` ranks (x devices/tp data replicas), attention and residual dropout
-    on: after 3 steps the parameters equal the single-device step's."""
+    on: after 3 steps the parameters equal the single-device step's, with the logits kept split by vocabulary into
+    the cross-entropy (the default) or all-gathered."""
     m = model()
     mesh = Mesh(np.array(jax.devices()[:devices]).reshape(devices // tp, tp), (DATA, TENSOR))
-    strategy = TensorParallel(m, TX, tensor_parallel=tp, mesh=mesh)
+    strategy = TensorParallel(m, TX, tensor_parallel=tp, mesh=mesh, parallel_output=parallel_output)
+    assert strategy.parallel_output == (parallel_output is None)
     state = jaxpar.init_state(model(), TX)
     placed = strategy.init(state)
     local = [np.asarray(s.data).shape for s in jax.tree.leaves(placed.params)[0].addressable_shards]
-    for b in batches():
+    for b, single in zip(batches(), single_run()[1]):
         placed, metrics = strategy.step(placed, strategy.put_batch(b))
+        for name in ("loss", "accuracy"):  # the reported numbers too, not only the gradients
+            np.testing.assert_allclose(metrics[name], single[name], rtol=1e-5, err_msg=name)
     out = strategy.unplace(placed)
     ref = reference()
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(out.params)[0], jax.tree.leaves(ref.params)):
@@ -150,7 +160,7 @@ def test_hlo_has_megatrons_two_all_reduces_per_block_each_way():
 
     m = model(dropout=0.0)
     mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), (DATA, TENSOR))
-    strategy = TensorParallel(m, TX, tensor_parallel=2, mesh=mesh)
+    strategy = TensorParallel(m, TX, tensor_parallel=2, mesh=mesh, parallel_output=False)
     placed = strategy.init(jaxpar.init_state(model(dropout=0.0), TX))
     placed, _ = strategy.step(placed, strategy.put_batch(batches()[0]))
     each_way = 2 * CFG["n_layer"] + 1
@@ -179,11 +189,16 @@ def test_sequence_parallel_equals_the_single_step(tp, devices):
                             jax.tree.leaves(reference().params)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
     groups = {tuple(sorted(int(d.id) for d in row)) for row in mesh.devices}
-    kinds = list({c.name: c.kind for c in hlo_collectives(strategy.hlo(placed)) if set(c.groups) == groups}.values())
-    layers = CFG["n_layer"]
+    within = [c for c in hlo_collectives(strategy.hlo(placed)) if set(c.groups) == groups]
+    kinds = list({c.name: c.kind for c in within}.values())
+    layers, tokens = CFG["n_layer"], ROWS // (devices // tp) * CFG["block_size"]
     assert kinds.count("reduce-scatter") == 4 * layers + 2  # g's, and f's transposes; the embedding's and head's
-    assert kinds.count("all-gather") == 4 * layers + 3  # f's, and g's transposes; the head's two (tokens, vocab)
-    assert kinds.count("all-reduce") == 1  # the replicated leaves' gradients (LayerNorms, wpe, row biases), once
+    assert kinds.count("all-gather") == 4 * layers + 2  # f's, and g's transposes; the head's tokens
+    # all-reduces: the replicated leaves' gradients (LayerNorms, wpe, row biases) once, and the vocabulary-parallel
+    # cross-entropy's [tokens] values (max, two sums, argmax's index)
+    reduced = [c for c in within if c.kind == "all-reduce"]
+    assert len({c.name for c in reduced if int(np.prod(c.shape)) != tokens}) == 1
+    assert len([c for c in reduced if int(np.prod(c.shape)) == tokens]) == 4
     assert "sequence parallel" in strategy.describe()
 
 
@@ -196,6 +211,68 @@ def test_sequence_parallel_refuses_what_it_cannot_split():
                                          r"wte.embedding: vocabulary 25 is not a multiple of 2"):
         TensorParallel(model(vocab_size=25), TX, tensor_parallel=2, sequence_parallel=True,
                        mesh=Mesh(np.array(jax.devices()[:2]).reshape(1, 2), (DATA, TENSOR)))
+
+
+def test_vocab_parallel_cross_entropy_equals_the_whole_one():
+    """Megatron's vocab_parallel_cross_entropy through jaxpar.cross_entropy, 4 ranks holding 3 of 12 classes each:
+    the summed loss, the weight (ignore_index, a mask), the accuracy (a tie across two ranks' slices: the first
+    index wins, as jnp.argmax) and the logits' gradient equal the whole-vocabulary computation's."""
+    mesh = Mesh(np.array(jax.devices()[:4]), (TENSOR,))
+    logits = 3.0 * jax.random.normal(jax.random.key(0), (3, 5, 12))
+    top = float(logits[1, 1].max()) + 1.0
+    logits = logits.at[1, 1, 7].set(top).at[1, 1, 2].set(top)  # classes 2 (rank 0) and 7 (rank 2) tie
+    y = jax.random.randint(jax.random.key(1), (3, 5), 0, 12).at[0, 0].set(-100).at[1, 1].set(7)
+    batch = {"y": y, "mask": jnp.ones((3, 5)).at[2, 4].set(0.0)}
+    whole = jaxpar.cross_entropy(logits, batch)
+    whole_grad = jax.grad(lambda z: jaxpar.cross_entropy(z, batch).loss)(logits)
+
+    def per_rank(local):
+        split = lambda z: jaxpar.cross_entropy(megatron.VocabParallelLogits(z, TENSOR), batch)  # noqa: E731
+        out, grad = split(local), jax.grad(lambda z: split(z).loss)(local)
+        argmax = megatron.vocab_parallel_argmax(local, TENSOR)
+        alone = jaxpar.cross_entropy(local, {"y": jnp.minimum(y, 2) * (y >= 0)}).loss  # no collectives
+        return out.loss, out.weight, out.metrics["accuracy"], grad, argmax, alone[None]
+
+    loss, weight, accuracy, grad, argmax, alone = jax.shard_map(
+        per_rank, mesh=mesh, in_specs=P(None, None, TENSOR),
+        out_specs=(P(), P(), P(), P(None, None, TENSOR), P(), P(TENSOR)), check_vma=False)(logits)
+    assert float(jnp.abs(alone - whole.loss).min()) > 1.0  # a rank's slice alone gives another loss
+    np.testing.assert_allclose(loss, whole.loss, rtol=1e-6)
+    assert float(weight) == float(whole.weight) == 13.0
+    assert float(accuracy) == float(whole.metrics["accuracy"]) and int(argmax[1, 1]) == 2
+    np.testing.assert_array_equal(argmax, jnp.argmax(logits, -1))
+    np.testing.assert_allclose(grad, whole_grad, rtol=1e-5, atol=1e-7)
+
+
+def test_parallel_output_keeps_the_logits_split():
+    """With the default cross-entropy the head's logits stay split by vocabulary into the loss: the compiled step
+    has no all-gather within the tensor groups, Megatron's 2L+1 all-reduces each way of [tokens, C] activations,
+    and the loss's max, sums and argmax over [tokens] values only. A loss that does not take split logits gets
+    them gathered; one that is asked to but does not say it can is refused."""
+    m = model(dropout=0.0)
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), (DATA, TENSOR))
+    strategy = TensorParallel(m, TX, tensor_parallel=2, mesh=mesh)
+    placed = strategy.init(jaxpar.init_state(model(dropout=0.0), TX))
+    rows = strategy.put_batch(batches()[0])
+    placed, _ = strategy.step(placed, rows)
+    groups = {tuple(sorted(int(d.id) for d in row)) for row in mesh.devices}
+    within = [c for c in hlo_collectives(strategy.hlo(placed)) if set(c.groups) == groups]
+    tokens = ROWS // 2 * CFG["block_size"]  # a data replica's
+    assert not [c for c in within if c.kind != "all-reduce"]
+    activations = [c for c in within if c.shape[-1] == CFG["n_embd"]]
+    assert len(activations) == 2 * (2 * CFG["n_layer"] + 1)
+    rest = sorted((c.dtype, int(np.prod(c.shape))) for c in within if c.shape[-1] != CFG["n_embd"])
+    assert rest == [("f32", tokens)] * 3 + [("s32", tokens)]  # max, the two sums; argmax's min index
+    assert "logits split by vocabulary into the loss" in strategy.describe()
+    from jaxpar.losses import takes_vocab_parallel
+
+    assert takes_vocab_parallel(jaxpar.OutputLoss(functools.partial(jaxpar.cross_entropy, key="y")))
+    mse = jaxpar.OutputLoss(jaxpar.mse)
+    assert not takes_vocab_parallel(mse) and not takes_vocab_parallel(lambda model, batch: 0.0)
+    assert not TensorParallel(model(), TX, tensor_parallel=2, mesh=mesh, loss_fn=mse).parallel_output
+    with pytest.raises(ValueError, match=r"parallel_output=True hands the loss logits split by vocabulary .* "
+                                         r"set `takes_vocab_parallel = True`"):
+        TensorParallel(model(), TX, tensor_parallel=2, mesh=mesh, loss_fn=mse, parallel_output=True)
 
 
 def test_the_qkv_column_order_matters():

@@ -19,6 +19,9 @@ tied LM head (its `parallel_output=False` form):
     logits = gather_from_tensor_region(f(h) @ MY rows^T)                             (all-gather forward; f's
                                                                                       all-reduce backward)
 
+or, Megatron's default `parallel_output=True`, the head's logits stay split (`VocabParallelLogits`) and the loss is
+`vocab_parallel_cross_entropy`: a max and two sums over the ranks of [tokens] values, never the [tokens, V] logits.
+
 With sequence parallelism (`gather_sequence`, `scatter_sequence_sum`) each f becomes an all-gather of the
 sequence and each g a reduce-scatter: the same bytes, the LayerNorms and dropout on 1/T of the tokens.
 
@@ -126,6 +129,82 @@ def vocab_parallel_embed(table_local: jax.Array, ids: jax.Array, axis: str, sequ
     out = jnp.where(inside[..., None], out, jnp.zeros((), out.dtype))
     return reduce_from_tensor_region(out, axis) if sequence_dim is None else scatter_sequence_sum(out, axis,
                                                                                                    sequence_dim)
+
+
+# -- the loss on vocabulary-split logits (Megatron's parallel_output=True and vocab_parallel_cross_entropy) --------
+
+@jax.tree_util.register_pytree_node_class
+class VocabParallelLogits:
+    """Logits split over the ranks of `axis` by vocabulary: `local` [..., V/T] holds this rank's columns
+    [t V/T, (t+1) V/T). What the tied head returns when the loss takes it (jaxpar.losses.cross_entropy does);
+    ``gather()`` gives the whole [..., V] (Megatron's parallel_output=False)."""
+
+    def __init__(self, local: jax.Array, axis: str):
+        self.local, self.axis = local, axis
+
+    def tree_flatten(self):
+        return (self.local,), self.axis
+
+    @classmethod
+    def tree_unflatten(cls, axis, children):
+        return cls(children[0], axis)
+
+    def gather(self) -> jax.Array:
+        return gather_from_tensor_region(self.local, self.axis)
+
+    def __repr__(self) -> str:
+        return f"VocabParallelLogits({getattr(self.local, 'shape', self.local)}, axis={self.axis!r})"
+
+
+def _xent_forward(logits_local, target, axis):
+    logits = logits_local.astype(jnp.float32)
+    v = logits.shape[-1]
+    top = lax.pmax(jnp.max(logits, axis=-1), axis)  # the global max, for a stable exp
+    shifted = logits - top[..., None]
+    mine = target - lax.axis_index(axis) * v  # the target's column in this rank's slice
+    inside = (mine >= 0) & (mine < v)
+    picked = jnp.take_along_axis(shifted, jnp.where(inside, mine, 0)[..., None], axis=-1)[..., 0]
+    picked = lax.psum(jnp.where(inside, picked, 0.0), axis)  # exactly one rank holds the target's logit
+    exp = jnp.exp(shifted)
+    total = lax.psum(jnp.sum(exp, axis=-1), axis)
+    return jnp.log(total) - picked, (exp / total[..., None], jnp.where(inside, mine, -1))
+
+
+def vocab_parallel_cross_entropy(logits_local: jax.Array, target: jax.Array, axis: str) -> jax.Array:
+    """Megatron's vocab_parallel_cross_entropy: the per-position softmax cross-entropy (float32) of logits split by
+    vocabulary over `axis` (`logits_local` [..., V/T], this rank's columns) against integer targets [...] over the
+    whole vocabulary. Forward: an all-reduce max and two all-reduce sums of [...]-shaped values; backward, local:
+    this rank's columns of softmax - one_hot(target)."""
+    return _xent(logits_local, target, axis, jnp.dtype(logits_local.dtype))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _xent(logits_local, target, axis, dtype):
+    return _xent_forward(logits_local, target, axis)[0]
+
+
+def _xent_fwd(logits_local, target, axis, dtype):
+    return _xent_forward(logits_local, target, axis)  # (loss, (softmax, the target's local column or -1))
+
+
+def _xent_bwd(axis, dtype, residuals, g):
+    softmax, mine = residuals
+    onehot = jnp.arange(softmax.shape[-1]) == mine[..., None]  # mine is -1 where another rank holds the target
+    return ((softmax - onehot) * g[..., None]).astype(dtype), None
+
+
+_xent.defvjp(_xent_fwd, _xent_bwd)
+
+
+def vocab_parallel_argmax(logits_local: jax.Array, axis: str) -> jax.Array:
+    """jnp.argmax over the whole vocabulary of logits split over `axis` (the first index on ties, as jnp.argmax):
+    an all-reduce max of the values and an all-reduce min of the indices that reach it."""
+    logits_local = lax.stop_gradient(logits_local)  # an index: nothing to differentiate (pmax has no derivative)
+    v = logits_local.shape[-1]
+    best = jnp.max(logits_local, axis=-1)
+    top = lax.pmax(best, axis)
+    index = jnp.argmax(logits_local, axis=-1).astype(jnp.int32) + lax.axis_index(axis) * v
+    return lax.pmin(jnp.where(best == top, index, jnp.iinfo(jnp.int32).max), axis)
 
 
 def f(x: jax.Array, axis: str | None) -> jax.Array:

@@ -158,20 +158,22 @@ class PipelineModule:
         self._ownership()
         self.tensor_parallel, self.tensor_layouts = 1, None  # set_tensor_parallel: Megatron splits per parameter
 
-    def set_tensor_parallel(self, tp: int, axis: str) -> None:
+    def set_tensor_parallel(self, tp: int, axis: str, parallel_output: bool = False) -> None:
         """Split every stage's blocks over `tp` ranks of mesh axis `axis` (Megatron): the per-parameter plan of
         jaxpar.strategies.tensor (`tensor_layouts`, canonical leaf order), the model's splittable modules pointed
-        at `axis` in place, and the segments rebuilt so their graphdefs carry it. ValueError (from the plan) when a
-        split does not divide."""
+        at `axis` in place (a vocabulary-split head's logits left split for the loss with `parallel_output`), and
+        the segments rebuilt so their graphdefs carry it. ValueError (from the plan) when a split does not
+        divide."""
         from jaxpar.strategies.tensor import set_tensor_axis, tensor_plan
 
         if tp == 1:
             return
         self.tensor_layouts = tensor_plan(self.model, tp, self.wrt)
-        set_tensor_axis(self.model, axis, tp)
+        parallel_output = parallel_output and not any(lay.whole for lay in self.tensor_layouts)
+        set_tensor_axis(self.model, axis, tp, parallel_output=parallel_output)
         for layer in self.layers:  # layers that are views of the model (GPT-2's Embedding, LMHead) too
             if isinstance(layer, nnx.Module):
-                set_tensor_axis(layer, axis, tp)
+                set_tensor_axis(layer, axis, tp, parallel_output=parallel_output)
         self.tensor_parallel = tp
         self.parts = [self._segments(v) for v in range(self.num_parts)]
 

@@ -105,9 +105,10 @@ class Pipeline:
     with `micro_batches` micro-batches. ``tensor_parallel`` T > 1: 3-D parallelism, every stage's blocks split
     over T devices as Megatron's (jaxpar.strategies.tensor's plan; the model must define tensor_layout(), as
     jaxpar.models.gpt's blocks do), on a (DATA, PIPE, TENSOR) mesh in Megatron's device order (`pipeline_mesh`;
-    default: S x T devices). ``loss_fn`` must be an OutputLoss (the last stage runs it on the
-    outputs). `batch_size` (global) fixes every batch's padded shape (one compile). ``compiler_options`` go to
-    every jit (e.g. {"xla_backend_optimization_level": 0}: a third of the compile time, slower code)."""
+    default: S x T devices; `parallel_output` as TensorParallel's). ``loss_fn`` must be an OutputLoss (the last
+    stage runs it on the outputs). `batch_size` (global) fixes every batch's padded shape (one compile).
+    ``compiler_options`` go to every jit (e.g. {"xla_backend_optimization_level": 0}: a third of the compile time,
+    slower code)."""
 
     name = "pipeline"
 
@@ -115,7 +116,7 @@ class Pipeline:
                  num_stages: int = 2, micro_batches: int = 4, schedule: str = "1f1b", virtual_stages: int = 1,
                  partition_method: str = "parameters", activation_checkpoint_interval: int = 0, mesh=None,
                  batch_size: int | None = None, example_input=None, seed: int = 0, compiler_options: dict | None = None,
-                 tensor_parallel: int = 1, **objective_options):
+                 tensor_parallel: int = 1, parallel_output: bool | None = None, **objective_options):
         if not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"micro_batches={micro_batches!r} must be an int >= 1; pass --micro-batches 1 or more.")
         T = tensor_parallel
@@ -141,7 +142,13 @@ class Pipeline:
         S, V, M = module.num_stages, module.virtual_stages, micro_batches
         self.mesh = pipeline_mesh(S * T, S, T) if mesh is None else mesh
         self.tp = T
-        module.set_tensor_parallel(T, TENSOR)  # after the objective: the whole model's graph stays unsplit
+        # after the objective: the whole model's graph stays unsplit; the last stage's head hands the loss its
+        # vocabulary-split logits when the loss takes them (Megatron's parallel_output, jaxpar.strategies.tensor)
+        from jaxpar.strategies.tensor import resolve_parallel_output
+
+        self.parallel_output = T > 1 and resolve_parallel_output(parallel_output, self.objective.loss_fn)
+        module.set_tensor_parallel(T, TENSOR, self.parallel_output)
+        self.parallel_output = self.parallel_output and not any(lay.whole for lay in module.tensor_layouts or ())
         if self.mesh.shape.get(PIPE) != S:
             raise ValueError(f"mesh {dict(self.mesh.shape)} must have a {PIPE!r} axis of num_stages={S}; build it "
                              "with jaxpar.strategies.pipeline.pipeline_mesh(devices, num_stages).")
@@ -364,6 +371,7 @@ class Pipeline:
                 f"D x S x T = {self.D} x {mod.num_stages} x {self.tp} (data x pipeline x tensor): "
                 f"{mod.num_stages} stages x {self.D} data replicas"
                 + (f", Megatron tensor parallelism over {self.tp} devices per stage" if self.tp > 1 else "")
+                + (", logits split by vocabulary into the loss (parallel_output)" if self.parallel_output else "")
                 + (whole_note(mod.tensor_layouts) if mod.tensor_layouts else "")
                 + f", schedule {sch.name} ({sch.num_microbatches} "
                 f"micro-batches" + (f", {sch.virtual_stages} chunks per stage" if sch.virtual_stages > 1 else "")
@@ -411,7 +419,8 @@ def build(model: nnx.Module, tx: optax.GradientTransformation, cfg: Config, loss
                     schedule=cfg.schedule, virtual_stages=cfg.virtual_stages, partition_method=cfg.partition_method,
                     activation_checkpoint_interval=cfg.activation_checkpoint_interval,
                     mesh=pipeline_mesh(cfg.num_devices, cfg.num_stages, cfg.tensor_parallel),
-                    tensor_parallel=cfg.tensor_parallel, batch_size=cfg.batch_size,
+                    tensor_parallel=cfg.tensor_parallel, parallel_output=None if cfg.parallel_output else False,
+                    batch_size=cfg.batch_size,
                     example_input=example, seed=cfg.seed, per_sample=per_sample,
                     compute_dtype=compute_dtype(cfg.precision))
 

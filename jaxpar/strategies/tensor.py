@@ -108,9 +108,12 @@ def tensor_plan(model: nnx.Module, tp: int, wrt: Any = nnx.Param) -> list[Layout
     return out
 
 
-def set_tensor_axis(model: nnx.Module, axis: str | None, tp: int, sequence_parallel: bool = False) -> nnx.Module:
+def set_tensor_axis(model: nnx.Module, axis: str | None, tp: int, sequence_parallel: bool = False,
+                    parallel_output: bool = False) -> nnx.Module:
     """Point every splittable module of `model` at `axis` (None: single-device), in place, with Megatron's sequence
-    parallelism on or off; returns the model. ValueError when a module asked for it does not know it."""
+    parallelism on or off and the head's logits left split by vocabulary (`parallel_output`, for modules that have
+    the attribute) or gathered; returns the model. ValueError when a module asked for sequence parallelism does not
+    know it."""
     for _, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Module) and callable(getattr(node, "tensor_layout", None)):
             if sequence_parallel and not hasattr(node, "sequence_parallel"):
@@ -119,6 +122,8 @@ def set_tensor_axis(model: nnx.Module, axis: str | None, tp: int, sequence_paral
             node.tensor_axis, node.tensor_size = axis, tp
             if hasattr(node, "sequence_parallel"):
                 node.sequence_parallel = sequence_parallel
+            if hasattr(node, "parallel_output"):
+                node.parallel_output = parallel_output
     return model
 
 
@@ -167,8 +172,8 @@ class TensorParallel:
     name = "tp"
 
     def __init__(self, model: nnx.Module, tx: optax.GradientTransformation, *, tensor_parallel: int = 2,
-                 sequence_parallel: bool = False, loss_fn=None, mesh: Mesh | None = None,
-                 batch_size: int | None = None, **objective_options):
+                 sequence_parallel: bool = False, parallel_output: bool | None = None, loss_fn=None,
+                 mesh: Mesh | None = None, batch_size: int | None = None, **objective_options):
         n = jax.device_count() if mesh is None else mesh.size
         if tensor_parallel < 1 or n % tensor_parallel:
             raise ValueError(f"--tensor-parallel {tensor_parallel} must be >= 1 and divide the {n} devices; use a "
@@ -189,7 +194,8 @@ class TensorParallel:
                              "pad the vocabulary to a multiple of --tensor-parallel (GPT-2's 50257 to 50304).")
         # each rank updates slices of leaves: the optimizer must be elementwise (or want only the global norm)
         self.needs_norm = zero_optim.check(tx, nnx.split(model, nnx.Param, ...)[1])
-        set_tensor_axis(model, TENSOR, tensor_parallel, sequence_parallel)
+        self.parallel_output = resolve_parallel_output(parallel_output, loss_fn) and not whole
+        set_tensor_axis(model, TENSOR, tensor_parallel, sequence_parallel, self.parallel_output)
         self.sequence_parallel = bool(sequence_parallel)
         self.objective = Objective.of(model, loss_fn, **objective_options)
         self.tx, self.batch_size = tx, batch_size
@@ -297,7 +303,9 @@ class TensorParallel:
     def describe(self) -> str:
         return (f"({DATA}, {TENSOR}) mesh {dict(self.mesh.shape)}: Megatron tensor parallelism over {self.tp} devices "
                 f"({sum(lay.axis is not None for lay in self.plan)} split leaves), {self.data} data replicas"
-                + (", sequence parallel" if self.sequence_parallel else "") + whole_note(self.plan))
+                + (", sequence parallel" if self.sequence_parallel else "")
+                + (", logits split by vocabulary into the loss (parallel_output)" if self.parallel_output else "")
+                + whole_note(self.plan))
 
     def report(self, placed) -> dict:
         """The split, and the compiled step's all-reduces within the tensor groups: forward (Megatron's g) and
@@ -308,6 +316,21 @@ class TensorParallel:
             forward, backward = tensor_all_reduces(self.hlo(placed), self.mesh)
             out.update(tensor_all_reduces_forward=forward, tensor_all_reduces_backward=backward)
         return out
+
+
+def resolve_parallel_output(parallel_output: bool | None, loss_fn) -> bool:
+    """Whether the head's vocabulary-split logits go to the loss unsplit (Megatron's parallel_output=True): None,
+    when the loss takes them (`jaxpar.losses.takes_vocab_parallel`; the default cross-entropy does); True, which
+    the loss must take; False, never (the logits are all-gathered, parallel_output=False)."""
+    from jaxpar.losses import cross_entropy, takes_vocab_parallel
+
+    takes = takes_vocab_parallel(cross_entropy if loss_fn is None else loss_fn)
+    if parallel_output and not takes:
+        raise ValueError(f"parallel_output=True hands the loss logits split by vocabulary "
+                         f"(jaxpar.comm.megatron.VocabParallelLogits), but the loss {loss_fn!r} does not say it "
+                         "takes them; use jaxpar.cross_entropy, set `takes_vocab_parallel = True` on a loss that "
+                         "handles them, or leave parallel_output=None.")
+    return takes if parallel_output is None else bool(parallel_output)
 
 
 def whole_note(plan: Sequence[Layout]) -> str:
@@ -338,7 +361,8 @@ def build(model: nnx.Module, tx: optax.GradientTransformation, cfg: Config, loss
     mesh = Mesh(np.array(devices).reshape(n // tp, tp), (DATA, TENSOR))
     from jaxpar.precision import compute_dtype
 
-    return TensorParallel(model, tx, tensor_parallel=tp, sequence_parallel=cfg.sequence_parallel, mesh=mesh,
+    return TensorParallel(model, tx, tensor_parallel=tp, sequence_parallel=cfg.sequence_parallel,
+                          parallel_output=None if cfg.parallel_output else False, mesh=mesh,
                           batch_size=cfg.batch_size, loss_fn=loss_fn,
                           per_sample={None: None, "on": True, "off": False}[cfg.per_sample],
                           compute_dtype=compute_dtype(cfg.precision))

@@ -60,7 +60,7 @@ class Config:
     output_device: int = 0  # the master device
     # Megatron tensor parallelism
     tensor_parallel: int = 1  # devices each layer is split over (--strategy tp; with --strategy pipeline: 3-D)
-    sequence_parallel: bool = False  # --strategy tp: LayerNorms and dropout on 1/T of the tokens (Megatron's)
+    sequence_parallel: bool = False  # tp, 3-D pipeline: LayerNorms and dropout on 1/T of the tokens (Megatron's)
     parallel_output: bool = True  # a vocabulary-split head's logits go to the loss split (Megatron's); off: gathered
     # pipeline
     num_stages: int = 2

@@ -6,9 +6,10 @@ the parameters moved, and the same split without the qkv column re-order differs
 hold Megatron's all-reduces (two per block each way, within the tensor groups only), the devices follow
 Megatron's order, the tied wte is split by vocabulary rows on both stages that hold it (Megatron's
 VocabParallelEmbedding, its gradient summed across the stages slice by slice), and bad combinations are refused
-with one line before any work. Across 2 processes x 4 devices
-(2 x 2 x 2, a stage per process: activations replicated over `tensor` and the tied wte's row slices move by gloo),
-1F1B and interleaved equal the single step too.
+with one line before any work. With Megatron's sequence parallelism (activations between stages split by tokens
+over `tensor`) 1F1B and ZB-V equal the single step, and the loss runs on vocabulary-split logits throughout. Across
+2 processes x 4 devices (2 x 2 x 2, a stage per process: activations and the tied wte's row slices move by gloo),
+1F1B, interleaved and 1F1B with sequence parallelism equal the single step too.
 
 This file is also the worker of the two-process case: `python tests/test_3d.py worker OUT`.
 """
@@ -64,12 +65,12 @@ def reference():
 
 
 @functools.lru_cache(maxsize=None)
-def run(D: int, S: int, T: int, schedule: str = "1f1b", canonical_qkv: bool = False):
+def run(D: int, S: int, T: int, schedule: str = "1f1b", canonical_qkv: bool = False, sequence_parallel=False):
     """(pipeline, its state after STEPS steps as the canonical TrainState, the last placed state and batch, the
     last step's metrics)."""
     pipe = Pipeline(model(), TX, loss_fn=LOSS, num_stages=S, micro_batches=2, schedule=schedule,
-                    virtual_stages=2 if schedule == "interleaved" else 1, tensor_parallel=T,
-                    mesh=pipeline_mesh(D * S * T, S, T), compiler_options=FAST)
+                    virtual_stages=2 if schedule in ("interleaved", "zbv") else 1, tensor_parallel=T,
+                    sequence_parallel=sequence_parallel, mesh=pipeline_mesh(D * S * T, S, T), compiler_options=FAST)
     if canonical_qkv:  # the same split, each rank taking columns as they come: q of some heads, k of others
         pipe.module.tensor_layouts = [Layout(lay.axis) for lay in pipe.module.tensor_layouts]
     placed = pipe.init(reference()[0])
@@ -119,6 +120,28 @@ def test_3d_equals_the_single_step(D, S, T, schedule):
     assert pipe.report()["tensor_parallel"] == T
 
 
+@pytest.mark.parametrize("D,S,T,schedule", [(2, 2, 2, "1f1b"), (1, 2, 2, "zbv")])
+def test_3d_sequence_parallel_equals_the_single_step(D, S, T, schedule):
+    """Megatron's sequence parallelism inside the 3-D pipeline: between the split regions, and across the stage
+    boundaries, each tensor rank holds its tokens (stage 0's output is sent as [rows / D, tokens / T, C] a device);
+    the replicated leaves' gradients (LayerNorms, wpe, row biases) are summed over `tensor`. With dropout on, the
+    parameters, optimizer state, loss and accuracy equal the single step's."""
+    pipe, out, placed, batched, metrics = run(D, S, T, schedule, sequence_parallel=True)
+    _, ref, single = reference()
+    assert_equal(out.params, ref.params)
+    assert_equal(out.opt_state, ref.opt_state)
+    for name in ("loss", "accuracy"):
+        np.testing.assert_allclose(metrics[name], single[name], rtol=RTOL, err_msg=name)
+    assert "sequence parallel" in pipe.describe()
+    fns, engine = pipe._last[1].fns[0], pipe.engine
+    params = [placed.params[0][i] for i in engine._stage_pos(0, fns.pidx)]
+    state = [placed.model_state[0][i] for i in engine._stage_pos(0, fns.sidx, state=True)]
+    y = fns.forward(params, state, None, batched.stages[0][0], pipe.transport.put(jnp.int32(0), 0))[0]
+    rows = ROWS // 2  # a micro-batch
+    assert y.shape == (rows, CFG["block_size"], CFG["n_embd"])
+    assert {a.data.shape for a in y.addressable_shards} == {(rows // D, CFG["block_size"] // T, CFG["n_embd"])}
+
+
 def test_devices_follow_megatrons_order():
     """Tensor ranks adjacent, then data, then pipeline: device s*D*T + d*T + t."""
     mesh = pipeline_mesh(8, 2, 2)
@@ -162,9 +185,16 @@ def test_bad_combinations_are_named():
         Pipeline(model(), TX, loss_fn=LOSS, num_stages=2, tensor_parallel=2, mesh=pipeline_mesh(4, 2))
     with pytest.raises(ValueError, match=r"tensor_parallel=0 must be an int >= 1"):
         Pipeline(model(), TX, loss_fn=LOSS, num_stages=2, tensor_parallel=0)
+    with pytest.raises(ValueError, match=r"sequence_parallel splits the tokens over the tensor ranks, but "
+                                         r"tensor_parallel=1"):
+        Pipeline(model(), TX, loss_fn=LOSS, num_stages=2, sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"--sequence-parallel needs the embedding split by vocabulary rows, but "
+                                         r"wte.embedding: vocabulary 25 is not a multiple of 2"):
+        Pipeline(model(vocab_size=25), TX, loss_fn=LOSS, num_stages=2, tensor_parallel=2, sequence_parallel=True)
 
 
-ACROSS = ("1f1b", "interleaved")  # the schedules the two-process case runs, D x S x T = 2 x 2 x 2
+# the schedules the two-process case runs, D x S x T = 2 x 2 x 2 (the last with sequence parallelism)
+ACROSS = ("1f1b", "interleaved", "1f1b-sp")
 
 
 def worker(out: str) -> None:
@@ -182,9 +212,10 @@ def worker(out: str) -> None:
     distributed.initialize()
     rank = jax.process_index()
     for schedule in ACROSS:
-        pipe = Pipeline(model(), TX, loss_fn=LOSS, num_stages=2, micro_batches=2, schedule=schedule,
+        pipe = Pipeline(model(), TX, loss_fn=LOSS, num_stages=2, micro_batches=2, schedule=schedule.split("-")[0],
                         virtual_stages=2 if schedule == "interleaved" else 1, tensor_parallel=2,
-                        mesh=pipeline_mesh(None, 2, 2), compiler_options=FAST)
+                        sequence_parallel=schedule.endswith("-sp"), mesh=pipeline_mesh(None, 2, 2),
+                        compiler_options=FAST)
         placed = pipe.init(reference()[0])
         for _ in range(STEPS):
             placed, metrics = pipe.step(placed, pipe.put_batch(batch()))
@@ -195,7 +226,8 @@ def worker(out: str) -> None:
 
 def test_3d_across_two_processes_equals_the_single_step(tmp_path):
     """2 processes x 4 devices, D x S x T = 2 x 2 x 2: the stages' activations (replicated over `tensor`, split
-    over `data`) and the tied wte's gradient cross processes; both processes unplace the single step's state."""
+    over `data`; with sequence parallelism split over both) and the tied wte's gradient cross processes; both
+    processes unplace the single step's state."""
     proc = two_processes.start(__file__, str(tmp_path / "state"))
     state, ref, _ = reference()  # meanwhile, in this process
     assert max_diff(state.params, ref.params) > 1e-3  # the steps moved the weights: the comparison can fail
@@ -204,6 +236,8 @@ def test_3d_across_two_processes_equals_the_single_step(tmp_path):
         assert (f"process 1/2 {schedule}: 8 devices (2 processes), mesh {{'data': 2, 'pipe': 2, 'tensor': 2}}"
                 in out), out
         assert "logits split by vocabulary into the loss (parallel_output)" in out
+        line = next(line for line in out.splitlines() if f"process 1/2 {schedule}: " in line)
+        assert ("sequence parallel" in line) == schedule.endswith("-sp"), line
         ranks = [np.load(tmp_path / f"state.{schedule}.rank{r}.npz") for r in range(2)]
         for k, want in enumerate(jax.tree.leaves((ref.params, ref.opt_state))):
             np.testing.assert_array_equal(ranks[0][f"arr_{k}"], ranks[1][f"arr_{k}"])  # both unplace the same

@@ -120,7 +120,7 @@ CASES = [
                                    "--num-devices", "6"], ["--num-devices 6", "multiple of", "2 x 2", "--num-devices 4"]),
     ("3-D heads not split by T", ["--strategy", "pipeline", "--model", "gpt-nano", "--tensor-parallel", "2",
                                   "--num-devices", "4"], ["3 heads", "--tensor-parallel 2", "use a --tensor-parallel"]),
-    ("sequence parallel outside tp", ["--strategy", "ddp", "--sequence-parallel"],
+    ("sequence parallel outside tp and pipeline", ["--strategy", "ddp", "--sequence-parallel"],
      ["--sequence-parallel", "--strategy ddp", "--tensor-parallel 1", "drop --sequence-parallel"]),
     ("eval split the npz lacks", ["--eval-split", "test"], ["--eval-split 'test'", "'train'",
                                                            "pass --eval-split '' (that skips evaluation)"]),

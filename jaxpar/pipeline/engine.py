@@ -289,7 +289,7 @@ class Engine:
         _, (kind, dst_v, m) = message(a, S, place)
         dst, src_v = self.module.stage_of(dst_v), virtual(a, S, place)
         if self.transport.same_process(a.stage, dst):  # else: exchanged at the end of the tick
-            self._mail[(kind, dst_v, m)] = self.transport.put(self._out.pop((kind, src_v, m)), dst, "rows")
+            self._mail[(kind, dst_v, m)] = self.transport.put(self._out.pop((kind, src_v, m)), dst, "act")
 
     def _recv(self, a: Action) -> None:
         _, key = message(a, self.module.num_stages, self.module.placement)
@@ -345,11 +345,12 @@ class Engine:
     def _reduce_slices(self, s: int):
         """3-D: the chunks' per-device accumulators (a leading axis of D x T) summed over DATA only, under
         shard_map over the stage's (DATA, TENSOR) mesh: each tensor rank keeps the gradient of its own slices,
-        placed as the parameters are (the plan's specs); replicated leaves come out once."""
+        placed as the parameters are (the plan's specs); replicated leaves come out once (under sequence
+        parallelism first summed over TENSOR: each rank's LayerNorms and positions saw only its tokens)."""
         if ("reduce", s) not in self._updates:
             from jax import lax
 
-            from jaxpar.mesh import DATA
+            from jaxpar.mesh import DATA, TENSOR
 
             mod, mesh = self.module, self.transport.meshes[s]
             owned = {j: k for k, j in enumerate(mod.stage_params[s])}
@@ -361,6 +362,8 @@ class Engine:
                 for idx, acc in zip(parts, accs):
                     for j, g in zip(idx, acc):
                         out[owned[j]] = g[0] if out[owned[j]] is None else out[owned[j]] + g[0]
+                if mod.sequence_parallel:  # replicated leaves saw only this rank's tokens: sum them over TENSOR
+                    out = [g if TENSOR in spec else lax.psum(g, TENSOR) for g, spec in zip(out, specs)]
                 return [lax.psum(g, DATA) for g in out] if mesh.shape[DATA] > 1 else out
 
             mapped = jax.shard_map(reduce, mesh=mesh, in_specs=(P(tuple(mesh.axis_names)),), out_specs=specs,

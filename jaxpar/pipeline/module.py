@@ -157,24 +157,27 @@ class PipelineModule:
         self.parts = [self._segments(v) for v in range(self.num_parts)]
         self._ownership()
         self.tensor_parallel, self.tensor_layouts = 1, None  # set_tensor_parallel: Megatron splits per parameter
+        self.sequence_parallel = False
 
-    def set_tensor_parallel(self, tp: int, axis: str, parallel_output: bool = False) -> None:
+    def set_tensor_parallel(self, tp: int, axis: str, parallel_output: bool = False,
+                            sequence_parallel: bool = False) -> None:
         """Split every stage's blocks over `tp` ranks of mesh axis `axis` (Megatron): the per-parameter plan of
         jaxpar.strategies.tensor (`tensor_layouts`, canonical leaf order), the model's splittable modules pointed
-        at `axis` in place (a vocabulary-split head's logits left split for the loss with `parallel_output`), and
-        the segments rebuilt so their graphdefs carry it. ValueError (from the plan) when a split does not
-        divide."""
+        at `axis` in place (a vocabulary-split head's logits left split for the loss with `parallel_output`;
+        Megatron's sequence parallelism with `sequence_parallel`: between the split regions, and across stage
+        boundaries, each tensor rank holds its tokens), and the segments rebuilt so their graphdefs carry it.
+        ValueError (from the plan) when a split does not divide."""
         from jaxpar.strategies.tensor import set_tensor_axis, tensor_plan
 
         if tp == 1:
             return
         self.tensor_layouts = tensor_plan(self.model, tp, self.wrt)
         parallel_output = parallel_output and not any(lay.whole for lay in self.tensor_layouts)
-        set_tensor_axis(self.model, axis, tp, parallel_output=parallel_output)
+        set_tensor_axis(self.model, axis, tp, sequence_parallel, parallel_output)
         for layer in self.layers:  # layers that are views of the model (GPT-2's Embedding, LMHead) too
             if isinstance(layer, nnx.Module):
-                set_tensor_axis(layer, axis, tp, parallel_output=parallel_output)
-        self.tensor_parallel = tp
+                set_tensor_axis(layer, axis, tp, sequence_parallel, parallel_output)
+        self.tensor_parallel, self.sequence_parallel = tp, bool(sequence_parallel)
         self.parts = [self._segments(v) for v in range(self.num_parts)]
 
     @classmethod

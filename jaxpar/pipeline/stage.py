@@ -20,9 +20,11 @@ per device (a leading axis of D) until the reduction once per step.
 3-D (data x pipeline x Megatron tensor): with ``module.tensor_layouts`` set (PipelineModule.set_tensor_parallel)
 the stage's sub-mesh is (DATA, TENSOR) and the functions run under shard_map over both axes: each weight comes in
 as its slice (the per-parameter PartitionSpecs of jaxpar.strategies.tensor's plan, kind "params"), the blocks
-inside call Megatron's f / g over TENSOR, activations, their gradients and the batch are replicated over TENSOR
-(kind "rows": by rows over DATA only), and the per-device values -- residuals, cotangents, gradient accumulators
-of the slices -- carry a leading axis of D x T (kind "local").
+inside call Megatron's f / g over TENSOR, the batch is replicated over TENSOR (kind "rows": by rows over DATA
+only), and so are the activations and their gradients between stages (kind "act") -- except under Megatron's
+sequence parallelism, where each tensor rank holds its tokens of them (by rows over DATA, tokens over TENSOR) --
+and the per-device values -- residuals, cotangents, gradient accumulators of the slices -- carry a leading axis of
+D x T (kind "local").
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.batch import Rows
-from jaxpar.mesh import DATA
+from jaxpar.mesh import DATA, TENSOR
 from jaxpar.objective import Objective, Sums, advance_rng, cast_floating, reseed
 
 
@@ -97,6 +99,12 @@ def join_float(floats, others, treedef, kinds):
 _COMPILED: dict = {}  # structure key -> PartFns: a part of the same structure on the same devices compiles once
 
 
+def act_spec(module) -> P:
+    """How a value crossing a stage boundary lies on the stage's devices: by rows over DATA (replicated over TENSOR),
+    or with Megatron's sequence parallelism (`module.sequence_parallel`) also by tokens (axis 1) over TENSOR."""
+    return P(DATA, TENSOR) if getattr(module, "sequence_parallel", False) else P(DATA)
+
+
 def part_fns(module, part: int, objective: Objective, layout: Layout, mesh, micro_batches: int,
              compiler_options: dict | None = None) -> "PartFns":
     """PartFns of `part`, shared with any earlier part of the same structure on the same devices (another
@@ -138,23 +146,26 @@ class PartFns:
                     tuple(module.param_specs[j] for j in self.pidx), self.first, self.last, module.unpack,
                     obj.loss_fn, obj.wrt, obj.per_sample, obj.rows_per_call, obj.compute_dtype, layout,
                     tuple(mesh.devices.flat), tuple(mesh.shape.items()), str(self.param_specs), micro_batches,
+                    act_spec(module),
                     tuple(sorted((compiler_options or {}).items())))
         self.options = compiler_options
-        replicated_out = "rep" if self.last else "rows"
-        self.forward = self._compile(self._forward, ("params", "rep", "rows", "rows", "rep"),
+        # "act": what crosses a stage boundary (x, y, dx, dy), by rows -- and under sequence parallelism also by
+        # tokens over TENSOR (act_spec); "rows": the micro-batch's data
+        replicated_out = "rep" if self.last else "act"
+        self.forward = self._compile(self._forward, ("params", "rep", "act", "rows", "rep"),
                                      (replicated_out, "local", "rep"))
-        self.backward = self._compile(self._backward, ("local", "params", "rep", "rows", "rows", "local", "rows"),
-                                      ("local", "rows"), donate=(0,))
-        self.input_grad = self._compile(self._input_grad, ("params", "rep", "rows", "rows", "local", "rows"),
-                                        ("rows", "local"))
+        self.backward = self._compile(self._backward, ("local", "params", "rep", "act", "rows", "local", "act"),
+                                      ("local", "act"), donate=(0,))
+        self.input_grad = self._compile(self._input_grad, ("params", "rep", "act", "rows", "local", "act"),
+                                        ("act", "local"))
         self.weight_grad = self._compile(self._weight_grad,
-                                         ("local", "params", "rep", "rows", "rows", "local", "local"), "local",
+                                         ("local", "params", "rep", "act", "rows", "local", "local"), "local",
                                          donate=(0,))
-        self.forward_backward = self._compile(self._forward_backward, ("local", "params", "rep", "rows", "rows", "rep"),
-                                              ("local", "rows", "rep", "rep"), donate=(0,))
-        self.forward_input_grad = self._compile(self._forward_input_grad, ("params", "rep", "rows", "rows", "rep"),
-                                                ("rows", "local", "local", "rep", "rep"))
-        self.evaluate = self._compile(self._evaluate, ("params", "rep", "rows", "rows"), replicated_out)
+        self.forward_backward = self._compile(self._forward_backward, ("local", "params", "rep", "act", "rows", "rep"),
+                                              ("local", "act", "rep", "rep"), donate=(0,))
+        self.forward_input_grad = self._compile(self._forward_input_grad, ("params", "rep", "act", "rows", "rep"),
+                                                ("act", "local", "local", "rep", "rep"))
+        self.evaluate = self._compile(self._evaluate, ("params", "rep", "act", "rows"), replicated_out)
 
     # -- compiling: one device, or shard_map over the stage's replicas ---------------------------------------
 
@@ -162,7 +173,7 @@ class PartFns:
         if self.mesh.size == 1:
             return jax.jit(fn, donate_argnums=donate, compiler_options=self.options)
         local = P(DATA) if len(self.mesh.axis_names) == 1 else P(tuple(self.mesh.axis_names))  # one slice a device
-        spec = {"rep": P(), "rows": P(DATA), "local": local, "params": self.param_specs}
+        spec = {"rep": P(), "rows": P(DATA), "act": act_spec(self.module), "local": local, "params": self.param_specs}
         expand = lambda kinds, xs: jax.tree.map(lambda a: a[None], xs) if kinds == "local" else xs  # noqa: E731
         squeeze = lambda kinds, xs: jax.tree.map(lambda a: a[0], xs) if kinds == "local" else xs  # noqa: E731
 

@@ -65,10 +65,11 @@ def _alone(fn, arrays):
 class Transport:
     """Placement of the S stages of `mesh` (DATA, PIPE) -- or (DATA, PIPE, TENSOR): each stage then a (DATA,
     TENSOR) sub-mesh, its "rows" split over DATA and replicated over TENSOR, its "local" values one per device --
-    and the moves between them."""
+    and the moves between them. `act`: how the values crossing stage boundaries lie ("act"; jaxpar.pipeline.stage's
+    act_spec)."""
 
-    def __init__(self, mesh: Mesh):
-        self.mesh = mesh
+    def __init__(self, mesh: Mesh, act: P = P(DATA)):
+        self.mesh, self.act = mesh, act
         self.S, self.D = mesh.shape[PIPE], mesh.shape[DATA]
         self.T = mesh.shape.get(TENSOR, 1)
         self.me = jax.process_index()
@@ -88,7 +89,7 @@ class Transport:
             self.meshes = [Mesh(np.array(devs, dtype=object), (DATA,)) for devs in self.devices]
         each = lambda m: P(DATA) if len(m.axis_names) == 1 else P(tuple(m.axis_names))  # noqa: E731
         self.kinds = [{"rows": NamedSharding(m, P(DATA)), "local": NamedSharding(m, each(m)),
-                       "rep": NamedSharding(m, P())} for m in self.meshes]
+                       "rep": NamedSharding(m, P()), "act": NamedSharding(m, self.act)} for m in self.meshes]
         procs = sorted(set(self.process))
         self._zeros: dict = {}
         self._courier: ThreadPoolExecutor | None = None  # the one thread that runs this process's exchanges
@@ -153,7 +154,8 @@ class Transport:
         b, value the sender's (ignored on the receiver). Returns each message's value on this side: what it
         received, or its own buffers where it sent (ignore those)."""
         items = [(value if self.mine(src) else None, specs) for src, value, specs in messages]
-        return self._pair(a, b, items, tuple(src == a for src, _, _ in messages), P(DATA) if self.D > 1 else P())
+        spec = self.act if self.act != P(DATA) else P(DATA) if self.D > 1 else P()
+        return self._pair(a, b, items, tuple(src == a for src, _, _ in messages), spec)
 
     def post(self, a: int, b: int, messages: list) -> Future:
         """`exchange` run on this process's one courier thread, in the order posted (each finished before the

@@ -79,9 +79,9 @@ def validate(cfg: Config) -> None:
         model_kwargs_of(cfg)
     if cfg.model in models.GPT_NAMES:  # heads vs width, dropout range: before any data is read
         models.GPTConfig.named(cfg.model, n_head=cfg.n_head, dropout=cfg.dropout)
-    if cfg.sequence_parallel and (cfg.strategy != "tp" or cfg.tensor_parallel < 2):
-        raise ValueError(f"--sequence-parallel splits the tokens over the tensor ranks of --strategy tp with "
-                         f"--tensor-parallel >= 2 (got --strategy {cfg.strategy}, --tensor-parallel "
+    if cfg.sequence_parallel and (cfg.strategy not in ("tp", "pipeline") or cfg.tensor_parallel < 2):
+        raise ValueError(f"--sequence-parallel splits the tokens over the tensor ranks of --strategy tp or pipeline "
+                         f"with --tensor-parallel >= 2 (got --strategy {cfg.strategy}, --tensor-parallel "
                          f"{cfg.tensor_parallel}); use both, or drop --sequence-parallel.")
     if cfg.strategy == "pipeline" and cfg.tensor_parallel != 1:  # 3-D: D x S x T devices, heads split over T
         tp, stages = cfg.tensor_parallel, cfg.num_stages

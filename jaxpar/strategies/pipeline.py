@@ -36,7 +36,7 @@ from jaxpar.pipeline import optimizer as opt_lib
 from jaxpar.pipeline import schedule as schedule_lib
 from jaxpar.pipeline.engine import Engine
 from jaxpar.pipeline.module import LayerSpec, PipelineModule, TiedLayerSpec
-from jaxpar.pipeline.stage import Layout
+from jaxpar.pipeline.stage import Layout, act_spec
 from jaxpar.pipeline.transfer import Transport
 from jaxpar.step import TrainState
 
@@ -105,7 +105,8 @@ class Pipeline:
     with `micro_batches` micro-batches. ``tensor_parallel`` T > 1: 3-D parallelism, every stage's blocks split
     over T devices as Megatron's (jaxpar.strategies.tensor's plan; the model must define tensor_layout(), as
     jaxpar.models.gpt's blocks do), on a (DATA, PIPE, TENSOR) mesh in Megatron's device order (`pipeline_mesh`;
-    default: S x T devices; `parallel_output` as TensorParallel's). ``loss_fn`` must be an OutputLoss (the last
+    default: S x T devices; `sequence_parallel` and `parallel_output` as TensorParallel's, the activations between
+    stages then split by tokens over TENSOR too). ``loss_fn`` must be an OutputLoss (the last
     stage runs it on the outputs). `batch_size` (global) fixes every batch's padded shape (one compile).
     ``compiler_options`` go to every jit (e.g. {"xla_backend_optimization_level": 0}: a third of the compile time,
     slower code)."""
@@ -116,7 +117,8 @@ class Pipeline:
                  num_stages: int = 2, micro_batches: int = 4, schedule: str = "1f1b", virtual_stages: int = 1,
                  partition_method: str = "parameters", activation_checkpoint_interval: int = 0, mesh=None,
                  batch_size: int | None = None, example_input=None, seed: int = 0, compiler_options: dict | None = None,
-                 tensor_parallel: int = 1, parallel_output: bool | None = None, **objective_options):
+                 tensor_parallel: int = 1, sequence_parallel: bool = False, parallel_output: bool | None = None,
+                 **objective_options):
         if not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"micro_batches={micro_batches!r} must be an int >= 1; pass --micro-batches 1 or more.")
         T = tensor_parallel
@@ -147,8 +149,15 @@ class Pipeline:
         from jaxpar.strategies.tensor import resolve_parallel_output
 
         self.parallel_output = T > 1 and resolve_parallel_output(parallel_output, self.objective.loss_fn)
-        module.set_tensor_parallel(T, TENSOR, self.parallel_output)
-        self.parallel_output = self.parallel_output and not any(lay.whole for lay in module.tensor_layouts or ())
+        if sequence_parallel and T < 2:
+            raise ValueError(f"sequence_parallel splits the tokens over the tensor ranks, but tensor_parallel={T}; "
+                             "pass tensor_parallel >= 2 (--tensor-parallel 2), or drop --sequence-parallel.")
+        module.set_tensor_parallel(T, TENSOR, self.parallel_output, sequence_parallel)
+        whole = [lay.whole for lay in module.tensor_layouts or () if lay.whole]
+        if sequence_parallel and whole:  # a whole head's logits and their gradient would be counted T times
+            raise ValueError(f"--sequence-parallel needs the embedding split by vocabulary rows, but {whole[0]}; "
+                             "pad the vocabulary to a multiple of --tensor-parallel (GPT-2's 50257 to 50304).")
+        self.parallel_output = self.parallel_output and not whole
         if self.mesh.shape.get(PIPE) != S:
             raise ValueError(f"mesh {dict(self.mesh.shape)} must have a {PIPE!r} axis of num_stages={S}; build it "
                              "with jaxpar.strategies.pipeline.pipeline_mesh(devices, num_stages).")
@@ -168,7 +177,7 @@ class Pipeline:
         self.eval_schedule = schedule_lib.validate(schedule_lib.add_communication(
             generators.forward_only(S, M, V, placement=placement)))
         self.micro_batches, self.D = M, self.mesh.shape[DATA]
-        self.transport = Transport(self.mesh)
+        self.transport = Transport(self.mesh, act_spec(module))
         self.needs_norm = opt_lib.probe(tx, module)
         self.engine = Engine(module, self.objective, tx, self.transport, needs_norm=self.needs_norm,
                              compiler_options=compiler_options)
@@ -371,6 +380,7 @@ class Pipeline:
                 f"D x S x T = {self.D} x {mod.num_stages} x {self.tp} (data x pipeline x tensor): "
                 f"{mod.num_stages} stages x {self.D} data replicas"
                 + (f", Megatron tensor parallelism over {self.tp} devices per stage" if self.tp > 1 else "")
+                + (", sequence parallel" if mod.sequence_parallel else "")
                 + (", logits split by vocabulary into the loss (parallel_output)" if self.parallel_output else "")
                 + (whole_note(mod.tensor_layouts) if mod.tensor_layouts else "")
                 + f", schedule {sch.name} ({sch.num_microbatches} "
@@ -419,7 +429,8 @@ def build(model: nnx.Module, tx: optax.GradientTransformation, cfg: Config, loss
                     schedule=cfg.schedule, virtual_stages=cfg.virtual_stages, partition_method=cfg.partition_method,
                     activation_checkpoint_interval=cfg.activation_checkpoint_interval,
                     mesh=pipeline_mesh(cfg.num_devices, cfg.num_stages, cfg.tensor_parallel),
-                    tensor_parallel=cfg.tensor_parallel, parallel_output=None if cfg.parallel_output else False,
+                    tensor_parallel=cfg.tensor_parallel, sequence_parallel=cfg.sequence_parallel,
+                    parallel_output=None if cfg.parallel_output else False,
                     batch_size=cfg.batch_size,
                     example_input=example, seed=cfg.seed, per_sample=per_sample,
                     compute_dtype=compute_dtype(cfg.precision))

@@ -12,6 +12,7 @@ class Config:
     model: str = "convnet"  # linear | mlp | convnet | alexnet, or MODULE:NAME / FILE.py:NAME building an nnx.Module
     model_kwargs: str | None = None  # JSON object of keyword arguments for --model MODULE:NAME, e.g. '{"hidden": 64}'
     loss: str | None = None  # cross_entropy | mse | MODULE:NAME: fn(outputs, batch) -> (loss_sum, weight_sum[, metrics])
+    label_smoothing: float = 0.0  # cross_entropy: torch's label_smoothing, in [0, 1]
     dataset: str = "synthetic"  # synthetic | mnist | cifar10 | npz | text (jaxpar.data.datasets.DATASETS)
     data_dir: str | None = None  # IDX folder for mnist, or the tfds data dir
     data_path: str | None = None  # the .npz file for --dataset npz; the text file or folder for text (default: Python's stdlib)

@@ -5,14 +5,16 @@ Each returns sums (jaxpar.objective says why): wrap one in `jaxpar.OutputLoss` -
 
     cross_entropy     nn.CrossEntropyLoss: integer targets of any shape ([B], [B, T]), ignore_index=-100, and an
                       optional 0/1 ``batch["mask"]`` of the targets' shape; weight = the counted targets;
-                      metrics: accuracy (argmax == target). It also takes logits split by vocabulary over tensor
-                      ranks (Megatron's parallel_output=True: jaxpar.comm.megatron.VocabParallelLogits)
+                      metrics: accuracy (argmax == target), and with torch's label_smoothing the unsmoothed
+                      nll (the loss is smoothed). It also takes logits split by vocabulary over tensor ranks
+                      (Megatron's parallel_output=True: jaxpar.comm.megatron.VocabParallelLogits)
     mse               nn.MSELoss: squared error summed over every element; weight = the number of elements
 """
 from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -43,10 +45,15 @@ def _mask(batch, shape) -> jnp.ndarray:
     return mask.astype(jnp.float32)
 
 
-def cross_entropy(logits, batch, *, key: str = "y", ignore_index: int = IGNORE_INDEX) -> LossOutput:
-    """Summed softmax cross-entropy of `logits` [..., C] against integer targets [...] (torch's CrossEntropyLoss);
-    `logits` split by vocabulary over tensor ranks (VocabParallelLogits) go through Megatron's
-    vocab_parallel_cross_entropy, never gathered."""
+def cross_entropy(logits, batch, *, key: str = "y", ignore_index: int = IGNORE_INDEX,
+                  label_smoothing: float = 0.0) -> LossOutput:
+    """Summed softmax cross-entropy of `logits` [..., C] against integer targets [...] (torch's CrossEntropyLoss,
+    its `label_smoothing` too: (1 - e) x the target's -log p + e x the mean of -log p over the C classes); `logits`
+    split by vocabulary over tensor ranks (VocabParallelLogits) go through Megatron's vocab_parallel_cross_entropy,
+    never gathered."""
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1] (torch's rule; 0 is plain "
+                         "cross-entropy); pass e.g. --label-smoothing 0.1.")
     y = _targets(batch, key)
     split = isinstance(logits, megatron.VocabParallelLogits)
     local = logits.local if split else logits.astype(jnp.float32)
@@ -56,13 +63,21 @@ def cross_entropy(logits, batch, *, key: str = "y", ignore_index: int = IGNORE_I
     w = _mask(batch, y.shape) * (y != ignore_index)
     safe = jnp.where(y == ignore_index, 0, y)
     if split:
-        losses = megatron.vocab_parallel_cross_entropy(local, safe, logits.axis)
+        nll = megatron.vocab_parallel_cross_entropy(local, safe, logits.axis)
+        losses = megatron.vocab_parallel_cross_entropy(local, safe, logits.axis, label_smoothing) \
+            if label_smoothing else nll
         predicted = megatron.vocab_parallel_argmax(local, logits.axis)
     else:
-        losses = optax.softmax_cross_entropy_with_integer_labels(local, safe)
+        nll = losses = optax.softmax_cross_entropy_with_integer_labels(local, safe)
+        if label_smoothing:
+            mean_nll = -jnp.mean(jax.nn.log_softmax(local, axis=-1), axis=-1)
+            losses = (1.0 - label_smoothing) * nll + label_smoothing * mean_nll
         predicted = jnp.argmax(local, -1)
     correct = (predicted == y).astype(jnp.float32)
-    return LossOutput(jnp.sum(w * losses), jnp.sum(w), {"accuracy": jnp.sum(w * correct)})
+    metrics = {"accuracy": jnp.sum(w * correct)}
+    if label_smoothing:  # the targets' own -log p, which bits per byte and perplexity are made of
+        metrics["nll"] = jnp.sum(w * jax.lax.stop_gradient(nll))
+    return LossOutput(jnp.sum(w * losses), jnp.sum(w), metrics)
 
 
 cross_entropy.takes_vocab_parallel = True  # type: ignore[attr-defined]

@@ -122,6 +122,9 @@ CASES = [
                                   "--num-devices", "4"], ["3 heads", "--tensor-parallel 2", "use a --tensor-parallel"]),
     ("sequence parallel outside tp and pipeline", ["--strategy", "ddp", "--sequence-parallel"],
      ["--sequence-parallel", "--strategy ddp", "--tensor-parallel 1", "drop --sequence-parallel"]),
+    ("label smoothing out of range", ["--label-smoothing", "1.5"], ["--label-smoothing 1.5", "[0, 1]", "0.1"]),
+    ("label smoothing on mse", ["--loss", "mse", "--label-smoothing", "0.1"],
+     ["--label-smoothing 0.1", "--loss is mse", "drop --label-smoothing"]),
     ("eval split the npz lacks", ["--eval-split", "test"], ["--eval-split 'test'", "'train'",
                                                            "pass --eval-split '' (that skips evaluation)"]),
 ]

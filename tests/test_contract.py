@@ -226,3 +226,32 @@ def test_bad_contract_use_is_named():
         Objective.of(lambda x: x)
     with pytest.raises(KeyError, match="no 'x'"):
         jaxpar.objective.default_inputs({"image": 1})
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_cross_entropy_is_torchs(smoothing):
+    """jaxpar.cross_entropy against torch's CrossEntropyLoss written out in numpy (reduction='sum'): ignored
+    targets (-100) and masked ones count nowhere; label smoothing mixes (1 - e) of the target's -log p with e of
+    the mean -log p over the classes. The weight is the counted targets, the accuracy their argmax hits."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(4, 3, 7)).astype(np.float32) * 3
+    y = rng.integers(0, 7, (4, 3))
+    y[0, 0], mask = -100, np.ones((4, 3), np.float32)
+    mask[3, 2] = 0.0
+    logp = logits - logits.max(-1, keepdims=True)
+    logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
+    counted = (y != -100) & (mask > 0)
+    nll = -np.take_along_axis(logp, np.maximum(y, 0)[..., None], -1)[..., 0]
+    want = ((1 - smoothing) * nll + smoothing * -logp.mean(-1))[counted].sum()
+    out = jaxpar.cross_entropy(jnp.asarray(logits), {"y": jnp.asarray(y), "mask": jnp.asarray(mask)},
+                               label_smoothing=smoothing)
+    np.testing.assert_allclose(float(out.loss), want, rtol=1e-5)
+    assert float(out.weight) == counted.sum() == 10
+    assert float(out.metrics["accuracy"]) == (logits.argmax(-1) == y)[counted].sum()
+    if smoothing:  # it changes the loss by far more than the tolerance (4e-4 here); nll stays the target's -log p
+        assert abs(float(out.loss) - nll[counted].sum()) > 0.01
+        np.testing.assert_allclose(float(out.metrics["nll"]), nll[counted].sum(), rtol=1e-5)
+    else:
+        assert "nll" not in out.metrics
+    with pytest.raises(ValueError, match=r"label_smoothing=1.5 must be in \[0, 1\]"):
+        jaxpar.cross_entropy(jnp.asarray(logits), {"y": jnp.asarray(y)}, label_smoothing=1.5)

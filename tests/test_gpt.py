@@ -392,6 +392,18 @@ def test_train_gpt_on_text_reports_tokens_bits_per_byte_and_exports(corpus, tmp_
     np.testing.assert_array_equal(logits_of(exported, x), logits_of(model, x))
 
 
+def test_label_smoothing_trains_the_smoothed_loss_and_reports_bits_of_the_nll(corpus):
+    """--label-smoothing 0.1: the loss trained and reported is torch's smoothed one, while bits per byte are the
+    held-out targets' own -log p (eval_nll), below the smoothed loss's."""
+    from jaxpar import cli
+
+    summary = cli.main(["--model", "gpt-nano", "--dataset", "text", "--data-path", corpus, "--seq-len", "16",
+                        "--batch-size", "8", "--steps", "2", "--eval-split", "test[:8]", "--eval-batch-size", "8",
+                        "--label-smoothing", "0.1", "--quiet"])
+    assert summary["eval_loss"] - summary["eval_nll"] > 0.01  # smoothing adds e x (mean -log p - nll)
+    assert summary["eval_bits_per_byte"] == pytest.approx(summary["eval_nll"] / math.log(2))
+
+
 def test_cli_gpt_model_from_init_torch_and_npz_tokens(tmp_path, corpus):
     from jaxpar.config import Config
     from jaxpar.data import datasets

@@ -213,29 +213,34 @@ def test_sequence_parallel_refuses_what_it_cannot_split():
                        mesh=Mesh(np.array(jax.devices()[:2]).reshape(1, 2), (DATA, TENSOR)))
 
 
-def test_vocab_parallel_cross_entropy_equals_the_whole_one():
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_vocab_parallel_cross_entropy_equals_the_whole_one(smoothing):
     """Megatron's vocab_parallel_cross_entropy through jaxpar.cross_entropy, 4 ranks holding 3 of 12 classes each:
     the summed loss, the weight (ignore_index, a mask), the accuracy (a tie across two ranks' slices: the first
-    index wins, as jnp.argmax) and the logits' gradient equal the whole-vocabulary computation's."""
+    index wins, as jnp.argmax) and the logits' gradient equal the whole-vocabulary computation's, with and without
+    torch's label smoothing."""
     mesh = Mesh(np.array(jax.devices()[:4]), (TENSOR,))
     logits = 3.0 * jax.random.normal(jax.random.key(0), (3, 5, 12))
     top = float(logits[1, 1].max()) + 1.0
     logits = logits.at[1, 1, 7].set(top).at[1, 1, 2].set(top)  # classes 2 (rank 0) and 7 (rank 2) tie
     y = jax.random.randint(jax.random.key(1), (3, 5), 0, 12).at[0, 0].set(-100).at[1, 1].set(7)
     batch = {"y": y, "mask": jnp.ones((3, 5)).at[2, 4].set(0.0)}
-    whole = jaxpar.cross_entropy(logits, batch)
-    whole_grad = jax.grad(lambda z: jaxpar.cross_entropy(z, batch).loss)(logits)
+    loss_fn = functools.partial(jaxpar.cross_entropy, label_smoothing=smoothing)
+    whole = loss_fn(logits, batch)
+    whole_grad = jax.grad(lambda z: loss_fn(z, batch).loss)(logits)
 
     def per_rank(local):
-        split = lambda z: jaxpar.cross_entropy(megatron.VocabParallelLogits(z, TENSOR), batch)  # noqa: E731
+        split = lambda z: loss_fn(megatron.VocabParallelLogits(z, TENSOR), batch)  # noqa: E731
         out, grad = split(local), jax.grad(lambda z: split(z).loss)(local)
         argmax = megatron.vocab_parallel_argmax(local, TENSOR)
         alone = jaxpar.cross_entropy(local, {"y": jnp.minimum(y, 2) * (y >= 0)}).loss  # no collectives
-        return out.loss, out.weight, out.metrics["accuracy"], grad, argmax, alone[None]
+        return out.loss, out.weight, out.metrics["accuracy"], grad, argmax, alone[None], out.metrics.get("nll", 0.0)
 
-    loss, weight, accuracy, grad, argmax, alone = jax.shard_map(
+    loss, weight, accuracy, grad, argmax, alone, nll = jax.shard_map(
         per_rank, mesh=mesh, in_specs=P(None, None, TENSOR),
-        out_specs=(P(), P(), P(), P(None, None, TENSOR), P(), P(TENSOR)), check_vma=False)(logits)
+        out_specs=(P(), P(), P(), P(None, None, TENSOR), P(), P(TENSOR), P()), check_vma=False)(logits)
+    if smoothing:
+        np.testing.assert_allclose(nll, whole.metrics["nll"], rtol=1e-6)
     assert float(jnp.abs(alone - whole.loss).min()) > 1.0  # a rank's slice alone gives another loss
     np.testing.assert_allclose(loss, whole.loss, rtol=1e-6)
     assert float(weight) == float(whole.weight) == 13.0

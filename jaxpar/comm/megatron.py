@@ -156,7 +156,7 @@ class VocabParallelLogits:
         return f"VocabParallelLogits({getattr(self.local, 'shape', self.local)}, axis={self.axis!r})"
 
 
-def _xent_forward(logits_local, target, axis):
+def _xent_forward(logits_local, target, axis, label_smoothing=0.0):
     logits = logits_local.astype(jnp.float32)
     v = logits.shape[-1]
     top = lax.pmax(jnp.max(logits, axis=-1), axis)  # the global max, for a stable exp
@@ -167,30 +167,41 @@ def _xent_forward(logits_local, target, axis):
     picked = lax.psum(jnp.where(inside, picked, 0.0), axis)  # exactly one rank holds the target's logit
     exp = jnp.exp(shifted)
     total = lax.psum(jnp.sum(exp, axis=-1), axis)
-    return jnp.log(total) - picked, (exp / total[..., None], jnp.where(inside, mine, -1))
+    loss = jnp.log(total) - picked
+    if label_smoothing:  # torch's: (1 - e) nll + e x the mean over all V classes of -log p
+        classes = v * lax.psum(1, axis)
+        mean_logp = lax.psum(jnp.sum(shifted, axis=-1), axis) / classes - jnp.log(total)
+        loss = (1.0 - label_smoothing) * loss - label_smoothing * mean_logp
+    return loss, (exp / total[..., None], jnp.where(inside, mine, -1))
 
 
-def vocab_parallel_cross_entropy(logits_local: jax.Array, target: jax.Array, axis: str) -> jax.Array:
+def vocab_parallel_cross_entropy(logits_local: jax.Array, target: jax.Array, axis: str,
+                                 label_smoothing: float = 0.0) -> jax.Array:
     """Megatron's vocab_parallel_cross_entropy: the per-position softmax cross-entropy (float32) of logits split by
     vocabulary over `axis` (`logits_local` [..., V/T], this rank's columns) against integer targets [...] over the
-    whole vocabulary. Forward: an all-reduce max and two all-reduce sums of [...]-shaped values; backward, local:
-    this rank's columns of softmax - one_hot(target)."""
-    return _xent(logits_local, target, axis, jnp.dtype(logits_local.dtype))
+    whole vocabulary, with torch's `label_smoothing`. Forward: an all-reduce max and two all-reduce sums of
+    [...]-shaped values (three with smoothing); backward, local: this rank's columns of softmax - (1 - e)
+    one_hot(target) - e / V."""
+    return _xent(logits_local, target, axis, jnp.dtype(logits_local.dtype), float(label_smoothing))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _xent(logits_local, target, axis, dtype):
-    return _xent_forward(logits_local, target, axis)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _xent(logits_local, target, axis, dtype, label_smoothing):
+    return _xent_forward(logits_local, target, axis, label_smoothing)[0]
 
 
-def _xent_fwd(logits_local, target, axis, dtype):
-    return _xent_forward(logits_local, target, axis)  # (loss, (softmax, the target's local column or -1))
+def _xent_fwd(logits_local, target, axis, dtype, label_smoothing):
+    # (loss, (softmax, the target's local column or -1))
+    return _xent_forward(logits_local, target, axis, label_smoothing)
 
 
-def _xent_bwd(axis, dtype, residuals, g):
+def _xent_bwd(axis, dtype, label_smoothing, residuals, g):
     softmax, mine = residuals
     onehot = jnp.arange(softmax.shape[-1]) == mine[..., None]  # mine is -1 where another rank holds the target
-    return ((softmax - onehot) * g[..., None]).astype(dtype), None
+    grad = softmax - (1.0 - label_smoothing) * onehot
+    if label_smoothing:
+        grad = grad - label_smoothing / (softmax.shape[-1] * lax.psum(1, axis))
+    return (grad * g[..., None]).astype(dtype), None
 
 
 _xent.defvjp(_xent_fwd, _xent_bwd)

@@ -79,6 +79,12 @@ def validate(cfg: Config) -> None:
         model_kwargs_of(cfg)
     if cfg.model in models.GPT_NAMES:  # heads vs width, dropout range: before any data is read
         models.GPTConfig.named(cfg.model, n_head=cfg.n_head, dropout=cfg.dropout)
+    if not 0.0 <= cfg.label_smoothing <= 1.0:
+        raise ValueError(f"--label-smoothing {cfg.label_smoothing} must be in [0, 1] (torch's rule; 0 is plain "
+                         "cross-entropy); pass e.g. --label-smoothing 0.1.")
+    if cfg.label_smoothing and cfg.loss not in (None, "cross_entropy"):
+        raise ValueError(f"--label-smoothing {cfg.label_smoothing} smooths the cross-entropy's targets, but --loss is "
+                         f"{cfg.loss}; drop --label-smoothing, or use the cross_entropy loss.")
     if cfg.sequence_parallel and (cfg.strategy not in ("tp", "pipeline") or cfg.tensor_parallel < 2):
         raise ValueError(f"--sequence-parallel splits the tokens over the tensor ranks of --strategy tp or pipeline "
                          f"with --tensor-parallel >= 2 (got --strategy {cfg.strategy}, --tensor-parallel "
@@ -279,7 +285,8 @@ def lm_summary(cfg: Config, model: nnx.Module, train_set, summary: dict, devices
         out = flops.utilisation(rate, models.gpt.flops_per_token(model.config, x.shape[1]), devices,
                                 cfg.peak_tflops)
     if "eval_loss" in summary and getattr(train_set, "unigram_bits", None) is not None:
-        out.update(eval_bits_per_byte=summary["eval_loss"] / math.log(2), unigram_bits_per_byte=train_set.unigram_bits)
+        nll = summary.get("eval_nll", summary["eval_loss"])  # the targets' -log p: not the label-smoothed loss
+        out.update(eval_bits_per_byte=nll / math.log(2), unigram_bits_per_byte=train_set.unigram_bits)
     return out
 
 
@@ -288,7 +295,9 @@ def make_loss(cfg: Config):
     from jaxpar.losses import LOSSES
     from jaxpar.objective import OutputLoss
 
-    if cfg.loss is None:
+    if cfg.loss in (None, "cross_entropy"):
+        if cfg.label_smoothing:
+            return OutputLoss(functools.partial(LOSSES["cross_entropy"], label_smoothing=cfg.label_smoothing))
         return OutputLoss(LOSSES["cross_entropy"])
     if cfg.loss in LOSSES:
         return OutputLoss(LOSSES[cfg.loss])

@@ -142,6 +142,24 @@ def test_3d_sequence_parallel_equals_the_single_step(D, S, T, schedule):
     assert {a.data.shape for a in y.addressable_shards} == {(rows // D, CFG["block_size"] // T, CFG["n_embd"])}
 
 
+def test_report_estimates_each_stage_per_device():
+    """--report's memory per stage under 3-D: a device's weights are its slices (equal to the placed shards'
+    bytes), and sequence parallelism shrinks the activations a micro-batch keeps."""
+    from jaxpar.pipeline import memory
+
+    pipe, _, placed, _, _ = run(2, 2, 2)
+    rows = memory.table(pipe, pipe._last[0])
+    for s, row in enumerate(rows):
+        held = sum(a.addressable_shards[0].data.nbytes for a in placed.params[s])
+        whole = sum(a.nbytes for a in placed.params[s])
+        assert row["params_mib"] * 2 ** 20 == pytest.approx(held) and held < whole
+    sp = run(2, 2, 2, sequence_parallel=True)[0]
+    sp_rows = memory.table(sp, sp._last[0])
+    for name in ("store", "recompute"):
+        assert sum(r[f"act_{name}_mib"] for r in sp_rows) < sum(r[f"act_{name}_mib"] for r in rows)
+    assert "stage 1: weights" in pipe.report()["stage_memory_mib"]
+
+
 def test_devices_follow_megatrons_order():
     """Tensor ranks adjacent, then data, then pipeline: device s*D*T + d*T + t."""
     mesh = pipeline_mesh(8, 2, 2)

@@ -1,9 +1,9 @@
 """The pipeline's memory per stage under both activation policies, from the compiled functions' shapes.
 
-Per stage (per device of it): weights, optimizer state, the gradient accumulator, and the activations one
-micro-batch keeps between its forward and its backward -- the stage input plus what the forward's vjp saved --
-once with every residual kept (activation_checkpoint_interval 0, DeepSpeed's and torch's default) and once
-recomputing from each segment's input (the configured interval, or the whole stage when none is set), times the
+Per stage (per device of it; 3-D: a tensor-split weight's slice): weights, optimizer state, the gradient
+accumulator, and the activations one micro-batch keeps between its forward and its backward -- the stage input
+plus what the forward's vjp saved -- once with every residual kept (activation_checkpoint_interval 0, DeepSpeed's
+and torch's default) and once recomputing from each segment's input (the configured interval, or the whole stage when none is set), times the
 micro-batches the schedule holds at once (analysis.peak_inflight). Nothing is allocated: jax.eval_shape of each
 part's forward.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from jaxpar.mesh import TENSOR
 from jaxpar.pipeline import analysis
 from jaxpar.pipeline.module import PipelineModule
 from jaxpar.pipeline.stage import part_fns
@@ -23,9 +24,27 @@ def _bytes(tree) -> int:
     return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
 
 
+def _device_params(module: PipelineModule, idx) -> list:
+    """The weights `idx` as one device holds them: 3-D, a leaf the tensor plan splits is 1/T of it."""
+    specs = [module.param_specs[j] for j in idx]
+    if module.tensor_layouts is None:
+        return specs
+    out = []
+    for j, spec in zip(idx, specs):
+        axis, shape = module.tensor_layouts[j].axis, list(spec.shape)
+        if axis is not None:
+            shape[axis] //= module.tensor_parallel
+        out.append(jax.ShapeDtypeStruct(tuple(shape), spec.dtype))
+    return out
+
+
 def activation_bytes(pipe, module: PipelineModule, layout) -> list[int]:
-    """Per virtual stage: bytes one micro-batch keeps from its forward to its backward, per device."""
+    """Per virtual stage: bytes one micro-batch keeps from its forward to its backward, per device: what the
+    forward's vjp saved (per device: a leading axis of D x T) and the stage input (split over DATA, and over TENSOR
+    under sequence parallelism)."""
     engine, tr = pipe.engine, pipe.transport
+    T = module.tensor_parallel
+    act = pipe.D * (T if module.sequence_parallel else 1)
     out, x = [], None
     for v in range(module.num_parts):
         s = module.stage_of(v)
@@ -34,7 +53,7 @@ def activation_bytes(pipe, module: PipelineModule, layout) -> list[int]:
         state = [engine.state_specs[j] for j in fns.sidx]
         data = engine.data_specs(layout, s)
         y, saved, _ = jax.eval_shape(fns.forward, params, state, x, data, jax.ShapeDtypeStruct((), np.int32))
-        out.append((_bytes(saved) + _bytes(x)) // pipe.D)  # D > 1: saved carries a leading axis of D
+        out.append(_bytes(saved) // (pipe.D * T) + _bytes(x) // act)
         x = y
     return out
 
@@ -45,14 +64,19 @@ def table(pipe, layout) -> list[dict]:
     interval = mod.interval or max(b - a for a, b in zip(mod.bounds, mod.bounds[1:]))
     variants = {}
     for name, n in (("store", 0), ("recompute", interval)):
-        other = mod if n == mod.interval else PipelineModule.from_model(
-            mod.model, mod.num_stages, partition_method=mod.partition_method, virtual_stages=mod.virtual_stages,
-            placement=mod.placement, activation_checkpoint_interval=n, wrt=mod.wrt, example_input=mod.example_input)
+        other = mod
+        if n != mod.interval:
+            other = PipelineModule.from_model(
+                mod.model, mod.num_stages, partition_method=mod.partition_method, virtual_stages=mod.virtual_stages,
+                placement=mod.placement, activation_checkpoint_interval=n, wrt=mod.wrt,
+                example_input=mod.example_input)
+            if mod.tensor_parallel > 1:
+                other.set_tensor_parallel(mod.tensor_parallel, TENSOR, pipe.parallel_output, mod.sequence_parallel)
         variants[name] = activation_bytes(pipe, other, layout)
     held = analysis.peak_inflight(sch)
     rows = []
     for s in range(mod.num_stages):
-        params = [mod.param_specs[j] for j in mod.stage_params[s]]
+        params = _device_params(mod, mod.stage_params[s])
         opt = jax.eval_shape(pipe.tx.init, params)
         parts = [v for v in range(mod.num_parts) if mod.stage_of(v) == s]
         row = {"stage": s, "params_mib": _bytes(params) / MiB, "opt_state_mib": _bytes(opt) / MiB,

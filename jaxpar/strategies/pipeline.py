@@ -399,9 +399,7 @@ class Pipeline:
                "bubble_fraction_zb_costs": analysis.bubble_fraction(sch, analysis.COSTS),
                "peak_inflight": analysis.peak_inflight(sch), "tied": len(self.module.tied),
                "global_norm_across_stages": self.needs_norm}
-        if self._last is not None and self.tp > 1:
-            out["stage_memory_mib"] = "not estimated for tensor_parallel > 1"
-        elif self._last is not None:
+        if self._last is not None:
             out["stage_memory_mib"] = memory.text(memory.table(self, self._last[0]))
         return out
 

@@ -68,10 +68,12 @@ def cross_entropy(logits, batch, *, key: str = "y", ignore_index: int = IGNORE_I
             if label_smoothing else nll
         predicted = megatron.vocab_parallel_argmax(local, logits.axis)
     else:
-        nll = losses = optax.softmax_cross_entropy_with_integer_labels(local, safe)
-        if label_smoothing:
-            mean_nll = -jnp.mean(jax.nn.log_softmax(local, axis=-1), axis=-1)
-            losses = (1.0 - label_smoothing) * nll + label_smoothing * mean_nll
+        if label_smoothing:  # one log-softmax for the target's term and the mean over the classes
+            logp = jax.nn.log_softmax(local, axis=-1)
+            nll = -jnp.take_along_axis(logp, safe[..., None], axis=-1)[..., 0]
+            losses = (1.0 - label_smoothing) * nll - label_smoothing * jnp.mean(logp, axis=-1)
+        else:
+            nll = losses = optax.softmax_cross_entropy_with_integer_labels(local, safe)
         predicted = jnp.argmax(local, -1)
     correct = (predicted == y).astype(jnp.float32)
     metrics = {"accuracy": jnp.sum(w * correct)}

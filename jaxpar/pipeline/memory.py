@@ -3,14 +3,15 @@
 Per stage (per device of it; 3-D: a tensor-split weight's slice): weights, optimizer state, the gradient
 accumulator, and the activations one micro-batch keeps between its forward and its backward -- the stage input
 plus what the forward's vjp saved -- once with every residual kept (activation_checkpoint_interval 0, DeepSpeed's
-and torch's default) and once recomputing from each segment's input (the configured interval, or the whole stage when none is set), times the
-micro-batches the schedule holds at once (analysis.peak_inflight). Nothing is allocated: jax.eval_shape of each
-part's forward.
+and torch's default) and once recomputing from each segment's input (the configured interval, or the whole stage
+when none is set), times the micro-batches the schedule holds at once (analysis.peak_inflight). Nothing is
+allocated: jax.eval_shape of each part's forward.
 """
 from __future__ import annotations
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
 from jaxpar.mesh import TENSOR
 from jaxpar.pipeline import analysis
@@ -24,18 +25,15 @@ def _bytes(tree) -> int:
     return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
 
 
-def _device_params(module: PipelineModule, idx) -> list:
-    """The weights `idx` as one device holds them: 3-D, a leaf the tensor plan splits is 1/T of it."""
-    specs = [module.param_specs[j] for j in idx]
-    if module.tensor_layouts is None:
+def _device_params(pipe, s: int) -> list:
+    """Stage s's weights as one of its devices holds them: 3-D, the shard of each leaf's tensor-plan spec."""
+    mod = pipe.module
+    specs = [mod.param_specs[j] for j in mod.stage_params[s]]
+    if mod.tensor_layouts is None:
         return specs
-    out = []
-    for j, spec in zip(idx, specs):
-        axis, shape = module.tensor_layouts[j].axis, list(spec.shape)
-        if axis is not None:
-            shape[axis] //= module.tensor_parallel
-        out.append(jax.ShapeDtypeStruct(tuple(shape), spec.dtype))
-    return out
+    mesh = pipe.transport.meshes[s]
+    return [jax.ShapeDtypeStruct(NamedSharding(mesh, mod.tensor_layouts[j].spec(len(a.shape))).shard_shape(a.shape),
+                                 a.dtype) for j, a in zip(mod.stage_params[s], specs)]
 
 
 def activation_bytes(pipe, module: PipelineModule, layout) -> list[int]:
@@ -76,7 +74,7 @@ def table(pipe, layout) -> list[dict]:
     held = analysis.peak_inflight(sch)
     rows = []
     for s in range(mod.num_stages):
-        params = _device_params(mod, mod.stage_params[s])
+        params = _device_params(pipe, s)
         opt = jax.eval_shape(pipe.tx.init, params)
         parts = [v for v in range(mod.num_parts) if mod.stage_of(v) == s]
         row = {"stage": s, "params_mib": _bytes(params) / MiB, "opt_state_mib": _bytes(opt) / MiB,

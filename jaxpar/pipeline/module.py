@@ -172,7 +172,6 @@ class PipelineModule:
         if tp == 1:
             return
         self.tensor_layouts = tensor_plan(self.model, tp, self.wrt)
-        parallel_output = parallel_output and not any(lay.whole for lay in self.tensor_layouts)
         set_tensor_axis(self.model, axis, tp, sequence_parallel, parallel_output)
         for layer in self.layers:  # layers that are views of the model (GPT-2's Embedding, LMHead) too
             if isinstance(layer, nnx.Module):

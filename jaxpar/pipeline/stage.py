@@ -102,7 +102,7 @@ _COMPILED: dict = {}  # structure key -> PartFns: a part of the same structure o
 def act_spec(module) -> P:
     """How a value crossing a stage boundary lies on the stage's devices: by rows over DATA (replicated over TENSOR),
     or with Megatron's sequence parallelism (`module.sequence_parallel`) also by tokens (axis 1) over TENSOR."""
-    return P(DATA, TENSOR) if getattr(module, "sequence_parallel", False) else P(DATA)
+    return P(DATA, TENSOR) if module.sequence_parallel else P(DATA)
 
 
 def part_fns(module, part: int, objective: Objective, layout: Layout, mesh, micro_batches: int,

@@ -36,6 +36,11 @@ class Config:
     momentum: float = 0.0  # sgd only (torch.optim.SGD's default 0)
     weight_decay: float | None = None  # None: torch's default (0, adamw 0.01)
     gamma: float = 0.7  # StepLR(step_size=1 epoch, gamma) as in PyTorch's MNIST example; 1.0 = constant
+    lr_schedule: str = "step"  # step: StepLR by --gamma | cosine: nanoGPT's linear warmup, then cosine to --min-lr
+    warmup_steps: int = 0  # cosine: steps of linear warmup (nanoGPT's warmup_iters)
+    lr_decay_steps: int | None = None  # cosine: the step the decay reaches --min-lr (default: the run's last)
+    min_lr: float | None = None  # cosine: the floor (default: --lr / 10, as nanoGPT)
+    grad_clip: float = 0.0  # max global gradient norm (torch's clip_grad_norm_, DeepSpeed's gradient_clipping); 0: off
     seed: int = 0  # parameters, dropout and shuffling all derive from it
     shuffle: bool = True  # DistributedSampler(shuffle=...)
     drop_last: bool = False  # drop the last, smaller batch (otherwise it is padded and masked)

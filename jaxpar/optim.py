@@ -1,4 +1,5 @@
-"""Optimizers by name with PyTorch's defaults, and the global-norm clipping that strategies can feed."""
+"""Optimizers by name with PyTorch's defaults, nanoGPT's warmup + cosine learning rate, and the global-norm
+clipping that strategies can feed."""
 from __future__ import annotations
 
 import jax
@@ -6,6 +7,7 @@ import jax.numpy as jnp
 import optax
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "adadelta")
+LR_SCHEDULES = ("step", "cosine")  # torch's StepLR (per epoch, gamma); nanoGPT's warmup + cosine decay
 
 
 def make_optimizer(name: str, lr: float | optax.Schedule, momentum: float = 0.0,
@@ -38,3 +40,22 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
         return updates, state
 
     return optax.GradientTransformationExtraArgs(optax.init_empty_state, update)
+
+
+def warmup_cosine(lr: float, warmup_steps: int, decay_steps: int, min_lr: float) -> optax.Schedule:
+    """nanoGPT's learning rate for update `count` (0 = the first): lr x (count + 1) / (warmup_steps + 1) while
+    count < warmup_steps, then a half cosine from lr down to min_lr at count = decay_steps, and min_lr after.
+    (optax.warmup_cosine_decay_schedule differs: its warmup starts at exactly 0.)"""
+    if not 0 <= warmup_steps < decay_steps:
+        raise ValueError(f"warmup_steps={warmup_steps} must be >= 0 and below decay_steps={decay_steps}; "
+                         "pass a larger decay_steps or fewer warmup_steps.")
+    if not 0 <= min_lr <= lr:
+        raise ValueError(f"min_lr={min_lr} must be in [0, lr={lr}]; nanoGPT takes lr / 10.")
+
+    def schedule(count):
+        it = jnp.asarray(count, jnp.float32)
+        ratio = jnp.clip((it - warmup_steps) / (decay_steps - warmup_steps), 0.0, 1.0)
+        cosine = min_lr + 0.5 * (1.0 + jnp.cos(jnp.pi * ratio)) * (lr - min_lr)
+        return jnp.where(it < warmup_steps, lr * (it + 1) / (warmup_steps + 1), cosine)
+
+    return schedule

@@ -404,6 +404,31 @@ def test_label_smoothing_trains_the_smoothed_loss_and_reports_bits_of_the_nll(co
     assert summary["eval_bits_per_byte"] == pytest.approx(summary["eval_nll"] / math.log(2))
 
 
+RECIPE = {  # nanoGPT's recipe (clipping, warmup + cosine) under Megatron's strategies: single's parameters
+    "tp": ["--strategy", "tp", "--tensor-parallel", "2", "--num-devices", "2", "--sequence-parallel"],
+    "3-D": ["--strategy", "pipeline", "--num-stages", "2", "--tensor-parallel", "2", "--num-devices", "4",
+            "--micro-batches", "2"],
+}
+
+
+@pytest.mark.parametrize("key", RECIPE)
+def test_grad_clip_and_cosine_schedule_under_tensor_parallelism(key, corpus):
+    """--grad-clip under TP and 3-D takes the norm over every slice and stage, each replicated leaf once: the
+    clipped parameters equal single's. SGD with momentum, whose updates scale with the clipped gradient."""
+    from jaxpar import cli
+
+    base = ["--model", "gpt-nano", "--n-head", "4", "--dataset", "text", "--data-path", corpus, "--seq-len", "16",
+            "--batch-size", "8", "--steps", "3", "--eval-split", "", "--optimizer", "sgd", "--momentum", "0.9",
+            "--lr", "0.5", "--lr-schedule", "cosine", "--warmup-steps", "1", "--quiet"]
+    single = cli.main(base + ["--grad-clip", "0.5"])
+    free = cli.main(base)
+    got = cli.main(base + ["--grad-clip", "0.5"] + RECIPE[key])
+    a, b, c = (jax.tree.leaves(s["state"].params) for s in (single, free, got))
+    assert max(float(np.abs(x - y).max()) for x, y in zip(a, b)) > 1e-3  # the clip bites
+    for x, y in zip(c, a):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=2e-6)
+
+
 def test_cli_gpt_model_from_init_torch_and_npz_tokens(tmp_path, corpus):
     from jaxpar.config import Config
     from jaxpar.data import datasets

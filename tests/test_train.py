@@ -51,6 +51,62 @@ def test_every_strategy_matches_single_through_the_cli(key, reference):
     assert out["eval_accuracy"] == pytest.approx(reference["eval_accuracy"], abs=0.021)
 
 
+# nanoGPT's recipe on top of BASE: clipping that bites (the MLP's gradient norm is ~0.3-0.6) and a warmup +
+# cosine learning rate; SGD with momentum, whose updates scale with the clipped gradient (Adam's nearly do not)
+RECIPE = ["--optimizer", "sgd", "--momentum", "0.9", "--lr", "0.1", "--grad-clip", "0.05", "--lr-schedule", "cosine",
+          "--warmup-steps", "1"]
+
+
+@pytest.fixture(scope="module")
+def recipe_reference():
+    return train.main(BASE + RECIPE + ["--strategy", "single"])
+
+
+def test_grad_clip_and_the_cosine_schedule_change_the_run(recipe_reference, tmp_path):
+    """Each of the two settings moves the parameters (so the strategies' equality below can fail), and the
+    metrics record the learning rate of each update: nanoGPT's lr (it + 1) / (warmup + 1), then the cosine."""
+    metrics = tmp_path / "m.jsonl"
+    logged = train.main(BASE + RECIPE + ["--strategy", "single", "--metrics-out", str(metrics), "--log-every", "1"])
+    lrs = [json.loads(line).get("lr") for line in metrics.read_text().splitlines()]
+    np.testing.assert_allclose([lr for lr in lrs if lr is not None], [0.05, 0.1, 0.01 + 0.045], rtol=1e-6)
+    unclipped = train.main(BASE + RECIPE + ["--strategy", "single", "--grad-clip", "0"])
+    constant = train.main(BASE + RECIPE[:-4] + ["--strategy", "single", "--gamma", "1"])
+    for other in (unclipped, constant):  # by 100x the equality's atol at least
+        assert max(np.abs(a - b).max() for a, b in zip(leaves(other["state"]), leaves(recipe_reference["state"]))) > 2e-4
+    assert all(np.array_equal(a, b) for a, b in zip(leaves(logged["state"]), leaves(recipe_reference["state"])))
+
+
+def test_warmup_cosine_is_nanogpts_get_lr():
+    """jaxpar.optim.warmup_cosine against nanoGPT's get_lr (train.py), written out here from its definition."""
+    import math
+
+    from jaxpar.optim import warmup_cosine
+
+    lr, min_lr, warmup, decay = 6e-4, 6e-5, 20, 100
+
+    def get_lr(it):
+        if it < warmup:
+            return lr * (it + 1) / (warmup + 1)
+        if it > decay:
+            return min_lr
+        return min_lr + 0.5 * (1.0 + math.cos(math.pi * (it - warmup) / (decay - warmup))) * (lr - min_lr)
+
+    its = np.arange(130)
+    np.testing.assert_allclose(np.asarray(jax.vmap(warmup_cosine(lr, warmup, decay, min_lr))(its)),
+                               [get_lr(i) for i in its], rtol=2e-6)
+    with pytest.raises(ValueError, match="warmup_steps=100 must be >= 0 and below decay_steps=100"):
+        warmup_cosine(lr, 100, 100, min_lr)
+
+
+@pytest.mark.parametrize("key", [k for k in STRATEGY_ARGS if k != "single"])
+def test_grad_clip_and_cosine_schedule_match_single_under_every_strategy(key, recipe_reference):
+    """--grad-clip clips by the norm over ALL of the gradients, whichever devices or stages hold them (ZeRO's
+    shards, the pipeline's stages are fed it), and the schedule counts optimizer steps alike."""
+    out = train.main(BASE + RECIPE + ["--strategy", key.split("-")[0]] + STRATEGY_ARGS[key])
+    for got, want in zip(leaves(out["state"]), leaves(recipe_reference["state"])):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+
+
 def test_metrics_out_and_torch_export_round_trip(tmp_path, reference):
     metrics, exported = tmp_path / "m.jsonl", tmp_path / "w.npz"
     out = train.main(BASE + ["--metrics-out", str(metrics), "--export-torch", str(exported), "--log-every", "1"])

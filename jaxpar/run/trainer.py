@@ -18,7 +18,7 @@ import optax
 from flax import nnx
 
 from jaxpar.config import DEFAULT_LR, Config
-from jaxpar.optim import OPTIMIZERS, make_optimizer
+from jaxpar.optim import LR_SCHEDULES, OPTIMIZERS, clip_by_global_norm, make_optimizer, warmup_cosine
 from jaxpar.step import TrainState, init_state, make_eval_step
 from jaxpar.strategies.base import STRATEGIES, cfg_objective, get_builder, whole_batch
 
@@ -55,7 +55,8 @@ def validate(cfg: Config) -> None:
     from jaxpar.losses import LOSSES
     from jaxpar.precision import PRECISIONS
 
-    choices = {"strategy": STRATEGIES, "dataset": DATASETS, "optimizer": OPTIMIZERS, "precision": PRECISIONS}
+    choices = {"strategy": STRATEGIES, "dataset": DATASETS, "optimizer": OPTIMIZERS, "precision": PRECISIONS,
+               "lr_schedule": LR_SCHEDULES}
     for field, valid in choices.items():
         value = getattr(cfg, field)
         if value not in valid:
@@ -118,6 +119,23 @@ def validate(cfg: Config) -> None:
     if cfg.lr is not None and not cfg.lr > 0:
         raise ValueError(f"--lr {cfg.lr} must be > 0; pass a positive learning rate, or leave it out for the "
                          f"optimizer's default ({DEFAULT_LR[cfg.optimizer]}).")
+    if not cfg.grad_clip >= 0:
+        raise ValueError(f"--grad-clip {cfg.grad_clip} must be >= 0; pass the largest global gradient norm (nanoGPT: "
+                         "1.0), or 0 for no clipping.")
+    if cfg.lr_schedule != "cosine":
+        given = [f"--{f.replace('_', '-')} {getattr(cfg, f)}" for f, off in
+                 (("warmup_steps", 0), ("lr_decay_steps", None), ("min_lr", None)) if getattr(cfg, f) != off]
+        if given:
+            raise ValueError(f"{', '.join(given)} shape the cosine schedule, but --lr-schedule is {cfg.lr_schedule}; "
+                             "add --lr-schedule cosine, or drop them.")
+    else:
+        lr = DEFAULT_LR[cfg.optimizer] if cfg.lr is None else cfg.lr
+        if cfg.warmup_steps < 0 or (cfg.lr_decay_steps is not None and cfg.lr_decay_steps <= cfg.warmup_steps):
+            raise ValueError(f"--warmup-steps {cfg.warmup_steps} must be >= 0 and below --lr-decay-steps "
+                             f"{cfg.lr_decay_steps}; pass a larger --lr-decay-steps or fewer --warmup-steps.")
+        if cfg.min_lr is not None and not 0 <= cfg.min_lr <= lr:
+            raise ValueError(f"--min-lr {cfg.min_lr} must be in [0, --lr {lr}]; pass e.g. --min-lr {lr / 10:g} "
+                             "(nanoGPT's lr / 10), or leave it out.")
     if cfg.momentum < 0:
         raise ValueError(f"--momentum {cfg.momentum} must be >= 0; pass 0 (torch's default) or a positive value.")
     if cfg.dataset == "npz" and not cfg.data_path:
@@ -335,13 +353,30 @@ def load_npz(path: str, flag: str) -> dict[str, np.ndarray]:
         raise ValueError(f"{flag} {path!r} could not be read as .npz ({e}); pass a file written by np.savez.") from e
 
 
-def make_tx(cfg: Config, steps_per_epoch: int) -> optax.GradientTransformation:
-    """The optimizer with StepLR(step_size=1 epoch, gamma) folded into its learning rate."""
+def learning_rate(cfg: Config, steps_per_epoch: int, total_steps: int | None = None) -> float | optax.Schedule:
+    """The learning rate by update count: StepLR(step_size=1 epoch, gamma), or nanoGPT's warmup + cosine decaying
+    to --min-lr at --lr-decay-steps (default: the run's last step, `total_steps`)."""
     lr = DEFAULT_LR[cfg.optimizer] if cfg.lr is None else cfg.lr
+    if total_steps is None:
+        total_steps = steps_per_epoch * cfg.epochs if cfg.steps is None else cfg.steps
+    if cfg.lr_schedule == "cosine":
+        decay = total_steps if cfg.lr_decay_steps is None else cfg.lr_decay_steps
+        if decay <= cfg.warmup_steps:
+            raise ValueError(f"--warmup-steps {cfg.warmup_steps} leaves no decay: the run has {total_steps} steps; "
+                             "pass fewer --warmup-steps, or a larger --lr-decay-steps or --steps.")
+        return warmup_cosine(lr, cfg.warmup_steps, decay, lr / 10 if cfg.min_lr is None else cfg.min_lr)
     if cfg.gamma != 1.0:
-        lr = optax.exponential_decay(lr, transition_steps=max(steps_per_epoch, 1), decay_rate=cfg.gamma,
-                                     staircase=True)
-    return make_optimizer(cfg.optimizer, lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        return optax.exponential_decay(lr, transition_steps=max(steps_per_epoch, 1), decay_rate=cfg.gamma,
+                                       staircase=True)
+    return lr
+
+
+def make_tx(cfg: Config, steps_per_epoch: int, total_steps: int | None = None) -> optax.GradientTransformation:
+    """The optimizer at `learning_rate`, after global-norm clipping when --grad-clip is set (every strategy gives
+    jaxpar's clip the norm over all of the gradients: DeepSpeed's and torch's clip_grad_norm_ semantics)."""
+    lr = learning_rate(cfg, steps_per_epoch, total_steps)
+    tx = make_optimizer(cfg.optimizer, lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    return optax.chain(clip_by_global_norm(cfg.grad_clip), tx) if cfg.grad_clip else tx
 
 
 def evaluate(eval_step, state: TrainState, dataset, batch_size: int, pad: bool = True) -> dict[str, float]:
@@ -424,7 +459,9 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
 
     model = make_model(cfg, train_set)
     loss_fn = make_loss(cfg)
-    tx = make_tx(cfg, steps_per_epoch)
+    total_steps = steps_per_epoch * cfg.epochs if cfg.steps is None else cfg.steps
+    lr_at = learning_rate(cfg, steps_per_epoch, total_steps)
+    tx = make_tx(cfg, steps_per_epoch, total_steps)
     objective = cfg_objective(model, loss_fn, cfg)  # the whole model's: evaluation, checks, export
     state = init_state(model, tx, objective.wrt)
     check_fits(objective, state, train_set, cfg)
@@ -458,7 +495,6 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
         if not ckpt.save(step, strategy.unplace(placed), data):
             raise Diverged(f"step {step} left non-finite parameters; not saved. " + _kept(cfg, ckpt))
 
-    total_steps = steps_per_epoch * cfg.epochs if cfg.steps is None else cfg.steps
     clock, stopped, start_step, epoch_done = report.Clock(), None, step, True
     last: dict[str, Any] = {}
     loss_sum, count = position["loss_sum"], position["count"]  # the epoch's running train loss
@@ -484,7 +520,8 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
                     if step % cfg.log_every == 0:
                         bar.set_postfix(loss=f"{loss_sum / count:.4f}")
                         writer.write({"event": "step", "step": step, "epoch": epoch, "loss": loss,
-                                      "train_loss": loss_sum / count, **clock.window()})
+                                      "train_loss": loss_sum / count,
+                                      "lr": float(lr_at(step - 1)) if callable(lr_at) else lr_at, **clock.window()})
                     if on_step is not None:
                         on_step(step, metrics)
                     stopped = signals.agreed()

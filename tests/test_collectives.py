@@ -177,3 +177,63 @@ def test_hlo_parser_counts_async_pairs_once_and_splits_combined_ops():
     assert K.hlo_num_devices(ASYNC_HLO) == 4
     # permute 32 + all-reduce 2*3/4*72 + all-gather 1/2*16 + reduce-scatter 3*8
     assert K.hlo_bytes_per_device(ASYNC_HLO) == [32 + 108 + 8 + 24] * 4
+
+
+# ---- reduce-scatter: the ring that stands in for XLA:CPU's gloo reduce-scatter across processes ---------------
+
+@pytest.mark.parametrize("n,shape,dim,dtype", [(2, (6, 3), 0, np.float32), (4, (3, 8, 2), 1, np.float32),
+                                               (8, (16,), 0, np.float32), (3, (2, 9), 1, np.int32),
+                                               (4, (8, 5), 0, jnp.bfloat16)])
+def test_ring_reduce_scatter_equals_psum_scatter(n, shape, dim, dtype):
+    """Each device keeps part i of the sum, as lax.psum_scatter(tiled=True): int32 bit for bit, floats to the
+    rounding of another addition order; the parts really differ (no device returns the whole sum)."""
+    xs = per_device_inputs(n, shape, dtype)
+
+    def body(x):
+        x = x[0]
+        return (C.ring_reduce_scatter(x, DATA, dim)[None],
+                jax.lax.psum_scatter(x, DATA, scatter_dimension=dim, tiled=True)[None])
+
+    f = jax.jit(jax.shard_map(body, mesh=submesh(n), in_specs=P(DATA), out_specs=P(DATA)))
+    ring, native = (np.asarray(a, np.float64) for a in f(xs))
+    want = np.stack(np.split(xs.astype(np.float64).sum(0), n, axis=dim))
+    assert ring.shape == want.shape and not np.allclose(ring[0], ring[1])
+    tol = 2e-2 if np.dtype(dtype) == jnp.bfloat16 else 1e-5
+    np.testing.assert_allclose(ring, want, rtol=tol, atol=tol)
+    np.testing.assert_allclose(ring, native, rtol=tol, atol=tol)
+    if np.dtype(dtype) == np.int32:
+        np.testing.assert_array_equal(ring, native)
+    with pytest.raises(ValueError, match="does not split into 5 equal parts"):
+        jax.shard_map(lambda x: C.ring_reduce_scatter(x, DATA), mesh=submesh(5), in_specs=P(DATA),
+                      out_specs=P(DATA))(np.zeros((5, 7), np.float32))
+
+
+@pytest.fixture
+def ring_reduce_scatter(monkeypatch):
+    """Route jaxpar's reduce-scatters through the ring, as across processes over gloo (it is one process here)."""
+    monkeypatch.setattr(C, "native_reduce_scatter_is_safe", lambda: False)
+
+
+def test_gloo_across_processes_is_the_unsafe_case():
+    assert C.native_reduce_scatter_is_safe()  # this run: one process, XLA's own
+    assert not C.native_reduce_scatter_is_safe(2, "cpu", "gloo")
+    assert C.native_reduce_scatter_is_safe(2, "cpu", "mpi") and C.native_reduce_scatter_is_safe(2, "gpu", "gloo")
+    assert C.native_reduce_scatter_is_safe(1, "cpu", "gloo")
+
+
+@pytest.mark.parametrize("tiled", [True, False])
+def test_all_gather_transposes_to_the_ring(tiled, ring_reduce_scatter):
+    """jaxpar's all_gather: lax's forward, and a backward (a reduce-scatter) equal to lax.all_gather's, made of
+    collective-permutes only."""
+    n, xs = 4, per_device_inputs(4, (2, 3), np.float32)
+    w = per_device_inputs(4, (8, 3) if tiled else (4, 2, 3), np.float32, seed=1)
+
+    def grads(gather):
+        def loss(x, w):
+            return jnp.sum(gather(x[0], DATA, axis=0, tiled=tiled) * w[0])
+        return jax.shard_map(jax.grad(loss), mesh=submesh(n), in_specs=(P(DATA), P(DATA)), out_specs=P(DATA))
+
+    ours, lax_ = jax.jit(grads(C.all_gather)), jax.jit(grads(jax.lax.all_gather))
+    np.testing.assert_allclose(ours(xs, w), lax_(xs, w), rtol=1e-6, atol=1e-6)
+    hlo = ours.lower(xs, w).compile().as_text()
+    assert "reduce-scatter(" not in hlo and "collective-permute" in hlo and "all-gather" not in hlo.split("ENTRY")[0]

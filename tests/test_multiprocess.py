@@ -1,4 +1,4 @@
-"""DDP across processes: 2 processes x 2 CPU devices (gloo) == 1 process x 4 devices == one device; a dead rank
+"""DDP and ZeRO across processes: 2 processes x 2 CPU devices (gloo) == 1 process x 4 devices == one device; a dead rank
 stops jaxpar.launch within seconds; the rendezvous environment is read as torchrun / JAX / clusters write it.
 
 This file is also the worker the launched processes run: `python tests/test_multiprocess.py train OUT` (5 DDP
@@ -58,6 +58,26 @@ def worker(mode: str, out: str | None = None) -> None:
         np.savez(f"{out}.{spmd}.rank{rank}.npz", *run_ddp(make_mesh(), rank, nproc, spmd))
     for name in CONTRACT:  # a user's models (examples/), this process feeding rows rank::nproc
         np.savez(f"{out}.{name}.rank{rank}.npz", *run_contract(name, make_mesh(), rank, nproc))
+    for stage in ZERO_STAGES:
+        np.savez(f"{out}.zero{stage}.rank{rank}.npz", *run_zero(stage, make_mesh(), rank, nproc))
+    refuse_tensor_groups_across_processes()
+
+
+def refuse_tensor_groups_across_processes() -> None:
+    """Tensor parallelism over all 4 devices would put a tensor group on both processes: one line, before work."""
+    import optax
+    from flax import nnx
+
+    import jaxpar
+    from test_zero import GPT_CFG
+
+    model = jaxpar.GPT(GPT_CFG, rngs=nnx.Rngs(0))
+    try:
+        jaxpar.TensorParallel(model, optax.sgd(0.1), tensor_parallel=4)
+    except ValueError as e:
+        assert "several processes" in str(e) and "--tensor-parallel at most 2" in str(e), e
+    else:
+        raise AssertionError("a tensor group across processes was not refused")
 
 
 CONTRACT = ("regression", "lm")  # tests/test_contract.py's problems: stock NNX models with dropout
@@ -75,6 +95,29 @@ def run_contract(name: str, mesh, rank: int = 0, nproc: int = 1):
     for b in batches:
         placed, _ = ddp.step(placed, ddp.put_batch(take(b, slice(rank, None, nproc))))
     return [np.asarray(a) for a in jax.tree.leaves(ddp.unplace(placed).params)]
+
+
+ZERO_STAGES = (1, 2, 3)  # tests/test_zero.py's GPT (dropout on), 11 rows a step: 6 + 5 on two processes
+
+
+def run_zero(stage: int, mesh, rank: int, nproc: int, rows=None):
+    """ZeRO's parameters and optimizer state after test_zero's steps on this process's rows (`rows` of each
+    batch, or rank::nproc). The compiled step must reduce-scatter on jaxpar's ring: across processes over gloo
+    XLA:CPU's reduce-scatter is unsafe."""
+    import jax
+
+    import jaxpar
+    from jaxpar.comm import collectives
+    from test_zero import TX, problem
+
+    _, objective, batches, batch_size, state = problem("gpt")
+    z = jaxpar.ZeroRedundancy(objective, TX, stage=stage, mesh=mesh, batch_size=batch_size)
+    placed = z.init(state)
+    for b in batches:
+        placed, _ = z.step(placed, z.put_batch(take(b, slice(rank, None, nproc) if rows is None else rows)))
+    assert not collectives.native_reduce_scatter_is_safe() and "reduce-scatter(" not in z.hlo(placed)
+    out = z.unplace(placed)
+    return [np.asarray(a) for a in jax.tree.leaves(out.params) + jax.tree.leaves(out.opt_state)]
 
 
 def launch(script: str, *args: str) -> subprocess.Popen:
@@ -96,7 +139,7 @@ def reference_leaves():
     return [np.asarray(a) for a in jax.tree.leaves(state.params)]
 
 
-def test_two_processes_equal_one_process_and_one_device(tmp_path):
+def test_two_processes_equal_one_process_and_one_device(tmp_path, monkeypatch):
     import jax
 
     from jaxpar.mesh import make_mesh
@@ -116,6 +159,19 @@ def test_two_processes_equal_one_process_and_one_device(tmp_path):
         for i, want in enumerate(ref_params):
             np.testing.assert_array_equal(ranks[0][f"arr_{i}"], ranks[1][f"arr_{i}"])
             np.testing.assert_allclose(ranks[0][f"arr_{i}"], want, rtol=1e-5, atol=1e-6, err_msg=name)
+    from jaxpar.comm import collectives
+    from test_zero import reference as zero_reference
+
+    ref_state = zero_reference("gpt")[0]  # the single step (its own asserts: dropout on, the weights move)
+    want = [np.asarray(a) for a in jax.tree.leaves(ref_state.params) + jax.tree.leaves(ref_state.opt_state)]
+    monkeypatch.setattr(collectives, "native_reduce_scatter_is_safe", lambda *a: False)
+    for stage in ZERO_STAGES:  # ZeRO across 2 processes x 2 devices: bit for bit this process's 4 devices fed the
+        ranks = [np.load(tmp_path / f"params.zero{stage}.rank{r}.npz") for r in range(2)]  # same rows on the ring
+        here = run_zero(stage, make_mesh(4), 0, 1, rows=np.r_[0:11:2, 1:11:2])
+        for i, w in enumerate(want):  # and the single step, to Adam's rounding of another summation order
+            np.testing.assert_array_equal(ranks[0][f"arr_{i}"], ranks[1][f"arr_{i}"])
+            np.testing.assert_array_equal(ranks[0][f"arr_{i}"], here[i], err_msg=f"stage {stage}")
+            np.testing.assert_allclose(ranks[0][f"arr_{i}"], w, rtol=1e-5, atol=2e-6, err_msg=f"stage {stage}")
     for spmd in SPMD:
         four = run_ddp(make_mesh(4), spmd=spmd)
         ranks = [np.load(tmp_path / f"params.{spmd}.rank{r}.npz") for r in range(2)]

@@ -202,6 +202,25 @@ def test_sequence_parallel_equals_the_single_step(tp, devices):
     assert "sequence parallel" in strategy.describe()
 
 
+def test_sequence_parallel_with_the_ring_reduce_scatter_equals_the_single_step(monkeypatch):
+    """Where XLA's reduce-scatter is unsafe (across processes over gloo: collectives.native_reduce_scatter_is_safe),
+    the sequence's reduce-scatters, forward (after each row split) and backward (the all-gathers' transposes), run
+    on jaxpar's ring of collective-permutes: forced here, 3 steps still equal the single step, with none left."""
+    from jaxpar.comm import collectives
+
+    monkeypatch.setattr(collectives, "native_reduce_scatter_is_safe", lambda *a: False)
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), (DATA, TENSOR))
+    strategy = TensorParallel(model(), TX, tensor_parallel=2, sequence_parallel=True, mesh=mesh)
+    placed = strategy.init(jaxpar.init_state(model(), TX))
+    for b in batches():
+        placed, _ = strategy.step(placed, strategy.put_batch(b))
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(strategy.unplace(placed).params)[0],
+                            jax.tree.leaves(reference().params)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+    kinds = [c.kind for c in hlo_collectives(strategy.hlo(placed))]
+    assert "reduce-scatter" not in kinds and kinds.count("collective-permute") >= 4 * CFG["n_layer"] + 2
+
+
 def test_sequence_parallel_refuses_what_it_cannot_split():
     mesh = Mesh(np.array(jax.devices()[:4]).reshape(1, 4), (DATA, TENSOR))
     strategy = TensorParallel(model(), TX, tensor_parallel=4, sequence_parallel=True, mesh=mesh)

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxpar.comm import collectives
 from jaxpar.mesh import TENSOR  # noqa: F401  (the axis these functions are called with)
 
 
@@ -103,13 +104,13 @@ def gather_sequence(x: jax.Array, axis: str, dim: int) -> jax.Array:
     """The ranks' sequence slices all-gathered along `dim` forward; its transpose, the backward, reduce-scatters
     (each rank's partial input gradient summed, this rank's tokens kept): Megatron's
     gather_from_sequence_parallel_region."""
-    return lax.all_gather(x, axis, axis=dim, tiled=True)
+    return collectives.all_gather(x, axis, axis=dim, tiled=True)
 
 
 def scatter_sequence_sum(x: jax.Array, axis: str, dim: int) -> jax.Array:
     """The ranks' partial sums reduce-scattered along `dim` (this rank's tokens of the sum) forward, all-gathered
     backward: Megatron's reduce_scatter_to_sequence_parallel_region, in place of g's all-reduce."""
-    return lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
+    return collectives.reduce_scatter(x, axis, dim)
 
 
 def my_slice(x: jax.Array, axis: str, dim: int) -> jax.Array:

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxpar.comm import collectives
 from jaxpar.comm.buckets import LeafInfo, leaf_infos
 from jaxpar.comm.overlap import zero_after
 from jaxpar.types import PyTree
@@ -153,12 +154,12 @@ def my_piece(buffer: jax.Array, num_devices: int, axis_name) -> jax.Array:
 
 def reduce_scatter_group(buffer: jax.Array, axis_name) -> jax.Array:
     """Sum of a group buffer [N c] over `axis_name`, each device keeping its slice [c]: one reduce-scatter."""
-    return lax.psum_scatter(buffer, axis_name, scatter_dimension=0, tiled=True)
+    return collectives.reduce_scatter(buffer, axis_name, 0)
 
 
 def all_gather_shards(shard: jax.Array, axis_name) -> jax.Array:
     """Every device's shard [S], stacked [N, S] on every device: one all-gather (`unpack` gives the leaves)."""
-    return lax.all_gather(shard, axis_name)
+    return collectives.all_gather(shard, axis_name)
 
 
 def shard_of(plan: ShardPlan, leaves: Sequence[Any], axis_name) -> jax.Array:

@@ -187,6 +187,12 @@ class TensorParallel:
         if not isinstance(model, nnx.Module):
             raise TypeError(f"TensorParallel takes the model itself (its blocks are pointed at the {TENSOR!r} axis), "
                             f"not a {type(model).__name__}.")
+        spans = [row for row in self.mesh.devices if len({d.process_index for d in row}) > 1]
+        if spans:  # each process feeds its own rows to its data ranks: a tensor group cannot straddle two
+            raise ValueError(f"--tensor-parallel {tensor_parallel} puts a tensor group on devices of several processes "
+                             f"({[d.id for d in spans[0]]}); keep each group within one process (Megatron keeps "
+                             f"tensor parallelism within a node): use --tensor-parallel at most "
+                             f"{len(local_devices(self.mesh))}, dividing it.")
         self.plan = tensor_plan(model, tensor_parallel)
         whole = [lay.whole for lay in self.plan if lay.whole]
         if sequence_parallel and whole:  # a whole head's logits and their gradient would be counted T times

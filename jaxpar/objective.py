@@ -367,7 +367,10 @@ def _fixed_leaves(model: nnx.Module) -> list:
     return [v.get_value() for v in jax.tree.leaves(state, is_leaf=_is_variable)]
 
 
-def metrics_of(sums: Sums) -> dict[str, jax.Array]:
-    """A step's metrics: mean loss, summed weight, real rows, and every metric divided by the weight."""
+def metrics_of(sums: Sums, grad_norm: jax.Array | None = None) -> dict[str, jax.Array]:
+    """A step's metrics: mean loss, summed weight, real rows, every metric divided by the weight, and (a training
+    step) `grad_norm`, the global L2 norm of the mean loss's gradient before any clipping: what torch's
+    clip_grad_norm_ returns, DeepSpeed's get_global_grad_norm() and Megatron's logged "grad norm"."""
     w = sums.weight
-    return {"loss": sums.loss / w, "weight": w, "samples": sums.rows, **{k: v / w for k, v in sums.metrics.items()}}
+    out = {"loss": sums.loss / w, "weight": w, "samples": sums.rows, **{k: v / w for k, v in sums.metrics.items()}}
+    return out if grad_norm is None else {**out, "grad_norm": grad_norm}

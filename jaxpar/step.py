@@ -48,6 +48,12 @@ def apply_updates(tx: optax.GradientTransformation, state: TrainState, grads: Pa
                       state.model_state if model_state is None else model_state, state.step + 1)
 
 
+def grad_norm(grads: Any) -> jax.Array:
+    """The global L2 norm of a gradient tree, accumulated in float32 (the step's `grad_norm` metric)."""
+    return jnp.sqrt(sum((jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)),
+                        jnp.zeros((), jnp.float32)))
+
+
 def scale(tree: Any, factor: jax.Array) -> Any:
     return jax.tree.map(lambda g: g * factor, tree)
 
@@ -56,7 +62,8 @@ def train_step(objective: Objective, tx: optax.GradientTransformation, state: Tr
                rows: Rows) -> tuple[TrainState, Metrics]:
     """The reference step, unjitted: gradient of the mean loss over the whole batch, one optimizer update."""
     (sums, model_state), grads = objective.value_and_grad(state.params, state.model_state, rows)
-    return apply_updates(tx, state, scale(grads, 1.0 / sums.weight), model_state), metrics_of(sums)
+    grads = scale(grads, 1.0 / sums.weight)
+    return apply_updates(tx, state, grads, model_state), metrics_of(sums, grad_norm(grads))
 
 
 def make_train_step(objective: Objective, tx: optax.GradientTransformation):

@@ -105,6 +105,7 @@ def assert_equal_to_reference(name: str, out, metrics) -> None:
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # streams advanced once per step, as single
     assert int(out.step) == STEPS
     np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-5)
+    np.testing.assert_allclose(metrics["grad_norm"], ref_metrics["grad_norm"], rtol=1e-5)
     assert float(metrics["weight"]) == float(ref_metrics["weight"])  # tokens (lm) or target elements
 
 
@@ -126,6 +127,24 @@ STRATEGIES = {
 def test_every_strategy_equals_the_single_step(name, strategy):
     objective = problem(name)[3]
     assert_equal_to_reference(name, *run(STRATEGIES[strategy](objective), name))
+
+
+def test_grad_norm_is_the_mean_gradients_norm_before_clipping():
+    """metrics["grad_norm"]: the L2 norm over every leaf of the gradient of the global mean loss, before any
+    clipping (torch's clip_grad_norm_ returns it; Megatron logs it), computed here in float64 from the gradient.
+    With a clip that bites, the update changes and the reported norm does not."""
+    _, _, batches, objective, state = problem("lm")
+    (sums, _), g = objective.value_and_grad(state.params, state.model_state, batches[0])
+    want = np.sqrt(sum(np.sum(np.square(np.asarray(a, np.float64) / float(sums.weight))) for a in jax.tree.leaves(g)))
+    assert want > 1e-2
+    clipped = optax.chain(jaxpar.optim.clip_by_global_norm(want / 10), TX)
+    out = {}
+    for name, tx in (("plain", TX), ("clipped", clipped)):
+        new, metrics = jaxpar.make_train_step(objective, tx)(state._replace(opt_state=tx.init(state.params)),
+                                                             batches[0])
+        np.testing.assert_allclose(float(metrics["grad_norm"]), want, rtol=1e-6, err_msg=name)
+        out[name] = new
+    assert max_diff(out["plain"].params, out["clipped"].params) > 1e-4
 
 
 def test_token_weights_are_the_real_tokens():

@@ -112,7 +112,7 @@ def reference(name: str, tx=TX):
     ref, losses = state, []
     for _ in range(STEPS):
         ref, m = train_step(name, tx)(ref, jaxpar.as_rows(batch))
-        losses.append(float(m["loss"]))
+        losses.append((float(m["loss"]), float(m["grad_norm"])))
     return state, ref, losses
 
 
@@ -146,7 +146,7 @@ def run(name: str, tx=TX, data=1, **kw):
     placed, losses = pipe.init(state), []
     for _ in range(STEPS):
         placed, m = pipe.step(placed, pipe.put_batch(batch))
-        losses.append(float(m["loss"]))
+        losses.append((float(m["loss"]), float(m["grad_norm"])))
     return pipe, placed, losses
 
 

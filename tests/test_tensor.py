@@ -122,7 +122,7 @@ def test_tensor_parallel_equals_the_single_step(tp, devices, parallel_output):
     local = [np.asarray(s.data).shape for s in jax.tree.leaves(placed.params)[0].addressable_shards]
     for b, single in zip(batches(), single_run()[1]):
         placed, metrics = strategy.step(placed, strategy.put_batch(b))
-        for name in ("loss", "accuracy"):  # the reported numbers too, not only the gradients
+        for name in ("loss", "accuracy", "grad_norm"):  # the reported numbers too, not only the gradients
             np.testing.assert_allclose(metrics[name], single[name], rtol=1e-5, err_msg=name)
     out = strategy.unplace(placed)
     ref = reference()
@@ -184,7 +184,7 @@ def test_sequence_parallel_equals_the_single_step(tp, devices):
     strategy = TensorParallel(m, TX, tensor_parallel=tp, sequence_parallel=True, mesh=mesh)
     placed = strategy.init(jaxpar.init_state(model(), TX))
     for b in batches():
-        placed, _ = strategy.step(placed, strategy.put_batch(b))
+        placed, metrics = strategy.step(placed, strategy.put_batch(b))
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(strategy.unplace(placed).params)[0],
                             jax.tree.leaves(reference().params)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
@@ -195,9 +195,13 @@ def test_sequence_parallel_equals_the_single_step(tp, devices):
     assert kinds.count("reduce-scatter") == 4 * layers + 2  # g's, and f's transposes; the embedding's and head's
     assert kinds.count("all-gather") == 4 * layers + 2  # f's, and g's transposes; the head's tokens
     # all-reduces: the replicated leaves' gradients (LayerNorms, wpe, row biases) once, and the vocabulary-parallel
-    # cross-entropy's [tokens] values (max, two sums, argmax's index)
+    # cross-entropy's [tokens] values (max, two sums, argmax's index); with one data replica the whole mesh is the
+    # tensor group, and the step's one psum over it of the metrics and the squared gradient norm (a vector of
+    # len(metrics): the Sums' scalars and the norm) is within it too
     reduced = [c for c in within if c.kind == "all-reduce"]
-    assert len({c.name for c in reduced if int(np.prod(c.shape)) != tokens}) == 1
+    vector = [c for c in reduced if c.shape == (len(metrics),)]
+    assert len(vector) == (devices == tp)
+    assert len({c.name for c in reduced if int(np.prod(c.shape)) != tokens and c not in vector}) == 1
     assert len([c for c in reduced if int(np.prod(c.shape)) == tokens]) == 4
     assert "sequence parallel" in strategy.describe()
 

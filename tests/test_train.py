@@ -57,9 +57,16 @@ RECIPE = ["--optimizer", "sgd", "--momentum", "0.9", "--lr", "0.1", "--grad-clip
           "--warmup-steps", "1"]
 
 
+def norms(path) -> list[float]:
+    """Each step's grad_norm from a --metrics-out file written with --log-every 1."""
+    return [r["grad_norm"] for r in map(json.loads, path.read_text().splitlines()) if r.get("event") == "step"]
+
+
 @pytest.fixture(scope="module")
-def recipe_reference():
-    return train.main(BASE + RECIPE + ["--strategy", "single"])
+def recipe_reference(tmp_path_factory):
+    metrics = tmp_path_factory.mktemp("recipe") / "m.jsonl"
+    out = train.main(BASE + RECIPE + ["--strategy", "single", "--metrics-out", str(metrics), "--log-every", "1"])
+    return {**out, "grad_norms": norms(metrics)}
 
 
 def test_grad_clip_and_the_cosine_schedule_change_the_run(recipe_reference, tmp_path):
@@ -69,6 +76,7 @@ def test_grad_clip_and_the_cosine_schedule_change_the_run(recipe_reference, tmp_
     logged = train.main(BASE + RECIPE + ["--strategy", "single", "--metrics-out", str(metrics), "--log-every", "1"])
     lrs = [json.loads(line).get("lr") for line in metrics.read_text().splitlines()]
     np.testing.assert_allclose([lr for lr in lrs if lr is not None], [0.05, 0.1, 0.01 + 0.045], rtol=1e-6)
+    assert len(norms(metrics)) == 3 and min(norms(metrics)) > 0.05  # each step's norm, before the clip to 0.05
     unclipped = train.main(BASE + RECIPE + ["--strategy", "single", "--grad-clip", "0"])
     constant = train.main(BASE + RECIPE[:-4] + ["--strategy", "single", "--gamma", "1"])
     for other in (unclipped, constant):  # by 100x the equality's atol at least
@@ -99,12 +107,16 @@ def test_warmup_cosine_is_nanogpts_get_lr():
 
 
 @pytest.mark.parametrize("key", [k for k in STRATEGY_ARGS if k != "single"])
-def test_grad_clip_and_cosine_schedule_match_single_under_every_strategy(key, recipe_reference):
+def test_grad_clip_and_cosine_schedule_match_single_under_every_strategy(key, recipe_reference, tmp_path):
     """--grad-clip clips by the norm over ALL of the gradients, whichever devices or stages hold them (ZeRO's
-    shards, the pipeline's stages are fed it), and the schedule counts optimizer steps alike."""
-    out = train.main(BASE + RECIPE + ["--strategy", key.split("-")[0]] + STRATEGY_ARGS[key])
+    shards, the pipeline's stages are fed it), and the schedule counts optimizer steps alike; each step's
+    recorded grad_norm is single's."""
+    metrics = tmp_path / "m.jsonl"
+    out = train.main(BASE + RECIPE + ["--strategy", key.split("-")[0]] + STRATEGY_ARGS[key]
+                     + ["--metrics-out", str(metrics), "--log-every", "1"])
     for got, want in zip(leaves(out["state"]), leaves(recipe_reference["state"])):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+    np.testing.assert_allclose(norms(metrics), recipe_reference["grad_norms"], rtol=1e-5)
 
 
 def test_metrics_out_and_torch_export_round_trip(tmp_path, reference):

@@ -308,7 +308,7 @@ class Engine:
         for j, stages in mod.tied.items():
             self._sum_tied(j, stages, grads)
         first = tr.first_device
-        norms = [jax.device_put(self._norm_fn(s)(grads[s]), first) for s in tr.local_stages] if self.needs_norm else []
+        norms = [jax.device_put(self._norm_fn(s)(grads[s]), first) for s in tr.local_stages]  # metrics, clipping
         n = sums_treedef.num_leaves
         vec = tr.all_processes_sum(self._assemble(None if total is None else jax.device_put(total, first), norms, n))
         for s in tr.local_stages:

@@ -353,6 +353,11 @@ def load_npz(path: str, flag: str) -> dict[str, np.ndarray]:
         raise ValueError(f"{flag} {path!r} could not be read as .npz ({e}); pass a file written by np.savez.") from e
 
 
+def _norm_of(metrics: dict) -> dict:
+    """The step's gradient norm (before clipping) for its record, where the strategy reports one."""
+    return {"grad_norm": float(metrics["grad_norm"])} if "grad_norm" in metrics else {}
+
+
 def learning_rate(cfg: Config, steps_per_epoch: int, total_steps: int | None = None) -> float | optax.Schedule:
     """The learning rate by update count: StepLR(step_size=1 epoch, gamma), or nanoGPT's warmup + cosine decaying
     to --min-lr at --lr-decay-steps (default: the run's last step, `total_steps`)."""
@@ -520,7 +525,7 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
                     if step % cfg.log_every == 0:
                         bar.set_postfix(loss=f"{loss_sum / count:.4f}")
                         writer.write({"event": "step", "step": step, "epoch": epoch, "loss": loss,
-                                      "train_loss": loss_sum / count,
+                                      "train_loss": loss_sum / count, **_norm_of(metrics),
                                       "lr": float(lr_at(step - 1)) if callable(lr_at) else lr_at, **clock.window()})
                     if on_step is not None:
                         on_step(step, metrics)

@@ -39,7 +39,7 @@ from jaxpar.batch import Rows, as_rows, check_unpadded
 from jaxpar.config import Config
 from jaxpar.objective import Objective, OutputLoss, metrics_of
 from jaxpar.run import memory
-from jaxpar.step import TrainState, apply_updates
+from jaxpar.step import TrainState, apply_updates, grad_norm
 from jaxpar.strategies.base import cfg_objective, objective_of, to_device
 
 
@@ -120,7 +120,7 @@ def _backward(vjp, cotangent):
 
 @partial(jax.jit, static_argnums=0)
 def _update(tx: optax.GradientTransformation, state: TrainState, grads, model_state):
-    return apply_updates(tx, state, grads, model_state)
+    return apply_updates(tx, state, grads, model_state), grad_norm(grads)
 
 
 def _shape(tree) -> tuple:
@@ -235,9 +235,9 @@ class DataParallel:
             mark("reducing: the running sum and one replica's gradients on the master")
         del grads
         # replica 0's model state (its BatchNorm buffers; RNG streams advanced once) is the module's
-        state = _update(self.tx, state, total, jax.device_put(states[0], self.master))
+        state, norm = _update(self.tx, state, total, jax.device_put(states[0], self.master))
         mark("after update: new params and optimizer state on the master")
-        return state, metrics_of(sums)  # on the output device, where torch computes the loss
+        return state, metrics_of(sums, norm)  # on the output device, where torch computes the loss
 
     def unplace(self, state: TrainState) -> TrainState:
         return state

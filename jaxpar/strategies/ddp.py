@@ -38,7 +38,7 @@ from jaxpar.comm.collectives import ALGORITHMS, all_reduce
 from jaxpar.config import Config
 from jaxpar.mesh import DATA, make_mesh
 from jaxpar.objective import Objective, Sums, advance_rng, metrics_of
-from jaxpar.step import TrainState, apply_updates
+from jaxpar.step import TrainState, apply_updates, grad_norm
 from jaxpar.strategies.base import cfg_objective, objective_of
 from jaxpar.types import Params
 
@@ -60,12 +60,15 @@ def bucket_plan(params: Params, bucket_cap_mb: float, order: Sequence[int] | Non
     return plan_buckets(params, bucket_cap_mb, order=order)
 
 
-def psum_sums(sums: Sums, axis_name, after: jax.Array | None = None) -> Sums:
+def psum_sums(sums: Sums, axis_name, after: jax.Array | None = None, *extra: jax.Array):
     """`sums` added over `axis_name` as ONE small collective (a vector of the scalars); `after` (an exact 0.0)
-    chains it behind the gradient buckets so it stays a collective of its own."""
+    chains it behind the gradient buckets so it stays a collective of its own. Scalars in `extra` (a squared
+    gradient norm) ride in the same vector: then `(sums, *extra)` summed."""
     leaves, treedef = jax.tree.flatten(sums)
-    vector = jnp.stack(leaves) + (0.0 if after is None else after)
-    return jax.tree.unflatten(treedef, list(lax.psum(vector, axis_name)))
+    vector = jnp.stack([*leaves, *(e.astype(leaves[0].dtype) for e in extra)]) + (0.0 if after is None else after)
+    out = list(lax.psum(vector, axis_name))
+    total = jax.tree.unflatten(treedef, out[:len(leaves)])
+    return (total, *out[len(leaves):]) if extra else total
 
 
 def from_replica_0(tree: Any, axis_name) -> Any:
@@ -144,7 +147,7 @@ def ddp_body(objective: Objective, tx: optax.GradientTransformation, plan, reduc
         total = psum_sums(total, axis_name, ddp_overlap.zero_after(*[grads[i] for i in buckets[-1]]))
         grads = [g / total.weight for g in grads]
         state = apply_updates(tx, state, treedef.unflatten(grads), model_state)
-        return state, metrics_of(total)
+        return state, metrics_of(total, grad_norm(grads))  # the reduced gradient: the same on every replica
 
     return body
 

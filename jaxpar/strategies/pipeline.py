@@ -301,7 +301,8 @@ class Pipeline:
         key = ("metrics", treedef)
         if key not in self._layouts:
             self._layouts[key] = self.engine.jit(
-                lambda v: metrics_of(jax.tree.unflatten(treedef, [v[i] for i in range(treedef.num_leaves)])))
+                lambda v: metrics_of(jax.tree.unflatten(treedef, [v[i] for i in range(treedef.num_leaves)]),
+                                     jnp.sqrt(v[-1]) / v[1]))  # [Sums..., squared norm of the summed gradient]
         return self._layouts[key]
 
     def evaluate(self, placed: PipelineState, batch) -> Sums:

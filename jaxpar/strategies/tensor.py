@@ -16,7 +16,8 @@ One step, on every device (shard_map over both axes):
     sums, grads = grad(objective's summed loss over MY data shard)      # f / g inside the blocks: 2 + 2 per block
     grads[replicated] = psum(grads[replicated], TENSOR)                 # sequence parallel only: partial per rank
     grads = psum(grads, DATA)                                           # the data-parallel all-reduce
-    state = apply_updates(tx, state, grads / psum(weight, DATA))        # each rank updates its own slices
+    weight, |grads|^2 = psum([weight, squared norm], (DATA, TENSOR))    # one small vector, each counted once
+    state = apply_updates(tx, state, grads / weight)                    # each rank updates its own slices
 
 Replicated parameters get identical gradients on every tensor rank (their inputs are the replicated residual
 stream), so only DATA reduces them -- except under sequence parallelism, where each rank's LayerNorms, positions and
@@ -282,18 +283,23 @@ class TensorParallel:
                 leaves, treedef = jax.tree.flatten(grads)
                 grads = jax.tree.unflatten(treedef, [g if s else lax.psum(g, TENSOR) for g, s in zip(leaves, sharded)])
             grads = lax.psum(grads, DATA)
-            total = psum_sums(sums, DATA)
+            # ONE small psum over the whole mesh adds the metrics (tensor rank 0's: the ranks' are equal) and the
+            # gradient's squared norm (data rank 0's, as the gradient is reduced: every rank's slices, rank 0's
+            # replicated leaves) -- no collective of the norm's own
+            leaves, zero = jax.tree.leaves(grads), jnp.zeros((), jnp.float32)
+            first_t, first_d = lax.axis_index(TENSOR) == 0, lax.axis_index(DATA) == 0
+            local = sum((jnp.sum(jnp.square(g.astype(jnp.float32))) for g, s in zip(leaves, sharded) if s), zero)
+            whole = sum((jnp.sum(jnp.square(g.astype(jnp.float32))) for g, s in zip(leaves, sharded) if not s), zero)
+            squared = jnp.where(first_d, local + jnp.where(first_t, whole, zero), zero)
+            mine = jax.tree.map(lambda a: jnp.where(first_t, a, jnp.zeros_like(a)), sums)
+            total, squared = psum_sums(mine, (DATA, TENSOR), None, squared)
             grads = jax.tree.map(lambda g: g / total.weight, grads)
-            extra = {}
-            if needs_norm:  # the slices' squared norms over TENSOR, replicated leaves counted once
-                leaves = jax.tree.leaves(grads)
-                local = sum(jnp.sum(jnp.square(g)) for g, s in zip(leaves, sharded) if s)
-                whole = sum(jnp.sum(jnp.square(g)) for g, s in zip(leaves, sharded) if not s)
-                extra["global_norm"] = jnp.sqrt(lax.psum(local, TENSOR) + whole)
+            norm = jnp.sqrt(squared) / total.weight
+            extra = {"global_norm": norm} if needs_norm else {}
             model_state = advance_rng(new_state, state.model_state)
             if not objective.per_sample:
                 model_state = from_replica_0(model_state, DATA)
-            return apply_updates(tx, state, grads, model_state, **extra), metrics_of(total)
+            return apply_updates(tx, state, grads, model_state, **extra), metrics_of(total, norm)
 
         step = jax.shard_map(body, mesh=self.mesh, in_specs=(specs, P(DATA)), out_specs=(specs, P()),
                              check_vma=False)

@@ -117,14 +117,16 @@ def zero_body(objective: Objective, tx, plan: sh.ShardPlan, stage: int, *, reduc
         if gradients_only:
             return grads
         g = reduce_after_backward(grads) if stage == 1 else grads
-        total = psum_sums(total, axis_name, overlap.zero_after(g))
+        # the shards' squared norms (padding: 0) ride in the metrics' psum: no collective of their own
+        total, squared = psum_sums(total, axis_name, overlap.zero_after(g), jnp.sum(jnp.square(g.astype(jnp.float32))))
         g = g / total.weight
+        norm = jnp.sqrt(squared) / total.weight
         p = state.params if stage == 3 else sh.shard_of(plan, jax.tree.leaves(state.params), axis_name)
-        extra = {"global_norm": jnp.sqrt(lax.psum(jnp.sum(jnp.square(g)), axis_name))} if needs_norm else {}
+        extra = {"global_norm": norm} if needs_norm else {}
         updates, opt_state = tx.update(zero_optim.flat_tree(g), state.opt_state, zero_optim.flat_tree(p), **extra)
         p = p + updates[zero_optim.KEY]
         params = p if stage == 3 else jax.tree.unflatten(treedef, sh.unpack(plan, sh.all_gather_shards(p, axis_name)))
-        return TrainState(params, opt_state, model_state, state.step + 1), metrics_of(total)
+        return TrainState(params, opt_state, model_state, state.step + 1), metrics_of(total, norm)
 
     return body
 

@@ -2,13 +2,13 @@
 
     python train.py --strategy single --metrics-out runs/single.jsonl ...   # one file per run
     python train.py --cpu-devices 8 --strategy ddp --metrics-out runs/ddp.jsonl ...
-    python bench/plot.py --out plots runs/single.jsonl runs/ddp.jsonl      # loss.png, throughput.png
+    python bench/plot.py --out plots runs/single.jsonl runs/ddp.jsonl      # loss.png, grad_norm.png, throughput.png
     python bench/plot.py --out plots --allreduce allreduce.jsonl           # allreduce_busbw.png
     python bench/plot.py --out plots --schedule 1f1b --stages 4 --micro-batches 8   # pipeline_1f1b.png
 
 Inputs:
-- run files: train.py --metrics-out records (see jaxpar/report.py): "step" records give the loss curve (x =
-  step), "epoch" records the eval loss, the "summary" record the throughput. The run's label is its
+- run files: train.py --metrics-out records (see jaxpar/report.py): "step" records give the loss curve and the
+  gradient norm before clipping (x = step), "epoch" records the eval loss, the "summary" record the throughput. The run's label is its
   strategy (from the "start" record), or the file name when two runs share a strategy.
 - all-reduce file: JSON lines {"algorithm": str, "bytes": int (message size per device), "busbw": float
   (GB/s, NCCL-tests' bus bandwidth = algbw * 2(n-1)/n)}; other keys are ignored. Lines without these keys
@@ -62,6 +62,26 @@ def plot_loss(runs: dict[str, list[dict]], path: str) -> str:
             ax.plot([s for s, _ in evals], [v for _, v in evals], "o--", color=color, label=f"{label} eval")
     ax.set(xlabel="step", ylabel="loss", title="loss per strategy")
     ax.grid(alpha=0.3)
+    ax.legend()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    return path
+
+
+def plot_grad_norm(runs: dict[str, list[dict]], path: str) -> str:
+    """Each step's gradient norm before clipping (the step records' grad_norm), one line per run, log scale:
+    where a run spikes, and whether --grad-clip's threshold bites."""
+    fig, ax = _figure()
+    for i, (label, records) in enumerate(runs.items()):
+        steps = sorted({r["step"]: r["grad_norm"] for r in records
+                        if r.get("event") == "step" and "grad_norm" in r}.items())
+        if steps:
+            ax.plot([s for s, _ in steps], [v for _, v in steps], color=f"C{i}", label=label)
+    clip = {r["config"].get("grad_clip") for rs in runs.values() for r in rs if r.get("event") == "start"} - {0, None}
+    for c in sorted(clip):
+        ax.axhline(c, color="grey", linestyle=":", label=f"--grad-clip {c:g}")
+    ax.set_yscale("log")
+    ax.set(xlabel="step", ylabel="gradient norm (before clipping)", title="gradient norm per strategy")
+    ax.grid(alpha=0.3, which="both")
     ax.legend()
     fig.savefig(path, dpi=120, bbox_inches="tight")
     return path
@@ -130,6 +150,8 @@ def main(argv=None) -> list[str]:
         runs = {labels[p]: read_jsonl(p) for p in args.runs}
         written += [plot_loss(runs, os.path.join(args.out, "loss.png")),
                     plot_throughput(runs, os.path.join(args.out, "throughput.png"))]
+        if any("grad_norm" in r for rs in runs.values() for r in rs):
+            written.append(plot_grad_norm(runs, os.path.join(args.out, "grad_norm.png")))
     if args.allreduce:
         written.append(plot_busbw(read_jsonl(args.allreduce), os.path.join(args.out, "allreduce_busbw.png")))
     if args.schedule:

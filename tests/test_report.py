@@ -47,8 +47,8 @@ def test_metrics_out_records_every_log_step_and_epoch(runs):
     steps = [r for r in recs if r["event"] == "step"]
     assert [r["step"] for r in steps] == [2, 4, 6]  # --log-every 2 over 6 steps
     for r in steps:
-        assert {"epoch", "loss", "train_loss", "samples_per_s", "step_time_s"} <= r.keys()
-        assert np.isfinite(r["loss"]) and r["train_loss"] > 0
+        assert {"epoch", "loss", "train_loss", "grad_norm", "samples_per_s", "step_time_s"} <= r.keys()
+        assert np.isfinite(r["loss"]) and r["train_loss"] > 0 and r["grad_norm"] > 0
     assert np.isfinite(steps[-1]["samples_per_s"]) and steps[-1]["step_time_s"] > 0
     epochs = [r for r in recs if r["event"] == "epoch"]
     assert [(r["epoch"], r["step"]) for r in epochs] == [(0, 3), (1, 6)]
@@ -79,7 +79,7 @@ def test_plot_draws_every_chart(runs, tmp_path):
     written = plot.main(["--out", out, runs["single"][1], runs["ddp"][1], "--allreduce", str(ar),
                          "--schedule", "1f1b", "--stages", "4", "--micro-batches", "8"])
     names = sorted(os.path.basename(p) for p in written)
-    assert names == ["allreduce_busbw.png", "loss.png", "pipeline_1f1b.png", "throughput.png"]
+    assert names == ["allreduce_busbw.png", "grad_norm.png", "loss.png", "pipeline_1f1b.png", "throughput.png"]
     for p in written:
         with open(p, "rb") as f:
             assert f.read(8) == PNG and os.path.getsize(p) > 5000

@@ -130,7 +130,10 @@ def reseed(model: nnx.Module, salt: jax.Array) -> None:
     for stream in _streams(model):
         base = jax.random.fold_in(stream.key.get_value(), stream.count.get_value())
         stream.key.set_value(jax.random.fold_in(base, salt))
-        stream.count.set_value(jnp.zeros_like(stream.count.get_value()))
+        # count * 0, not jnp.zeros_like: under jit a fresh zeros_like is a constant literal, and NNX's
+        # `count[...] += 1` then increments that shared literal in place wherever it was captured (a custom_vjp's
+        # residuals and forward saw count 1 under grad while the primal saw 0)
+        stream.count.set_value(stream.count.get_value() * 0)
 
 
 def advance_rng(model_state: PyTree, previous: PyTree | None = None, by: int = 1) -> PyTree:

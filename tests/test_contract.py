@@ -205,6 +205,62 @@ def test_wrt_trains_only_what_it_selects():
     assert frozen(out) and all(np.array_equal(a, b) for a, b in zip(frozen(out), frozen(state)))
 
 
+class Recomputed(nnx.Module):
+    """Linear -> Dropout run through a custom_vjp whose backward recomputes the forward from the saved input
+    state (activation checkpointing by hand): the draws must see the reseeded stream in both."""
+
+    def __init__(self, rngs):
+        self.lin, self.drop = nnx.Linear(4, 4, rngs=rngs), nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        graphdef, state = nnx.split((self.lin, self.drop))
+        leaves, treedef = jax.tree.flatten(state)
+
+        def run(leaves, x):
+            lin, drop = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+            return drop(lin(x)), nnx.state(drop, nnx.RngState)
+
+        @jax.custom_vjp
+        def f(leaves, x):
+            return run(leaves, x)
+
+        f.defvjp(lambda leaves, x: (run(leaves, x), (leaves, x)), lambda res, ct: jax.vjp(run, *res)[1](ct))
+        y, new = f(leaves, x)
+        nnx.update(self.drop, new)
+        return y
+
+
+def test_a_reseeded_stream_is_not_a_shared_constant(monkeypatch):
+    """reseed resets each count to count * 0: a fresh jnp.zeros_like is a constant literal under jit, and NNX's
+    `count[...] += 1` incremented it in place wherever it was captured, so a custom_vjp's forward under grad drew
+    with count 1 while the primal drew with 0. The loss under grad equals the loss without; the old reset fails."""
+    from jaxpar import objective as objective_lib
+
+    model = Recomputed(nnx.Rngs(0))
+    objective = Objective.of(model, lambda m, b: (jnp.sum(m(b["x"])), b["x"].size), per_sample=False)
+    state = jaxpar.init_state(model, TX)
+    rows = as_rows({"x": np.linspace(-1, 1, 8, dtype=np.float32).reshape(2, 4)})
+
+    def losses():
+        plain = jax.jit(lambda p, m: objective.sums(p, m, rows)[0].loss)(state.params, state.model_state)
+        graded = jax.jit(lambda p, m: objective.value_and_grad(p, m, rows)[0][0].loss)(state.params,
+                                                                                       state.model_state)
+        return float(plain), float(graded)
+
+    plain, graded = losses()
+    assert plain == graded
+    old = objective_lib.reseed
+
+    def zeros_like_reset(model, salt):
+        old(model, salt)
+        for stream in objective_lib._streams(model):
+            stream.count.set_value(jnp.zeros_like(stream.count.get_value()))
+
+    monkeypatch.setattr(objective_lib, "reseed", zeros_like_reset)
+    plain, graded = losses()
+    assert abs(plain - graded) > 1e-3
+
+
 def test_rng_streams_advance_once_per_step():
     _, _, _, _, state = problem("regression")
     ref, _ = reference("regression")

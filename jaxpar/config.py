@@ -74,7 +74,8 @@ class Config:
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zbh1 (zero-bubble H1) | zbv (ZB-V, 2 chunks)
     virtual_stages: int = 1  # model chunks per stage (interleaved; zbv: 2)
     partition_method: str = "parameters"  # parameters | uniform | type:REGEX | profile
-    activation_checkpoint_interval: int = 0
+    # every strategy but ZeRO-3 (the pipeline per stage; the others on the model's `layers`)
+    activation_checkpoint_interval: int = 0  # N: keep each N-layer segment's input, recompute it in the backward
     # runs, files and reports
     init_torch: str | None = None  # start from a PyTorch state dict saved as .npz
     export_torch: str | None = None  # write the trained weights as a PyTorch state dict .npz

@@ -204,14 +204,18 @@ class Objective:
     per_sample: bool = True
     rows_per_call: int | None = None
     compute_dtype: Any = None
+    activation_checkpoint_interval: int = 0  # > 0: the training forward recomputes N-layer segments (recompute.py)
 
     @classmethod
     def of(cls, model: nnx.Module, loss_fn: LossFn | None = None, *, wrt: Any = nnx.Param,
            per_sample: bool | None = None, rows_per_call: int | None | str = "auto",
-           compute_dtype: Any = None) -> "Objective":
+           compute_dtype: Any = None, activation_checkpoint_interval: int = 0) -> "Objective":
         """The objective of `model` under `loss_fn` (default: cross-entropy on ``model(batch["x"])`` against
-        integer labels ``batch["y"]``). per_sample None: True unless the model holds nnx.BatchStat."""
+        integer labels ``batch["y"]``). per_sample None: True unless the model holds nnx.BatchStat.
+        activation_checkpoint_interval N > 0: training runs the model's `layers` in N-layer segments that keep
+        only their input and are recomputed in the backward (jaxpar.recompute); evaluation runs them plainly."""
         from jaxpar.losses import cross_entropy
+        from jaxpar.recompute import checkpointed
 
         if not isinstance(model, nnx.Module):
             raise TypeError(f"model is a {type(model).__name__}; pass a flax.nnx.Module (an Objective is built from "
@@ -230,11 +234,11 @@ class Objective:
             rows_per_call = default_rows_per_call(model) if per_sample else None
         if rows_per_call is not None and (not isinstance(rows_per_call, int) or rows_per_call < 1):
             raise ValueError(f"rows_per_call={rows_per_call!r} must be an int >= 1 or None (all rows at once).")
-        graphdef = nnx.split(model, wrt, ...)[0]
+        graphdef = nnx.split(checkpointed(model, activation_checkpoint_interval), wrt, ...)[0]
         evaluated = nnx.clone(model)
         evaluated.eval()
         return cls(graphdef, nnx.split(evaluated, wrt, ...)[0], loss_fn, wrt, bool(per_sample), rows_per_call,
-                   compute_dtype)
+                   compute_dtype, activation_checkpoint_interval)
 
     def replace(self, **changes) -> "Objective":
         return dataclasses.replace(self, **changes)

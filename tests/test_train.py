@@ -119,6 +119,15 @@ def test_grad_clip_and_cosine_schedule_match_single_under_every_strategy(key, re
     np.testing.assert_allclose(norms(metrics), recipe_reference["grad_norms"], rtol=1e-5)
 
 
+@pytest.mark.parametrize("strategy", ["single", "ddp"])
+def test_activation_checkpointing_through_the_cli(strategy, reference):
+    """--activation-checkpoint-interval outside the pipeline: the MLP's nn.Sequential layers (Linear, ReLU,
+    Linear: modules and a function) in segments recomputed in the backward, the reference's parameters."""
+    out = train.main(BASE + ["--strategy", strategy, "--activation-checkpoint-interval", "2"])
+    for got, want in zip(leaves(out["state"]), leaves(reference["state"])):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+
+
 def test_metrics_out_and_torch_export_round_trip(tmp_path, reference):
     metrics, exported = tmp_path / "m.jsonl", tmp_path / "w.npz"
     out = train.main(BASE + ["--metrics-out", str(metrics), "--export-torch", str(exported), "--log-every", "1"])

@@ -35,7 +35,7 @@ from flax import nnx
 from jax import custom_batching
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpar.comm.overlap import zero_after
+from jaxpar.comm.overlap import tie, zero_after
 from jaxpar.comm.shards import ShardPlan, all_gather_shards
 
 NAME = "zero3_gathered"  # the checkpoint name of every gathered weight: never saved for the backward
@@ -88,11 +88,6 @@ def gather(variables: list, axis_name) -> list[jax.Array]:
     return out
 
 
-def _tie(tree: Any, token: jax.Array) -> Any:
-    """`tree` with an exact 0.0 `token` added to its float arrays: they now depend on what made the token."""
-    return jax.tree.map(lambda a: a + token.astype(a.dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
-
-
 def _token(tree: Any) -> jax.Array:
     arrays = [a for a in jax.tree.leaves(tree) if hasattr(a, "dtype") and a.size]
     return zero_after(arrays[0]) if arrays else jnp.zeros((), jnp.float32)
@@ -121,7 +116,7 @@ def _unit(graphdef, call: Callable, s: Settings, axes, last: bool):
         return region(lp, x, rest), link
 
     def fwd(lp, x, rest, after, link):
-        lp = _tie(lp, _token(after))  # gather once `after` exists
+        lp = tie(lp, _token(after))  # gather once `after` exists
         out, vjp = jax.vjp(region, lp, x, rest)
         ids = {id(a) for a in jax.tree.leaves(lp)}
         slots[:] = [i for i, r in enumerate(jax.tree.leaves(vjp)) if id(r) in ids]
@@ -132,7 +127,7 @@ def _unit(graphdef, call: Callable, s: Settings, axes, last: bool):
         token = _token(ct_y) if last or not s.prefetch else ct_link  # the next layer's backward has begun
         res, treedef = jax.tree.flatten(vjp)
         for i in slots or range(len(res)):
-            res[i] = _tie(res[i], token)
+            res[i] = tie(res[i], token)
         d_lp, d_x, _ = jax.tree.unflatten(treedef, res)((ct_y, ct_rest))
         return d_lp, d_x, None, None, _token(ct_y)
 

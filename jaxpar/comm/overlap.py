@@ -11,7 +11,7 @@ communication stream); without it XLA's all-reduce combiner merges independent r
 from __future__ import annotations
 
 import re
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -62,6 +62,11 @@ def zero_after(*xs: jax.Array) -> jax.Array:
     if not firsts:
         return jnp.zeros((), jnp.float32)
     return jnp.where(jnp.concatenate(firsts).max() > jnp.inf, 1.0, 0.0).astype(jnp.float32)
+
+
+def tie(tree: Any, token: jax.Array) -> Any:
+    """`tree` with the exact 0.0 `token` added to its float arrays: they now depend on what made the token."""
+    return jax.tree.map(lambda a: a + token.astype(a.dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
 
 
 def reduce_bucket(leaves: Sequence[jax.Array], token: jax.Array, reduce: Reduce):

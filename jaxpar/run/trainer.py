@@ -114,6 +114,13 @@ def validate(cfg: Config) -> None:
     for field in ("batch_size", "epochs", "eval_batch_size", "log_every"):
         if getattr(cfg, field) < 1:
             raise ValueError(f"--{field.replace('_', '-')} {getattr(cfg, field)} must be >= 1; pass a positive count.")
+    if cfg.activation_checkpoint_interval < 0:
+        raise ValueError(f"--activation-checkpoint-interval {cfg.activation_checkpoint_interval} must be >= 0; pass 0 "
+                         "(keep every activation) or N (recompute each N-layer segment in the backward).")
+    if cfg.activation_checkpoint_interval and cfg.strategy == "zero" and cfg.zero_stage == 3:
+        raise ValueError(f"--activation-checkpoint-interval {cfg.activation_checkpoint_interval} with --zero-stage 3: "
+                         "stage 3 runs each layer under its own fetching recomputation; use --zero-stage 1 or 2 "
+                         "with it, or drop it.")
     if cfg.steps is not None and cfg.steps < 1:
         raise ValueError(f"--steps {cfg.steps} must be >= 1 (or leave it out to run whole epochs).")
     if cfg.lr is not None and not cfg.lr > 0:

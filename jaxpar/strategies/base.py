@@ -93,8 +93,11 @@ def objective_of(model: nnx.Module | Objective, loss_fn=None, **kwargs) -> Objec
 
 
 def cfg_objective(model: nnx.Module, loss_fn, cfg) -> Objective:
-    """The Objective train.py's flags ask for: --precision, --per-sample."""
+    """The Objective train.py's flags ask for: --precision, --per-sample, and --activation-checkpoint-interval
+    (but for the pipeline, whose stages recompute their own segments)."""
     from jaxpar.precision import compute_dtype
 
     per_sample = {None: None, "on": True, "off": False}[cfg.per_sample]
-    return Objective.of(model, loss_fn, per_sample=per_sample, compute_dtype=compute_dtype(cfg.precision))
+    interval = 0 if cfg.strategy == "pipeline" else cfg.activation_checkpoint_interval
+    return Objective.of(model, loss_fn, per_sample=per_sample, compute_dtype=compute_dtype(cfg.precision),
+                        activation_checkpoint_interval=interval)

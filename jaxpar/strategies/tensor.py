@@ -377,4 +377,5 @@ def build(model: nnx.Module, tx: optax.GradientTransformation, cfg: Config, loss
                           parallel_output=None if cfg.parallel_output else False, mesh=mesh,
                           batch_size=cfg.batch_size, loss_fn=loss_fn,
                           per_sample={None: None, "on": True, "off": False}[cfg.per_sample],
-                          compute_dtype=compute_dtype(cfg.precision))
+                          compute_dtype=compute_dtype(cfg.precision),
+                          activation_checkpoint_interval=cfg.activation_checkpoint_interval)

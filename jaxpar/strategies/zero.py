@@ -160,6 +160,10 @@ class ZeroRedundancy:
                  prefetch: bool = True, **objective_options):
         check_options(stage=stage, reduce=reduce, grad_accum=grad_accum, bucket_cap_mb=bucket_cap_mb)
         self.objective = objective_of(model, loss_fn, **objective_options)
+        if stage == 3 and self.objective.activation_checkpoint_interval:
+            raise ValueError(f"ZeRO stage 3 runs each layer under its own fetching recomputation, so "
+                             f"activation_checkpoint_interval={self.objective.activation_checkpoint_interval} would "
+                             "be ignored; use stage 1 or 2 with it, or interval 0 with stage 3.")
         if leaf_order is None and isinstance(model, nnx.Module):
             leaf_order = overlap.forward_leaf_order(model, self.objective.wrt)
         self.tx, self.mesh, self.stage, self.reduce = tx, mesh or make_mesh(), stage, reduce

@@ -1,0 +1,99 @@
+"""Activation checkpointing for the strategies that run the whole model (single, dp, ddp, ZeRO 1-2, tp):
+DeepSpeed's ``activation_checkpoint_interval`` (PipelineModule's name, which the pipeline uses too) and Megatron's
+``--recompute-granularity full --recompute-method uniform --recompute-num-layers N``.
+
+The model's flat `layers` (their composition is the model, as the pipeline takes them) run in segments of N.
+A segment keeps only its input; its backward runs the segment's forward again from that input and the saved
+weights and RNG state, then its vjp:
+
+    forward:   y = segment(x)                 saved: x, the segment's state (weights, RNG counts)
+    backward:  y, vjp = vjp(segment)(x + 0)   "+ 0": an exact 0.0 computed from the incoming cotangent
+               dx, dstate = vjp(dy)
+
+`jax.checkpoint` would say the same, but XLA:CPU drops the optimization barrier that keeps the recomputation
+apart, so XLA merges it with the forward and keeps every residual. Here the recomputation depends on the
+cotangent, which no compiler can hoist (jaxpar.comm.fetch ties ZeRO-3's re-gathers the same way). Dropout
+draws the same masks in the recomputation: the RNG state it starts from is the saved one.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.comm.overlap import tie, zero_after
+
+
+def recomputed(run):
+    """`run(leaves, x) -> (y, state)` whose backward recomputes `run` from its saved inputs, after the
+    cotangent exists."""
+    @jax.custom_vjp
+    def f(leaves, x):
+        return run(leaves, x)
+
+    def fwd(leaves, x):
+        return run(leaves, x), (leaves, x)
+
+    def bwd(saved, ct):
+        floats = [a for a in jax.tree.leaves(ct) if jnp.issubdtype(a.dtype, jnp.floating) and a.size]
+        token = zero_after(floats[0]) if floats else jnp.zeros((), jnp.float32)
+        return jax.vjp(run, *tie(saved, token))[1](ct)
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
+def run_segments(layers, x: Any, interval: int) -> Any:
+    """The composition of `layers` on `x`, each `interval` of them recomputed in the backward."""
+    layers = list(layers)
+    for lo in range(0, len(layers), interval):
+        segment = layers[lo:lo + interval]
+        segment_modules = [layer for layer in segment if isinstance(layer, nnx.Module)]  # others: functions
+        graphdef, state = nnx.split(segment_modules)
+        leaves, treedef = jax.tree.flatten(state)
+
+        def run(leaves, x, segment=segment, graphdef=graphdef, treedef=treedef):
+            modules = iter(nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves)))
+            merged = [next(modules) if isinstance(layer, nnx.Module) else layer for layer in segment]
+            for layer in merged:
+                x = layer(x)
+            return x, nnx.state([m for m in merged if isinstance(m, nnx.Module)],
+                                nnx.Any(nnx.RngState, nnx.BatchStat))
+
+        x, changed = recomputed(run)(leaves, x)
+        nnx.update(segment_modules, changed)  # RNG streams advanced, BatchNorm statistics (batch mode)
+    return x
+
+
+def _call(self, *args, **kwargs):
+    if len(args) != 1 or kwargs:
+        raise ValueError(f"activation checkpointing runs {type(self).__name__}'s layers on ONE input; it was called "
+                         f"with {len(args)} positional and {len(kwargs)} keyword arguments. Use interval 0.")
+    return run_segments(self.layers, args[0], type(self)._recompute_interval)
+
+
+_CLASSES: dict = {}
+
+
+def checkpointed(model: nnx.Module, interval: int) -> nnx.Module:
+    """A clone of `model` whose __call__ runs its `layers` in segments of `interval`, recomputed in the backward
+    (the model itself is left as it is). `interval` 0: `model` unchanged."""
+    if not isinstance(interval, int) or interval < 0:
+        raise ValueError(f"activation_checkpoint_interval={interval!r} must be an int >= 0; pass 0 (keep "
+                         "every activation) or N (recompute each N-layer segment in the backward).")
+    if not interval:
+        return model
+    layers = getattr(model, "layers", None)
+    if not layers or not all(callable(layer) for layer in layers):
+        raise ValueError(f"activation_checkpoint_interval={interval} needs {type(model).__name__}'s flat `layers` "
+                         "(modules and functions whose composition is the model, as the pipeline takes them); "
+                         "give it a `layers` sequence (nnx.Sequential has one), or use 0.")
+    key = (type(model), interval)
+    if key not in _CLASSES:
+        _CLASSES[key] = type(f"Recomputed{type(model).__name__}", (type(model),),
+                             {"__call__": _call, "_recompute_interval": interval, "__module__": __name__})
+    clone = nnx.clone(model)
+    clone.__class__ = _CLASSES[key]
+    return clone

@@ -1,0 +1,107 @@
+"""Activation checkpointing outside the pipeline (jaxpar.recompute): the model's `layers` in N-layer segments
+that keep only their input and run again in the backward. With dropout on, every whole-model strategy that takes
+it gives the parameters of the single step that keeps every activation; the compiled step holds less."""
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxpar
+from jaxpar.models import gpt
+
+CFG = dict(n_layer=3, n_head=2, n_embd=32, block_size=16, vocab_size=64)
+TX = optax.sgd(0.5)
+STEPS = 3
+
+
+def problem(dropout=0.1):
+    model = gpt.GPT(gpt.GPTConfig(dropout=dropout, **CFG), rngs=nnx.Rngs(params=0, dropout=1))
+    seq = np.random.default_rng(0).integers(0, CFG["vocab_size"], (8, CFG["block_size"] + 1)).astype(np.int32)
+    return model, {"x": seq[:, :-1], "y": seq[:, 1:]}
+
+
+def run(make, interval: int):
+    """(parameters, each step's loss) after STEPS steps of the strategy `make(objective)`."""
+    model, batch = problem()
+    objective = jaxpar.Objective.of(model, activation_checkpoint_interval=interval)
+    s = make(objective)
+    placed, losses = s.init(jaxpar.init_state(model, TX)), []
+    for _ in range(STEPS):
+        placed, metrics = s.step(placed, s.put_batch(batch))
+        losses.append(float(metrics["loss"]))
+    return [np.asarray(a) for a in jax.tree.leaves(s.unplace(placed).params)], losses
+
+
+@pytest.fixture(scope="module")
+def kept():
+    """The single step keeping every activation; the premises: dropout is on, and the weights move."""
+    model, batch = problem()
+    objective, state = jaxpar.Objective.of(model), jaxpar.init_state(model, TX)
+    evaluated = jax.jit(lambda r: objective.sums(state.params, state.model_state, r, train=False)[0])(
+        jaxpar.as_rows(batch))
+    params, losses = run(lambda o: jaxpar.SingleDevice(o, TX), 0)
+    assert abs(losses[0] - float(evaluated.loss / evaluated.weight)) > 1e-3
+    assert max(float(np.abs(a - b).max()) for a, b in zip(params, jax.tree.leaves(state.params))) > 1e-2
+    return params, losses
+
+
+STRATEGIES = {
+    "single-1": (lambda o: jaxpar.SingleDevice(o, TX), 1),
+    "single-2": (lambda o: jaxpar.SingleDevice(o, TX), 2),
+    "dp": (lambda o: jaxpar.DataParallel(o, TX, device_ids=[0, 1]), 1),
+    "ddp-ring-buckets": (lambda o: jaxpar.DistributedDataParallel(o, TX, mesh=jaxpar.make_mesh(4), allreduce="ring",
+                                                                  bucket_cap_mb=0.001), 2),
+    "zero-2": (lambda o: jaxpar.ZeroRedundancy(o, TX, stage=2, mesh=jaxpar.make_mesh(2)), 1),
+}
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_recompute_equals_keeping_every_activation(kept, name):
+    make, interval = STRATEGIES[name]
+    params, losses = run(make, interval)
+    np.testing.assert_allclose(losses, kept[1], rtol=1e-5)
+    for a, b in zip(params, kept[0]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_recompute_under_tensor_parallelism_with_sequence_parallel(kept):
+    """Megatron's full recompute: the segments' f/g collectives (here SP's all-gathers and reduce-scatters) run
+    again in the backward, inside the tensor group."""
+    from jaxpar.strategies.tensor import TensorParallel
+
+    model, batch = problem()
+    tp = TensorParallel(model, TX, tensor_parallel=2, sequence_parallel=True, mesh=jax.sharding.Mesh(
+        np.array(jax.devices()[:4]).reshape(2, 2), ("data", "tensor")), activation_checkpoint_interval=1)
+    placed = tp.init(jaxpar.init_state(problem()[0], TX))
+    for _ in range(STEPS):
+        placed, _ = tp.step(placed, tp.put_batch(batch))
+    for a, b in zip(jax.tree.leaves(tp.unplace(placed).params), kept[0]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_recompute_frees_the_activations():
+    """The compiled single step's temporaries (activations and scratch) shrink: the recomputation is really
+    apart from the forward (XLA:CPU merges jax.checkpoint's back into it, and keeps every residual)."""
+    cfg = dict(CFG, n_layer=4, n_embd=64, block_size=64)
+    model = gpt.GPT(gpt.GPTConfig(dropout=0.1, **cfg), rngs=nnx.Rngs(params=0, dropout=1))
+    seq = np.random.default_rng(0).integers(0, cfg["vocab_size"], (8, cfg["block_size"])).astype(np.int32)
+    rows, state = jaxpar.as_rows({"x": seq, "y": seq}), jaxpar.init_state(model, TX)
+    temp = {}
+    for interval in (0, 1):
+        objective = jaxpar.Objective.of(model, activation_checkpoint_interval=interval)
+        compiled = jaxpar.make_train_step(objective, TX).lower(state, rows).compile()
+        temp[interval] = compiled.memory_analysis().temp_size_in_bytes
+    assert temp[1] < 0.75 * temp[0], temp
+
+
+def test_refusals():
+    with pytest.raises(ValueError, match=r"needs Linear's flat `layers`.*or use 0"):
+        jaxpar.Objective.of(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), activation_checkpoint_interval=1)
+    with pytest.raises(ValueError, match=r"activation_checkpoint_interval=-1 must be an int >= 0"):
+        jaxpar.Objective.of(problem()[0], activation_checkpoint_interval=-1)
+    with pytest.raises(ValueError, match=r"ZeRO stage 3 .* use stage 1 or 2"):
+        jaxpar.ZeroRedundancy(problem()[0], TX, stage=3, mesh=jaxpar.make_mesh(2), activation_checkpoint_interval=1)
+    model = problem()[0]
+    jaxpar.Objective.of(model, activation_checkpoint_interval=1)
+    assert type(model) is gpt.GPT  # the user's model is left as it is

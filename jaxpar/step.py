@@ -48,10 +48,14 @@ def apply_updates(tx: optax.GradientTransformation, state: TrainState, grads: Pa
                       state.model_state if model_state is None else model_state, state.step + 1)
 
 
+def squared_norm(tree: Any) -> jax.Array:
+    """The sum of squares of every leaf of `tree`, accumulated in float32 (0.0 for no leaves)."""
+    return sum((jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(tree)), jnp.zeros((), jnp.float32))
+
+
 def grad_norm(grads: Any) -> jax.Array:
     """The global L2 norm of a gradient tree, accumulated in float32 (the step's `grad_norm` metric)."""
-    return jnp.sqrt(sum((jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)),
-                        jnp.zeros((), jnp.float32)))
+    return jnp.sqrt(squared_norm(grads))
 
 
 def scale(tree: Any, factor: jax.Array) -> Any:

@@ -173,21 +173,27 @@ def test_hlo_has_megatrons_two_all_reduces_per_block_each_way():
     assert report["tensor_all_reduces_forward"] == report["tensor_all_reduces_backward"] == each_way
 
 
-@pytest.mark.parametrize("tp,devices", [(2, 2), (2, 8)])
-def test_sequence_parallel_equals_the_single_step(tp, devices):
-    """Megatron's sequence parallelism: between the blocks' split regions each rank holds its tokens (LayerNorms,
-    residual and embedding dropout on them, drawn as the single device draws); with dropout on, 3 steps equal the
-    single step. The compiled step all-gathers the sequence where f was and reduce-scatters where g was (two each
-    per block each way, plus the embedding's and the head's), and sums the replicated leaves' gradients once."""
-    m = model()
+def sequence_parallel_run(devices: int, tp: int):
+    """(mesh, strategy, placed state, last metrics) of TensorParallel with sequence parallelism after batches(),
+    its parameters checked equal to the single step's."""
     mesh = Mesh(np.array(jax.devices()[:devices]).reshape(devices // tp, tp), (DATA, TENSOR))
-    strategy = TensorParallel(m, TX, tensor_parallel=tp, sequence_parallel=True, mesh=mesh)
+    strategy = TensorParallel(model(), TX, tensor_parallel=tp, sequence_parallel=True, mesh=mesh)
     placed = strategy.init(jaxpar.init_state(model(), TX))
     for b in batches():
         placed, metrics = strategy.step(placed, strategy.put_batch(b))
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(strategy.unplace(placed).params)[0],
                             jax.tree.leaves(reference().params)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+    return mesh, strategy, placed, metrics
+
+
+@pytest.mark.parametrize("tp,devices", [(2, 2), (2, 8)])
+def test_sequence_parallel_equals_the_single_step(tp, devices):
+    """Megatron's sequence parallelism: between the blocks' split regions each rank holds its tokens (LayerNorms,
+    residual and embedding dropout on them, drawn as the single device draws); with dropout on, 3 steps equal the
+    single step. The compiled step all-gathers the sequence where f was and reduce-scatters where g was (two each
+    per block each way, plus the embedding's and the head's), and sums the replicated leaves' gradients once."""
+    mesh, strategy, placed, metrics = sequence_parallel_run(devices, tp)
     groups = {tuple(sorted(int(d.id) for d in row)) for row in mesh.devices}
     within = [c for c in hlo_collectives(strategy.hlo(placed)) if set(c.groups) == groups]
     kinds = list({c.name: c.kind for c in within}.values())
@@ -213,14 +219,7 @@ def test_sequence_parallel_with_the_ring_reduce_scatter_equals_the_single_step(m
     from jaxpar.comm import collectives
 
     monkeypatch.setattr(collectives, "native_reduce_scatter_is_safe", lambda *a: False)
-    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), (DATA, TENSOR))
-    strategy = TensorParallel(model(), TX, tensor_parallel=2, sequence_parallel=True, mesh=mesh)
-    placed = strategy.init(jaxpar.init_state(model(), TX))
-    for b in batches():
-        placed, _ = strategy.step(placed, strategy.put_batch(b))
-    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(strategy.unplace(placed).params)[0],
-                            jax.tree.leaves(reference().params)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+    _, strategy, placed, _ = sequence_parallel_run(4, 2)
     kinds = [c.kind for c in hlo_collectives(strategy.hlo(placed))]
     assert "reduce-scatter" not in kinds and kinds.count("collective-permute") >= 4 * CFG["n_layer"] + 2
 

@@ -120,10 +120,16 @@ def test_grad_clip_and_cosine_schedule_match_single_under_every_strategy(key, re
 
 
 @pytest.mark.parametrize("strategy", ["single", "ddp"])
-def test_activation_checkpointing_through_the_cli(strategy, reference):
+def test_activation_checkpointing_through_the_cli(strategy, reference, monkeypatch):
     """--activation-checkpoint-interval outside the pipeline: the MLP's nn.Sequential layers (Linear, ReLU,
-    Linear: modules and a function) in segments recomputed in the backward, the reference's parameters."""
+    Linear: modules and a function) in segments recomputed in the backward (the flag reaches the model: its
+    segments run), the reference's parameters."""
+    from jaxpar import recompute
+
+    calls, run_segments = [], recompute.run_segments
+    monkeypatch.setattr(recompute, "run_segments", lambda *a: calls.append(a[2]) or run_segments(*a))
     out = train.main(BASE + ["--strategy", strategy, "--activation-checkpoint-interval", "2"])
+    assert calls and set(calls) == {2}
     for got, want in zip(leaves(out["state"]), leaves(reference["state"])):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
 

@@ -45,7 +45,7 @@ from jaxpar.comm import cost as comm_cost
 from jaxpar.config import Config
 from jaxpar.mesh import DATA, TENSOR
 from jaxpar.objective import Objective, advance_rng, metrics_of
-from jaxpar.step import TrainState, apply_updates
+from jaxpar.step import TrainState, apply_updates, squared_norm
 from jaxpar.strategies import zero_optim
 from jaxpar.strategies.ddp import from_replica_0, local_devices, psum_sums
 
@@ -288,8 +288,8 @@ class TensorParallel:
             # replicated leaves) -- no collective of the norm's own
             leaves, zero = jax.tree.leaves(grads), jnp.zeros((), jnp.float32)
             first_t, first_d = lax.axis_index(TENSOR) == 0, lax.axis_index(DATA) == 0
-            local = sum((jnp.sum(jnp.square(g.astype(jnp.float32))) for g, s in zip(leaves, sharded) if s), zero)
-            whole = sum((jnp.sum(jnp.square(g.astype(jnp.float32))) for g, s in zip(leaves, sharded) if not s), zero)
+            local = squared_norm([g for g, s in zip(leaves, sharded) if s])
+            whole = squared_norm([g for g, s in zip(leaves, sharded) if not s])
             squared = jnp.where(first_d, local + jnp.where(first_t, whole, zero), zero)
             mine = jax.tree.map(lambda a: jnp.where(first_t, a, jnp.zeros_like(a)), sums)
             total, squared = psum_sums(mine, (DATA, TENSOR), None, squared)

@@ -365,10 +365,11 @@ def test_bad_input_is_refused_before_any_work():
 
 def worker(out: str) -> None:
     """2 processes x 2 devices: the LM as 2 stages x 2 replicas (ZB-H1, recompute; data x pipeline across
-    processes) and the MLP as 4 stages (1F1B, global-norm clipping); each saves the state it unplaces and the
-    Sums of an evaluation (the forward-only schedule). (ZB-V across processes is not run here: one of three
-    clean-clone CI runs hung in this test after it was added; it was never reproduced. A candidate cause, two gloo
-    collectives in flight at once, is gone since the transport runs them one at a time: see the README.)"""
+    processes), again on ZB-V (its V crosses the processes twice), and the MLP as 4 stages (1F1B, global-norm
+    clipping); each saves the state it unplaces and the Sums of an evaluation (the forward-only schedule). (ZB-V
+    was out of this test from b70775e: one clean-clone CI run hung in it, never reproduced. The candidate cause,
+    two gloo collectives in flight at once, is gone since the transport runs them one at a time; 24 runs of it
+    under load, two at once, finished on 2026-11-23.)"""
     import faulthandler
     import signal
 
@@ -383,7 +384,8 @@ def worker(out: str) -> None:
     rank = jax.process_index()
     for label, name, S, tx, kw in (
             ("mlp", "mlp", 4, CLIP, dict(schedule="1f1b", micro_batches=4)),
-            ("lm", "lm", 2, TX, dict(schedule="zbh1", micro_batches=2, activation_checkpoint_interval=1))):
+            ("lm", "lm", 2, TX, dict(schedule="zbh1", micro_batches=2, activation_checkpoint_interval=1)),
+            ("lm_zbv", "lm", 2, TX, dict(schedule="zbv", virtual_stages=2, micro_batches=3))):
         model, loss, batch = PROBLEMS[name]()
         pipe = pipeline(model, tx, loss_fn=loss, num_stages=S, mesh=pipeline_mesh(None, S), **kw)
         placed = pipe.init(jaxpar.init_state(model, tx))
@@ -404,16 +406,18 @@ CLIP = optax.chain(jaxpar.optim.clip_by_global_norm(0.05), optax.sgd(0.1, moment
 def test_two_processes_equal_single(tmp_path):
     proc = two_processes.start(__file__, str(tmp_path / "params"))
     refs = {"mlp": reference("mlp", CLIP)[1], "lm": reference("lm")[1]}  # meanwhile, in this process
+    refs["lm_zbv"] = refs["lm"]
     out = two_processes.finish(proc)
     assert "process 1/2 mlp: 4 devices (2 processes), mesh {'data': 1, 'pipe': 4}" in out, out
     assert "process 0/2 lm: 4 devices (2 processes), mesh {'data': 2, 'pipe': 2}" in out, out
+    assert "lm_zbv: 4 devices (2 processes)" in out and "schedule zbv (3 micro-batches, 2 chunks per stage)" in out, out
     for name, ref in refs.items():
         ranks = [np.load(tmp_path / f"params.{name}.rank{r}.npz") for r in range(2)]
         want = jax.tree.leaves(ref.params)
         for k, b in enumerate(want):
             np.testing.assert_array_equal(ranks[0][f"arr_{k}"], ranks[1][f"arr_{k}"])  # both unplace the same
             np.testing.assert_allclose(ranks[0][f"arr_{k}"], b, rtol=RTOL, atol=ATOL)
-        model, loss, batch = PROBLEMS[name]()  # evaluation: both processes get single's eval Sums
+        model, loss, batch = PROBLEMS[name.removesuffix("_zbv")]()  # evaluation: both processes get single's eval Sums
         want = jaxpar.step.eval_sums(jaxpar.Objective.of(model, loss), ref.params, ref.model_state,
                                      jaxpar.as_rows(batch))
         np.testing.assert_array_equal(ranks[0]["eval"], ranks[1]["eval"])

@@ -76,6 +76,7 @@ class Config:
     partition_method: str = "parameters"  # parameters | uniform | type:REGEX | profile
     # every strategy but ZeRO-3 (the pipeline per stage; the others on the model's `layers`)
     activation_checkpoint_interval: int = 0  # N: keep each N-layer segment's input, recompute it in the backward
+    recompute_granularity: str | None = None  # selective: GPT's core attention recomputed in the backward (Megatron's)
     # runs, files and reports
     init_torch: str | None = None  # start from a PyTorch state dict saved as .npz
     export_torch: str | None = None  # write the trained weights as a PyTorch state dict .npz

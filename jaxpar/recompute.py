@@ -14,6 +14,9 @@ weights and RNG state, then its vjp:
 apart, so XLA merges it with the forward and keeps every residual. Here the recomputation depends on the
 cotangent, which no compiler can hoist (jaxpar.comm.fetch ties ZeRO-3's re-gathers the same way). Dropout
 draws the same masks in the recomputation: the RNG state it starts from is the saved one.
+
+`recompute_call(fn, module, *args)` does the same for one call; GPT's selective recompute (Megatron's
+``--recompute-granularity selective``) runs each block's core attention through it.
 """
 from __future__ import annotations
 
@@ -45,25 +48,35 @@ def recomputed(run):
     return f
 
 
+def recompute_call(fn, modules, *args: Any) -> Any:
+    """`fn(modules, *args)` whose backward recomputes it from `args` and the modules' saved state (weights, RNG
+    counts, batch statistics); the modules' RNG streams and statistics advance as a plain call's would."""
+    graphdef, state = nnx.split(modules)
+    leaves, treedef = jax.tree.flatten(state)
+
+    def run(leaves, args):
+        merged = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+        return fn(merged, *args), nnx.state(merged, nnx.Any(nnx.RngState, nnx.BatchStat))
+
+    y, changed = recomputed(run)(leaves, args)
+    nnx.update(modules, changed)
+    return y
+
+
 def run_segments(layers, x: Any, interval: int) -> Any:
     """The composition of `layers` on `x`, each `interval` of them recomputed in the backward."""
     layers = list(layers)
     for lo in range(0, len(layers), interval):
         segment = layers[lo:lo + interval]
         segment_modules = [layer for layer in segment if isinstance(layer, nnx.Module)]  # others: functions
-        graphdef, state = nnx.split(segment_modules)
-        leaves, treedef = jax.tree.flatten(state)
 
-        def run(leaves, x, segment=segment, graphdef=graphdef, treedef=treedef):
-            modules = iter(nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves)))
-            merged = [next(modules) if isinstance(layer, nnx.Module) else layer for layer in segment]
-            for layer in merged:
-                x = layer(x)
-            return x, nnx.state([m for m in merged if isinstance(m, nnx.Module)],
-                                nnx.Any(nnx.RngState, nnx.BatchStat))
+        def compose(merged_modules, x, segment=segment):
+            modules = iter(merged_modules)
+            for layer in segment:
+                x = (next(modules) if isinstance(layer, nnx.Module) else layer)(x)
+            return x
 
-        x, changed = recomputed(run)(leaves, x)
-        nnx.update(segment_modules, changed)  # RNG streams advanced, BatchNorm statistics (batch mode)
+        x = recompute_call(compose, segment_modules, x)
     return x
 
 

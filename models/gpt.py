@@ -17,6 +17,8 @@ and head sizes it takes, XLA elsewhere (on CPUs in query blocks, see causal_atte
 training, the weights are formed explicitly (as nanoGPT's non-flash path does), since the fused call has no dropout.
 On CPUs the Linears' and the head's products go through `matmul` / `matmul_t`, whose weight gradient is one plain
 GEMM over every token (XLA:CPU would run it as a transposed-operand dot outside YNNPACK: 22 % of a step's time).
+`recompute_granularity="selective"` (Megatron's selective recompute) keeps only q, k, v of each block's attention
+and runs the core attention again in the backward, so the T x T weights (and their dropout mask) are never kept.
 
 Layouts: NNX kernels are [in, out], which is HF's Conv1D layout, so HF weights load as they are; nanoGPT's
 nn.Linear weights are [out, in] and are transposed.
@@ -35,6 +37,7 @@ from flax import nnx
 from jaxpar.comm import megatron
 from jaxpar.models.gpt_ops import (CPU_QUERY_BLOCK, attention_impl, causal_attention,  # noqa: F401
                                    linear_dot_general, matmul, matmul_t)
+from jaxpar.recompute import recompute_call
 
 CONFIGS = {  # name -> (n_layer, n_head, n_embd)
     "gpt2": (12, 12, 768),  # 124M with GPT-2's vocabulary
@@ -52,7 +55,10 @@ LN_EPS = 1e-5  # torch's LayerNorm default, GPT-2's
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
-    """nanoGPT's GPTConfig. `bias`: biases in Linears and LayerNorms (GPT-2: True). `attention`: auto | xla | cudnn."""
+    """nanoGPT's GPTConfig. `bias`: biases in Linears and LayerNorms (GPT-2: True). `attention`: auto | xla | cudnn.
+    `recompute_granularity` "selective": Megatron's selective recompute, each block's core attention (q k^T,
+    softmax, dropout, the weighted sum of v) recomputed in the backward from q, k, v instead of keeping its
+    T x T weights; None keeps them (full recompute is the strategy's activation_checkpoint_interval)."""
 
     vocab_size: int = 50257
     block_size: int = 1024
@@ -62,6 +68,7 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True
     attention: str = "auto"
+    recompute_granularity: str | None = None
 
     def __post_init__(self):
         for field in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -75,6 +82,10 @@ class GPTConfig:
             raise ValueError(f"dropout={self.dropout} must be in [0, 1) (nanoGPT pretrains with 0.0).")
         if self.attention not in ATTENTION:
             raise ValueError(f"attention={self.attention!r} is not known; use one of {ATTENTION}.")
+        if self.recompute_granularity not in (None, "selective"):
+            raise ValueError(f"recompute_granularity={self.recompute_granularity!r} is not known; use 'selective' "
+                             "(the core attention) or None; full recompute (whole layers) is the strategy's "
+                             "activation_checkpoint_interval=N (--activation-checkpoint-interval N).")
 
     @classmethod
     def named(cls, name: str, **overrides: Any) -> "GPTConfig":
@@ -115,6 +126,7 @@ class CausalSelfAttention(nnx.Module):
         self.attn_dropout = nnx.Dropout(cfg.dropout, rngs=rngs)
         self.resid_dropout = nnx.Dropout(cfg.dropout, rngs=rngs)
         self.n_head, self.attention = cfg.n_head, cfg.attention
+        self.recompute_core = cfg.recompute_granularity == "selective"
 
     def tensor_layout(self) -> dict[tuple, tuple[str, int]]:
         """How Megatron splits this module: qkv columns by head, c_proj by rows (its bias stays whole)."""
@@ -128,19 +140,28 @@ class CausalSelfAttention(nnx.Module):
         b, t, c = x_BxTxC.shape
         q_BxTxNxH, k_BxTxNxH, v_BxTxNxH = (a.reshape(b, t, self.n_head, c // self.n_head)
                                            for a in jnp.split(self.c_attn(x_BxTxC), 3, axis=-1))
-        y_BxTxNxH = self._attend(q_BxTxNxH, k_BxTxNxH, v_BxTxNxH, self.attn_dropout)
+        y_BxTxNxH = self._core_attention(q_BxTxNxH, k_BxTxNxH, v_BxTxNxH)
         return self.resid_dropout(self.c_proj(y_BxTxNxH.reshape(b, t, c)))
 
-    def _attend(self, q_BxTxNxH, k_BxTxNxH, v_BxTxNxH, dropout) -> jax.Array:
+    def _core_attention(self, q_BxTxNxH, k_BxTxNxH, v_BxTxNxH) -> jax.Array:
+        """Megatron's core attention, from q, k, v to the heads' outputs; under selective recompute its backward
+        runs it again (the same dropout mask) from q, k, v and the dropout's saved RNG state."""
+        if self.recompute_core:
+            return recompute_call(self._attend, self.attn_dropout, q_BxTxNxH, k_BxTxNxH, v_BxTxNxH)
+        return self._attend(self.attn_dropout, q_BxTxNxH, k_BxTxNxH, v_BxTxNxH)
+
+    def _attend(self, drop: nnx.Dropout, q_BxTxNxH, k_BxTxNxH, v_BxTxNxH) -> jax.Array:
         """Causal attention; with attention dropout on in training, nanoGPT's explicit path (the weights formed,
-        `dropout(att)` applied), else the fused call."""
-        if not (self.attn_dropout.rate > 0 and not self.attn_dropout.deterministic):
+        `drop(att)` applied; under tensor parallelism the whole model's mask, this rank's heads), else the fused
+        call."""
+        if not (drop.rate > 0 and not drop.deterministic):
             return causal_attention(q_BxTxNxH, k_BxTxNxH, v_BxTxNxH, self.attention)
         t, h = q_BxTxNxH.shape[1], q_BxTxNxH.shape[-1]
         att_BxNxTxT = jnp.einsum("bqnh,bknh->bnqk", q_BxTxNxH, k_BxTxNxH) / math.sqrt(h)
         att_BxNxTxT = jnp.where(jnp.tril(jnp.ones((t, t), bool)), att_BxNxTxT, -jnp.inf)
         att_BxNxTxT = jax.nn.softmax(att_BxNxTxT.astype(jnp.float32), axis=-1).astype(q_BxTxNxH.dtype)
-        return jnp.einsum("bnqk,bknh->bqnh", dropout(att_BxNxTxT), v_BxTxNxH)
+        dropped_BxNxTxT = drop(att_BxNxTxT) if self.tensor_axis is None else self._head_dropout(drop, att_BxNxTxT)
+        return jnp.einsum("bnqk,bknh->bqnh", dropped_BxNxTxT, v_BxTxNxH)
 
     def _tensor_parallel(self, x_BxTxC: jax.Array) -> jax.Array:
         """This rank's heads: f(x) @ its qkv columns, attention, then g(y @ its c_proj rows) + the bias. Sequence
@@ -153,17 +174,17 @@ class CausalSelfAttention(nnx.Module):
         h, n = c // self.n_head, self.n_head // self.tensor_size  # head size, this rank's heads
         qkv_BxTx3D = megatron.column_linear(self.c_attn, x_BxTxC)
         q_BxTxNxH, k_BxTxNxH, v_BxTxNxH = (a.reshape(b, t, n, h) for a in jnp.split(qkv_BxTx3D, 3, axis=-1))
-        y_BxTxNxH = self._attend(q_BxTxNxH, k_BxTxNxH, v_BxTxNxH, self._head_dropout)
+        y_BxTxNxH = self._core_attention(q_BxTxNxH, k_BxTxNxH, v_BxTxNxH)
         y_BxTxC = megatron.row_linear(self.c_proj, y_BxTxNxH.reshape(b, t, n * h), self.tensor_axis,
                                       1 if sp else None)
         return sequence_dropout(self.resid_dropout, y_BxTxC, self.tensor_axis, sp)
 
-    def _head_dropout(self, att_BxNxTxT: jax.Array) -> jax.Array:
+    def _head_dropout(self, drop: nnx.Dropout, att_BxNxTxT: jax.Array) -> jax.Array:
         """nnx.Dropout's mask for ALL heads (the same draw as the single-device model), this rank's heads kept:
         the numbers equal the unsplit model's (Megatron draws per-rank masks instead; they differ from it)."""
-        n, keep = att_BxNxTxT.shape[1], 1.0 - self.attn_dropout.rate
+        n, keep = att_BxNxTxT.shape[1], 1.0 - drop.rate
         whole = (att_BxNxTxT.shape[0], self.n_head) + att_BxNxTxT.shape[2:]
-        mask = jax.random.bernoulli(self.attn_dropout.rngs(), p=keep, shape=whole)
+        mask = jax.random.bernoulli(drop.rngs(), p=keep, shape=whole)
         mask = jax.lax.dynamic_slice_in_dim(mask, megatron.rank(self.tensor_axis) * n, n, axis=1)
         return jax.lax.select(mask, att_BxNxTxT / keep, jnp.zeros_like(att_BxNxTxT))
 

@@ -429,6 +429,23 @@ def test_grad_clip_and_cosine_schedule_under_tensor_parallelism(key, corpus):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=2e-6)
 
 
+def test_selective_recompute_through_the_cli(corpus, monkeypatch):
+    """--recompute-granularity selective (dropout on, ddp on 2 devices): each block's core attention goes through
+    the recompute, and the parameters are those of the run that keeps the attention weights."""
+    from jaxpar import cli
+
+    base = ["--model", "gpt-nano", "--dataset", "text", "--data-path", corpus, "--seq-len", "16", "--batch-size",
+            "8", "--steps", "2", "--eval-split", "", "--dropout", "0.1", "--strategy", "ddp", "--num-devices", "2",
+            "--quiet"]
+    kept = cli.main(base)
+    calls, recompute_call = [], gpt.recompute_call
+    monkeypatch.setattr(gpt, "recompute_call", lambda *a: calls.append(1) or recompute_call(*a))
+    selective = cli.main(base + ["--recompute-granularity", "selective"])
+    assert len(calls) >= 3  # gpt-nano's 3 blocks, traced at least once
+    for x, y in zip(jax.tree.leaves(selective["state"].params), jax.tree.leaves(kept["state"].params)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=2e-6)
+
+
 def test_cli_gpt_model_from_init_torch_and_npz_tokens(tmp_path, corpus):
     from jaxpar.config import Config
     from jaxpar.data import datasets
@@ -457,6 +474,12 @@ def test_cli_gpt_model_from_init_torch_and_npz_tokens(tmp_path, corpus):
     (["--dropout", "1.5"], r"dropout=1.5 must be in \[0, 1\)"),
     (["--torch-layout", "keras"], "--torch-layout 'keras' is not known"),
     (["--seq-len", "0"], "--seq-len 0 must be >= 1"),
+    (["--recompute-granularity", "full"], "--recompute-granularity 'full' is not known; use selective.*"
+                                          "--activation-checkpoint-interval N"),
+    (["--recompute-granularity", "selective", "--activation-checkpoint-interval", "1"],
+     "full recompute already reruns the attention of each segment; use one of the two"),
+    (["--recompute-granularity", "selective", "--model", "mlp"], "--model mlp is not one of jaxpar's GPTs.*"
+                                                                 "use --activation-checkpoint-interval N"),
 ])
 def test_cli_refuses_bad_gpt_flags_before_work(flags, message, capsys):
     from jaxpar import cli

@@ -121,6 +121,19 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"--activation-checkpoint-interval {cfg.activation_checkpoint_interval} with --zero-stage 3: "
                          "stage 3 runs each layer under its own fetching recomputation; use --zero-stage 1 or 2 "
                          "with it, or drop it.")
+    if cfg.recompute_granularity is not None:
+        if cfg.recompute_granularity != "selective":
+            raise ValueError(f"--recompute-granularity {cfg.recompute_granularity!r} is not known; use selective (the "
+                             "GPT's core attention); full recompute is --activation-checkpoint-interval N (Megatron's "
+                             "--recompute-num-layers N).")
+        if cfg.model not in models.GPT_NAMES:
+            raise ValueError(f"--recompute-granularity selective recomputes a GPT's core attention, but --model "
+                             f"{cfg.model} is not one of jaxpar's GPTs ({', '.join(models.GPT_NAMES)}); use "
+                             "--activation-checkpoint-interval N for any model with `layers`.")
+        if cfg.activation_checkpoint_interval:
+            raise ValueError(f"--recompute-granularity selective with --activation-checkpoint-interval "
+                             f"{cfg.activation_checkpoint_interval}: full recompute already reruns the attention of "
+                             "each segment; use one of the two (Megatron's --recompute-granularity takes one).")
     if cfg.steps is not None and cfg.steps < 1:
         raise ValueError(f"--steps {cfg.steps} must be >= 1 (or leave it out to run whole epochs).")
     if cfg.lr is not None and not cfg.lr > 0:
@@ -281,7 +294,7 @@ def gpt_model(cfg: Config, train_set) -> nnx.Module:
                          f"gives x {x.shape[1:]} {x.dtype}; use --dataset text, or npz with integer x and y [N, T].")
     seq_len = x.shape[1]
     vocab = getattr(train_set, "vocab_size", None) or 1 + int(max(np.max(train_set.x), np.max(train_set.y)))
-    options = dict(n_head=cfg.n_head, dropout=cfg.dropout)
+    options = dict(n_head=cfg.n_head, dropout=cfg.dropout, recompute_granularity=cfg.recompute_granularity)
     if not cfg.init_torch:
         return models.get(cfg.model, seed=cfg.seed, vocab_size=vocab, block_size=seq_len, **options)
     model = models.from_torch_state_dict(cfg.model, load_npz(cfg.init_torch, "--init-torch"), seed=cfg.seed,

@@ -35,6 +35,7 @@ class Config:
     lr: float | None = None  # None: the optimizer's default (sgd 0.01, adam/adamw 1e-3, adadelta 1.0)
     momentum: float = 0.0  # sgd only (torch.optim.SGD's default 0)
     weight_decay: float | None = None  # None: torch's default (0, adamw 0.01)
+    weight_decay_params: str = "all"  # all: every parameter (torch.optim) | matrices: 2+ dims only (nanoGPT's, Megatron's)
     gamma: float = 0.7  # StepLR(step_size=1 epoch, gamma) as in PyTorch's MNIST example; 1.0 = constant
     lr_schedule: str = "step"  # step: StepLR by --gamma | cosine: nanoGPT's linear warmup, then cosine to --min-lr
     warmup_steps: int = 0  # cosine: steps of linear warmup (nanoGPT's warmup_iters)

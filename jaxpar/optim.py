@@ -1,5 +1,6 @@
-"""Optimizers by name with PyTorch's defaults, nanoGPT's warmup + cosine learning rate, and the global-norm
-clipping that strategies can feed."""
+"""Optimizers by name with PyTorch's defaults, nanoGPT's warmup + cosine learning rate, weight decay on every
+parameter or on the matrices only (nanoGPT's and Megatron's parameter groups), and the global-norm clipping that
+strategies can feed."""
 from __future__ import annotations
 
 import jax
@@ -7,24 +8,63 @@ import jax.numpy as jnp
 import optax
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "adadelta")
+DECAY_PARAMS = ("all", "matrices")  # torch.optim on model.parameters() | nanoGPT's / Megatron's groups: 2+ dims only
 LR_SCHEDULES = ("step", "cosine")  # torch's StepLR (per epoch, gamma); nanoGPT's warmup + cosine decay
 
 
 def make_optimizer(name: str, lr: float | optax.Schedule, momentum: float = 0.0,
-                   weight_decay: float | None = None) -> optax.GradientTransformation:
-    """torch.optim's SGD (momentum 0 unless given), Adam, AdamW (weight_decay 0.01) and Adadelta (rho 0.9, eps 1e-6)."""
+                   weight_decay: float | None = None, decay_params: str = "all") -> optax.GradientTransformation:
+    """torch.optim's SGD (momentum 0 unless given), Adam, AdamW (weight_decay 0.01) and Adadelta (rho 0.9, eps 1e-6).
+    `decay_params` "matrices": the decay only on parameters of 2+ dimensions (weights, embeddings), none on biases
+    and LayerNorm/BatchNorm scales, as nanoGPT's configure_optimizers and Megatron's param groups do."""
+    if decay_params not in DECAY_PARAMS:
+        raise ValueError(f"decay_params={decay_params!r} is not known; use 'all' (torch.optim on model.parameters()) "
+                         "or 'matrices' (nanoGPT's and Megatron's: no decay on biases and norms).")
+    matrices = decay_params == "matrices"
+    decay = add_decayed_weights_to_matrices if matrices else optax.add_decayed_weights
     if name == "sgd":
         tx = optax.sgd(lr, momentum=momentum or None)
-        return optax.chain(optax.add_decayed_weights(weight_decay), tx) if weight_decay else tx
+        return optax.chain(decay(weight_decay), tx) if weight_decay else tx
     if name == "adam":
         tx = optax.adam(lr, b1=0.9, b2=0.999, eps=1e-8)
-        return optax.chain(optax.add_decayed_weights(weight_decay), tx) if weight_decay else tx
+        return optax.chain(decay(weight_decay), tx) if weight_decay else tx
     if name == "adamw":
-        return optax.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01 if weight_decay is None else weight_decay)
+        weight_decay = 0.01 if weight_decay is None else weight_decay
+        if matrices:  # optax.adamw's own chain, its decay masked
+            return optax.chain(optax.scale_by_adam(b1=0.9, b2=0.999, eps=1e-8), decay(weight_decay),
+                               optax.scale_by_learning_rate(lr))
+        return optax.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=weight_decay)
     if name == "adadelta":
         tx = optax.adadelta(lr, rho=0.9, eps=1e-6)
-        return optax.chain(optax.add_decayed_weights(weight_decay), tx) if weight_decay else tx
+        return optax.chain(decay(weight_decay), tx) if weight_decay else tx
     raise ValueError(f"optimizer={name!r} is not known; use one of {', '.join(OPTIMIZERS)}.")
+
+
+def decays(shape: tuple) -> bool:
+    """Whether weight decay reaches a parameter of this shape under decay_params="matrices": 2+ dimensions
+    (nanoGPT's rule: weights and embeddings, not biases or norms' scales)."""
+    return len(shape) >= 2
+
+
+def add_decayed_weights_to_matrices(weight_decay: float) -> optax.GradientTransformationExtraArgs:
+    """optax.add_decayed_weights (updates + weight_decay x params) on the parameters of 2+ dimensions only (optax's
+    own, masked, gives the same numbers). A strategy that hands optax one flat vector of many parameters (ZeRO's
+    shards) gives the per-element rule as the extra argument ``decay_mask`` (a tree like the updates, 1.0 where
+    the decay applies, 0.0 elsewhere)."""
+    def update(updates, state, params=None, *, decay_mask=None, **extra):
+        del extra
+        if params is None:
+            raise ValueError("add_decayed_weights_to_matrices needs the parameters: call tx.update(grads, state, "
+                             "params).")
+        mask = decay_mask if decay_mask is not None else jax.tree.map(lambda p: float(decays(jnp.shape(p))), params)
+        return jax.tree.map(decayed, updates, params, mask), state
+
+    def decayed(u, p, m):
+        if isinstance(m, float):  # one rule for the whole leaf
+            return u + weight_decay * p if m else u
+        return u + (weight_decay * m) * p  # per element, m 1.0 or 0.0: the same bits where it is 1.0
+
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update)
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:

@@ -429,6 +429,42 @@ def test_grad_clip_and_cosine_schedule_under_tensor_parallelism(key, corpus):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=2e-6)
 
 
+DECAY = {  # the optimizer sees a stage's subtree, TP's slices (ZeRO's flat shards: tests/test_zero.py)
+    "pipeline": ["--strategy", "pipeline", "--num-stages", "2", "--micro-batches", "2", "--num-devices", "2"],
+    "tp": ["--strategy", "tp", "--tensor-parallel", "2", "--num-devices", "2"],
+}
+
+
+@pytest.fixture(scope="module")
+def decay_runs(tmp_path_factory):
+    """(flags, single's parameters with the decay on the matrices only); the premise: decaying every parameter
+    gives others (the LayerNorms and biases decay there)."""
+    from jaxpar import cli
+
+    path = tmp_path_factory.mktemp("decay") / "corpus.py"
+    path.write_bytes(b"".join(f"def f{i}(x):\n    return x + {i}\n\n".encode() for i in range(400)))
+    base = ["--model", "gpt-nano", "--n-head", "4", "--dataset", "text", "--data-path", str(path), "--seq-len", "16",
+            "--batch-size", "8", "--steps", "3", "--eval-split", "", "--optimizer", "sgd", "--momentum", "0.9", "--lr",
+            "0.5", "--weight-decay", "0.5", "--quiet"]  # SGD: Adam would turn rounding into sign flips
+    matrices = cli.main(base + ["--weight-decay-params", "matrices"])
+    every = cli.main(base)
+    a, b = (jax.tree.leaves(s["state"].params) for s in (matrices, every))
+    assert max(float(np.abs(x - y).max()) for x, y in zip(a, b)) > 1e-3
+    return base + ["--weight-decay-params", "matrices"], a
+
+
+@pytest.mark.parametrize("key", DECAY)
+def test_weight_decay_on_the_matrices_only_through_the_cli(key, decay_runs):
+    """--weight-decay-params matrices (nanoGPT's and Megatron's groups) gives single's parameters under the
+    strategies whose optimizer sees something else than the whole tree."""
+    from jaxpar import cli
+
+    flags, want = decay_runs
+    got = jax.tree.leaves(cli.main(flags + DECAY[key])["state"].params)
+    for x, y in zip(got, want):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=2e-6)
+
+
 def test_selective_recompute_through_the_cli(corpus, monkeypatch):
     """--recompute-granularity selective (dropout on, ddp on 2 devices): each block's core attention goes through
     the recompute, and the parameters are those of the run that keeps the attention weights."""
@@ -474,6 +510,9 @@ def test_cli_gpt_model_from_init_torch_and_npz_tokens(tmp_path, corpus):
     (["--dropout", "1.5"], r"dropout=1.5 must be in \[0, 1\)"),
     (["--torch-layout", "keras"], "--torch-layout 'keras' is not known"),
     (["--seq-len", "0"], "--seq-len 0 must be >= 1"),
+    (["--weight-decay-params", "matrices", "--optimizer", "sgd"], "--optimizer sgd runs with no weight decay; "
+                                                                  "pass --weight-decay"),
+    (["--weight-decay-params", "some"], "--weight_decay_params 'some' is not known; use one of: all, matrices"),
     (["--recompute-granularity", "full"], "--recompute-granularity 'full' is not known; use selective.*"
                                           "--activation-checkpoint-interval N"),
     (["--recompute-granularity", "selective", "--activation-checkpoint-interval", "1"],

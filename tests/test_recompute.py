@@ -99,10 +99,8 @@ def test_recompute_frees_the_activations():
     assert temp[1] < 0.75 * temp[0], temp
 
 
-SELECTIVE = {  # the GPT's core attention recomputed, in every strategy (ZeRO-3 nests it in its re-gathers)
+SELECTIVE = {  # the GPT's core attention recomputed (ZeRO-3 nests it in its re-gathers; ddp: tests/test_gpt.py's CLI)
     "single": lambda m: jaxpar.SingleDevice(m, TX),
-    "ddp-ring-buckets": lambda m: jaxpar.DistributedDataParallel(m, TX, mesh=jaxpar.make_mesh(4), allreduce="ring",
-                                                                 bucket_cap_mb=0.001),
     "zero-3": lambda m: jaxpar.ZeroRedundancy(m, TX, stage=3, mesh=jaxpar.make_mesh(2)),
     "tp-sequence-parallel": lambda m: jaxpar.TensorParallel(m, TX, tensor_parallel=2, sequence_parallel=True,
                                                             mesh=jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(
@@ -141,7 +139,7 @@ def test_selective_recompute_keeps_no_attention_weights():
 
     from jax.ad_checkpoint import print_saved_residuals
 
-    cfg = dict(CFG, n_layer=6, n_head=4, block_size=128)
+    cfg = dict(CFG, n_layer=4, n_head=4, block_size=128)
     seq = np.random.default_rng(0).integers(0, cfg["vocab_size"], (8, cfg["block_size"])).astype(np.int32)
     square, temp = {}, {}
     for granularity in (None, "selective"):
@@ -157,9 +155,9 @@ def test_selective_recompute_keeps_no_attention_weights():
         rows, state = jaxpar.as_rows({"x": seq, "y": seq}), jaxpar.init_state(model, TX)
         compiled = jaxpar.make_train_step(jaxpar.Objective.of(model), TX).lower(state, rows).compile()
         temp[granularity] = compiled.memory_analysis().temp_size_in_bytes
-    assert square[None, 0.1] >= 2 * 6 and square[None, 0.0] >= 2 * 6, square  # in every layer
+    assert square[None, 0.1] >= 2 * 4 and square[None, 0.0] >= 2 * 4, square  # in every layer
     assert square["selective", 0.1] == square["selective", 0.0] == 0, square
-    assert temp["selective"] < 0.75 * temp[None], temp  # dropout 0 (the last compiled): 0.59x measured
+    assert temp["selective"] < 0.75 * temp[None], temp  # dropout 0 (the last compiled): 0.64x measured
 
 
 def test_selective_recompute_refusals():

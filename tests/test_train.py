@@ -84,6 +84,43 @@ def test_grad_clip_and_the_cosine_schedule_change_the_run(recipe_reference, tmp_
     assert all(np.array_equal(a, b) for a, b in zip(leaves(logged["state"]), leaves(recipe_reference["state"])))
 
 
+@pytest.mark.parametrize("name", ["adamw", "sgd", "adam", "adadelta"])
+def test_weight_decay_on_the_matrices_only_is_optaxs_masked_decay(name):
+    """decay_params="matrices" (nanoGPT's configure_optimizers, Megatron's groups: no decay on biases and norms)
+    equals optax's own masked weight decay, mask ndim >= 2, and differs from decaying every parameter."""
+    import optax
+
+    from jaxpar.optim import make_optimizer
+
+    rng = np.random.default_rng(0)
+    params = {"kernel": rng.standard_normal((3, 4)), "bias": rng.standard_normal(4), "scale": rng.standard_normal(4),
+              "embedding": rng.standard_normal((5, 3))}
+    params = jax.tree.map(lambda a: np.asarray(a, np.float32), params)
+    masked = lambda p: jax.tree.map(lambda a: a.ndim >= 2, p)  # noqa: E731
+    want = {"adamw": optax.adamw(1e-2, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.5, mask=masked),
+            "sgd": optax.chain(optax.add_decayed_weights(0.5, mask=masked), optax.sgd(1e-2, momentum=0.9)),
+            "adam": optax.chain(optax.add_decayed_weights(0.5, mask=masked), optax.adam(1e-2, eps=1e-8)),
+            "adadelta": optax.chain(optax.add_decayed_weights(0.5, mask=masked), optax.adadelta(1e-2, 0.9, 1e-6))}
+    runs = {}
+    for key, tx in (("all", make_optimizer(name, 1e-2, momentum=0.9, weight_decay=0.5)),
+                    ("matrices", make_optimizer(name, 1e-2, momentum=0.9, weight_decay=0.5, decay_params="matrices")),
+                    ("optax", want[name])):
+        p, state = params, tx.init(params)
+        for k in range(3):
+            grads = jax.tree.map(lambda a, k=k: np.cos(a * (k + 1)), p)
+            updates, state = tx.update(grads, state, p)
+            p = optax.apply_updates(p, updates)
+        runs[key] = p
+    for k in params:
+        np.testing.assert_array_equal(runs["matrices"][k], runs["optax"][k], err_msg=k)
+        if params[k].ndim == 1:  # biases, norms' scales: not decayed
+            assert np.abs(runs["all"][k] - runs["matrices"][k]).max() > 1e-6, k
+        else:  # weights and embeddings: decayed alike, bit for bit
+            np.testing.assert_array_equal(runs["all"][k], runs["matrices"][k], err_msg=k)
+    with pytest.raises(ValueError, match="decay_params='some' is not known; use 'all'.*or 'matrices'"):
+        make_optimizer(name, 1e-2, decay_params="some")
+
+
 def test_warmup_cosine_is_nanogpts_get_lr():
     """jaxpar.optim.warmup_cosine against nanoGPT's get_lr (train.py), written out here from its definition."""
     import math

@@ -195,6 +195,20 @@ def clipped_adam():
 CLIP = clipped_adam()
 
 
+DECAY_ALL = jaxpar.optim.make_optimizer("adamw", 1e-2, weight_decay=0.5)
+DECAY_MATRICES = jaxpar.optim.make_optimizer("adamw", 1e-2, weight_decay=0.5, decay_params="matrices")
+
+
+@pytest.mark.parametrize("stage, n", [(2, 4), (3, 3)])  # stage 1 updates the same flat shard as stage 2
+def test_weight_decay_on_the_matrices_only_equals_single_device(stage, n):
+    """nanoGPT's and Megatron's parameter groups (no decay on the LayerNorm scales) under ZeRO, whose optimizer sees
+    one flat shard of every parameter: the step gives the decay its per-element mask (`decay_mask`)."""
+    decayed_all, decayed_matrices = (leaves(reference("gpt", tx)[0].params) for tx in (DECAY_ALL, DECAY_MATRICES))
+    assert max(np.abs(a - b).max() for a, b in zip(decayed_all, decayed_matrices)) > 1e-3  # the groups matter
+    _, _, out, metrics = run("gpt", stage, n, tx=DECAY_MATRICES)
+    assert_equal_to_reference("gpt", out, metrics, DECAY_MATRICES)
+
+
 @pytest.mark.parametrize("stage, n, tx", [(2, 2, CLIP), (3, 4, TX)], ids=["stage2-n2-clip", "stage3-n4"])
 def test_gradient_accumulation_equals_one_big_step(stage, n, tx):
     """K=2 micro-batches per device, each reduce-scattered (stages 2-3 hold no full gradient), == one step.
@@ -428,11 +442,12 @@ def test_bad_options_name_the_fix():
     (optax.adafactor(1e-2, min_dim_size_to_factor=4), "does not split element by element"),
     (optax.lamb(1e-2), "not elementwise"),
     (optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)), "not elementwise"),
+    (optax.adamw(1e-2, mask=lambda p: jax.tree.map(lambda a: a.ndim >= 2, p)), "not elementwise"),  # ndim of a shard
 ])
 def test_non_elementwise_optimizers_are_refused_before_training(tx, message):
     model, objective, _, _, _ = problem("mlp")
     z = jaxpar.ZeroRedundancy(objective, tx, stage=1, mesh=jaxpar.make_mesh(2))
-    with pytest.raises(ValueError, match=f"{message}.*clip_by_global_norm"):
+    with pytest.raises(ValueError, match=f"{message}.*clip_by_global_norm.*add_decayed_weights_to_matrices"):
         z.init(jaxpar.init_state(model, tx))
 
 

@@ -34,8 +34,8 @@ from jaxpar.step import TrainState
 FORMAT = 1  # bump when the layout changes
 # Config fields that change the trajectory: a resume that changes them still runs, with a printed note
 TRAJECTORY_FIELDS = ("dataset", "train_split", "batch_size", "lr", "gamma", "seed", "shuffle", "drop_last",
-                     "precision", "momentum", "weight_decay", "image_size", "lr_schedule", "warmup_steps",
-                     "lr_decay_steps", "min_lr", "grad_clip", "label_smoothing")
+                     "precision", "momentum", "weight_decay", "weight_decay_params", "image_size", "lr_schedule",
+                     "warmup_steps", "lr_decay_steps", "min_lr", "grad_clip", "label_smoothing")
 
 
 def _is_key(a) -> bool:

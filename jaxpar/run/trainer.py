@@ -18,7 +18,7 @@ import optax
 from flax import nnx
 
 from jaxpar.config import DEFAULT_LR, Config
-from jaxpar.optim import LR_SCHEDULES, OPTIMIZERS, clip_by_global_norm, make_optimizer, warmup_cosine
+from jaxpar.optim import DECAY_PARAMS, LR_SCHEDULES, OPTIMIZERS, clip_by_global_norm, make_optimizer, warmup_cosine
 from jaxpar.step import TrainState, init_state, make_eval_step
 from jaxpar.strategies.base import STRATEGIES, cfg_objective, get_builder, whole_batch
 
@@ -56,7 +56,7 @@ def validate(cfg: Config) -> None:
     from jaxpar.precision import PRECISIONS
 
     choices = {"strategy": STRATEGIES, "dataset": DATASETS, "optimizer": OPTIMIZERS, "precision": PRECISIONS,
-               "lr_schedule": LR_SCHEDULES}
+               "lr_schedule": LR_SCHEDULES, "weight_decay_params": DECAY_PARAMS}
     for field, valid in choices.items():
         value = getattr(cfg, field)
         if value not in valid:
@@ -156,6 +156,11 @@ def validate(cfg: Config) -> None:
         if cfg.min_lr is not None and not 0 <= cfg.min_lr <= lr:
             raise ValueError(f"--min-lr {cfg.min_lr} must be in [0, --lr {lr}]; pass e.g. --min-lr {lr / 10:g} "
                              "(nanoGPT's lr / 10), or leave it out.")
+    if cfg.weight_decay_params != "all" and not (cfg.weight_decay or cfg.optimizer == "adamw" and
+                                                  cfg.weight_decay is None):
+        raise ValueError(f"--weight-decay-params {cfg.weight_decay_params} chooses which parameters decay, but "
+                         f"--optimizer {cfg.optimizer} runs with no weight decay; pass --weight-decay (nanoGPT: 0.1), "
+                         "or drop --weight-decay-params.")
     if cfg.momentum < 0:
         raise ValueError(f"--momentum {cfg.momentum} must be >= 0; pass 0 (torch's default) or a positive value.")
     if cfg.dataset == "npz" and not cfg.data_path:
@@ -400,7 +405,8 @@ def make_tx(cfg: Config, steps_per_epoch: int, total_steps: int | None = None) -
     """The optimizer at `learning_rate`, after global-norm clipping when --grad-clip is set (every strategy gives
     jaxpar's clip the norm over all of the gradients: DeepSpeed's and torch's clip_grad_norm_ semantics)."""
     lr = learning_rate(cfg, steps_per_epoch, total_steps)
-    tx = make_optimizer(cfg.optimizer, lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    tx = make_optimizer(cfg.optimizer, lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                        decay_params=cfg.weight_decay_params)
     return optax.chain(clip_by_global_norm(cfg.grad_clip), tx) if cfg.grad_clip else tx
 
 

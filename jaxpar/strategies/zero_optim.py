@@ -26,7 +26,7 @@ from jaxpar.comm import shards as shard_lib
 
 KEY = "shard"
 FIX = ("use an elementwise optimizer (sgd, adam, adamw, adadelta), chained after jaxpar.optim.clip_by_global_norm "
-       "for clipping")
+       "for clipping, with jaxpar.optim.add_decayed_weights_to_matrices for a decay on the matrices only")
 
 
 def flat_tree(vector: Any) -> dict:
@@ -85,12 +85,14 @@ def check(tx: optax.GradientTransformation, params, rtol: float = 1e-5) -> bool:
     big = int(np.argmax(sizes))  # cut the largest leaf in two (a per-leaf transform must see it), and the middle
     total = sum(sizes)
     cuts = sorted({0, sum(sizes[:big]) + sizes[big] // 2, total // 2, total})
+    decays = decay_mask(shrink)  # what ZeRO's step gives a masked weight decay for its flat pieces
 
-    def run(tree_of, norm: bool) -> list[np.ndarray]:
+    def run(tree_of, norm: bool, mask=None) -> list[np.ndarray]:
         p, out = tree_of(p0), []
         state = tx.init(p)
         for g_all in grads:
             extra = {"global_norm": jnp.sqrt(sum(jnp.sum(jnp.square(a)) for a in g_all))} if norm else {}
+            extra = extra if mask is None else {**extra, "decay_mask": mask}
             u, state = tx.update(tree_of(g_all), state, p, **extra)
             p = optax.apply_updates(p, u)
             out.append(ravel(jax.tree.leaves(u)))
@@ -98,8 +100,8 @@ def check(tx: optax.GradientTransformation, params, rtol: float = 1e-5) -> bool:
 
     def agrees(norm: bool) -> bool:
         whole = run(lambda xs: jax.tree.unflatten(treedef, [jnp.asarray(x) for x in xs]), norm)
-        parts = [run(lambda xs, a=a, b=b: flat_tree(jnp.asarray(ravel(xs)[a:b])), norm)
-                 for a, b in zip(cuts[:-1], cuts[1:])]
+        parts = [run(lambda xs, a=a, b=b: flat_tree(jnp.asarray(ravel(xs)[a:b])), norm,
+                     flat_tree(jnp.asarray(decays[a:b]))) for a, b in zip(cuts[:-1], cuts[1:])]
         return all(np.allclose(np.concatenate([p[step] for p in parts]), w, rtol=rtol, atol=1e-7)
                    for step, w in enumerate(whole))
 
@@ -112,6 +114,14 @@ def check(tx: optax.GradientTransformation, params, rtol: float = 1e-5) -> bool:
         raise ValueError(f"the optimizer fails on a flat parameter vector ({type(e).__name__}: {e}); {FIX}.") from e
     raise ValueError(f"the optimizer is not elementwise: its update of a slice of the parameters differs from its "
                      f"update of the whole tree, so ZeRO's 1/N slices would not equal the single-device step; {FIX}.")
+
+
+def decay_mask(shapes) -> np.ndarray:
+    """The flat per-element weight-decay mask (1.0: decayed) of leaves of these shapes, raveled in order, by
+    jaxpar.optim's rule: optax's extra argument ``decay_mask`` for jaxpar.optim.add_decayed_weights."""
+    from jaxpar.optim import decays
+
+    return np.concatenate([np.full(int(np.prod(s)), float(decays(tuple(s))), np.float32) for s in shapes])
 
 
 def to_flat(tx, plan: shard_lib.ShardPlan, params, opt_state) -> list:

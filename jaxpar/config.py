@@ -26,6 +26,10 @@ class Config:
     dropout: float = 0.0  # GPT dropout rate (nanoGPT pretrains with 0.0)
     torch_layout: str = "hf"  # hf | nanogpt: the GPT state-dict layout --export-torch writes (--init-torch reads either)
     peak_tflops: float | None = None  # the device's peak TFLOP/s for MFU (default: a table of GPUs; none for CPUs)
+    sample: int = 0  # after training, print this many bytes sampled from the GPT (nanoGPT's sample.py; --dataset text)
+    sample_prompt: str = "\n"  # the bytes the sample starts from
+    sample_temperature: float = 0.8  # logits / T before sampling; 0: greedy (nanoGPT's sample.py: 0.8)
+    sample_top_k: int = 200  # sample among the k most likely bytes (nanoGPT's sample.py: 200)
     # how to train
     batch_size: int = 64  # the GLOBAL batch, the same meaning for every strategy
     eval_batch_size: int = 1000  # evaluation batch (reference step, one device)

@@ -37,6 +37,7 @@ from flax import nnx
 from jaxpar.comm import megatron
 from jaxpar.models.gpt_ops import (CPU_QUERY_BLOCK, attention_impl, causal_attention,  # noqa: F401
                                    linear_dot_general, matmul, matmul_t)
+from jaxpar.models import gpt_generate
 from jaxpar.recompute import recompute_call
 
 CONFIGS = {  # name -> (n_layer, n_head, n_embd)
@@ -371,6 +372,12 @@ class GPT(nnx.Module):
         """nanoGPT's get_num_params: every parameter once (wte counted: it is also the head), less wpe if asked."""
         n = sum(math.prod(a.shape) for a in jax.tree.leaves(nnx.state(self, nnx.Param)))
         return n - (math.prod(self.wpe.embedding.shape) if non_embedding else 0)
+
+    def generate(self, prompt_BxT, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
+                 seed: int = 0) -> np.ndarray:
+        """nanoGPT's generate: the prompt and `max_new_tokens` sampled tokens (jaxpar.models.gpt_generate)."""
+        return gpt_generate.generate(self, prompt_BxT, max_new_tokens, temperature=temperature, top_k=top_k,
+                                     seed=seed)
 
     # -- PyTorch state dicts (jaxpar.models.gpt_state_dict) -------------------------------------------------
 

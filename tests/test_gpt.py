@@ -513,6 +513,8 @@ def test_cli_gpt_model_from_init_torch_and_npz_tokens(tmp_path, corpus):
     (["--weight-decay-params", "matrices", "--optimizer", "sgd"], "--optimizer sgd runs with no weight decay; "
                                                                   "pass --weight-decay"),
     (["--weight-decay-params", "some"], "--weight_decay_params 'some' is not known; use one of: all, matrices"),
+    (["--sample", "10", "--dataset", "synthetic"], "--sample 10 prints bytes a GPT generates.*--dataset synthetic"),
+    (["--sample", "10", "--sample-top-k", "300"], "--sample-top-k 300 in 1..256"),
     (["--recompute-granularity", "full"], "--recompute-granularity 'full' is not known; use selective.*"
                                           "--activation-checkpoint-interval N"),
     (["--recompute-granularity", "selective", "--activation-checkpoint-interval", "1"],

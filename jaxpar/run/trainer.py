@@ -121,6 +121,15 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"--activation-checkpoint-interval {cfg.activation_checkpoint_interval} with --zero-stage 3: "
                          "stage 3 runs each layer under its own fetching recomputation; use --zero-stage 1 or 2 "
                          "with it, or drop it.")
+    if cfg.sample:
+        if cfg.sample < 0 or cfg.model not in models.GPT_NAMES or cfg.dataset != "text":
+            raise ValueError(f"--sample {cfg.sample} prints bytes a GPT generates after training on text: it needs a "
+                             f"count >= 0, one of jaxpar's GPTs and --dataset text (got --model {cfg.model}, --dataset "
+                             f"{cfg.dataset}); use those, or drop --sample.")
+        if not cfg.sample_temperature >= 0 or not 1 <= cfg.sample_top_k <= 256 or not cfg.sample_prompt:
+            raise ValueError(f"--sample-temperature {cfg.sample_temperature} must be >= 0 (0: greedy), --sample-top-k "
+                             f"{cfg.sample_top_k} in 1..256 (the bytes) and --sample-prompt not empty; nanoGPT samples "
+                             "at 0.8 with top-k 200 from a newline.")
     if cfg.recompute_granularity is not None:
         if cfg.recompute_granularity != "selective":
             raise ValueError(f"--recompute-granularity {cfg.recompute_granularity!r} is not known; use selective (the "
@@ -586,6 +595,11 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
                    **{k: v for k, v in last.items() if k not in ("epoch", "step")}, **clock.total(),
                    "resumed_from": start_step if cfg.resume else None, "stopped": stopped}
         summary.update(lm_summary(cfg, model, train_set, summary, devices_used(strategy)))
+        if cfg.sample and not stopped:
+            summary["sample"] = sample_text(cfg, model, final)
+            if main_process:
+                print(f"--- sample ({cfg.sample} bytes from {cfg.sample_prompt!r}, temperature "
+                      f"{cfg.sample_temperature}, top-k {cfg.sample_top_k}) ---\n{summary['sample']}\n---")
         if stopped:
             writer.write({"event": "stopped", "step": step, "signal": stopped, "checkpoint": _saved(ckpt)})
             if main_process:
@@ -649,6 +663,19 @@ def export_torch(objective, state: TrainState, path: str, layout: str = "hf") ->
     if isinstance(model, models.GPT):  # GPT-2: Hugging Face's or nanoGPT's layout (--torch-layout)
         own = functools.partial(model.torch_state_dict, layout)
     np.savez(path, **(own() if callable(own) else models.to_torch_state_dict(model)))
+
+
+def sample_text(cfg: Config, model: nnx.Module, state: TrainState) -> str:
+    """--sample: the trained GPT's continuation of --sample-prompt (its UTF-8 bytes), decoded with replacement
+    characters where the bytes are not UTF-8 (jaxpar.models.gpt_generate; the run's seed draws)."""
+    from jaxpar import models
+
+    trained = models.gpt.GPT(model.config, rngs=nnx.Rngs(cfg.seed))  # unsplit, whatever the strategy did
+    nnx.update(trained, state.params)
+    prompt = np.frombuffer(cfg.sample_prompt.encode(), np.uint8).astype(np.int32)[None]
+    out = trained.generate(prompt, cfg.sample, temperature=cfg.sample_temperature, top_k=cfg.sample_top_k,
+                           seed=cfg.seed)
+    return bytes(out[0].astype(np.uint8).tolist()).decode("utf-8", errors="replace")
 
 
 def summary_line(s: dict) -> str:

@@ -1,0 +1,89 @@
+"""Sampling from a GPT (jaxpar.models.gpt_generate): the one-program loop over a fixed window equals nanoGPT's
+generate written out step by step (the context cropped to block_size), greedy and sampled; top_k keeps the k
+largest logits; the draws follow softmax(logits / temperature); bad arguments are refused."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxpar.models import gpt
+from test_gpt import scramble  # weights far from the init: peaked, distinct logits
+
+CFG = gpt.GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=16, dropout=0.1)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return scramble(gpt.GPT(CFG, rngs=nnx.Rngs(params=0, dropout=1)), seed=3)
+
+
+def last_logits(model, idx: np.ndarray) -> np.ndarray:
+    """nanoGPT's step: the context cropped to the last block_size tokens, the logits at its last position."""
+    evaluated = nnx.clone(model)
+    evaluated.eval()
+    return np.asarray(evaluated(jnp.asarray(idx[:, -CFG.block_size:])))[:, -1]
+
+
+PROMPT = np.array([[1, 2, 3], [4, 4, 0]])
+
+
+def test_greedy_equals_the_step_by_step_loop_across_the_block_size(model):
+    out = model.generate(PROMPT, 9, temperature=0)  # 3 + 9 = 12 tokens: the last 4 steps see a cropped context
+    idx = PROMPT.copy()
+    for _ in range(9):
+        idx = np.concatenate([idx, last_logits(model, idx).argmax(-1)[:, None]], axis=1)
+    np.testing.assert_array_equal(out, idx)
+    assert len(set(out[0, 3:].tolist())) > 1  # not one token repeated: the loop really moves on
+    np.testing.assert_array_equal(model.generate(PROMPT, 9, temperature=0.7, top_k=1), out)  # top 1 is the argmax
+
+
+def test_sampled_tokens_are_within_the_top_k_of_each_step_and_repeat_with_the_seed(model):
+    out = model.generate(PROMPT, 9, temperature=1.5, top_k=3, seed=5)
+    np.testing.assert_array_equal(model.generate(PROMPT, 9, temperature=1.5, top_k=3, seed=5), out)
+    assert not np.array_equal(model.generate(PROMPT, 9, temperature=1.5, top_k=3, seed=6), out)
+    for t in range(3, 12):  # each drawn token among the 3 largest logits of its own step's context
+        top3 = np.argsort(last_logits(model, out[:, :t]), axis=-1)[:, -3:]
+        assert all(out[b, t] in top3[b] for b in range(2)), t
+
+
+def test_draws_follow_the_tempered_softmax(model):
+    """4,000 one-token continuations of one prompt: the frequencies are softmax(logits / T) (3 sigma)."""
+    n, temperature = 4000, 2.0
+    prompt = np.repeat(PROMPT[:1], n, axis=0)
+    drawn = model.generate(prompt, 1, temperature=temperature, seed=0)[:, -1]
+    z = last_logits(model, PROMPT[:1])[0] / temperature
+    p = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+    assert p.max() < 0.9 and (p > 0.02).sum() >= 3  # several tokens likely: a frequency test with teeth
+    freq = np.bincount(drawn, minlength=CFG.vocab_size) / n
+    np.testing.assert_array_less(np.abs(freq - p), 3 * np.sqrt(p * (1 - p) / n) + 1e-3)
+
+
+@pytest.mark.parametrize("args, kwargs, message", [
+    ((np.array([1, 2]), 3), {}, r"shape \(2,\).*pass integer tokens \[B, T\]"),
+    ((np.array([[1, 16]]), 3), {}, "token 16, outside the model's vocabulary 0..15"),
+    ((PROMPT, -1), {}, "max_new_tokens=-1 must be an int >= 0"),
+    ((PROMPT, 2), {"temperature": -0.5}, "temperature=-0.5 must be >= 0"),
+    ((PROMPT, 2), {"top_k": 17}, r"top_k=17 must be in 1..16"),
+])
+def test_bad_arguments_are_refused(model, args, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        model.generate(*args, **kwargs)
+    np.testing.assert_array_equal(model.generate(PROMPT, 0), PROMPT)  # nothing to add: the prompt back
+
+
+def test_train_py_prints_a_sample_of_the_trained_model(tmp_path, capsys):
+    """--sample N after training (ddp, 2 devices): the trained weights' continuation of --sample-prompt, printed and
+    in the summary, the library's generate on the summary's state with the run's seed."""
+    from jaxpar import cli
+
+    corpus = tmp_path / "corpus.py"
+    corpus.write_bytes(b"".join(f"def f{i}(x):\n    return x + {i}\n\n".encode() for i in range(400)))
+    summary = cli.main(["--model", "gpt-nano", "--dataset", "text", "--data-path", str(corpus), "--seq-len", "16",
+                        "--batch-size", "8", "--steps", "2", "--eval-split", "", "--strategy", "ddp", "--num-devices",
+                        "2", "--sample", "24", "--sample-prompt", "def ", "--seed", "3", "--quiet"])
+    assert summary["sample"].startswith("def ") and summary["sample"] in capsys.readouterr().out
+    trained = gpt.GPT(gpt.GPTConfig.named("gpt-nano", vocab_size=256, block_size=16), rngs=nnx.Rngs(0))
+    nnx.update(trained, summary["state"].params)
+    prompt = np.frombuffer(b"def ", np.uint8).astype(np.int32)[None]
+    want = trained.generate(prompt, 24, temperature=0.8, top_k=200, seed=3)
+    assert summary["sample"] == bytes(want[0].astype(np.uint8).tolist()).decode("utf-8", errors="replace")

@@ -33,6 +33,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=float, default=30.0, help="seconds of training between held-out checks")
     p.add_argument("--eval-windows", type=int, default=256, help="held-out windows per check (the final: all)")
     p.add_argument("--final-windows", type=int, default=None, help="held-out windows of the final check (all)")
+    p.add_argument("--decay-params", default="matrices", choices=("all", "matrices"),
+                   help="weight decay 0.1 on the matrices only (nanoGPT's groups) or on every parameter")
+    p.add_argument("--sample", type=int, default=300, help="bytes to sample from the final model (nanoGPT's "
+                   "sample.py: temperature 0.8, top-k 200), from 'def '")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/gpt", help="folder for metrics.jsonl, final.json, model_hf.npz")
     p.add_argument("--plot", default=None, help="draw the curve of a finished run's folder instead of training")
@@ -81,9 +85,11 @@ def train(args) -> None:
     train_set = text.load("train", None, seq_len=args.seq_len, seed=args.seed)
     test = text.load("test", None, seq_len=args.seq_len)
     model = models.get(args.model, seed=args.seed, vocab_size=text.VOCAB, block_size=args.seq_len)
-    tx = optax.inject_hyperparams(lambda learning_rate: optax.chain(
-        optax.clip_by_global_norm(1.0),
-        optax.adamw(learning_rate, b1=0.9, b2=0.99, weight_decay=0.1)))(learning_rate=0.0)
+    decay = (jaxpar.optim.add_decayed_weights_to_matrices(0.1) if args.decay_params == "matrices" else
+             optax.add_decayed_weights(0.1))
+    tx = optax.inject_hyperparams(lambda learning_rate: optax.chain(  # optax.adamw's chain, its decay as asked
+        optax.clip_by_global_norm(1.0), optax.scale_by_adam(b1=0.9, b2=0.99), decay,
+        optax.scale_by_learning_rate(learning_rate)))(learning_rate=0.0)
     ddp = jaxpar.DistributedDataParallel(model, tx, mesh=jaxpar.make_mesh(args.devices), per_sample=False)
     eval_step = jaxpar.make_eval_step(ddp.objective)
     placed = ddp.init(jaxpar.init_state(model, tx))
@@ -130,6 +136,12 @@ def train(args) -> None:
     write(result)
     np.savez(os.path.join(args.out, "model_hf.npz"),
              **ddp.objective.merge(state.params, state.model_state).torch_state_dict("hf"))
+    if args.sample:
+        trained = ddp.objective.merge(state.params, state.model_state)
+        out = trained.generate(np.frombuffer(b"def ", np.uint8).astype(np.int32)[None], args.sample,
+                               temperature=0.8, top_k=200, seed=args.seed)
+        result["sample"] = bytes(out[0].astype(np.uint8).tolist()).decode("utf-8", errors="replace")
+        print(f"--- sample ---\n{result['sample']}\n---")
     json.dump(result, open(os.path.join(args.out, "final.json"), "w"), indent=1)
     print(f"final: {step} steps, {result['tokens']:,} tokens in {spent:.0f} s of training; held-out ("
           f"{args.final_windows or len(test):,} windows) {final:.3f} bits/byte; unigram entropy {test.unigram_bits:.3f}")

@@ -134,10 +134,9 @@ def train(args) -> None:
               "held_out_bits_per_byte": final, "held_out_bytes": (args.final_windows or len(test)) * args.seq_len,
               "unigram_bits_per_byte": test.unigram_bits, "eval_s": time.perf_counter() - t, "load": os.getloadavg()}
     write(result)
-    np.savez(os.path.join(args.out, "model_hf.npz"),
-             **ddp.objective.merge(state.params, state.model_state).torch_state_dict("hf"))
+    trained = ddp.objective.merge(state.params, state.model_state)
+    np.savez(os.path.join(args.out, "model_hf.npz"), **trained.torch_state_dict("hf"))
     if args.sample:
-        trained = ddp.objective.merge(state.params, state.model_state)
         out = trained.generate(np.frombuffer(b"def ", np.uint8).astype(np.int32)[None], args.sample,
                                temperature=0.8, top_k=200, seed=args.seed)
         result["sample"] = bytes(out[0].astype(np.uint8).tolist()).decode("utf-8", errors="replace")

@@ -44,7 +44,6 @@ from jaxpar.comm.buckets import plan_buckets
 from jaxpar.config import Config
 from jaxpar.mesh import DATA, make_mesh
 from jaxpar.objective import Objective, advance_rng, metrics_of
-from jaxpar.optim import decays
 from jaxpar.step import TrainState
 from jaxpar.strategies import zero_optim
 from jaxpar.strategies.base import cfg_objective, objective_of
@@ -124,8 +123,8 @@ def zero_body(objective: Objective, tx, plan: sh.ShardPlan, stage: int, *, reduc
         norm = jnp.sqrt(squared) / total.weight
         p = state.params if stage == 3 else sh.shard_of(plan, jax.tree.leaves(state.params), axis_name)
         extra = {"global_norm": norm} if needs_norm else {}
-        decay = sh.shard_of(plan, [jnp.full(info.shape, float(decays(tuple(info.shape))), g.dtype)
-                                   for info in plan.leaves], axis_name)  # masked weight decay's rule per element
+        decay = sh.shard_of(plan, zero_optim.decay_leaves([info.shape for info in plan.leaves], jnp, g.dtype),
+                            axis_name)  # masked weight decay's rule per element
         updates, opt_state = optax.with_extra_args_support(tx).update(
             zero_optim.flat_tree(g), state.opt_state, zero_optim.flat_tree(p), decay_mask=zero_optim.flat_tree(decay),
             **extra)

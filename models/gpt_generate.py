@@ -3,21 +3,35 @@ divided by `temperature` and cropped to the `top_k` largest, the context cropped
 
     tokens_BxL = generate(model, prompt_BxT, max_new_tokens=200, temperature=0.8, top_k=200, seed=0)
 
-The whole loop is one compiled program: the tokens live in a buffer of the final length, and each step runs the
-model on a fixed window of it (the first `block_size` tokens, or the last `block_size` before the position being
-filled), so no shape changes. Positions after the one being predicted are zeros, which causal attention never
-reads. `temperature=0` takes the argmax (greedy). Dropout is off (a clone of the model in eval mode).
+The whole loop is one compiled program over a buffer of the final length, in two phases:
+
+- KV cache (`kv_cache=True`, the default; Hugging Face's `use_cache`): the prompt runs once (the prefill) and
+  leaves each block's keys and values in a cache of `block_size` positions; each later step runs the model on the
+  one new token at its position, attending to the cached keys up to it. A step costs one token's work, not the
+  whole context's. It holds while the context fits the position table (up to `block_size` tokens).
+- Window (after that, or with `kv_cache=False`): each step runs the model on a fixed window of the buffer (the first
+  `block_size` tokens, or the last `block_size` before the position being filled), so no shape changes; positions
+  after the one being predicted are zeros, which causal attention never reads. Past `block_size` the context is
+  cropped and every position shifts, so cached keys no longer apply: nanoGPT's recompute is the rule there.
+
+Both phases draw the same keys in the same order, so the tokens do not depend on the cache (the logits agree to
+float rounding; tests/test_generate.py). `temperature=0` takes the argmax (greedy). Dropout is off (a clone of the
+model in eval mode).
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxpar.models.gpt_ops import causal_attention
+
 
 def generate(model, prompt_BxT, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
-             seed: int = 0) -> np.ndarray:
+             seed: int = 0, kv_cache: bool = True) -> np.ndarray:
     """The prompt followed by `max_new_tokens` sampled tokens, [B, T + max_new_tokens] int32 (see the module)."""
     prompt = np.asarray(prompt_BxT)
     cfg = model.config
@@ -38,34 +52,91 @@ def generate(model, prompt_BxT, max_new_tokens: int, *, temperature: float = 1.0
     total = t0 + int(max_new_tokens)
     if not max_new_tokens:
         return prompt.astype(np.int32)
-    window = min(total, cfg.block_size)
     evaluated = nnx.clone(model)
     evaluated.eval()
     graphdef, state = nnx.split(evaluated)
-
-    def pick(logits_BxV, key):
-        if temperature == 0:
-            return jnp.argmax(logits_BxV, axis=-1)
-        logits_BxV = logits_BxV.astype(jnp.float32) / temperature
-        if top_k is not None:
-            kth_Bx1 = jax.lax.top_k(logits_BxV, top_k)[0][:, -1:]
-            logits_BxV = jnp.where(logits_BxV < kth_Bx1, -jnp.inf, logits_BxV)
-        return jax.random.categorical(key, logits_BxV, axis=-1)
-
-    @jax.jit
-    def run(state, tokens_BxL, key):
-        m = nnx.merge(graphdef, state)
-
-        def fill(t, carry):  # position t gets the token sampled from the logits at t - 1
-            tokens_BxL, key = carry
-            start = jnp.clip(t - window, 0, total - window)
-            logits_BxWxV = m(jax.lax.dynamic_slice_in_dim(tokens_BxL, start, window, axis=1))
-            key, draw = jax.random.split(key)
-            nxt_B = pick(jax.lax.dynamic_index_in_dim(logits_BxWxV, t - 1 - start, axis=1, keepdims=False), draw)
-            return jax.lax.dynamic_update_slice_in_dim(tokens_BxL, nxt_B[:, None].astype(jnp.int32), t, axis=1), key
-
-        return jax.lax.fori_loop(t0, total, fill, (tokens_BxL, key))[0]
-
     tokens = np.zeros((b, total), np.int32)
     tokens[:, :t0] = prompt
-    return np.asarray(run(state, jnp.asarray(tokens), jax.random.key(seed)))
+    out = _generate(graphdef, state, jnp.asarray(tokens), jax.random.key(seed), jnp.float32(temperature or 1.0),
+                    t0=t0, block_size=cfg.block_size, greedy=temperature == 0, top_k=top_k, kv_cache=bool(kv_cache))
+    return np.asarray(out)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "t0", "block_size", "greedy", "top_k", "kv_cache"))
+def _generate(graphdef, state, tokens_BxL, key, temperature, *, t0: int, block_size: int, greedy: bool,
+              top_k: int | None, kv_cache: bool):
+    """Positions t0.. of the buffer `tokens_BxL` filled (see the module); compiled once per model structure, prompt
+    length, final length and sampling rule, so later calls with the same shapes run at once."""
+    total = tokens_BxL.shape[1]
+    window = min(total, block_size)
+    cached_end = min(total, block_size + 1) if kv_cache and t0 <= block_size else t0  # positions < it: the cache
+    m = nnx.merge(graphdef, state)
+
+    def put(tokens_BxL, t, logits_BxV, key):  # position t gets a token drawn from the logits at t - 1
+        key, draw = jax.random.split(key)
+        if greedy:
+            nxt_B = jnp.argmax(logits_BxV, axis=-1)
+        else:
+            logits_BxV = logits_BxV.astype(jnp.float32) / temperature
+            if top_k is not None:
+                kth_Bx1 = jax.lax.top_k(logits_BxV, top_k)[0][:, -1:]
+                logits_BxV = jnp.where(logits_BxV < kth_Bx1, -jnp.inf, logits_BxV)
+            nxt_B = jax.random.categorical(draw, logits_BxV, axis=-1)
+        return jax.lax.dynamic_update_slice_in_dim(tokens_BxL, nxt_B[:, None].astype(jnp.int32), t, axis=1), key
+
+    if cached_end > t0:
+        logits_BxV, cache = forward_cached(m, tokens_BxL[:, :t0], 0, None, window)  # the prefill
+        tokens_BxL, key = put(tokens_BxL, t0, logits_BxV, key)
+
+        def decode(t, carry):  # the token at t - 1 alone, attending to the cached keys 0..t-1
+            tokens_BxL, key, cache = carry
+            logits_BxV, cache = forward_cached(m, jax.lax.dynamic_slice_in_dim(tokens_BxL, t - 1, 1, axis=1), t - 1,
+                                               cache, window)
+            return (*put(tokens_BxL, t, logits_BxV, key), cache)
+
+        tokens_BxL, key, _ = jax.lax.fori_loop(t0 + 1, cached_end, decode, (tokens_BxL, key, cache))
+
+    def fill(t, carry):  # the model on the window ending at t (or the first `window` tokens)
+        tokens_BxL, key = carry
+        start = jnp.clip(t - window, 0, total - window)
+        logits_BxWxV = m(jax.lax.dynamic_slice_in_dim(tokens_BxL, start, window, axis=1))
+        return put(tokens_BxL, t, jax.lax.dynamic_index_in_dim(logits_BxWxV, t - 1 - start, axis=1, keepdims=False),
+                   key)
+
+    if max(t0, cached_end) == total:
+        return tokens_BxL
+    return jax.lax.fori_loop(max(t0, cached_end), total, fill, (tokens_BxL, key))[0]
+
+
+def forward_cached(model, idx_BxT: jax.Array, start, cache: list | None, cache_len: int):
+    """The eval-mode model on tokens at positions start..start+T-1, given the keys and values of every earlier
+    position in `cache` (one (k, v) pair per block, [B, cache_len, heads, head size]; None: start is 0 and the
+    cache is made here). Returns the logits at the last position [B, V] and the cache with these positions written
+    in.
+
+    The same modules and math as GPT.__call__ (causal attention over the prefill; the new queries against the
+    cached keys <= their position afterwards), so the logits equal the whole-context forward's to rounding."""
+    b, t = idx_BxT.shape
+    x_BxTxC = model.wte(idx_BxT) + model.wpe(start + jnp.arange(t))  # Embedding's sum; its dropout is off in eval
+    out = []
+    for i, block in enumerate(model.h):
+        attn = block.attn
+        c = x_BxTxC.shape[-1]
+        q_BxTxNxH, k_BxTxNxH, v_BxTxNxH = (a.reshape(b, t, attn.n_head, c // attn.n_head)
+                                           for a in jnp.split(attn.c_attn(block.ln_1(x_BxTxC)), 3, axis=-1))
+        if cache is None:
+            k_BxLxNxH = jnp.zeros((b, cache_len) + k_BxTxNxH.shape[2:], k_BxTxNxH.dtype)
+            v_BxLxNxH = jnp.zeros_like(k_BxLxNxH)
+            y_BxTxNxH = causal_attention(q_BxTxNxH, k_BxTxNxH, v_BxTxNxH, attn.attention)
+        else:
+            k_BxLxNxH, v_BxLxNxH = cache[i]
+        k_BxLxNxH = jax.lax.dynamic_update_slice_in_dim(k_BxLxNxH, k_BxTxNxH, start, axis=1)
+        v_BxLxNxH = jax.lax.dynamic_update_slice_in_dim(v_BxLxNxH, v_BxTxNxH, start, axis=1)
+        if cache is not None:  # query start+i sees keys 0..start+i; the cache's later rows are masked out
+            visible_TxL = jnp.arange(cache_len)[None, :] <= (start + jnp.arange(t))[:, None]
+            y_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, k_BxLxNxH, v_BxLxNxH, mask=visible_TxL[None, None],
+                                                     implementation="xla")
+        x_BxTxC = x_BxTxC + attn.c_proj(y_BxTxNxH.reshape(b, t, c))  # resid_dropout is off in eval
+        x_BxTxC = x_BxTxC + block.mlp(block.ln_2(x_BxTxC))
+        out.append((k_BxLxNxH, v_BxLxNxH))
+    return model.layers[-1](x_BxTxC[:, -1:])[:, 0], out  # the head on the last position only

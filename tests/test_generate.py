@@ -1,12 +1,14 @@
-"""Sampling from a GPT (jaxpar.models.gpt_generate): the one-program loop over a fixed window equals nanoGPT's
-generate written out step by step (the context cropped to block_size), greedy and sampled; top_k keeps the k
-largest logits; the draws follow softmax(logits / temperature); bad arguments are refused."""
+"""Sampling from a GPT (jaxpar.models.gpt_generate): the one-program loop equals nanoGPT's generate written out
+step by step (the context cropped to block_size), greedy and sampled, with the KV cache and without; the cached
+forward's logits equal the whole context's at every position; top_k keeps the k largest logits; the draws follow
+softmax(logits / temperature); bad arguments are refused."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from jaxpar.models import gpt
+from jaxpar.models import gpt, gpt_generate
 from test_gpt import scramble  # weights far from the init: peaked, distinct logits
 
 CFG = gpt.GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=16, dropout=0.1)
@@ -44,6 +46,41 @@ def test_sampled_tokens_are_within_the_top_k_of_each_step_and_repeat_with_the_se
     for t in range(3, 12):  # each drawn token among the 3 largest logits of its own step's context
         top3 = np.argsort(last_logits(model, out[:, :t]), axis=-1)[:, -3:]
         assert all(out[b, t] in top3[b] for b in range(2)), t
+
+
+@pytest.mark.parametrize("prompt_len, block_size, bias", [(3, 8, True), (130, 136, False)])
+def test_the_cached_forward_equals_the_whole_context_at_every_position(prompt_len, block_size, bias):
+    """The prefill (130 tokens: the CPU path's query blocks) and each one-token step after it, against the eval
+    model on the whole context: the logits at the last position agree to 1e-5, and both sides move."""
+    cfg = gpt.GPTConfig(vocab_size=16, block_size=block_size, n_layer=2, n_head=2, n_embd=16, bias=bias)
+    m = scramble(gpt.GPT(cfg, rngs=nnx.Rngs(0)), seed=4)
+    m.eval()
+    idx = jnp.asarray(np.random.default_rng(0).integers(0, 16, (2, block_size)), jnp.int32)
+    whole_BxTxV = np.asarray(m(idx))
+    step = jax.jit(lambda tok, pos, cache: gpt_generate.forward_cached(m, tok, pos, cache, block_size))
+    logits_BxV, cache = jax.jit(lambda tok: gpt_generate.forward_cached(m, tok, 0, None, block_size))(
+        idx[:, :prompt_len])
+    got = [np.asarray(logits_BxV)]
+    for pos in range(prompt_len, block_size):
+        logits_BxV, cache = step(idx[:, pos:pos + 1], pos, cache)
+        got.append(np.asarray(logits_BxV))
+    want = whole_BxTxV[:, prompt_len - 1:]
+    assert np.abs(want[:, 1:] - want[:, :-1]).max() > 1.0  # the logits change along the sequence
+    np.testing.assert_allclose(np.stack(got, axis=1), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("prompt, new", [(PROMPT, 9), (PROMPT, 4), (np.arange(10)[None] % 16, 3)])
+def test_the_kv_cache_changes_no_token(model, prompt, new, monkeypatch):
+    """Across the block size (3 + 9 > 8: cache, then window), within it (3 + 4: the cache alone, the whole-window
+    forward never called) and from a prompt longer than it (no cache): the same tokens, greedy and sampled."""
+    for kwargs in ({"temperature": 0}, {"temperature": 1.5, "top_k": 3, "seed": 2}):
+        without = model.generate(prompt, new, kv_cache=False, **kwargs)
+        if prompt.shape[1] + new <= CFG.block_size:
+            def refuse(self, idx):
+                raise AssertionError("the KV cache path ran the whole-window forward")
+            monkeypatch.setattr(gpt.GPT, "__call__", refuse)
+        np.testing.assert_array_equal(model.generate(prompt, new, **kwargs), without)
+        monkeypatch.undo()
 
 
 def test_draws_follow_the_tempered_softmax(model):

@@ -38,6 +38,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab-size", type=int, default=None, help="default: 256 (bytes) for small configs, 50304 "
                    "for gpt2* (GPT-2's 50257 padded to a multiple of 64, as nanoGPT)")
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    p.add_argument("--dropout", type=float, default=0.0, help="every dropout of the model, on both sides (nanoGPT "
+                   "pretrains with 0.0; Hugging Face's GPT-2 config has 0.1)")
     p.add_argument("--ddp", type=int, default=None, help="DDP devices = torch processes (default 2 on a CPU, "
                    "0 on a GPU: no DDP run)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads per side (default os.cpu_count())")
@@ -200,7 +202,7 @@ def main(argv=None) -> None:
     seq_len = args.seq_len or (1024 if gpu else 256)
     vocab = args.vocab_size or (50304 if name.startswith("gpt2") else 256)
     compile_torch = gpu if args.compile is None else args.compile
-    model = models.get(name, seed=0, vocab_size=vocab, block_size=seq_len)
+    model = models.get(name, seed=0, vocab_size=vocab, block_size=seq_len, dropout=args.dropout)
     cfg = model.config
     if vocab == 256:
         batch = text.load("train", None, seq_len=seq_len, seed=0).batch(np.arange(args.batch_size))
@@ -222,7 +224,7 @@ def main(argv=None) -> None:
     torch_label = "torch.compile" if compile_torch else "torch eager"
     if args.torch:
         spec = dict(config=dict(vocab_size=vocab, block_size=seq_len, n_layer=cfg.n_layer, n_head=cfg.n_head,
-                                n_embd=cfg.n_embd), state_dict=model.torch_state_dict("nanogpt"), x=batch["x"],
+                                n_embd=cfg.n_embd, dropout=args.dropout), state_dict=model.torch_state_dict("nanogpt"), x=batch["x"],
                     y=batch["y"], steps=args.steps, threads=threads, device="cuda" if gpu else "cpu",
                     compile=compile_torch, bf16=args.precision == "bf16")
         runs[f"{torch_label} single"] = torch_run(1, spec)
@@ -248,7 +250,7 @@ def main(argv=None) -> None:
 
     print(f"\nGPT {name}: {cfg.n_layer} layers x {cfg.n_embd} wide, {cfg.n_head} heads, vocab {vocab}, "
           f"{model.num_params() / 1e6:.2f}M params (less wpe), batch {args.batch_size} x {seq_len} tokens, "
-          f"{args.precision}, {fpt / 1e6:.1f} MFLOP/token")
+          f"{args.precision}, dropout {args.dropout}, {fpt / 1e6:.1f} MFLOP/token")
     print(f"jax {jax.__version__} on {jax.default_backend()} ({jax.devices()[0].device_kind}); "
           f"{threads} threads; {args.rounds} rounds x {args.steps} steps, alternating; load average "
           f"{load_before[0]:.2f} before, {load_after[0]:.2f} after; peak {peak:.3g} TFLOP/s per device ({peak_note})")

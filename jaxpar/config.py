@@ -63,7 +63,7 @@ class Config:
     grad_comm_dtype: str | None = None  # bf16: compress gradients for communication
     spmd: str = "shard_map"  # shard_map | pmap front end
     # ZeRO (DeepSpeed; also takes --bucket-cap-mb and --grad-accum)
-    zero_stage: int = 1  # 1 | 2 | 3: partition the optimizer state, + gradients (FSDP SHARD_GRAD_OP), + parameters (FULL_SHARD)
+    zero_stage: int | None = None  # zero: 1 (default) | 2 | 3: partition the optimizer state, + gradients (FSDP SHARD_GRAD_OP), + parameters (FULL_SHARD); pipeline: 0 (default) | 1
     zero_reduce: str = "reduce_scatter"  # reduce_scatter | all_reduce: stage 1's gradient reduction after the backward
     # DataParallel
     loss_on_device: bool = False  # each device computes its own loss; only scalars are gathered

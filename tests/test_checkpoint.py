@@ -22,7 +22,7 @@ STRATEGIES = {  # kept small: the mlp, few devices
     "single": {},
     "ddp": {"num_devices": 4},
     "dp": {"num_devices": 2},
-    "pipeline": {"num_stages": 2, "micro_batches": 2, "num_devices": 2},
+    "pipeline": {"num_stages": 2, "micro_batches": 2, "num_devices": 4, "zero_stage": 1},  # ZeRO-1: 2 replicas
     "zero": {"zero_stage": 3, "num_devices": 4},
 }
 

@@ -3,7 +3,8 @@ counts) and every step's loss equal `jaxpar.train_step`'s at float32 rtol 1e-5, 
 schedule (GPipe, 1F1B, interleaved, ZB-H1; the forward-only one for evaluation) under both activation policies,
 on stages of one kind (examples/regression.py's nn.Sequential MLP) and of different kinds (examples/lm.py's
 TinyLM: int tokens, [B, T] targets with a padding mask), over S in {1, 2, 4}, micro-batch counts that do not
-divide the batch, data x pipeline 2 x 2, and 2 processes x 2 devices. Each comparison first checks that it can
+divide the batch, data x pipeline 2 x 2 (and 3 x 2 with ZeRO-1's optimizer state split over the replicas), and
+2 processes x 2 devices. Each comparison first checks that it can
 fail: the micro-batches' gradients differ, and the dropout masks follow the sample ids.
 
 This file is also the worker of the multi-process case: `python tests/test_pipeline.py worker OUT`.
@@ -208,6 +209,47 @@ def test_data_x_pipeline_2x2_equals_single(name, schedule, M):
     assert_equal_states(pipe.unplace(placed), ref)
 
 
+ZERO_TX = optax.chain(jaxpar.optim.clip_by_global_norm(0.05), jaxpar.optim.add_decayed_weights_to_matrices(0.1),
+                      optax.sgd(0.1, momentum=0.9))
+
+
+@pytest.mark.parametrize("name,tx,data,schedule,M", [("mlp", TX, 2, "1f1b", 4), ("mixed", ZERO_TX, 3, "zbh1", 2)],
+                         ids=["mlp-D2-1f1b", "mixed-D3-zbh1-clip-decay"])
+def test_zero_1_splits_each_stage_optimizer_state_and_equals_single(name, tx, data, schedule, M):
+    """DeepSpeed's pipeline with ZeRO stage 1: each stage's momentum one flat vector split over its D replicas (D=3:
+    padded), each replica updating its block (with the global norm's clip and the decay on the matrices only, fed
+    per element), the blocks all-gathered: the losses, weights and canonical optimizer state equal single's."""
+    assert_can_fail(name)
+    _, ref, ref_losses = reference(name, tx)
+    pipe, placed, losses = run(name, tx, data=data, num_stages=2, micro_batches=M, schedule=schedule, zero_stage=1)
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+    assert_equal_states(pipe.unplace(placed), ref)
+    report = pipe.report(placed)
+    assert report["zero_stage"] == 1 and "ZeRO-1" in pipe.describe()
+    for s, row in zip(range(2), pipe.report(placed)["stage_memory_mib"].split("; ")):
+        plan = pipe.engine.zero_plans[s]
+        numel = sum(int(np.prod(info.shape)) for info in plan.leaves)
+        moments = [a for a in jax.tree.leaves(placed.opt_state[s]) if a.ndim == 1 and a.size > 1]
+        assert plan.shard_size == -(-numel // data) and len(moments) == 1  # SGD's momentum: one flat trace
+        assert moments[0].sharding.spec == jax.sharding.PartitionSpec("data")
+        assert [b.data.shape for b in moments[0].addressable_shards] == [(plan.shard_size,)] * data
+        assert f"optimizer {plan.shard_size * 4 / 2 ** 20:.2f}" in row  # the report counts one replica's block
+
+
+def test_zero_1_refusals():
+    model, loss, _ = mlp()
+    for kw, match in [(dict(zero_stage=2), "zero_stage=2: the pipeline takes ZeRO stage 0 or 1"),
+                      (dict(zero_stage=1, tx=optax.lamb(1e-3)), "the optimizer is not elementwise")]:
+        with pytest.raises(ValueError, match=match):
+            Pipeline(model, kw.pop("tx", TX), loss_fn=loss, **kw)
+    from jaxpar.models.gpt import GPT, GPTConfig
+
+    gpt = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=8), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="zero_stage=1 with tensor_parallel=2: .* not built yet"):
+        Pipeline(gpt, TX, loss_fn=jaxpar.OutputLoss(jaxpar.cross_entropy), tensor_parallel=2, zero_stage=1,
+                 mesh=pipeline_mesh(4, 2, 2))
+
+
 def test_clip_by_global_norm_sees_the_norm_over_all_stages():
     clip = optax.chain(jaxpar.optim.clip_by_global_norm(0.05), optax.sgd(0.1, momentum=0.9))
     _, ref, ref_losses = reference("mlp", clip)
@@ -364,12 +406,12 @@ def test_bad_input_is_refused_before_any_work():
 
 
 def worker(out: str) -> None:
-    """2 processes x 2 devices: the LM as 2 stages x 2 replicas (ZB-H1, recompute; data x pipeline across
-    processes), again on ZB-V (its V crosses the processes twice), and the MLP as 4 stages (1F1B, global-norm
-    clipping); each saves the state it unplaces and the Sums of an evaluation (the forward-only schedule). (ZB-V
-    was out of this test from b70775e: one clean-clone CI run hung in it, never reproduced. The candidate cause,
-    two gloo collectives in flight at once, is gone since the transport runs them one at a time; 24 runs of it
-    under load, two at once, finished on 2026-11-23.)"""
+    """2 processes x 2 devices: the LM as 2 stages x 2 replicas (ZB-H1, recompute, ZeRO-1: each stage's momentum
+    split over its replicas; data x pipeline across processes), again on ZB-V without ZeRO (its V crosses the
+    processes twice), and the MLP as 4 stages (1F1B, global-norm clipping); each saves the state it unplaces and
+    the Sums of an evaluation (the forward-only schedule). (ZB-V was out of this test from b70775e: one clean-clone
+    CI run hung in it, never reproduced. The candidate cause, two gloo collectives in flight at once, is gone since
+    the transport runs them one at a time; 24 runs of it under load, two at once, finished on 2026-11-23.)"""
     import faulthandler
     import signal
 
@@ -384,7 +426,8 @@ def worker(out: str) -> None:
     rank = jax.process_index()
     for label, name, S, tx, kw in (
             ("mlp", "mlp", 4, CLIP, dict(schedule="1f1b", micro_batches=4)),
-            ("lm", "lm", 2, TX, dict(schedule="zbh1", micro_batches=2, activation_checkpoint_interval=1)),
+            ("lm", "lm", 2, TX, dict(schedule="zbh1", micro_batches=2, activation_checkpoint_interval=1,
+                                     zero_stage=1)),
             ("lm_zbv", "lm", 2, TX, dict(schedule="zbv", virtual_stages=2, micro_batches=3))):
         model, loss, batch = PROBLEMS[name]()
         pipe = pipeline(model, tx, loss_fn=loss, num_stages=S, mesh=pipeline_mesh(None, S), **kw)
@@ -410,6 +453,7 @@ def test_two_processes_equal_single(tmp_path):
     out = two_processes.finish(proc)
     assert "process 1/2 mlp: 4 devices (2 processes), mesh {'data': 1, 'pipe': 4}" in out, out
     assert "process 0/2 lm: 4 devices (2 processes), mesh {'data': 2, 'pipe': 2}" in out, out
+    assert "2 data replicas, ZeRO-1 (each stage's optimizer state split over its 2 replicas)" in out, out
     assert "lm_zbv: 4 devices (2 processes)" in out and "schedule zbv (3 micro-batches, 2 chunks per stage)" in out, out
     for name, ref in refs.items():
         ranks = [np.load(tmp_path / f"params.{name}.rank{r}.npz") for r in range(2)]

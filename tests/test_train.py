@@ -21,6 +21,8 @@ STRATEGY_ARGS = {
     "dp": ["--num-devices", "3"],
     "dp-loss-on-device": ["--loss-on-device"],
     "pipeline": ["--num-stages", "2", "--micro-batches", "4", "--num-devices", "4", "--schedule", "1f1b"],
+    "pipeline-zero1": ["--num-stages", "2", "--micro-batches", "4", "--num-devices", "4", "--schedule", "1f1b",
+                       "--zero-stage", "1"],
     "zero": ["--zero-stage", "3", "--num-devices", "4"],
 }
 

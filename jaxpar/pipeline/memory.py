@@ -1,11 +1,11 @@
 """The pipeline's memory per stage under both activation policies, from the compiled functions' shapes.
 
-Per stage (per device of it; 3-D: a tensor-split weight's slice): weights, optimizer state, the gradient
-accumulator, and the activations one micro-batch keeps between its forward and its backward -- the stage input
-plus what the forward's vjp saved -- once with every residual kept (activation_checkpoint_interval 0, DeepSpeed's
-and torch's default) and once recomputing from each segment's input (the configured interval, or the whole stage
-when none is set), times the micro-batches the schedule holds at once (analysis.peak_inflight). Nothing is
-allocated: jax.eval_shape of each part's forward.
+Per stage (per device of it; 3-D: a tensor-split weight's slice): weights, optimizer state (ZeRO-1: its block),
+the gradient accumulator, and the activations one micro-batch keeps between its forward and its backward -- the
+stage input plus what the forward's vjp saved -- once with every residual kept (activation_checkpoint_interval 0,
+DeepSpeed's and torch's default) and once recomputing from each segment's input (the configured interval, or the
+whole stage when none is set), times the micro-batches the schedule holds at once (analysis.peak_inflight).
+Nothing is allocated: jax.eval_shape of each part's forward.
 """
 from __future__ import annotations
 
@@ -76,6 +76,9 @@ def table(pipe, layout) -> list[dict]:
     for s in range(mod.num_stages):
         params = _device_params(pipe, s)
         opt = jax.eval_shape(pipe.tx.init, params)
+        if pipe.zero_stage:  # ZeRO-1: one replica's block of the stage's flat moments
+            plan = pipe.engine.zero_plans[s]
+            opt = jax.eval_shape(pipe.tx.init, {"shard": jax.ShapeDtypeStruct((plan.shard_size,), params[0].dtype)})
         parts = [v for v in range(mod.num_parts) if mod.stage_of(v) == s]
         row = {"stage": s, "params_mib": _bytes(params) / MiB, "opt_state_mib": _bytes(opt) / MiB,
                "grads_mib": _bytes(params) / MiB, "in_flight": held[s]}

@@ -118,12 +118,21 @@ class Pipeline:
                  partition_method: str = "parameters", activation_checkpoint_interval: int = 0, mesh=None,
                  batch_size: int | None = None, example_input=None, seed: int = 0, compiler_options: dict | None = None,
                  tensor_parallel: int = 1, sequence_parallel: bool = False, parallel_output: bool | None = None,
-                 **objective_options):
+                 zero_stage: int = 0, **objective_options):
         if not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"micro_batches={micro_batches!r} must be an int >= 1; pass --micro-batches 1 or more.")
         T = tensor_parallel
         if not isinstance(T, int) or isinstance(T, bool) or T < 1:
             raise ValueError(f"tensor_parallel={T!r} must be an int >= 1; pass --tensor-parallel 1 or more.")
+        if zero_stage not in (0, 1) or isinstance(zero_stage, bool):
+            raise ValueError(f"zero_stage={zero_stage!r}: the pipeline takes ZeRO stage 0 or 1 (each stage's optimizer "
+                             "state partitioned over its data replicas); DeepSpeed refuses stages 2 and 3 with "
+                             "pipeline parallelism (their gradient and weight partitions would be reduced and gathered "
+                             "every micro-batch): pass 0 or 1, or use --strategy zero for stages 2-3.")
+        if zero_stage and T > 1:
+            raise ValueError(f"zero_stage=1 with tensor_parallel={T}: partitioning the optimizer state of tensor-split "
+                             "stages (Megatron's distributed optimizer) is not built yet; pass tensor_parallel=1 with "
+                             "ZeRO-1, or zero_stage=0 with tensor parallelism.")
         if mesh is not None and mesh.shape.get(TENSOR, 1) != T:
             raise ValueError(f"mesh {dict(mesh.shape)} must have a {TENSOR!r} axis of tensor_parallel={T}; build it "
                              "with jaxpar.strategies.pipeline.pipeline_mesh(devices, num_stages, tensor_parallel).")
@@ -181,6 +190,13 @@ class Pipeline:
         self.needs_norm = opt_lib.probe(tx, module)
         self.engine = Engine(module, self.objective, tx, self.transport, needs_norm=self.needs_norm,
                              compiler_options=compiler_options)
+        self.zero_stage = zero_stage
+        if zero_stage:  # the flat slices' update must equal the stage's: elementwise transforms only
+            from jaxpar.pipeline import zero1
+            from jaxpar.strategies import zero_optim
+
+            zero_optim.check(tx, jax.tree.unflatten(module.param_treedef, module.param_specs))
+            self.engine.zero_plans = {s: zero1.stage_plan(module, s, self.D) for s in range(S)}
         self.engine.state_specs = None  # set by init, from the canonical model state
         self._layouts: dict = {}
         self._last: Any = None
@@ -204,9 +220,22 @@ class Pipeline:
             return self._init_slices(state, rest, out)
         for s in tr.local_stages:
             out.params[s] = put([params[j] for j in mod.stage_params[s]], s)
-            out.opt_state[s] = put(opt_lib.to_stage(self.tx, mod, s, state.opt_state), s)
+            stage_opt = opt_lib.to_stage(self.tx, mod, s, state.opt_state)
+            if self.zero_stage:
+                from jaxpar.pipeline import zero1
+
+                out.opt_state[s] = zero1.place(self.tx, self.engine.zero_plans[s], self._stage_params(s, params),
+                                               stage_opt, tr.meshes[s])
+            else:
+                out.opt_state[s] = put(stage_opt, s)
             out.model_state[s] = put([rest[j] for j in mod.stage_state[s]], s)
         return out
+
+    def _stage_params(self, s: int, params: list | None = None):
+        """The stage's parameter tree (the optimizer's view) of canonical leaves `params` (default: their specs)."""
+        mod = self.module
+        leaves = mod.param_specs if params is None else params
+        return jax.tree.unflatten(opt_lib.stage_treedef(mod, s), [leaves[j] for j in mod.stage_params[s]])
 
     def _init_slices(self, state: TrainState, rest: list, out: PipelineState) -> PipelineState:
         """3-D: split leaves in tensor order (qkv columns per rank, as TensorParallel.init), each stage's weights
@@ -337,7 +366,14 @@ class Pipeline:
                     params[j] = first(a)
             for j, a in zip(mod.stage_state[s], placed.model_state[s]):
                 rest[j] = first(a)
-        stage_opt = {s: jax.tree.map(first, placed.opt_state[s]) for s in tr.local_stages}
+        if self.zero_stage:  # the flat moments gathered and cut back into the stage's leaves
+            from jaxpar.pipeline import zero1
+
+            stage_opt = {s: jax.tree.map(lambda a: jax.device_put(a, home), zero1.unplace(
+                self.tx, self.engine.zero_plans[s], self._stage_params(s), placed.opt_state[s]))
+                for s in tr.local_stages}
+        else:
+            stage_opt = {s: jax.tree.map(first, placed.opt_state[s]) for s in tr.local_stages}
         if len(tr.proc_devices) > 1:
             params, rest, stage_opt = self._gather(params, rest, stage_opt)
         for j, a in zip(mod.extra_state, placed.extra_state):
@@ -381,6 +417,8 @@ class Pipeline:
                 f"D x S x T = {self.D} x {mod.num_stages} x {self.tp} (data x pipeline x tensor): "
                 f"{mod.num_stages} stages x {self.D} data replicas"
                 + (f", Megatron tensor parallelism over {self.tp} devices per stage" if self.tp > 1 else "")
+                + (f", ZeRO-1 (each stage's optimizer state split over its {self.D} replicas)" if self.zero_stage
+                   else "")
                 + (", sequence parallel" if mod.sequence_parallel else "")
                 + (", logits split by vocabulary into the loss (parallel_output)" if self.parallel_output else "")
                 + (whole_note(mod.tensor_layouts) if mod.tensor_layouts else "")
@@ -395,6 +433,7 @@ class Pipeline:
         sch = self.schedule
         out = {"devices": self.mesh.devices.size, "processes": jax.process_count(), "mesh": dict(self.mesh.shape),
                "data_parallel": self.D, "num_stages": self.module.num_stages, "tensor_parallel": self.tp,
+               "zero_stage": self.zero_stage,
                "partition": self.module.describe(), "schedule": sch.name, "ticks": sch.num_ticks,
                "bubble_fraction": analysis.bubble_fraction(sch),
                "bubble_fraction_zb_costs": analysis.bubble_fraction(sch, analysis.COSTS),
@@ -429,6 +468,7 @@ def build(model: nnx.Module, tx: optax.GradientTransformation, cfg: Config, loss
                     activation_checkpoint_interval=cfg.activation_checkpoint_interval,
                     mesh=pipeline_mesh(cfg.num_devices, cfg.num_stages, cfg.tensor_parallel),
                     tensor_parallel=cfg.tensor_parallel, sequence_parallel=cfg.sequence_parallel,
+                    zero_stage=0 if cfg.zero_stage is None else cfg.zero_stage,
                     parallel_output=None if cfg.parallel_output else False,
                     batch_size=cfg.batch_size,
                     example_input=example, seed=cfg.seed, per_sample=per_sample,

@@ -65,12 +65,14 @@ def reference():
 
 
 @functools.lru_cache(maxsize=None)
-def run(D: int, S: int, T: int, schedule: str = "1f1b", canonical_qkv: bool = False, sequence_parallel=False):
+def run(D: int, S: int, T: int, schedule: str = "1f1b", canonical_qkv: bool = False, sequence_parallel=False,
+        zero_stage: int = 0):
     """(pipeline, its state after STEPS steps as the canonical TrainState, the last placed state and batch, the
     last step's metrics)."""
     pipe = Pipeline(model(), TX, loss_fn=LOSS, num_stages=S, micro_batches=2, schedule=schedule,
                     virtual_stages=2 if schedule in ("interleaved", "zbv") else 1, tensor_parallel=T,
-                    sequence_parallel=sequence_parallel, mesh=pipeline_mesh(D * S * T, S, T), compiler_options=FAST)
+                    sequence_parallel=sequence_parallel, mesh=pipeline_mesh(D * S * T, S, T), compiler_options=FAST,
+                    zero_stage=zero_stage)
     if canonical_qkv:  # the same split, each rank taking columns as they come: q of some heads, k of others
         pipe.module.tensor_layouts = [Layout(lay.axis) for lay in pipe.module.tensor_layouts]
     placed = pipe.init(reference()[0])
@@ -142,6 +144,34 @@ def test_3d_sequence_parallel_equals_the_single_step(D, S, T, schedule):
     assert {a.data.shape for a in y.addressable_shards} == {(rows // D, CFG["block_size"] // T, CFG["n_embd"])}
 
 
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_3d_with_zero_1_equals_the_single_step(sequence_parallel):
+    """Data x pipeline x tensor with ZeRO-1 (Megatron's distributed optimizer under PP and TP): on each tensor
+    rank, its slices of a stage's weights are one flat vector and each Adam moment is split over the D replicas,
+    [T, D S] on the stage's (data, tensor) mesh; the parameters, the canonical optimizer state and the metrics
+    equal the single step's."""
+    D, S, T = 2, 2, 2
+    pipe, out, placed, _, metrics = run(D, S, T, sequence_parallel=sequence_parallel, zero_stage=1)
+    _, ref, single = reference()
+    assert_equal(out.params, ref.params)
+    assert_equal(out.opt_state, ref.opt_state)
+    for name in ("loss", "accuracy", "grad_norm"):
+        np.testing.assert_allclose(metrics[name], single[name], rtol=RTOL, err_msg=name)
+    for s in range(S):
+        zero = pipe.engine.zero[s]
+        mod = pipe.module
+        whole = sum(int(np.prod(mod.param_specs[j].shape)) for j in mod.stage_params[s])
+        local = sum(int(np.prod(info.shape)) for info in zero.plan.leaves)
+        assert local < whole  # the plan covers one tensor rank's slices
+        mu = placed.opt_state[s][0].mu["shard"]
+        assert mu.shape == (T, D * zero.plan.shard_size) and zero.plan.shard_size == -(-local // D)
+        assert mu.sharding.spec == jax.sharding.PartitionSpec("tensor", "data")
+        assert {b.data.shape for b in mu.addressable_shards} == {(1, zero.plan.shard_size)}
+    assert "ZeRO-1" in pipe.describe()
+    assert max_diff(ref.opt_state, reference()[0].opt_state) > 1e-3  # moments far from zero: placing them can fail
+    assert_equal(pipe.unplace(pipe.init(ref)).opt_state, ref.opt_state)  # the canonical state round trips
+
+
 def test_report_estimates_each_stage_per_device():
     """--report's memory per stage under 3-D: a device's weights are its slices (equal to the placed shards'
     bytes), and sequence parallelism shrinks the activations a micro-batch keeps."""
@@ -211,7 +241,7 @@ def test_bad_combinations_are_named():
         Pipeline(model(vocab_size=25), TX, loss_fn=LOSS, num_stages=2, tensor_parallel=2, sequence_parallel=True)
 
 
-# the schedules the two-process case runs, D x S x T = 2 x 2 x 2 (the last with sequence parallelism)
+# the schedules the two-process case runs, D x S x T = 2 x 2 x 2 (the last with sequence parallelism and ZeRO-1)
 ACROSS = ("1f1b", "interleaved", "1f1b-sp")
 
 
@@ -233,7 +263,7 @@ def worker(out: str) -> None:
         pipe = Pipeline(model(), TX, loss_fn=LOSS, num_stages=2, micro_batches=2, schedule=schedule.split("-")[0],
                         virtual_stages=2 if schedule == "interleaved" else 1, tensor_parallel=2,
                         sequence_parallel=schedule.endswith("-sp"), mesh=pipeline_mesh(None, 2, 2),
-                        compiler_options=FAST)
+                        compiler_options=FAST, zero_stage=int(schedule.endswith("-sp")))
         placed = pipe.init(reference()[0])
         for _ in range(STEPS):
             placed, metrics = pipe.step(placed, pipe.put_batch(batch()))
@@ -255,7 +285,7 @@ def test_3d_across_two_processes_equals_the_single_step(tmp_path):
                 in out), out
         assert "logits split by vocabulary into the loss (parallel_output)" in out
         line = next(line for line in out.splitlines() if f"process 1/2 {schedule}: " in line)
-        assert ("sequence parallel" in line) == schedule.endswith("-sp"), line
+        assert ("sequence parallel" in line) == schedule.endswith("-sp") == ("ZeRO-1" in line), line
         ranks = [np.load(tmp_path / f"state.{schedule}.rank{r}.npz") for r in range(2)]
         for k, want in enumerate(jax.tree.leaves((ref.params, ref.opt_state))):
             np.testing.assert_array_equal(ranks[0][f"arr_{k}"], ranks[1][f"arr_{k}"])  # both unplace the same

@@ -31,7 +31,6 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.objective import Sums
 from jaxpar.pipeline import optimizer as opt_lib
-from jaxpar.pipeline import zero1
 from jaxpar.pipeline.schedule import Action, Op, Schedule, message, virtual
 from jaxpar.pipeline.stage import Layout, PartFns, part_fns, split_float
 
@@ -120,7 +119,7 @@ class Engine:
                          Op.REDUCE_GRADS: lambda a: None, Op.OPT: lambda a: None}  # both at the step's end
         self._updates: dict = {}
         self._scalars: dict = {}
-        self.zero_plans: dict | None = None  # ZeRO-1 (jaxpar.pipeline.zero1): stage -> its flat plan over DATA
+        self.zero: dict | None = None  # ZeRO-1: stage -> its jaxpar.pipeline.zero1.StageZero
 
     def data_specs(self, layout: Layout, stage: int):
         """Abstract (leaves, mask, ids) of one micro-batch as `stage` gets it."""
@@ -405,11 +404,13 @@ class Engine:
             mod, tx, needs_norm = self.module, self.tx, self.needs_norm
             treedef = opt_lib.stage_treedef(mod, s)
             counts = [k for k, j in enumerate(mod.stage_state[s]) if mod.state_kinds[j].__name__ == "RngCount"]
-            if self.zero_plans is not None:  # ZeRO-1: each replica updates its block of the stage's flat weights
+            if self.zero is not None:  # ZeRO-1: each replica updates its block of the stage's flat weights
                 params = jax.tree.unflatten(treedef, [mod.param_specs[j] for j in mod.stage_params[s]])
-                self._updates[("update", s)] = zero1.update_fn(tx, self.zero_plans[s], self.transport.meshes[s],
-                                                               params, needs_norm=needs_norm, counts=counts,
-                                                               jit=self.jit)
+                lays = mod.tensor_layouts
+                pspecs = [P() if lays is None else lays[j].spec(len(mod.param_specs[j].shape))
+                          for j in mod.stage_params[s]]
+                self._updates[("update", s)] = self.zero[s].update_fn(tx, params, pspecs, needs_norm=needs_norm,
+                                                                      counts=counts, jit=self.jit)
                 return self._updates[("update", s)]
 
             def update(params, opt_state, grads, state, vec):

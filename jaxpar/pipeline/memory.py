@@ -77,8 +77,8 @@ def table(pipe, layout) -> list[dict]:
         params = _device_params(pipe, s)
         opt = jax.eval_shape(pipe.tx.init, params)
         if pipe.zero_stage:  # ZeRO-1: one replica's block of the stage's flat moments
-            plan = pipe.engine.zero_plans[s]
-            opt = jax.eval_shape(pipe.tx.init, {"shard": jax.ShapeDtypeStruct((plan.shard_size,), params[0].dtype)})
+            size = pipe.engine.zero[s].plan.shard_size
+            opt = jax.eval_shape(pipe.tx.init, {"shard": jax.ShapeDtypeStruct((size,), params[0].dtype)})
         parts = [v for v in range(mod.num_parts) if mod.stage_of(v) == s]
         row = {"stage": s, "params_mib": _bytes(params) / MiB, "opt_state_mib": _bytes(opt) / MiB,
                "grads_mib": _bytes(params) / MiB, "in_flight": held[s]}

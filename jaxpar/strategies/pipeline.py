@@ -129,10 +129,6 @@ class Pipeline:
                              "state partitioned over its data replicas); DeepSpeed refuses stages 2 and 3 with "
                              "pipeline parallelism (their gradient and weight partitions would be reduced and gathered "
                              "every micro-batch): pass 0 or 1, or use --strategy zero for stages 2-3.")
-        if zero_stage and T > 1:
-            raise ValueError(f"zero_stage=1 with tensor_parallel={T}: partitioning the optimizer state of tensor-split "
-                             "stages (Megatron's distributed optimizer) is not built yet; pass tensor_parallel=1 with "
-                             "ZeRO-1, or zero_stage=0 with tensor parallelism.")
         if mesh is not None and mesh.shape.get(TENSOR, 1) != T:
             raise ValueError(f"mesh {dict(mesh.shape)} must have a {TENSOR!r} axis of tensor_parallel={T}; build it "
                              "with jaxpar.strategies.pipeline.pipeline_mesh(devices, num_stages, tensor_parallel).")
@@ -195,8 +191,11 @@ class Pipeline:
             from jaxpar.pipeline import zero1
             from jaxpar.strategies import zero_optim
 
+            from jaxpar.pipeline.memory import _device_params
+
             zero_optim.check(tx, jax.tree.unflatten(module.param_treedef, module.param_specs))
-            self.engine.zero_plans = {s: zero1.stage_plan(module, s, self.D) for s in range(S)}
+            self.engine.zero = {s: zero1.stage_zero(module, s, self.transport.meshes[s], _device_params(self, s))
+                                for s in range(S)}
         self.engine.state_specs = None  # set by init, from the canonical model state
         self._layouts: dict = {}
         self._last: Any = None
@@ -222,10 +221,7 @@ class Pipeline:
             out.params[s] = put([params[j] for j in mod.stage_params[s]], s)
             stage_opt = opt_lib.to_stage(self.tx, mod, s, state.opt_state)
             if self.zero_stage:
-                from jaxpar.pipeline import zero1
-
-                out.opt_state[s] = zero1.place(self.tx, self.engine.zero_plans[s], self._stage_params(s, params),
-                                               stage_opt, tr.meshes[s])
+                out.opt_state[s] = self.engine.zero[s].place(self.tx, self._stage_params(s, params), stage_opt)
             else:
                 out.opt_state[s] = put(stage_opt, s)
             out.model_state[s] = put([rest[j] for j in mod.stage_state[s]], s)
@@ -262,7 +258,10 @@ class Pipeline:
             out.params[s] = place([params[j] for j in idx], sp, s)
             stage_opt = opt_lib.to_stage(self.tx, mod, s, opt_state)
             stage_params = jax.tree.unflatten(opt_lib.stage_treedef(mod, s), [params[j] for j in idx])
-            out.opt_state[s] = place(stage_opt, leaf_specs(stage_opt, stage_params, mine), s)
+            if self.zero_stage:
+                out.opt_state[s] = self.engine.zero[s].place(self.tx, stage_params, stage_opt)
+            else:
+                out.opt_state[s] = place(stage_opt, leaf_specs(stage_opt, stage_params, mine), s)
             out.model_state[s] = jax.device_put([jnp.array(rest[j], copy=True) for j in mod.stage_state[s]],
                                                 tr.kinds[s]["rep"])
         return out
@@ -366,12 +365,9 @@ class Pipeline:
                     params[j] = first(a)
             for j, a in zip(mod.stage_state[s], placed.model_state[s]):
                 rest[j] = first(a)
-        if self.zero_stage:  # the flat moments gathered and cut back into the stage's leaves
-            from jaxpar.pipeline import zero1
-
-            stage_opt = {s: jax.tree.map(lambda a: jax.device_put(a, home), zero1.unplace(
-                self.tx, self.engine.zero_plans[s], self._stage_params(s), placed.opt_state[s]))
-                for s in tr.local_stages}
+        if self.zero_stage:  # the flat moments gathered and cut back into the stage's (whole) leaves
+            stage_opt = {s: jax.tree.map(lambda a: jax.device_put(a, home), self.engine.zero[s].unplace(
+                self.tx, self._stage_params(s), placed.opt_state[s])) for s in tr.local_stages}
         else:
             stage_opt = {s: jax.tree.map(first, placed.opt_state[s]) for s in tr.local_stages}
         if len(tr.proc_devices) > 1:

@@ -68,6 +68,8 @@ CASES = [
                                  "--num-devices", "8"], ["4", "3 layers", "at most 3 stages"]),
     ("devices not divisible by stages", ["--strategy", "pipeline", "--model", "mlp", "--num-stages", "3",
                                          "--num-devices", "8"], ["num_devices=8", "num_stages=3", "use --num-devices"]),
+    ("ZeRO stage without ZeRO", ["--strategy", "ddp", "--zero-stage", "1"],
+     ["--zero-stage 1", "zero", "pipeline", "not ddp", "drop --zero-stage"]),
     ("pipeline with ZeRO-2", ["--strategy", "pipeline", "--model", "mlp", "--zero-stage", "2"],
      ["zero_stage=2", "stage 0 or 1", "--strategy zero"]),
     ("unknown schedule", ["--strategy", "pipeline", "--model", "mlp", "--schedule", "zigzag"],

@@ -406,6 +406,7 @@ def test_label_smoothing_trains_the_smoothed_loss_and_reports_bits_of_the_nll(co
 
 RECIPE = {  # nanoGPT's recipe (clipping, warmup + cosine) under Megatron's strategies: single's parameters
     "tp": ["--strategy", "tp", "--tensor-parallel", "2", "--num-devices", "2", "--sequence-parallel"],
+    "tp-zero1": ["--strategy", "tp", "--tensor-parallel", "2", "--num-devices", "4", "--zero-stage", "1"],
     "3-D": ["--strategy", "pipeline", "--num-stages", "2", "--tensor-parallel", "2", "--num-devices", "4",
             "--micro-batches", "2"],
 }
@@ -432,6 +433,7 @@ def test_grad_clip_and_cosine_schedule_under_tensor_parallelism(key, corpus):
 DECAY = {  # the optimizer sees a stage's subtree, TP's slices (ZeRO's flat shards: tests/test_zero.py)
     "pipeline": ["--strategy", "pipeline", "--num-stages", "2", "--micro-batches", "2", "--num-devices", "2"],
     "tp": ["--strategy", "tp", "--tensor-parallel", "2", "--num-devices", "2"],
+    "tp-zero1": ["--strategy", "tp", "--tensor-parallel", "2", "--num-devices", "4", "--zero-stage", "1"],
 }
 
 

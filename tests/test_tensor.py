@@ -173,6 +173,36 @@ def test_hlo_has_megatrons_two_all_reduces_per_block_each_way():
     assert report["tensor_all_reduces_forward"] == report["tensor_all_reduces_backward"] == each_way
 
 
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_zero_1_splits_each_tensor_ranks_optimizer_state_over_the_data_replicas(sequence_parallel):
+    """Megatron's distributed optimizer: 2-way tensor x 4-way data, each tensor rank's slices one flat vector whose
+    momentum is split over the 4 data replicas ([T, D S] on the mesh, one block a device); after 3 steps the
+    parameters, the canonical optimizer state and the metrics equal the single step's, and the state round trips."""
+    tp, devices = 2, 8
+    mesh = Mesh(np.array(jax.devices()[:devices]).reshape(devices // tp, tp), (DATA, TENSOR))
+    strategy = TensorParallel(model(), TX, tensor_parallel=tp, mesh=mesh, sequence_parallel=sequence_parallel,
+                              zero_stage=1)
+    placed = strategy.init(jaxpar.init_state(model(), TX))
+    for b, single in zip(batches(), single_run()[1]):
+        placed, metrics = strategy.step(placed, strategy.put_batch(b))
+        for name in ("loss", "accuracy", "grad_norm"):
+            np.testing.assert_allclose(metrics[name], single[name], rtol=1e-5, err_msg=name)
+    out, ref = strategy.unplace(placed), reference()
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path((out.params, out.opt_state))[0],
+                            jax.tree.leaves((ref.params, ref.opt_state))):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+    plan = strategy.zero.plan
+    trace = jax.tree.leaves(placed.opt_state)[0]  # SGD's momentum, flat
+    assert trace.shape == (tp, devices // tp * plan.shard_size) and trace.sharding.spec == P(TENSOR, DATA)
+    assert {s.data.shape for s in trace.addressable_shards} == {(1, plan.shard_size)}
+    numel = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(ref.params))
+    assert sum(int(np.prod(i.shape)) for i in plan.leaves) < numel  # the plan covers one rank's slices
+    assert "ZeRO-1" in strategy.describe() and strategy.report(placed)["zero_stage"] == 1
+    again = strategy.unplace(strategy.init(ref))  # non-zero moments placed and back (checkpoints)
+    for a, b in zip(jax.tree.leaves(again.opt_state), jax.tree.leaves(ref.opt_state)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
 def sequence_parallel_run(devices: int, tp: int):
     """(mesh, strategy, placed state, last metrics) of TensorParallel with sequence parallelism after batches(),
     its parameters checked equal to the single step's."""

@@ -119,7 +119,7 @@ class Engine:
                          Op.REDUCE_GRADS: lambda a: None, Op.OPT: lambda a: None}  # both at the step's end
         self._updates: dict = {}
         self._scalars: dict = {}
-        self.zero: dict | None = None  # ZeRO-1: stage -> its jaxpar.pipeline.zero1.StageZero
+        self.zero: dict | None = None  # ZeRO-1: stage -> its jaxpar.strategies.zero1.StageZero
 
     def data_specs(self, layout: Layout, stage: int):
         """Abstract (leaves, mask, ids) of one micro-batch as `stage` gets it."""

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
 
 from jaxpar.mesh import TENSOR
 from jaxpar.pipeline import analysis
 from jaxpar.pipeline.module import PipelineModule
 from jaxpar.pipeline.stage import part_fns
+from jaxpar.strategies.zero1 import device_leaves
 
 MiB = 2 ** 20
 
@@ -31,9 +31,8 @@ def _device_params(pipe, s: int) -> list:
     specs = [mod.param_specs[j] for j in mod.stage_params[s]]
     if mod.tensor_layouts is None:
         return specs
-    mesh = pipe.transport.meshes[s]
-    return [jax.ShapeDtypeStruct(NamedSharding(mesh, mod.tensor_layouts[j].spec(len(a.shape))).shard_shape(a.shape),
-                                 a.dtype) for j, a in zip(mod.stage_params[s], specs)]
+    return device_leaves(specs, [mod.tensor_layouts[j].spec(len(a.shape)) for j, a in zip(mod.stage_params[s], specs)],
+                         pipe.transport.meshes[s])
 
 
 def activation_bytes(pipe, module: PipelineModule, layout) -> list[int]:

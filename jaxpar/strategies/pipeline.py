@@ -188,13 +188,13 @@ class Pipeline:
                              compiler_options=compiler_options)
         self.zero_stage = zero_stage
         if zero_stage:  # the flat slices' update must equal the stage's: elementwise transforms only
-            from jaxpar.pipeline import zero1
-            from jaxpar.strategies import zero_optim
-
             from jaxpar.pipeline.memory import _device_params
+            from jaxpar.strategies import zero1, zero_optim
 
             zero_optim.check(tx, jax.tree.unflatten(module.param_treedef, module.param_specs))
-            self.engine.zero = {s: zero1.stage_zero(module, s, self.transport.meshes[s], _device_params(self, s))
+            lays = module.tensor_layouts
+            self.engine.zero = {s: zero1.of(self.transport.meshes[s], _device_params(self, s),
+                                            [None if lays is None else lays[j].axis for j in module.stage_params[s]])
                                 for s in range(S)}
         self.engine.state_specs = None  # set by init, from the canonical model state
         self._layouts: dict = {}

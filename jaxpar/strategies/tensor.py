@@ -21,8 +21,11 @@ One step, on every device (shard_map over both axes):
 
 Replicated parameters get identical gradients on every tensor rank (their inputs are the replicated residual
 stream), so only DATA reduces them -- except under sequence parallelism, where each rank's LayerNorms, positions and
-row biases saw only its tokens, and their gradients are summed over TENSOR first. The optimizer must be elementwise (it sees slices), or jaxpar's
-`clip_by_global_norm`, which this strategy feeds the norm over all slices (replicated leaves counted once).
+row biases saw only its tokens, and their gradients are summed over TENSOR first. The optimizer must be elementwise
+(it sees slices), or jaxpar's `clip_by_global_norm`, which this strategy feeds the norm over all slices (replicated
+leaves counted once). With ``zero_stage=1`` (Megatron's distributed optimizer) each tensor rank's slices are one flat
+vector whose optimizer moments are split over the data replicas (jaxpar.strategies.zero1): each replica updates its
+block, then one all-gather over DATA.
 Attention dropout: rank t draws the whole [heads, T, T] mask of the single-device model and keeps its heads, so
 the masks, and so the numbers, equal the single-device step's.
 """
@@ -174,8 +177,13 @@ class TensorParallel:
 
     def __init__(self, model: nnx.Module, tx: optax.GradientTransformation, *, tensor_parallel: int = 2,
                  sequence_parallel: bool = False, parallel_output: bool | None = None, loss_fn=None,
-                 mesh: Mesh | None = None, batch_size: int | None = None, **objective_options):
+                 mesh: Mesh | None = None, batch_size: int | None = None, zero_stage: int = 0,
+                 **objective_options):
         n = jax.device_count() if mesh is None else mesh.size
+        if zero_stage not in (0, 1) or isinstance(zero_stage, bool):
+            raise ValueError(f"zero_stage={zero_stage!r}: tensor parallelism takes ZeRO stage 0 or 1 (the optimizer "
+                             "state of each tensor rank's slices partitioned over the data replicas: Megatron's "
+                             "distributed optimizer); pass 0 or 1.")
         if tensor_parallel < 1 or n % tensor_parallel:
             raise ValueError(f"--tensor-parallel {tensor_parallel} must be >= 1 and divide the {n} devices; use a "
                              f"divisor of {n}.")
@@ -211,21 +219,33 @@ class TensorParallel:
         self.share = None if batch_size is None else round_up(math.ceil(batch_size / jax.process_count()),
                                                               self.multiple)
         self._step = self._batch_spec = None
+        self.zero_stage, self.zero = zero_stage, None
 
     # -- placement -----------------------------------------------------------------------------------------
 
     def _specs(self, state: TrainState) -> TrainState:
         replicated = jax.tree.map(lambda _: P(), state.model_state)
-        return TrainState(leaf_specs(state.params, state.params, self.plan),
-                          leaf_specs(state.opt_state, state.params, self.plan), replicated, P())
+        opt = self.zero.opt_specs(self.tx, state.params) if self.zero_stage else \
+            leaf_specs(state.opt_state, state.params, self.plan)
+        return TrainState(leaf_specs(state.params, state.params, self.plan), opt, replicated, P())
 
     def init(self, state: TrainState) -> TrainState:
-        """The canonical state onto the mesh: split leaves in tensor order, sharded over TENSOR; the rest replicated."""
+        """The canonical state onto the mesh: split leaves in tensor order, sharded over TENSOR; the rest replicated
+        (ZeRO-1: the optimizer moments flat, each tensor rank's split over DATA)."""
         host = state._replace(params=map_params(in_tensor_order, state.params, state.params, self.plan),
                               opt_state=map_params(in_tensor_order, state.opt_state, state.params, self.plan))
+        if self.zero_stage and self.zero is None:
+            from jaxpar.strategies import zero1
+
+            leaves = jax.tree.leaves(state.params)
+            specs = [lay.spec(np.ndim(a)) for a, lay in zip(leaves, self.plan)]
+            self.zero = zero1.of(self.mesh, zero1.device_leaves(leaves, specs, self.mesh),
+                                 [lay.axis for lay in self.plan])
         specs = self._specs(state)
         if self._step is None:
             self._step = self._compile(specs)
+        zero_opt = self.zero.place(self.tx, host.params, host.opt_state) if self.zero_stage else None
+        host = host._replace(opt_state=None) if self.zero_stage else host
 
         def put(a, spec):
             if jax.dtypes.issubdtype(jnp.result_type(a), jax.dtypes.prng_key):
@@ -233,8 +253,12 @@ class TensorParallel:
             a = np.asarray(a)
             return jax.make_array_from_callback(a.shape, NamedSharding(self.mesh, spec), lambda idx: a[idx])
 
+        if self.zero_stage:
+            specs = specs._replace(opt_state=None)
         leaves, treedef = jax.tree.flatten(host)
-        return jax.tree.unflatten(treedef, [put(a, s) for a, s in zip(leaves, jax.tree.leaves(specs, is_leaf=_is_spec))])
+        placed = jax.tree.unflatten(treedef, [put(a, s) for a, s in zip(leaves,
+                                                                           jax.tree.leaves(specs, is_leaf=_is_spec))])
+        return placed._replace(opt_state=zero_opt) if self.zero_stage else placed
 
     def put_batch(self, batch) -> Rows:
         """This process's rows, padded to its share, sharded over DATA (replicated over TENSOR)."""
@@ -262,14 +286,17 @@ class TensorParallel:
 
         device = jax.local_devices()[0]
         first = lambda a: jax.device_put(a.addressable_data(0), device) if isinstance(a, jax.Array) else a  # noqa
-        opt = map_params(back, placed.opt_state, placed.params, self.plan)
+        opt = placed.opt_state
+        if self.zero_stage:  # the flat moments gathered and cut back into whole leaves (tensor order)
+            opt = jax.tree.map(jnp.asarray, self.zero.unplace(self.tx, placed.params, opt))
+        opt = map_params(back, opt, placed.params, self.plan)
         return TrainState(map_params(back, placed.params, placed.params, self.plan), jax.tree.map(first, opt),
                           jax.tree.map(first, placed.model_state), first(placed.step))
 
     # -- the step ------------------------------------------------------------------------------------------
 
     def _compile(self, specs: TrainState):
-        objective, tx, plan, needs_norm = self.objective, self.tx, self.plan, self.needs_norm
+        objective, tx, plan, needs_norm, zero1 = self.objective, self.tx, self.plan, self.needs_norm, self.zero
         sp = self.sequence_parallel
         sharded = [lay.axis is not None for lay in plan]
 
@@ -299,6 +326,12 @@ class TensorParallel:
             model_state = advance_rng(new_state, state.model_state)
             if not objective.per_sample:
                 model_state = from_replica_0(model_state, DATA)
+            if zero1 is not None:  # ZeRO-1: this replica's block of its slices, then one all-gather over DATA
+                leaves, treedef = jax.tree.flatten(state.params)
+                params, opt_state = zero1.local_update(optax.with_extra_args_support(tx), leaves, state.opt_state,
+                                                      jax.tree.leaves(grads), **extra)
+                return TrainState(jax.tree.unflatten(treedef, params), opt_state, model_state,
+                                  state.step + 1), metrics_of(total, norm)
             return apply_updates(tx, state, grads, model_state, **extra), metrics_of(total, norm)
 
         step = jax.shard_map(body, mesh=self.mesh, in_specs=(specs, P(DATA)), out_specs=(specs, P()),
@@ -316,6 +349,8 @@ class TensorParallel:
         return (f"({DATA}, {TENSOR}) mesh {dict(self.mesh.shape)}: Megatron tensor parallelism over {self.tp} devices "
                 f"({sum(lay.axis is not None for lay in self.plan)} split leaves), {self.data} data replicas"
                 + (", sequence parallel" if self.sequence_parallel else "")
+                + (f", ZeRO-1 (each tensor rank's optimizer state split over its {self.data} data replicas)"
+                   if self.zero_stage else "")
                 + (", logits split by vocabulary into the loss (parallel_output)" if self.parallel_output else "")
                 + whole_note(self.plan))
 
@@ -323,6 +358,7 @@ class TensorParallel:
         """The split, and the compiled step's all-reduces within the tensor groups: forward (Megatron's g) and
         backward (f's transpose), per transformer block."""
         out = {"devices": self.mesh.size, "mesh": dict(self.mesh.shape), "tensor_parallel": self.tp,
+               "zero_stage": self.zero_stage,
                "split_leaves": sum(lay.axis is not None for lay in self.plan)}
         if self._batch_spec is not None:
             forward, backward = tensor_all_reduces(self.hlo(placed), self.mesh)
@@ -375,7 +411,7 @@ def build(model: nnx.Module, tx: optax.GradientTransformation, cfg: Config, loss
 
     return TensorParallel(model, tx, tensor_parallel=tp, sequence_parallel=cfg.sequence_parallel,
                           parallel_output=None if cfg.parallel_output else False, mesh=mesh,
-                          batch_size=cfg.batch_size, loss_fn=loss_fn,
+                          batch_size=cfg.batch_size, loss_fn=loss_fn, zero_stage=cfg.zero_stage or 0,
                           per_sample={None: None, "on": True, "off": False}[cfg.per_sample],
                           compute_dtype=compute_dtype(cfg.precision),
                           activation_checkpoint_interval=cfg.activation_checkpoint_interval)

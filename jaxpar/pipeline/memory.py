@@ -25,7 +25,7 @@ def _bytes(tree) -> int:
     return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
 
 
-def _device_params(pipe, s: int) -> list:
+def device_params(pipe, s: int) -> list:
     """Stage s's weights as one of its devices holds them: 3-D, the shard of each leaf's tensor-plan spec."""
     mod = pipe.module
     specs = [mod.param_specs[j] for j in mod.stage_params[s]]
@@ -73,7 +73,7 @@ def table(pipe, layout) -> list[dict]:
     held = analysis.peak_inflight(sch)
     rows = []
     for s in range(mod.num_stages):
-        params = _device_params(pipe, s)
+        params = device_params(pipe, s)
         opt = jax.eval_shape(pipe.tx.init, params)
         if pipe.zero_stage:  # ZeRO-1: one replica's block of the stage's flat moments
             size = pipe.engine.zero[s].plan.shard_size

@@ -188,12 +188,12 @@ class Pipeline:
                              compiler_options=compiler_options)
         self.zero_stage = zero_stage
         if zero_stage:  # the flat slices' update must equal the stage's: elementwise transforms only
-            from jaxpar.pipeline.memory import _device_params
+            from jaxpar.pipeline.memory import device_params
             from jaxpar.strategies import zero1, zero_optim
 
             zero_optim.check(tx, jax.tree.unflatten(module.param_treedef, module.param_specs))
             lays = module.tensor_layouts
-            self.engine.zero = {s: zero1.of(self.transport.meshes[s], _device_params(self, s),
+            self.engine.zero = {s: zero1.of(self.transport.meshes[s], device_params(self, s),
                                             [None if lays is None else lays[j].axis for j in module.stage_params[s]])
                                 for s in range(S)}
         self.engine.state_specs = None  # set by init, from the canonical model state

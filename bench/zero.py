@@ -14,7 +14,9 @@ metrics' small psum included) and the compiled step's temporaries (activations, 
 optimizer's scratch; not part of the formula).
 Megatron TP on the same devices (T the largest divisor of the heads and the device count, the rest data replicas,
 GPT-2's vocabulary padded to 50304): what its placement puts on one device, the token embedding split by
-vocabulary rows (VocabParallelEmbedding) and, beside it, kept whole; gradients are the parameters' shape. Then
+vocabulary rows (VocabParallelEmbedding) and, beside it, kept whole, and split with ZeRO-1 on top (Megatron's
+distributed optimizer: each tensor rank's Adam moments split over the data replicas); gradients are the
+parameters' shape. Then
 (--sequence-parallel, on by default) the compiled TP step's temporaries at T=2 without and with Megatron's
 sequence parallelism, and (--parallel-output, on by default) with GPT-2's vocabulary, the head's logits all-gathered
 for the loss against kept split into Megatron's vocab_parallel_cross_entropy.
@@ -183,7 +185,9 @@ def tp_rows(names: list[str], devices: int) -> list[dict]:
 
     import jaxpar
     from jaxpar.models import gpt
-    from jaxpar.strategies import zero
+    from jax.sharding import PartitionSpec as P
+
+    from jaxpar.strategies import zero, zero1
     from jaxpar.strategies.tensor import Layout, leaf_specs, tensor_plan
 
     tx, out = optax.adam(1e-3), []
@@ -210,6 +214,16 @@ def tp_rows(names: list[str], devices: int) -> list[dict]:
             psi = sum(a.size for a in jax.tree.leaves(state.params))
             out.append({"model": name, "tp": tp, "wte": label, "params": params, "gradients": params,
                         "optimizer": opt, "total": 2 * params + opt, "ddp": 16 * psi, "num_params": psi})
+        # + ZeRO-1 (Megatron's distributed optimizer): the moments as TensorParallel(zero_stage=1) places them
+        leaves = jax.tree.leaves(state.params)
+        layout = zero1.of(mesh, zero1.device_leaves(leaves, [lay.spec(len(a.shape)) for a, lay in zip(leaves, plan)],
+                                                    mesh), [lay.axis for lay in plan])
+        shard = jax.eval_shape(tx.init, {"shard": jax.ShapeDtypeStruct((layout.plan.shard_size,), np.float32)})
+        flat = [jax.ShapeDtypeStruct((tp, (devices // tp) * a.shape[0]) if a.ndim else a.shape, a.dtype,
+                                     sharding=NamedSharding(mesh, layout.spec if a.ndim else P()))
+                for a in jax.tree.leaves(shard)]
+        params, opt = out[-2]["params"], zero.held_bytes(flat, device)
+        out.append({**out[-2], "wte": "vocab split, ZeRO-1", "optimizer": opt, "total": 2 * params + opt})
     return out
 
 

@@ -173,15 +173,18 @@ def test_hlo_has_megatrons_two_all_reduces_per_block_each_way():
     assert report["tensor_all_reduces_forward"] == report["tensor_all_reduces_backward"] == each_way
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_zero_1_splits_each_tensor_ranks_optimizer_state_over_the_data_replicas(sequence_parallel):
+@pytest.mark.parametrize("sequence_parallel,reduce", [(False, "reduce_scatter"), (True, "reduce_scatter"),
+                                                      (False, "all_reduce")])
+def test_zero_1_splits_each_tensor_ranks_optimizer_state_over_the_data_replicas(sequence_parallel, reduce):
     """Megatron's distributed optimizer: 2-way tensor x 4-way data, each tensor rank's slices one flat vector whose
-    momentum is split over the 4 data replicas ([T, D S] on the mesh, one block a device); after 3 steps the
-    parameters, the canonical optimizer state and the metrics equal the single step's, and the state round trips."""
+    momentum is split over the 4 data replicas ([T, D S] on the mesh, one block a device), the gradient
+    reduce-scattered into the blocks (or all-reduced whole); after 3 steps the parameters, the canonical optimizer
+    state and the metrics (the gradient norm from the blocks, each whole leaf counted once) equal the single
+    step's, and the state round trips."""
     tp, devices = 2, 8
     mesh = Mesh(np.array(jax.devices()[:devices]).reshape(devices // tp, tp), (DATA, TENSOR))
     strategy = TensorParallel(model(), TX, tensor_parallel=tp, mesh=mesh, sequence_parallel=sequence_parallel,
-                              zero_stage=1)
+                              zero_stage=1, zero_reduce=reduce)
     placed = strategy.init(jaxpar.init_state(model(), TX))
     for b, single in zip(batches(), single_run()[1]):
         placed, metrics = strategy.step(placed, strategy.put_batch(b))
@@ -197,10 +200,31 @@ def test_zero_1_splits_each_tensor_ranks_optimizer_state_over_the_data_replicas(
     assert {s.data.shape for s in trace.addressable_shards} == {(1, plan.shard_size)}
     numel = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(ref.params))
     assert sum(int(np.prod(i.shape)) for i in plan.leaves) < numel  # the plan covers one rank's slices
-    assert "ZeRO-1" in strategy.describe() and strategy.report(placed)["zero_stage"] == 1
+    assert "ZeRO-1" in strategy.describe() and strategy.report(placed)["zero_reduce"] == reduce
     again = strategy.unplace(strategy.init(ref))  # non-zero moments placed and back (checkpoints)
     for a, b in zip(jax.tree.leaves(again.opt_state), jax.tree.leaves(ref.opt_state)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_zero_1_by_reduce_scatter_sends_what_the_all_reduce_does():
+    """Over the data replicas, per device and step (the compiled steps' collectives, ring costs): tp alone
+    all-reduces the gradient (2 (D-1)/D x its bytes); ZeRO-1 by reduce-scatter sends the same, a reduce-scatter
+    and the weights' all-gather; ZeRO-1 after an all-reduce adds the all-gather on top, 1.5x."""
+    from jaxpar.comm.cost import hlo_bytes_per_device
+
+    tp, devices = 2, 8
+    mesh = Mesh(np.array(jax.devices()[:devices]).reshape(devices // tp, tp), (DATA, TENSOR))
+    sent = {}
+    for key, kw in {"tp": {}, "reduce_scatter": dict(zero_stage=1), "all_reduce": dict(
+            zero_stage=1, zero_reduce="all_reduce")}.items():
+        strategy = TensorParallel(model(), TX, tensor_parallel=tp, mesh=mesh, **kw)
+        placed = strategy.init(jaxpar.init_state(model(), TX))
+        placed, _ = strategy.step(placed, strategy.put_batch(batches()[0]))
+        sent[key] = max(hlo_bytes_per_device(strategy.hlo(placed), devices))
+    assert sent["reduce_scatter"] == pytest.approx(sent["tp"], rel=0.02)
+    extra = sent["all_reduce"] - sent["tp"]  # the all-gather of the flat weights: (D-1)/D of them, padded
+    local = sum(int(np.prod(i.shape)) for i in strategy.zero.plan.leaves)
+    assert extra == pytest.approx(4 * local * 3 / 4, rel=0.02)
 
 
 def sequence_parallel_run(devices: int, tp: int):

@@ -117,6 +117,9 @@ def validate(cfg: Config) -> None:
     if cfg.activation_checkpoint_interval < 0:
         raise ValueError(f"--activation-checkpoint-interval {cfg.activation_checkpoint_interval} must be >= 0; pass 0 "
                          "(keep every activation) or N (recompute each N-layer segment in the backward).")
+    if cfg.zero_reduce is not None and cfg.strategy not in ("zero", "pipeline", "tp"):
+        raise ValueError(f"--zero-reduce {cfg.zero_reduce} sets how ZeRO-1 reduces gradients under --strategy zero, "
+                         f"tp or pipeline, not {cfg.strategy}; use one of those, or drop --zero-reduce.")
     if cfg.zero_stage is not None and cfg.strategy not in ("zero", "pipeline", "tp"):
         raise ValueError(f"--zero-stage {cfg.zero_stage} partitions state over data replicas under --strategy zero "
                          f"(1-3), pipeline or tp (1), not {cfg.strategy}; use one of those, or drop --zero-stage.")

@@ -118,7 +118,7 @@ class Pipeline:
                  partition_method: str = "parameters", activation_checkpoint_interval: int = 0, mesh=None,
                  batch_size: int | None = None, example_input=None, seed: int = 0, compiler_options: dict | None = None,
                  tensor_parallel: int = 1, sequence_parallel: bool = False, parallel_output: bool | None = None,
-                 zero_stage: int = 0, **objective_options):
+                 zero_stage: int = 0, zero_reduce: str = "all_reduce", **objective_options):
         if not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"micro_batches={micro_batches!r} must be an int >= 1; pass --micro-batches 1 or more.")
         T = tensor_parallel
@@ -129,6 +129,10 @@ class Pipeline:
                              "state partitioned over its data replicas); DeepSpeed refuses stages 2 and 3 with "
                              "pipeline parallelism (their gradient and weight partitions would be reduced and gathered "
                              "every micro-batch): pass 0 or 1, or use --strategy zero for stages 2-3.")
+        if zero_reduce != "all_reduce":
+            raise ValueError(f"zero_reduce={zero_reduce!r}: the pipeline's ZeRO-1 all-reduces each stage's gradient "
+                             "(the tied weights are summed across stages on whole gradients; DeepSpeed's "
+                             "reduce_scatter: false); pass all_reduce, or drop --zero-reduce.")
         if mesh is not None and mesh.shape.get(TENSOR, 1) != T:
             raise ValueError(f"mesh {dict(mesh.shape)} must have a {TENSOR!r} axis of tensor_parallel={T}; build it "
                              "with jaxpar.strategies.pipeline.pipeline_mesh(devices, num_stages, tensor_parallel).")
@@ -465,6 +469,7 @@ def build(model: nnx.Module, tx: optax.GradientTransformation, cfg: Config, loss
                     mesh=pipeline_mesh(cfg.num_devices, cfg.num_stages, cfg.tensor_parallel),
                     tensor_parallel=cfg.tensor_parallel, sequence_parallel=cfg.sequence_parallel,
                     zero_stage=0 if cfg.zero_stage is None else cfg.zero_stage,
+                    zero_reduce=cfg.zero_reduce or "all_reduce",
                     parallel_output=None if cfg.parallel_output else False,
                     batch_size=cfg.batch_size,
                     example_input=example, seed=cfg.seed, per_sample=per_sample,

@@ -178,12 +178,15 @@ class TensorParallel:
     def __init__(self, model: nnx.Module, tx: optax.GradientTransformation, *, tensor_parallel: int = 2,
                  sequence_parallel: bool = False, parallel_output: bool | None = None, loss_fn=None,
                  mesh: Mesh | None = None, batch_size: int | None = None, zero_stage: int = 0,
-                 **objective_options):
+                 zero_reduce: str = "reduce_scatter", **objective_options):
         n = jax.device_count() if mesh is None else mesh.size
         if zero_stage not in (0, 1) or isinstance(zero_stage, bool):
             raise ValueError(f"zero_stage={zero_stage!r}: tensor parallelism takes ZeRO stage 0 or 1 (the optimizer "
                              "state of each tensor rank's slices partitioned over the data replicas: Megatron's "
                              "distributed optimizer); pass 0 or 1.")
+        if zero_reduce not in ("reduce_scatter", "all_reduce"):
+            raise ValueError(f"zero_reduce={zero_reduce!r} is not known; use reduce_scatter (Megatron's distributed "
+                             "optimizer) or all_reduce.")
         if tensor_parallel < 1 or n % tensor_parallel:
             raise ValueError(f"--tensor-parallel {tensor_parallel} must be >= 1 and divide the {n} devices; use a "
                              f"divisor of {n}.")
@@ -219,7 +222,7 @@ class TensorParallel:
         self.share = None if batch_size is None else round_up(math.ceil(batch_size / jax.process_count()),
                                                               self.multiple)
         self._step = self._batch_spec = None
-        self.zero_stage, self.zero = zero_stage, None
+        self.zero_stage, self.zero, self.zero_reduce = zero_stage, None, zero_reduce
 
     # -- placement -----------------------------------------------------------------------------------------
 
@@ -297,7 +300,7 @@ class TensorParallel:
 
     def _compile(self, specs: TrainState):
         objective, tx, plan, needs_norm, zero1 = self.objective, self.tx, self.plan, self.needs_norm, self.zero
-        sp = self.sequence_parallel
+        sp, scatter = self.sequence_parallel, zero1 is not None and self.zero_reduce == "reduce_scatter"
         sharded = [lay.axis is not None for lay in plan]
 
         def body(state: TrainState, rows: Rows):
@@ -309,18 +312,24 @@ class TensorParallel:
             if sp:  # replicated leaves saw only this rank's tokens (LayerNorms, positions, row biases): sum them
                 leaves, treedef = jax.tree.flatten(grads)
                 grads = jax.tree.unflatten(treedef, [g if s else lax.psum(g, TENSOR) for g, s in zip(leaves, sharded)])
-            grads = lax.psum(grads, DATA)
-            # ONE small psum over the whole mesh adds the metrics (tensor rank 0's: the ranks' are equal) and the
-            # gradient's squared norm (data rank 0's, as the gradient is reduced: every rank's slices, rank 0's
-            # replicated leaves) -- no collective of the norm's own
             leaves, zero = jax.tree.leaves(grads), jnp.zeros((), jnp.float32)
             first_t, first_d = lax.axis_index(TENSOR) == 0, lax.axis_index(DATA) == 0
-            local = squared_norm([g for g, s in zip(leaves, sharded) if s])
-            whole = squared_norm([g for g, s in zip(leaves, sharded) if not s])
-            squared = jnp.where(first_d, local + jnp.where(first_t, whole, zero), zero)
+            if scatter:  # ZeRO-1: one reduce-scatter; each replica's block of the sum, its squared norm its part
+                block = zero1.reduce_scatter(leaves)
+                counted = jnp.where(zero1.replicated_mask(block.dtype) > 0, first_t, True)  # whole leaves: rank 0's
+                squared = jnp.sum(jnp.where(counted, jnp.square(block.astype(jnp.float32)), 0.0))
+            else:
+                grads = lax.psum(grads, DATA)
+                # ONE small psum over the whole mesh adds the metrics (tensor rank 0's: the ranks' are equal) and
+                # the gradient's squared norm (data rank 0's, as the gradient is reduced: every rank's slices, rank
+                # 0's replicated leaves) -- no collective of the norm's own
+                leaves = jax.tree.leaves(grads)
+                local = squared_norm([g for g, s in zip(leaves, sharded) if s])
+                whole = squared_norm([g for g, s in zip(leaves, sharded) if not s])
+                squared = jnp.where(first_d, local + jnp.where(first_t, whole, zero), zero)
             mine = jax.tree.map(lambda a: jnp.where(first_t, a, jnp.zeros_like(a)), sums)
             total, squared = psum_sums(mine, (DATA, TENSOR), None, squared)
-            grads = jax.tree.map(lambda g: g / total.weight, grads)
+            grads = jax.tree.map(lambda g: g / total.weight, grads) if not scatter else None
             norm = jnp.sqrt(squared) / total.weight
             extra = {"global_norm": norm} if needs_norm else {}
             model_state = advance_rng(new_state, state.model_state)
@@ -328,8 +337,10 @@ class TensorParallel:
                 model_state = from_replica_0(model_state, DATA)
             if zero1 is not None:  # ZeRO-1: this replica's block of its slices, then one all-gather over DATA
                 leaves, treedef = jax.tree.flatten(state.params)
+                grad_block = block / total.weight if scatter else None
                 params, opt_state = zero1.local_update(optax.with_extra_args_support(tx), leaves, state.opt_state,
-                                                      jax.tree.leaves(grads), **extra)
+                                                      None if scatter else jax.tree.leaves(grads),
+                                                      grad_block=grad_block, **extra)
                 return TrainState(jax.tree.unflatten(treedef, params), opt_state, model_state,
                                   state.step + 1), metrics_of(total, norm)
             return apply_updates(tx, state, grads, model_state, **extra), metrics_of(total, norm)
@@ -349,8 +360,8 @@ class TensorParallel:
         return (f"({DATA}, {TENSOR}) mesh {dict(self.mesh.shape)}: Megatron tensor parallelism over {self.tp} devices "
                 f"({sum(lay.axis is not None for lay in self.plan)} split leaves), {self.data} data replicas"
                 + (", sequence parallel" if self.sequence_parallel else "")
-                + (f", ZeRO-1 (each tensor rank's optimizer state split over its {self.data} data replicas)"
-                   if self.zero_stage else "")
+                + (f", ZeRO-1 (each tensor rank's optimizer state split over its {self.data} data replicas, "
+                   f"gradients by {self.zero_reduce.replace('_', '-')})" if self.zero_stage else "")
                 + (", logits split by vocabulary into the loss (parallel_output)" if self.parallel_output else "")
                 + whole_note(self.plan))
 
@@ -358,7 +369,7 @@ class TensorParallel:
         """The split, and the compiled step's all-reduces within the tensor groups: forward (Megatron's g) and
         backward (f's transpose), per transformer block."""
         out = {"devices": self.mesh.size, "mesh": dict(self.mesh.shape), "tensor_parallel": self.tp,
-               "zero_stage": self.zero_stage,
+               "zero_stage": self.zero_stage, "zero_reduce": self.zero_reduce if self.zero_stage else None,
                "split_leaves": sum(lay.axis is not None for lay in self.plan)}
         if self._batch_spec is not None:
             forward, backward = tensor_all_reduces(self.hlo(placed), self.mesh)
@@ -412,6 +423,7 @@ def build(model: nnx.Module, tx: optax.GradientTransformation, cfg: Config, loss
     return TensorParallel(model, tx, tensor_parallel=tp, sequence_parallel=cfg.sequence_parallel,
                           parallel_output=None if cfg.parallel_output else False, mesh=mesh,
                           batch_size=cfg.batch_size, loss_fn=loss_fn, zero_stage=cfg.zero_stage or 0,
+                          zero_reduce=cfg.zero_reduce or "reduce_scatter",
                           per_sample={None: None, "on": True, "off": False}[cfg.per_sample],
                           compute_dtype=compute_dtype(cfg.precision),
                           activation_checkpoint_interval=cfg.activation_checkpoint_interval)

@@ -94,10 +94,24 @@ class StageZero(NamedTuple):
         return jax.tree.unflatten(outer, [jax.tree.map(lambda _, k=kind: self.spec if k else P(), x)
                                           for x, kind in zip(leaves, kinds)])
 
-    def local_update(self, tx, params: list, opt_state, grads: list, **extra) -> tuple[list, Any]:
+    def reduce_scatter(self, grads: list) -> jax.Array:
+        """Inside shard_map: this device's un-reduced gradient leaves summed over DATA, this replica keeping its
+        block [S] of the flat vector: one reduce-scatter (Megatron's distributed optimizer, DeepSpeed's stage 1
+        with ``reduce_scatter: true``) in place of the all-reduce."""
+        return sh.reduce_scatter_group(sh.group_buffer(self.plan, 0, grads), DATA)
+
+    def replicated_mask(self, dtype) -> jax.Array:
+        """This replica's block [S] of 1.0 where an element belongs to a leaf every tensor rank holds whole (its
+        squared norm is counted on tensor rank 0 only), 0.0 where to a tensor rank's own slice."""
+        ones = [jnp.full(i.shape, 0.0 if ax is not None else 1.0, dtype) for i, ax in zip(self.plan.leaves, self.axes)]
+        return sh.shard_of(self.plan, ones, DATA)
+
+    def local_update(self, tx, params: list, opt_state, grads: list | None, *, grad_block: jax.Array | None = None,
+                     **extra) -> tuple[list, Any]:
         """Inside shard_map over the mesh: this replica's block of its flat weights updated with its block of
-        `grads` (whole on every replica, already divided by the batch weight), then one all-gather over DATA; the
-        weights (this device's leaves) and the flat state. `tx` takes optax extra args (the global norm)."""
+        `grads` (whole on every replica, already divided by the batch weight) or `grad_block` (the block itself,
+        from `reduce_scatter`), then one all-gather over DATA; the weights (this device's leaves) and the flat
+        state. `tx` takes optax extra args (the global norm)."""
         plan = self.plan
         _, kinds, _ = zero_optim.flat_state_shapes(tx, _as_tree(plan), 7, jnp.float32)
 
@@ -108,7 +122,7 @@ class StageZero(NamedTuple):
                                              for x, kind in zip(parts, kinds)])
 
         p = sh.shard_of(plan, params, DATA)
-        g = sh.shard_of(plan, grads, DATA)
+        g = sh.shard_of(plan, grads, DATA) if grad_block is None else grad_block
         decay = sh.shard_of(plan, zero_optim.decay_leaves([i.shape for i in plan.leaves], jnp, g.dtype), DATA)
         updates, opt_state = tx.update(zero_optim.flat_tree(g), squeeze(opt_state, False), zero_optim.flat_tree(p),
                                        decay_mask=zero_optim.flat_tree(decay), **extra)  # masked decay's rule

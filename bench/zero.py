@@ -43,6 +43,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--memory", default="gpt-nano,gpt-micro,gpt-mini,gpt-cpu,gpt2,gpt2-medium",
                    help="GPT configs for the memory table, comma separated ('' for none)")
     p.add_argument("--time", default="gpt-nano,gpt-micro,gpt-mini", help="GPT configs for the step time ('' for none)")
+    p.add_argument("--tp-time", default="gpt-micro", help="GPT configs for TP's step time alone and with ZeRO-1 "
+                   "('' for none)")
     p.add_argument("--batch", type=int, default=16, help="global batch (sequences) of the timed steps")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence of the timed steps")
     p.add_argument("--steps", type=int, default=5, help="timed steps per round")
@@ -122,54 +124,96 @@ def memory_rows(names: list[str], devices: int) -> list[dict]:
     return out
 
 
-def time_rows(names: list[str], devices: int, batch: int, seq_len: int, steps: int, repeats: int) -> list[dict]:
-    """Per config: every strategy compiled and warmed up, then `repeats` rounds that alternate between them (load
-    from elsewhere hits them alike); a round's time is the median of its `steps` steps, the best round counts."""
+def _timed(built: dict, state, data: dict, devices: int, steps: int, repeats: int) -> dict:
+    """name -> (ms per step: the best round's median, seconds of the first two steps, compiled temporaries,
+    bytes sent per device, the loss of one more step): every strategy of `built` compiled and warmed up, then `repeats`
+    rounds that alternate between them (load from elsewhere hits them alike)."""
     import jax
+
+    from jaxpar.comm import cost as comm_cost
+
+    runs = {}
+    for s, st in built.items():
+        placed, rows = st.init(state), st.put_batch(data)
+        start = time.perf_counter()
+        for _ in range(2):
+            placed, metrics = st.step(placed, rows)
+        jax.block_until_ready(metrics)
+        compiled = st._step.lower(placed, rows).compile()
+        temp = compiled.memory_analysis().temp_size_in_bytes
+        sent = max(comm_cost.hlo_bytes_per_device(compiled.as_text(), devices))
+        runs[s] = [st, placed, rows, time.perf_counter() - start, (temp, sent), []]
+    for _ in range(repeats):
+        for s, run in runs.items():
+            st, placed, rows = run[:3]
+            times = []
+            for _ in range(steps):
+                start = time.perf_counter()
+                placed, metrics = st.step(placed, rows)
+                jax.block_until_ready(metrics)
+                times.append(time.perf_counter() - start)
+            run[1] = placed
+            run[5].append(statistics.median(times))
+    return {s: (1e3 * min(rounds), compile_s, temp, sent, float(st.step(placed, rows)[1]["loss"]))
+            for s, (st, placed, rows, compile_s, (temp, sent), rounds) in runs.items()}
+
+
+def _byte_batch(batch: int, seq_len: int) -> dict:
     import numpy as np
+
+    tokens = np.random.default_rng(0).integers(0, 256, (batch, seq_len + 1)).astype(np.int32)
+    return {"x": tokens[:, :-1], "y": tokens[:, 1:]}
+
+
+def time_rows(names: list[str], devices: int, batch: int, seq_len: int, steps: int, repeats: int) -> list[dict]:
+    """Per config: DDP and ZeRO stages 1-3 timed by _timed."""
     import optax
     from flax import nnx
 
     import jaxpar
-    from jaxpar.comm import cost as comm_cost
     from jaxpar.models import gpt
 
-    tx, out = optax.adam(1e-3), []
-    tokens = np.random.default_rng(0).integers(0, 256, (batch, seq_len + 1)).astype(np.int32)
-    data = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
+    tx, out, data = optax.adam(1e-3), [], _byte_batch(batch, seq_len)
     for name in names:
         cfg = gpt.GPTConfig.named(name, vocab_size=256, block_size=seq_len)
         model = gpt.GPT(cfg, rngs=nnx.Rngs(params=0, dropout=0))
         objective = jaxpar.Objective.of(model)
-        runs = {}
-        for s in STRATEGIES:
-            st = strategy(s, objective, tx, devices, batch)
-            placed, rows = st.init(jaxpar.init_state(model, tx)), st.put_batch(data)
-            start = time.perf_counter()
-            for _ in range(2):
-                placed, metrics = st.step(placed, rows)
-            jax.block_until_ready(metrics)
-            compiled = st._step.lower(placed, rows).compile()
-            temp = compiled.memory_analysis().temp_size_in_bytes
-            sent = max(comm_cost.hlo_bytes_per_device(compiled.as_text(), devices))
-            runs[s] = [st, placed, rows, time.perf_counter() - start, (temp, sent), []]
-        for _ in range(repeats):
-            for s, run in runs.items():
-                st, placed, rows = run[:3]
-                times = []
-                for _ in range(steps):
-                    start = time.perf_counter()
-                    placed, metrics = st.step(placed, rows)
-                    jax.block_until_ready(metrics)
-                    times.append(time.perf_counter() - start)
-                run[1] = placed
-                run[5].append(statistics.median(times))
-        for s, (st, placed, rows, compile_s, (temp, sent), rounds) in runs.items():
+        built = {s: strategy(s, objective, tx, devices, batch) for s in STRATEGIES}
+        timed = _timed(built, jaxpar.init_state(model, tx), data, devices, steps, repeats)
+        for s, (step_ms, compile_s, temp, sent, loss) in timed.items():
             out.append({"model": name, "strategy": s, "num_params": model.num_params(non_embedding=False),
-                        "step_ms": 1e3 * min(rounds), "compile_s": compile_s, "step_temp": temp, "hlo_sent": sent,
-                        "loss": float(st.step(placed, rows)[1]["loss"])})
-            print(f"  {name:<12} {s:<7} {out[-1]['step_ms']:8.1f} ms/step (first two {compile_s:.0f} s)",
+                        "step_ms": step_ms, "compile_s": compile_s, "step_temp": temp, "hlo_sent": sent,
+                        "loss": loss})
+            print(f"  {name:<12} {s:<7} {step_ms:8.1f} ms/step (first two {compile_s:.0f} s)",
                   file=sys.stderr, flush=True)
+    return out
+
+
+def tp_time_rows(names: list[str], devices: int, batch: int, seq_len: int, steps: int, repeats: int) -> list[dict]:
+    """Megatron TP at T=2 x D=devices/2, alone and with ZeRO-1 (the gradient reduce-scattered, or all-reduced),
+    timed by _timed: what the distributed optimizer costs in step time and bytes sent."""
+    import jax
+    import numpy as np
+    import optax
+    from flax import nnx
+    from jax.sharding import Mesh
+
+    import jaxpar
+    from jaxpar.models import gpt
+    from jaxpar.strategies.tensor import TensorParallel
+
+    tx, out, data = optax.adam(1e-3), [], _byte_batch(batch, seq_len)
+    mesh = Mesh(np.array(jax.devices()[:devices]).reshape(devices // 2, 2), (jaxpar.DATA, jaxpar.TENSOR))
+    variants = {"tp": {}, "tp + zero-1": {"zero_stage": 1},
+                "tp + zero-1, all-reduce": {"zero_stage": 1, "zero_reduce": "all_reduce"}}
+    for name in names:
+        cfg = gpt.GPTConfig.named(name, vocab_size=256, block_size=seq_len)
+        fresh = lambda: gpt.GPT(cfg, rngs=nnx.Rngs(params=0, dropout=0))  # noqa: E731  (TP points its blocks)
+        built = {k: TensorParallel(fresh(), tx, tensor_parallel=2, mesh=mesh, **kw) for k, kw in variants.items()}
+        timed = _timed(built, jaxpar.init_state(fresh(), tx), data, devices, steps, repeats)
+        for k, (step_ms, _, temp, sent, loss) in timed.items():
+            out.append({"model": name, "variant": k, "step_ms": step_ms, "step_temp": temp, "hlo_sent": sent,
+                        "loss": loss})
     return out
 
 
@@ -360,6 +404,15 @@ def main(argv=None) -> dict:
     print(table(mem, times))
     if tp:
         print("\nMegatron tensor parallelism, the same devices (T x data): held per device\n" + tp_table(tp))
+    tp_times = tp_time_rows(split(args.tp_time), args.devices, args.batch, args.seq_len, args.steps, args.repeats)
+    if tp_times:
+        print(f"\nTP (T=2 x D={args.devices // 2}) alone and with ZeRO-1: step time, bytes sent per device\n"
+              "| model | variant | ms/step | vs tp | sent KiB | temporaries MiB | loss |\n"
+              "|---|---|---:|---:|---:|---:|---:|")
+        base = {r["model"]: r["step_ms"] for r in tp_times if r["variant"] == "tp"}
+        for r in tp_times:
+            print(f"| {r['model']} | {r['variant']} | {r['step_ms']:.1f} | {r['step_ms'] / base[r['model']]:.2f}x | "
+                  f"{r['hlo_sent'] / 1024:.1f} | {_mib(r['step_temp'])} | {r['loss']:.5f} |")
     if args.sequence_parallel:
         sp = sp_rows()
         print("\nSequence parallelism: the compiled TP step's temporaries, T=2\n| model | batch x seq | dropout | "
@@ -379,7 +432,7 @@ def main(argv=None) -> dict:
     if args.png and mem:
         plot(mem, times, args.png, args.devices)
         print(f"wrote {args.png}")
-    return {"memory": mem, "tp": tp, "time": times}
+    return {"memory": mem, "tp": tp, "time": times, "tp_time": tp_times}
 
 
 if __name__ == "__main__":

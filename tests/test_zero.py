@@ -199,6 +199,30 @@ DECAY_ALL = jaxpar.optim.make_optimizer("adamw", 1e-2, weight_decay=0.5)
 DECAY_MATRICES = jaxpar.optim.make_optimizer("adamw", 1e-2, weight_decay=0.5, decay_params="matrices")
 
 
+def test_a_mask_from_the_shard_positions_equals_the_shard_of_the_whole_mask():
+    """shards.shard_of_values (what ZeRO's steps feed the decay mask, and tp's ZeRO-1 its norm weights) forms only
+    the shard, from its positions; on 3 devices, two groups, uneven leaves and padding it equals the shard of the
+    whole per-leaf arrays."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from jaxpar.comm import shards as sh
+
+    leaves = [np.zeros(s, np.float32) for s in [(5,), (3, 4), (7,), (2, 2, 2)]]
+    plan = sh.shard_plan(leaves, 3, groups=[[0, 1], [2, 3]])
+    values = [1.0, 0.0, 2.5, -1.0]
+    mesh = Mesh(np.array(jax.devices()[:3]), ("data",))
+
+    def both(_):
+        whole = sh.shard_of(plan, [jnp.full(a.shape, v, jnp.float32) for a, v in zip(leaves, values)], "data")
+        return whole, sh.shard_of_values(plan, values, "data", jnp.float32)
+
+    whole, shard = jax.shard_map(both, mesh=mesh, in_specs=P("data"), out_specs=(P("data"), P("data")))(
+        jnp.zeros(3))
+    np.testing.assert_array_equal(np.asarray(shard), np.asarray(whole))
+    assert set(np.asarray(shard).tolist()) == {0.0, 1.0, 2.5, -1.0} and plan.padding > 0  # every value, padding
+
+
 @pytest.mark.parametrize("stage, n", [(2, 4), (3, 3)])  # stage 1 updates the same flat shard as stage 2
 def test_weight_decay_on_the_matrices_only_equals_single_device(stage, n):
     """nanoGPT's and Megatron's parameter groups (no decay on the LayerNorm scales) under ZeRO, whose optimizer sees

@@ -162,6 +162,19 @@ def all_gather_shards(shard: jax.Array, axis_name) -> jax.Array:
     return collectives.all_gather(shard, axis_name)
 
 
+def shard_of_values(plan: ShardPlan, values: Sequence[float], axis_name, dtype) -> jax.Array:
+    """This device's shard [S] of the flat vector holding values[i] on every element of leaf i (0 on the padding),
+    built from the positions of the shard alone: no array the size of the leaves is formed (a per-element mask,
+    e.g. the weight decay's rule or which elements belong to replicated leaves)."""
+    out = []
+    for g in plan.groups:
+        ends = np.cumsum([_numel(plan.leaves[i]) for i in g.leaves])
+        table = jnp.asarray([values[i] for i in g.leaves] + [0.0], dtype)
+        positions = lax.axis_index(axis_name) * g.chunk + jnp.arange(g.chunk)
+        out.append(table[jnp.searchsorted(jnp.asarray(ends), positions, side="right")])
+    return jnp.concatenate(out)
+
+
 def shard_of(plan: ShardPlan, leaves: Sequence[Any], axis_name) -> jax.Array:
     """This device's shard [S] of leaves every device holds whole (no communication: slices of each group)."""
     return jnp.concatenate([my_piece(group_buffer(plan, k, leaves), plan.num_devices, axis_name)

@@ -123,8 +123,8 @@ def zero_body(objective: Objective, tx, plan: sh.ShardPlan, stage: int, *, reduc
         norm = jnp.sqrt(squared) / total.weight
         p = state.params if stage == 3 else sh.shard_of(plan, jax.tree.leaves(state.params), axis_name)
         extra = {"global_norm": norm} if needs_norm else {}
-        decay = sh.shard_of(plan, zero_optim.decay_leaves([info.shape for info in plan.leaves], jnp, g.dtype),
-                            axis_name)  # masked weight decay's rule per element
+        decay = sh.shard_of_values(plan, zero_optim.decay_values([info.shape for info in plan.leaves]), axis_name,
+                                   g.dtype)  # masked weight decay's rule per element
         updates, opt_state = optax.with_extra_args_support(tx).update(
             zero_optim.flat_tree(g), state.opt_state, zero_optim.flat_tree(p), decay_mask=zero_optim.flat_tree(decay),
             **extra)

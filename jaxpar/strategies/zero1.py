@@ -103,8 +103,7 @@ class StageZero(NamedTuple):
     def replicated_mask(self, dtype) -> jax.Array:
         """This replica's block [S] of 1.0 where an element belongs to a leaf every tensor rank holds whole (its
         squared norm is counted on tensor rank 0 only), 0.0 where to a tensor rank's own slice."""
-        ones = [jnp.full(i.shape, 0.0 if ax is not None else 1.0, dtype) for i, ax in zip(self.plan.leaves, self.axes)]
-        return sh.shard_of(self.plan, ones, DATA)
+        return sh.shard_of_values(self.plan, [0.0 if ax is not None else 1.0 for ax in self.axes], DATA, dtype)
 
     def local_update(self, tx, params: list, opt_state, grads: list | None, *, grad_block: jax.Array | None = None,
                      **extra) -> tuple[list, Any]:
@@ -123,7 +122,7 @@ class StageZero(NamedTuple):
 
         p = sh.shard_of(plan, params, DATA)
         g = sh.shard_of(plan, grads, DATA) if grad_block is None else grad_block
-        decay = sh.shard_of(plan, zero_optim.decay_leaves([i.shape for i in plan.leaves], jnp, g.dtype), DATA)
+        decay = sh.shard_of_values(plan, zero_optim.decay_values([i.shape for i in plan.leaves]), DATA, g.dtype)
         updates, opt_state = tx.update(zero_optim.flat_tree(g), squeeze(opt_state, False), zero_optim.flat_tree(p),
                                        decay_mask=zero_optim.flat_tree(decay), **extra)  # masked decay's rule
         p = optax.apply_updates(zero_optim.flat_tree(p), updates)[zero_optim.KEY]

@@ -116,17 +116,17 @@ def check(tx: optax.GradientTransformation, params, rtol: float = 1e-5) -> bool:
                      f"update of the whole tree, so ZeRO's 1/N slices would not equal the single-device step; {FIX}.")
 
 
-def decay_leaves(shapes, xp=np, dtype=np.float32) -> list:
-    """Per leaf of these shapes, its weight-decay mask (1.0: decayed) by jaxpar.optim's rule: what ZeRO packs into
+def decay_values(shapes) -> list[float]:
+    """Per leaf of these shapes, 1.0 where jaxpar.optim's rule decays it, else 0.0: what ZeRO packs per element into
     optax's extra argument ``decay_mask`` for jaxpar.optim.add_decayed_weights_to_matrices."""
     from jaxpar.optim import decays
 
-    return [xp.full(tuple(s), float(decays(tuple(s))), dtype) for s in shapes]
+    return [float(decays(tuple(s))) for s in shapes]
 
 
 def decay_mask(shapes) -> np.ndarray:
-    """`decay_leaves` raveled and concatenated in order: the mask of one flat vector of those leaves."""
-    return np.concatenate([np.ravel(m) for m in decay_leaves(shapes)])
+    """`decay_values` spread over each leaf's elements, in order: the mask of one flat vector of those leaves."""
+    return np.concatenate([np.full(int(np.prod(s)), v, np.float32) for s, v in zip(shapes, decay_values(shapes))])
 
 
 def to_flat(tx, plan: shard_lib.ShardPlan, params, opt_state) -> list:

@@ -139,10 +139,13 @@ class CausalSelfAttention(nnx.Module):
         if self.tensor_axis is not None:
             return self._tensor_parallel(x_BxTxC)
         b, t, c = x_BxTxC.shape
-        q_BxTxNxH, k_BxTxNxH, v_BxTxNxH = (a.reshape(b, t, self.n_head, c // self.n_head)
-                                           for a in jnp.split(self.c_attn(x_BxTxC), 3, axis=-1))
-        y_BxTxNxH = self._core_attention(q_BxTxNxH, k_BxTxNxH, v_BxTxNxH)
+        y_BxTxNxH = self._core_attention(*self.qkv(x_BxTxC))
         return self.resid_dropout(self.c_proj(y_BxTxNxH.reshape(b, t, c)))
+
+    def qkv(self, x_BxTxC: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q, k, v [B, T, heads, head size] from the fused c_attn (the unsplit model's)."""
+        b, t, c = x_BxTxC.shape
+        return tuple(a.reshape(b, t, self.n_head, c // self.n_head) for a in jnp.split(self.c_attn(x_BxTxC), 3, -1))
 
     def _core_attention(self, q_BxTxNxH, k_BxTxNxH, v_BxTxNxH) -> jax.Array:
         """Megatron's core attention, from q, k, v to the heads' outputs; under selective recompute its backward

@@ -121,9 +121,7 @@ def forward_cached(model, idx_BxT: jax.Array, start, cache: list | None, cache_l
     out = []
     for i, block in enumerate(model.h):
         attn = block.attn
-        c = x_BxTxC.shape[-1]
-        q_BxTxNxH, k_BxTxNxH, v_BxTxNxH = (a.reshape(b, t, attn.n_head, c // attn.n_head)
-                                           for a in jnp.split(attn.c_attn(block.ln_1(x_BxTxC)), 3, axis=-1))
+        q_BxTxNxH, k_BxTxNxH, v_BxTxNxH = attn.qkv(block.ln_1(x_BxTxC))
         if cache is None:
             k_BxLxNxH = jnp.zeros((b, cache_len) + k_BxTxNxH.shape[2:], k_BxTxNxH.dtype)
             v_BxLxNxH = jnp.zeros_like(k_BxLxNxH)
@@ -136,7 +134,7 @@ def forward_cached(model, idx_BxT: jax.Array, start, cache: list | None, cache_l
             visible_TxL = jnp.arange(cache_len)[None, :] <= (start + jnp.arange(t))[:, None]
             y_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, k_BxLxNxH, v_BxLxNxH, mask=visible_TxL[None, None],
                                                      implementation="xla")
-        x_BxTxC = x_BxTxC + attn.c_proj(y_BxTxNxH.reshape(b, t, c))  # resid_dropout is off in eval
+        x_BxTxC = x_BxTxC + attn.c_proj(y_BxTxNxH.reshape(b, t, -1))  # resid_dropout is off in eval
         x_BxTxC = x_BxTxC + block.mlp(block.ln_2(x_BxTxC))
         out.append((k_BxLxNxH, v_BxLxNxH))
     return model.layers[-1](x_BxTxC[:, -1:])[:, 0], out  # the head on the last position only

@@ -259,7 +259,7 @@ class ZeroRedundancy:
 
     def unplace(self, placed) -> TrainState:
         """The canonical single-device TrainState (jaxpar.init_state's tree), gathered from the pieces."""
-        flat = lambda a: _host(a).reshape(self.mesh.size, -1)  # noqa: E731
+        flat = lambda a: zero_optim.gather_to_host(a).reshape(self.mesh.size, -1)  # noqa: E731
         abstract = self._abstract_params()
         _, kinds, _ = zero_optim.layouts(self.tx, abstract)
         leaves = jax.tree.flatten(placed.opt_state, is_leaf=zero_optim.is_flat)[0]
@@ -366,15 +366,6 @@ def held_bytes(tree, device) -> int:
 def _first(a) -> jax.Array:
     """This process's first copy of a replicated leaf, as a fresh single-device array (the step donates)."""
     return jnp.array(a.addressable_data(0), copy=True)
-
-
-def _host(a) -> np.ndarray:
-    """A sharded global array whole, on the host (gathered across processes when it spans several)."""
-    if not a.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
-        a = multihost_utils.process_allgather(a, tiled=True)
-    return np.asarray(a)
 
 
 def build(model: nnx.Module, tx: optax.GradientTransformation, cfg: Config, loss_fn=None) -> ZeroRedundancy:

@@ -5,15 +5,18 @@ stage's mesh) and by `tp` (on its whole mesh).
 
 The leaves one device holds (under tensor parallelism: its tensor rank's slices) are one flat vector padded to D
 (`jaxpar.comm.shards`, ZeRO's own plan); data replica r keeps element block r of every optimizer moment, so a
-moment is a [T, D S] array, row t split over DATA. At the step's end the gradient is whole on every replica
-(summed over the replicas, as without ZeRO: DeepSpeed's stage 1 with ``reduce_scatter: false``); each replica
-updates its block with the optimizer on the flat slice and the blocks are all-gathered into its weights again.
+moment is a [T, D S] array, row t split over DATA. At the step's end each replica gets its block of the summed
+gradient: `tp` reduce-scatters it (Megatron's way, DeepSpeed's ``reduce_scatter: true``), the pipeline takes it
+from the whole gradient it all-reduces (``reduce_scatter: false``: its tied weights are summed across stages on
+whole gradients). Each replica updates its block with the optimizer on the flat slice and the blocks are
+all-gathered into its weights again.
 That equals the update without ZeRO only for elementwise optimizers, which `zero_optim.check` proves before
 training.
 
     zero = zero1.of(mesh, device_leaves, axes)              # the plan over one device's leaves
     opt_state = zero.place(tx, params, opt_state)             # canonical (tensor order) -> flat, sharded
-    params, opt_state = zero.local_update(tx, params, opt_state, grads, ...)   # inside shard_map
+    block = zero.reduce_scatter(grads)                        # inside shard_map (or the whole grads below)
+    params, opt_state = zero.local_update(tx, params, opt_state, None, grad_block=block / weight, ...)
     opt_state = zero.unplace(tx, params, opt_state)           # back, host arrays, for checkpoints
 """
 from __future__ import annotations
@@ -59,7 +62,7 @@ class StageZero(NamedTuple):
         """The stage's canonical optimizer state (whole leaves, tensor order) as the flat one: each moment one
         [T, D S] array placed by `spec`; shared scalars (a step count) replicated."""
         _, kinds, outer = zero_optim.layouts(tx, params_tree)
-        leaves = jax.tree.flatten(opt_state, is_leaf=_like(params_tree))[0]
+        leaves = jax.tree.flatten(opt_state, is_leaf=zero_optim._like(jax.tree.structure(params_tree)))[0]
         rep = NamedSharding(self.mesh, P())
         out = []
         for x, kind in zip(leaves, kinds):
@@ -83,7 +86,7 @@ class StageZero(NamedTuple):
             if not kind:
                 out.append(jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), x))
                 continue
-            flat = _host(x[zero_optim.KEY])
+            flat = zero_optim.gather_to_host(x[zero_optim.KEY])
             per_rank = [sh.unpack(self.plan, row.reshape(self.plan.num_devices, -1)) for row in flat]
             out.append(jax.tree.unflatten(treedef, self._whole(per_rank)))
         return jax.tree.unflatten(outer, out)
@@ -146,23 +149,9 @@ class StageZero(NamedTuple):
         return jit(mapped, donate_argnums=(0, 1, 3))
 
 
-def _like(tree):
-    treedef = jax.tree.structure(tree)
-    return lambda x: jax.tree.structure(x) == treedef
-
-
 def _as_tree(plan: sh.ShardPlan) -> list:
     """The plan's leaves as ShapeDtypeStructs: a parameter tree's stand-in for the optimizer's state layout."""
     return [jax.ShapeDtypeStruct(info.shape, info.dtype) for info in plan.leaves]
-
-
-def _host(a: jax.Array) -> np.ndarray:
-    """A global array on the host, gathered from every process when it spans several."""
-    if not a.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
-        return np.asarray(multihost_utils.process_allgather(a, tiled=True))
-    return np.asarray(a)
 
 
 def device_leaves(shapes: list, specs: list, mesh) -> list:

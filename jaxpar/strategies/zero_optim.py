@@ -145,3 +145,12 @@ def from_flat(tx, plan: shard_lib.ShardPlan, params, flat_leaves: list) -> Any:
     out = [jax.tree.unflatten(treedef, [jnp.asarray(a) for a in shard_lib.unpack(plan, x)]) if kind else x
            for x, kind in zip(flat_leaves, kinds)]
     return jax.tree.unflatten(outer, out)
+
+
+def gather_to_host(a: jax.Array) -> np.ndarray:
+    """A sharded global array whole, on the host (gathered across processes when it spans several)."""
+    if not a.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        a = multihost_utils.process_allgather(a, tiled=True)
+    return np.asarray(a)

@@ -20,6 +20,8 @@ parameters' shape. Then
 (--sequence-parallel, on by default) the compiled TP step's temporaries at T=2 without and with Megatron's
 sequence parallelism, and (--parallel-output, on by default) with GPT-2's vocabulary, the head's logits all-gathered
 for the loss against kept split into Megatron's vocab_parallel_cross_entropy.
+(--pipe-time) The pipeline at S=2 x D=N/2 alone and with ZeRO-1 (by reduce-scatter, by all-reduce): step time and
+the bytes one device sends at the step's end.
 Time: per config every strategy is compiled and warmed up (2 steps), then --repeats rounds alternate between
 them; a round is the median of --steps steps, the best round counts (load from elsewhere on a shared machine
 hits all alike). Random byte tokens (vocabulary 256, as --dataset text), --batch sequences of --seq-len,
@@ -45,6 +47,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--time", default="gpt-nano,gpt-micro,gpt-mini", help="GPT configs for the step time ('' for none)")
     p.add_argument("--tp-time", default="gpt-micro", help="GPT configs for TP's step time alone and with ZeRO-1 "
                    "('' for none)")
+    p.add_argument("--pipe-time", default="gpt-micro", help="GPT configs for the pipeline's step time alone and with "
+                   "ZeRO-1 by reduce-scatter and by all-reduce ('' for none)")
     p.add_argument("--batch", type=int, default=16, help="global batch (sequences) of the timed steps")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence of the timed steps")
     p.add_argument("--steps", type=int, default=5, help="timed steps per round")
@@ -214,6 +218,59 @@ def tp_time_rows(names: list[str], devices: int, batch: int, seq_len: int, steps
         for k, (step_ms, _, temp, sent, loss) in timed.items():
             out.append({"model": name, "variant": k, "step_ms": step_ms, "step_temp": temp, "hlo_sent": sent,
                         "loss": loss})
+    return out
+
+
+def pipe_time_rows(names: list[str], devices: int, batch: int, seq_len: int, steps: int, repeats: int,
+                   micro_batches: int = 4) -> list[dict]:
+    """The pipeline at S=2 x D=devices/2 (1F1B), alone and with ZeRO-1 (the gradient reduce-scattered after the
+    tied wte's per-replica gradients are summed across the stages, or all-reduced whole): ms per step (the best
+    of `repeats` alternating rounds, each the median of `steps`), and the bytes one device of the busier stage
+    sends at the step's end (the reductions' and updates' compiled collectives; the tied sum's device-to-device
+    copy is the same in every variant and not counted)."""
+    import jax
+    import optax
+    from flax import nnx
+
+    import jaxpar
+    from jaxpar.comm import cost as comm_cost
+    from jaxpar.models import gpt
+    from jaxpar.strategies.pipeline import Pipeline, pipeline_mesh
+
+    tx, out, data = optax.adam(1e-3), [], _byte_batch(batch, seq_len)
+    variants = {"pipeline": {}, "pipeline + zero-1": {"zero_stage": 1},
+                "pipeline + zero-1, all-reduce": {"zero_stage": 1, "zero_reduce": "all_reduce"}}
+    for name in names:
+        cfg = gpt.GPTConfig.named(name, vocab_size=256, block_size=seq_len)
+        fresh = lambda: gpt.GPT(cfg, rngs=nnx.Rngs(params=0, dropout=0))  # noqa: E731
+        state, runs = jaxpar.init_state(fresh(), tx), {}
+        for k, kw in variants.items():
+            pipe = Pipeline(fresh(), tx, num_stages=2, micro_batches=micro_batches, schedule="1f1b",
+                            mesh=pipeline_mesh(devices, 2), **kw)
+            plain = pipe.engine.jit
+            pipe.engine.jit = comm_cost.recording_jit(plain, [])
+            placed, rows = pipe.init(state), pipe.put_batch(data)
+            placed, metrics = pipe.step(placed, rows)
+            sent = [sum(max(comm_cost.hlo_bytes_per_device(t, pipe.D)) for key, fn in pipe.engine._updates.items()
+                        if key[1] == s for t in fn.hlo[:1]) for s in range(2)]
+            pipe.engine.jit, pipe.engine._updates = plain, {}  # compiled again plainly: the probe off the clock
+            placed, metrics = pipe.step(placed, rows)
+            jax.block_until_ready(metrics)
+            runs[k] = [pipe, placed, rows, max(sent), []]
+        for _ in range(repeats):
+            for k, run in runs.items():
+                pipe, placed, rows = run[:3]
+                times = []
+                for _ in range(steps):
+                    start = time.perf_counter()
+                    placed, metrics = pipe.step(placed, rows)
+                    jax.block_until_ready(metrics)
+                    times.append(time.perf_counter() - start)
+                run[1] = placed
+                run[4].append(statistics.median(times))
+        for k, (pipe, placed, rows, sent, rounds) in runs.items():
+            out.append({"model": name, "variant": k, "step_ms": 1e3 * min(rounds), "hlo_sent": sent,
+                        "loss": float(pipe.step(placed, rows)[1]["loss"])})
     return out
 
 
@@ -413,6 +470,16 @@ def main(argv=None) -> dict:
         for r in tp_times:
             print(f"| {r['model']} | {r['variant']} | {r['step_ms']:.1f} | {r['step_ms'] / base[r['model']]:.2f}x | "
                   f"{r['hlo_sent'] / 1024:.1f} | {_mib(r['step_temp'])} | {r['loss']:.5f} |")
+    pipe_times = pipe_time_rows(split(args.pipe_time), args.devices, args.batch, args.seq_len, args.steps,
+                                args.repeats)
+    if pipe_times:
+        print(f"\nThe pipeline (S=2 x D={args.devices // 2}, 1F1B, 4 micro-batches) alone and with ZeRO-1: step time, "
+              "bytes one device sends at the step's end\n"
+              "| model | variant | ms/step | vs pipeline | sent at the end KiB | loss |\n|---|---|---:|---:|---:|---:|")
+        base = {r["model"]: r["step_ms"] for r in pipe_times if r["variant"] == "pipeline"}
+        for r in pipe_times:
+            print(f"| {r['model']} | {r['variant']} | {r['step_ms']:.1f} | {r['step_ms'] / base[r['model']]:.2f}x | "
+                  f"{r['hlo_sent'] / 1024:.1f} | {r['loss']:.5f} |")
     if args.sequence_parallel:
         sp = sp_rows()
         print("\nSequence parallelism: the compiled TP step's temporaries, T=2\n| model | batch x seq | dropout | "
@@ -432,7 +499,7 @@ def main(argv=None) -> dict:
     if args.png and mem:
         plot(mem, times, args.png, args.devices)
         print(f"wrote {args.png}")
-    return {"memory": mem, "tp": tp, "time": times, "tp_time": tp_times}
+    return {"memory": mem, "tp": tp, "time": times, "tp_time": tp_times, "pipe_time": pipe_times}
 
 
 if __name__ == "__main__":

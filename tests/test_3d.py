@@ -66,13 +66,13 @@ def reference():
 
 @functools.lru_cache(maxsize=None)
 def run(D: int, S: int, T: int, schedule: str = "1f1b", canonical_qkv: bool = False, sequence_parallel=False,
-        zero_stage: int = 0):
+        zero_stage: int = 0, zero_reduce: str = "reduce_scatter"):
     """(pipeline, its state after STEPS steps as the canonical TrainState, the last placed state and batch, the
     last step's metrics)."""
     pipe = Pipeline(model(), TX, loss_fn=LOSS, num_stages=S, micro_batches=2, schedule=schedule,
                     virtual_stages=2 if schedule in ("interleaved", "zbv") else 1, tensor_parallel=T,
                     sequence_parallel=sequence_parallel, mesh=pipeline_mesh(D * S * T, S, T), compiler_options=FAST,
-                    zero_stage=zero_stage)
+                    zero_stage=zero_stage, zero_reduce=zero_reduce)
     if canonical_qkv:  # the same split, each rank taking columns as they come: q of some heads, k of others
         pipe.module.tensor_layouts = [Layout(lay.axis) for lay in pipe.module.tensor_layouts]
     placed = pipe.init(reference()[0])
@@ -144,14 +144,18 @@ def test_3d_sequence_parallel_equals_the_single_step(D, S, T, schedule):
     assert {a.data.shape for a in y.addressable_shards} == {(rows // D, CFG["block_size"] // T, CFG["n_embd"])}
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_3d_with_zero_1_equals_the_single_step(sequence_parallel):
+@pytest.mark.parametrize("sequence_parallel,reduce", [(False, "reduce_scatter"), (True, "reduce_scatter"),
+                                                      (True, "all_reduce")])
+def test_3d_with_zero_1_equals_the_single_step(sequence_parallel, reduce):
     """Data x pipeline x tensor with ZeRO-1 (Megatron's distributed optimizer under PP and TP): on each tensor
     rank, its slices of a stage's weights are one flat vector and each Adam moment is split over the D replicas,
-    [T, D S] on the stage's (data, tensor) mesh; the parameters, the canonical optimizer state and the metrics
-    equal the single step's."""
+    [T, D S] on the stage's (data, tensor) mesh; each replica's block of the gradient is reduce-scattered to it
+    (the tied wte's slices summed across the two stages first) or cut from the all-reduced gradient; the
+    parameters, the canonical optimizer state and the metrics (the gradient norm too) equal the single step's."""
     D, S, T = 2, 2, 2
-    pipe, out, placed, _, metrics = run(D, S, T, sequence_parallel=sequence_parallel, zero_stage=1)
+    pipe, out, placed, _, metrics = run(D, S, T, sequence_parallel=sequence_parallel, zero_stage=1,
+                                        zero_reduce=reduce)
+    assert pipe.engine.scatter == (reduce == "reduce_scatter") and len(pipe.module.tied) == 1
     _, ref, single = reference()
     assert_equal(out.params, ref.params)
     assert_equal(out.opt_state, ref.opt_state)

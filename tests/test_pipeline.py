@@ -213,19 +213,23 @@ ZERO_TX = optax.chain(jaxpar.optim.clip_by_global_norm(0.05), jaxpar.optim.add_d
                       optax.sgd(0.1, momentum=0.9))
 
 
-@pytest.mark.parametrize("name,tx,data,schedule,M", [("mlp", TX, 2, "1f1b", 4), ("mixed", ZERO_TX, 3, "zbh1", 2)],
-                         ids=["mlp-D2-1f1b", "mixed-D3-zbh1-clip-decay"])
-def test_zero_1_splits_each_stage_optimizer_state_and_equals_single(name, tx, data, schedule, M):
+@pytest.mark.parametrize("name,tx,data,schedule,M,reduce", [
+    ("mlp", TX, 2, "1f1b", 4, "reduce_scatter"), ("mixed", ZERO_TX, 3, "zbh1", 2, "reduce_scatter"),
+    ("mlp", ZERO_TX, 2, "1f1b", 3, "all_reduce")], ids=["mlp-D2-1f1b", "mixed-D3-zbh1-clip-decay", "mlp-D2-all-reduce"])
+def test_zero_1_splits_each_stage_optimizer_state_and_equals_single(name, tx, data, schedule, M, reduce):
     """DeepSpeed's pipeline with ZeRO stage 1: each stage's momentum one flat vector split over its D replicas (D=3:
     padded), each replica updating its block (with the global norm's clip and the decay on the matrices only, fed
-    per element), the blocks all-gathered: the losses, weights and canonical optimizer state equal single's."""
+    per element) of the gradient it was reduce-scattered (or cut from the all-reduced one), the blocks
+    all-gathered: the losses, weights and canonical optimizer state equal single's."""
     assert_can_fail(name)
     _, ref, ref_losses = reference(name, tx)
-    pipe, placed, losses = run(name, tx, data=data, num_stages=2, micro_batches=M, schedule=schedule, zero_stage=1)
+    pipe, placed, losses = run(name, tx, data=data, num_stages=2, micro_batches=M, schedule=schedule, zero_stage=1,
+                               zero_reduce=reduce)
     np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
     assert_equal_states(pipe.unplace(placed), ref)
     report = pipe.report(placed)
-    assert report["zero_stage"] == 1 and "ZeRO-1" in pipe.describe()
+    assert report["zero_stage"] == 1 and report["zero_reduce"] == reduce and "ZeRO-1" in pipe.describe()
+    assert pipe.engine.scatter == (reduce == "reduce_scatter")
     for s, row in zip(range(2), pipe.report(placed)["stage_memory_mib"].split("; ")):
         plan = pipe.engine.zero[s].plan
         numel = sum(int(np.prod(info.shape)) for info in plan.leaves)
@@ -238,9 +242,32 @@ def test_zero_1_splits_each_stage_optimizer_state_and_equals_single(name, tx, da
     assert_equal_states(pipe.unplace(pipe.init(ref)), ref)  # non-zero moments placed and back (checkpoints)
 
 
+def test_zero_1_by_reduce_scatter_sends_two_thirds_of_the_all_reduce():
+    """ZeRO's communication claim, per device at the step's end (the compiled reductions' and updates'
+    collectives, ring costs): by reduce-scatter a stage sends (D-1)/D x its gradient, then the weights'
+    all-gather the same, what an all-reduce alone sends; after an all-reduce the all-gather comes on top, 1.5x."""
+    from jaxpar.comm.cost import hlo_bytes_per_device, recording_jit
+
+    sent = {}
+    for reduce in ("reduce_scatter", "all_reduce"):
+        model, loss, batch = mlp()
+        pipe = pipeline(model, TX, loss_fn=loss, num_stages=2, micro_batches=2, mesh=pipeline_mesh(4, 2),
+                        zero_stage=1, zero_reduce=reduce)
+        texts = []
+        pipe.engine.jit = recording_jit(pipe.engine.jit, texts)
+        placed = pipe.init(jaxpar.init_state(model, TX))
+        pipe.step(placed, pipe.put_batch(batch))
+        sent[reduce] = sum(max(hlo_bytes_per_device(t, 2)) for t in texts)
+        sizes = [pipe.engine.zero[s].plan.shard_size for s in range(2)]
+    local = 4 * max(sizes) * 2  # one stage's flat gradient (padded), bytes; the stages' are about equal
+    assert sent["reduce_scatter"] > 0.9 * local  # what is sent: (D-1)/D x 2 of it, D = 2
+    assert sent["all_reduce"] == pytest.approx(1.5 * sent["reduce_scatter"], rel=0.05)
+
+
 def test_zero_1_refusals():
     model, loss, _ = mlp()
     for kw, match in [(dict(zero_stage=2), "zero_stage=2: the pipeline takes ZeRO stage 0 or 1"),
+                      (dict(zero_stage=1, zero_reduce="tree"), "zero_reduce='tree' is not known"),
                       (dict(zero_stage=1, tx=optax.lamb(1e-3)), "the optimizer is not elementwise")]:
         with pytest.raises(ValueError, match=match):
             Pipeline(model, kw.pop("tx", TX), loss_fn=loss, **kw)
@@ -270,30 +297,39 @@ def tied_model():
     return jaxpar.PipelineModule(specs, 2, partition_method="uniform", seed=3)
 
 
-def test_tied_weights_sum_their_gradient_and_stay_equal():
+@pytest.mark.parametrize("data,kw", [(1, {}), (2, dict(zero_stage=1)), (2, dict(zero_stage=1, zero_reduce="all_reduce"))],
+                         ids=["plain", "zero-1-reduce-scatter", "zero-1-all-reduce"])
+def test_tied_weights_sum_their_gradient_and_stay_equal(data, kw):
+    """DeepSpeed's ReduceTiedGrads: the tied weight's gradient summed over its two stages. Under ZeRO-1 by
+    reduce-scatter the replicas' own gradients are summed across the stages first, then each stage reduce-scatters."""
     module = tied_model()
     assert module.tied == {0: [0, 1]}
     rng = np.random.default_rng(2)
     batch = {"x": rng.integers(0, 16, (6, 5)).astype(np.int32), "y": rng.integers(0, 16, (6, 5)).astype(np.int32)}
     loss = jaxpar.OutputLoss(jaxpar.cross_entropy)
     objective, state = jaxpar.Objective.of(module.model, loss), jaxpar.init_state(module.model, TX)
-    step, ref = reference_step(objective, TX), state
+    step, ref, norms = reference_step(objective, TX), state, []
     for _ in range(STEPS):
-        ref, _ = step(ref, jaxpar.as_rows(batch))
-    pipe = pipeline(module, TX, loss_fn=loss, micro_batches=3, schedule="1f1b")
+        ref, m = step(ref, jaxpar.as_rows(batch))
+        norms.append(float(m["grad_norm"]))
+    pipe = pipeline(module, TX, loss_fn=loss, micro_batches=3, schedule="1f1b", mesh=pipeline_mesh(2 * data, 2), **kw)
     placed = pipe.init(state)
-    for _ in range(STEPS):
-        placed, _ = pipe.step(placed, pipe.put_batch(batch))
+    for k in range(STEPS):
+        placed, m = pipe.step(placed, pipe.put_batch(batch))
+        np.testing.assert_allclose(float(m["grad_norm"]), norms[k], rtol=RTOL)  # the tied weight counted once
     np.testing.assert_array_equal(placed.params[0][0], placed.params[1][0])  # the two copies, bit for bit
     assert_equal_states(pipe.unplace(placed), ref)
     # each copy alone gets another gradient: without the sum over stages the copies part after one step
-    pipe.engine._sum_tied = lambda *args: None
+    pipe.engine._sum_tied = lambda stages, values, spec, lay: values
     placed, _ = pipe.step(pipe.init(state), pipe.put_batch(batch))
     assert np.max(np.abs(np.asarray(placed.params[0][0]) - np.asarray(placed.params[1][0]))) > 1e-4
 
 
-def test_gpt2_with_its_lm_head_tied_to_wte_equals_single():
-    """jaxpar.models.gpt's tiny config: `layers` = Embedding | Block | Block | LMHead, wte on both ends."""
+@pytest.mark.parametrize("schedule,data,kw", [("1f1b", 1, {}), ("zbv", 2, dict(virtual_stages=2, zero_stage=1))],
+                         ids=["1f1b", "zbv-D2-zero-1"])
+def test_gpt2_with_its_lm_head_tied_to_wte_equals_single(schedule, data, kw):
+    """jaxpar.models.gpt's tiny config: `layers` = Embedding | Block | Block | LMHead, wte on both ends (on the
+    V schedule both ends are stage 0's chunks: its ZeRO-1 reduce-scatter adds them)."""
     from jaxpar.models.gpt import GPT, GPTConfig
 
     def make():
@@ -307,8 +343,12 @@ def test_gpt2_with_its_lm_head_tied_to_wte_equals_single():
     step, ref = reference_step(objective, TX), state
     for _ in range(STEPS):
         ref, _ = step(ref, jaxpar.as_rows(batch))
-    pipe = pipeline(make(), TX, loss_fn=loss, micro_batches=2, schedule="1f1b")
-    assert len(pipe.module.tied) == 1 and "tied wte/embedding on stages [0, 1]" in pipe.module.describe()
+    pipe = pipeline(make(), TX, loss_fn=loss, micro_batches=2, schedule=schedule, mesh=pipeline_mesh(2 * data, 2),
+                    **kw)
+    if schedule == "zbv":
+        assert not pipe.module.tied and pipe.module.stage_of(0) == pipe.module.stage_of(3) == 0
+    else:
+        assert len(pipe.module.tied) == 1 and "tied wte/embedding on stages [0, 1]" in pipe.module.describe()
     placed = pipe.init(state)
     for _ in range(STEPS):
         placed, _ = pipe.step(placed, pipe.put_batch(batch))
@@ -449,7 +489,8 @@ def test_two_processes_equal_single(tmp_path):
     out = two_processes.finish(proc)
     assert "process 1/2 mlp: 4 devices (2 processes), mesh {'data': 1, 'pipe': 4}" in out, out
     assert "process 0/2 lm: 4 devices (2 processes), mesh {'data': 2, 'pipe': 2}" in out, out
-    assert "2 data replicas, ZeRO-1 (each stage's optimizer state split over its 2 replicas)" in out, out
+    assert "2 data replicas, ZeRO-1 (each stage's optimizer state split over its 2 replicas, gradients by " \
+        "reduce-scatter)" in out, out
     assert "lm_zbv: 4 devices (2 processes)" in out and "schedule zbv (3 micro-batches, 2 chunks per stage)" in out, out
     for name, ref in refs.items():
         ranks = [np.load(tmp_path / f"params.{name}.rank{r}.npz") for r in range(2)]

@@ -188,6 +188,23 @@ def hlo_bytes_per_device(hlo, num_devices: int | None = None, direction: str = "
     return total
 
 
+def recording_jit(jit, texts: list):
+    """`jit` (a jax.jit-like factory) whose functions append their compiled HLO text to `texts`, and to their own
+    ``hlo`` list, at each call: set as a Pipeline engine's ``jit`` before its first step, it collects what the
+    step's end (the reductions and updates) compiles to, for `hlo_bytes_per_device`. A probe for tests and
+    benchmarks, slow per call."""
+    def factory(fn, **kw):
+        jitted = jit(fn, **kw)
+
+        def call(*args):
+            call.hlo.append(jitted.lower(*args).compile().as_text())
+            texts.append(call.hlo[-1])
+            return jitted(*args)
+        call.hlo = []
+        return call
+    return factory
+
+
 # ---- ZeRO (jaxpar.strategies.zero) ----------------------------------------------------------------------------
 
 def ring_bytes(kind: str, group: int, nbytes: float) -> float:

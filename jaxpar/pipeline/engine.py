@@ -10,7 +10,8 @@ Roughly, per step::
         for s in my stages: for instruction in row[s]: DISPATCH[instruction.op](instruction)
         post the cross-process messages SENT at tick t to the courier, one program per pair of stages (both sides)
     REDUCE_GRADS: merge chunks, all-reduce over the stage's replicas, sum tied weights across stages, add the
-                  Sums and squared gradient norms over processes (one small vector)
+                  Sums and squared gradient norms over processes (one small vector); ZeRO-1 by reduce-scatter
+                  sums the tied weights first, then reduce-scatters each stage's flat gradient
     OPT:          every stage updates its weights with grads / global weight (in place: buffers donated)
 
 A last-stage F followed at once by its own B (or I) runs as one fused call (no residuals kept). Messages between
@@ -27,8 +28,11 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jaxpar.comm import shards as sh
+from jaxpar.mesh import DATA, TENSOR
 from jaxpar.objective import Sums
 from jaxpar.pipeline import optimizer as opt_lib
 from jaxpar.pipeline.schedule import Action, Op, Schedule, message, virtual
@@ -108,6 +112,7 @@ class Engine:
         self.compiler_options = compiler_options
         self.jit = partial(jax.jit, compiler_options=compiler_options)
         self._add_up, self._assemble = self.jit(_add_up), self.jit(_assemble, static_argnums=2)
+        self._plus = self.jit(lambda xs: sum(xs[1:], xs[0]))  # arrays of one layout added
         self.tx, self.needs_norm = optax.with_extra_args_support(tx), needs_norm
         self.state_specs: list = []
         self._plans: dict = {}
@@ -120,6 +125,7 @@ class Engine:
         self._updates: dict = {}
         self._scalars: dict = {}
         self.zero: dict | None = None  # ZeRO-1: stage -> its jaxpar.strategies.zero1.StageZero
+        self.scatter = False  # ZeRO-1's gradients by reduce-scatter (else all-reduced whole)
 
     def data_specs(self, layout: Layout, stage: int):
         """Abstract (leaves, mask, ids) of one micro-batch as `stage` gets it."""
@@ -303,15 +309,31 @@ class Engine:
     def reduce_and_update(self, params: dict, opt_state: dict, state: dict, acc: dict, total: Sums | None,
                           sums_treedef) -> tuple[dict, dict, dict, jax.Array]:
         """Gradients of every local stage reduced, tied weights summed, Sums and norms added over processes,
-        then each stage's optimizer update. Returns (params, opt_state, state, the global Sums vector)."""
+        then each stage's optimizer update. Returns (params, opt_state, state, the global Sums vector).
+
+        ZeRO-1 by reduce-scatter (DeepSpeed's order: ReduceTiedGrads, then ReduceGrads): the tied weights' per-device
+        gradients are summed across their stages first, then each stage reduce-scatters its flat gradient, and
+        each replica's update reads its block only."""
         mod, tr = self.module, self.transport
-        grads = {s: self._reduce(s, [acc[v] for v in self._parts_of(s)]) for s in tr.local_stages}
-        for j, stages in mod.tied.items():
-            self._sum_tied(j, stages, grads)
-        first = tr.first_device
-        norms = [jax.device_put(self._norm_fn(s)(grads[s]), first) for s in tr.local_stages]  # metrics, clipping
+        if self.scatter:
+            tied = self._tied_partials(acc)
+            out = {s: self._scatter(s)([acc[v] for v in self._parts_of(s)], tied.get(s, []))
+                   for s in tr.local_stages}
+            grads = {s: block for s, (block, _) in out.items()}
+            norms = [jax.device_put(sq, tr.first_device) for _, sq in out.values()]
+        else:
+            grads = {s: self._reduce(s, [acc[v] for v in self._parts_of(s)]) for s in tr.local_stages}
+            for j, stages in mod.tied.items():
+                pos = {s: mod.stage_params[s].index(j) for s in stages if tr.mine(s)}
+                lay = P() if mod.tensor_layouts is None else mod.tensor_layouts[j].spec(len(mod.param_specs[j].shape))
+                spec = jax.ShapeDtypeStruct(mod.param_specs[j].shape, mod.param_specs[j].dtype)
+                summed = self._sum_tied(stages, {s: grads[s][k] for s, k in pos.items()}, spec, lay)
+                for s, k in pos.items():
+                    grads[s][k] = summed[s]
+            norms = [jax.device_put(self._norm_fn(s)(grads[s]), tr.first_device) for s in tr.local_stages]
         n = sums_treedef.num_leaves
-        vec = tr.all_processes_sum(self._assemble(None if total is None else jax.device_put(total, first), norms, n))
+        vec = tr.all_processes_sum(self._assemble(None if total is None else jax.device_put(total, tr.first_device),
+                                                  norms, n))
         for s in tr.local_stages:
             params[s], opt_state[s], state[s] = self._update_fn(s)(params[s], opt_state[s], grads[s], state[s],
                                                                    tr.put(vec, s))
@@ -330,7 +352,7 @@ class Engine:
         if ("reduce", s) not in self._updates:
             mod, D = self.module, self.transport.D
             owned = {j: k for k, j in enumerate(mod.stage_params[s])}
-            parts = [sorted({j for seg in mod.parts[v] for j in seg.param_index}) for v in self._parts_of(s)]
+            parts = [self._pidx(v) for v in self._parts_of(s)]
 
             def reduce(accs):
                 out = [None] * len(owned)
@@ -349,13 +371,9 @@ class Engine:
         placed as the parameters are (the plan's specs); replicated leaves come out once (under sequence
         parallelism first summed over TENSOR: each rank's LayerNorms and positions saw only its tokens)."""
         if ("reduce", s) not in self._updates:
-            from jax import lax
-
-            from jaxpar.mesh import DATA, TENSOR
-
             mod, mesh = self.module, self.transport.meshes[s]
             owned = {j: k for k, j in enumerate(mod.stage_params[s])}
-            parts = [sorted({j for seg in mod.parts[v] for j in seg.param_index}) for v in self._parts_of(s)]
+            parts = [self._pidx(v) for v in self._parts_of(s)]
             specs = [mod.tensor_layouts[j].spec(len(mod.param_specs[j].shape)) for j in mod.stage_params[s]]
 
             def reduce(accs):
@@ -372,25 +390,88 @@ class Engine:
             self._updates[("reduce", s)] = self.jit(mapped)
         return self._updates[("reduce", s)]
 
-    def _sum_tied(self, j: int, stages: list[int], grads: dict) -> None:
-        """A tied weight's gradient summed over the stages holding it, on each: replicated, or under tensor
-        parallelism laid out as the plan splits it (GPT-2's wte by vocabulary rows; each rank sums its rows)."""
+    def _sum_tied(self, stages: list[int], values: dict, spec, lay: P) -> dict:
+        """A tied weight's gradient summed over the stages holding it: `values` this process's stages' own, laid
+        out as `lay` on each stage's mesh (replicated; a weight split over TENSOR, GPT-2's wte by vocabulary rows;
+        or one value a device, the per-replica gradients ZeRO-1 sums before its reduce-scatter), `spec` its
+        global shape. Summed within the process first, then once with the other process's (a pair program),
+        then copied to every local stage. Pipeline refuses a tie spanning more than two processes."""
+        tr = self.transport
+        local = [s for s in stages if tr.mine(s)]
+        if not local:
+            return values
+        rep = local[0]
+        total = values[rep]
+        for s in local[1:]:
+            total = total + tr.put_as(values[s], rep, lay)
+        other = next((s for s in stages if not tr.same_process(s, rep)), None)
+        if other is not None:
+            total = tr.pair_sum(min(rep, other), max(rep, other), total, spec, lay)
+        return {**values, **{s: total if s == rep else tr.put_as(total, s, lay) for s in local}}
+
+    def _tied_partials(self, acc: dict) -> dict:
+        """ZeRO-1 by reduce-scatter: stage -> [each tied weight's per-device gradient (one value a device: the
+        "local" kind), summed over the stage's chunks and then across the weight's stages], in stage_params order."""
         mod, tr = self.module, self.transport
-        pos = {s: mod.stage_params[s].index(j) for s in stages}
-        spec = jax.ShapeDtypeStruct(mod.param_specs[j].shape, mod.param_specs[j].dtype)
-        lay = P() if mod.tensor_layouts is None else mod.tensor_layouts[j].spec(len(spec.shape))
-        a = stages[0]
-        for b in stages[1:]:
-            if tr.same_process(a, b):
-                if tr.mine(a):
-                    total = grads[a][pos[a]] + tr.put_as(grads[b][pos[b]], a, lay)
-                    grads[a][pos[a]], grads[b][pos[b]] = total, tr.put_as(total, b, lay)
-            elif tr.mine(a) or tr.mine(b):
-                s = a if tr.mine(a) else b
-                grads[s][pos[s]] = tr.pair_sum(a, b, grads[s][pos[s]], spec, lay)
-        for s in stages[2:]:  # more than two copies: every later copy takes the first's total
-            if tr.mine(s) and tr.same_process(a, s):
-                grads[s][pos[s]] = tr.put_as(grads[a][pos[a]], s, lay)
+        out: dict = {}
+        for j, stages in mod.tied.items():
+            values = {}
+            for s in (s for s in stages if tr.mine(s)):
+                pieces = [acc[v][self._pos(v, j)] for v in self._parts_of(s) if j in self._pidx(v)]
+                values[s] = pieces[0] if len(pieces) == 1 else self._plus(pieces)
+            if not values:
+                continue
+            any_value = next(iter(values.values()))
+            lay = tr.kinds[next(iter(values))]["local"].spec if tr.meshes[stages[0]].size > 1 else P()
+            summed = self._sum_tied(stages, values, jax.ShapeDtypeStruct(any_value.shape, any_value.dtype), lay)
+            for s in values:
+                out.setdefault(s, []).append((j, summed[s]))
+        return {s: [a for _, a in sorted(pairs, key=lambda p: mod.stage_params[s].index(p[0]))]
+                for s, pairs in out.items()}
+
+    def _pidx(self, v: int) -> list[int]:
+        """Part v's parameter leaves (global indices), in its accumulator's order."""
+        return sorted({j for seg in self.module.parts[v] for j in seg.param_index})
+
+    def _pos(self, v: int, j: int) -> int:
+        return self._pidx(v).index(j)
+
+    def _scatter(self, s: int):
+        """ZeRO-1 by reduce-scatter, under shard_map over stage s's mesh: each device's chunk accumulators summed
+        (a tied weight's taken from its cross-stage total), then ONE reduce-scatter over DATA leaves each replica its
+        block of the stage's flat gradient ([T, D S], the moments' layout), and the block's share of the squared norm
+        (the stage's own leaves; a leaf every tensor rank holds whole, on rank 0) summed over the mesh."""
+        if ("scatter", s) not in self._updates:
+            mod, mesh, zero = self.module, self.transport.meshes[s], self.zero[s]
+            owned = {j: k for k, j in enumerate(mod.stage_params[s])}
+            tied = [j for j in mod.stage_params[s] if j in mod.tied]
+            parts = [self._pidx(v) for v in self._parts_of(s)]
+            mine = [1.0 if mod.owner[j] == s else 0.0 for j in mod.stage_params[s]]  # a tied leaf: counted once
+            one = (lambda g: g[0]) if mesh.size > 1 else (lambda g: g)  # noqa: E731  (the device's own value)
+
+            def scatter(accs, totals):
+                out = [None] * len(owned)
+                for j, g in zip(tied, totals):
+                    out[owned[j]] = one(g)
+                for idx, acc in zip(parts, accs):
+                    for j, g in zip(idx, acc):
+                        if j not in tied:
+                            out[owned[j]] = one(g) if out[owned[j]] is None else out[owned[j]] + one(g)
+                if mod.sequence_parallel:  # replicated leaves saw only this rank's tokens: sum them over TENSOR
+                    out = [g if ax is not None else lax.psum(g, TENSOR) for g, ax in zip(out, zero.axes)]
+                block = zero.reduce_scatter(out)
+                counted = sh.shard_of_values(zero.plan, mine, DATA, jnp.float32)
+                if zero.tensor > 1:  # whole leaves: tensor rank 0's
+                    counted = jnp.where(zero.replicated_mask(jnp.float32) > 0,
+                                        counted * (lax.axis_index(TENSOR) == 0), counted)
+                squared = lax.psum(jnp.sum(counted * jnp.square(block.astype(jnp.float32))), tuple(mesh.axis_names))
+                return block[None], squared
+
+            local = P(tuple(mesh.axis_names)) if mesh.size > 1 else P()
+            mapped = jax.shard_map(scatter, mesh=mesh, in_specs=(local, local), out_specs=(zero.spec, P()),
+                                   check_vma=False)
+            self._updates[("scatter", s)] = self.jit(mapped, donate_argnums=(0,))
+        return self._updates[("scatter", s)]
 
     def _norm_fn(self, s: int):
         if ("norm", s) not in self._updates:
@@ -410,7 +491,8 @@ class Engine:
                 pspecs = [P() if lays is None else lays[j].spec(len(mod.param_specs[j].shape))
                           for j in mod.stage_params[s]]
                 self._updates[("update", s)] = self.zero[s].update_fn(tx, params, pspecs, needs_norm=needs_norm,
-                                                                      counts=counts, jit=self.jit)
+                                                                      counts=counts, jit=self.jit,
+                                                                      scatter=self.scatter)
                 return self._updates[("update", s)]
 
             def update(params, opt_state, grads, state, vec):

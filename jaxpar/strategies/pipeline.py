@@ -118,7 +118,7 @@ class Pipeline:
                  partition_method: str = "parameters", activation_checkpoint_interval: int = 0, mesh=None,
                  batch_size: int | None = None, example_input=None, seed: int = 0, compiler_options: dict | None = None,
                  tensor_parallel: int = 1, sequence_parallel: bool = False, parallel_output: bool | None = None,
-                 zero_stage: int = 0, zero_reduce: str = "all_reduce", **objective_options):
+                 zero_stage: int = 0, zero_reduce: str = "reduce_scatter", **objective_options):
         if not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"micro_batches={micro_batches!r} must be an int >= 1; pass --micro-batches 1 or more.")
         T = tensor_parallel
@@ -129,10 +129,9 @@ class Pipeline:
                              "state partitioned over its data replicas); DeepSpeed refuses stages 2 and 3 with "
                              "pipeline parallelism (their gradient and weight partitions would be reduced and gathered "
                              "every micro-batch): pass 0 or 1, or use --strategy zero for stages 2-3.")
-        if zero_reduce != "all_reduce":
-            raise ValueError(f"zero_reduce={zero_reduce!r}: the pipeline's ZeRO-1 all-reduces each stage's gradient "
-                             "(the tied weights are summed across stages on whole gradients; DeepSpeed's "
-                             "reduce_scatter: false); pass all_reduce, or drop --zero-reduce.")
+        if zero_reduce not in ("reduce_scatter", "all_reduce"):
+            raise ValueError(f"zero_reduce={zero_reduce!r} is not known; use reduce_scatter (DeepSpeed's default: each "
+                             "replica gets its block of the summed gradient) or all_reduce (the whole gradient).")
         if mesh is not None and mesh.shape.get(TENSOR, 1) != T:
             raise ValueError(f"mesh {dict(mesh.shape)} must have a {TENSOR!r} axis of tensor_parallel={T}; build it "
                              "with jaxpar.strategies.pipeline.pipeline_mesh(devices, num_stages, tensor_parallel).")
@@ -187,6 +186,12 @@ class Pipeline:
             generators.forward_only(S, M, V, placement=placement)))
         self.micro_batches, self.D = M, self.mesh.shape[DATA]
         self.transport = Transport(self.mesh, act_spec(module))
+        for j, stages in module.tied.items():  # a tied gradient is summed between two processes at most
+            procs = sorted({self.transport.process[s] for s in stages})
+            if len(procs) > 2:
+                raise ValueError(f"parameter {'/'.join(map(str, module.param_paths[j]))} is tied across stages "
+                                 f"{stages} on processes {procs}; a tied weight may span two processes at most: "
+                                 "use fewer processes, or place its uses on stages of two processes.")
         self.needs_norm = opt_lib.probe(tx, module)
         self.engine = Engine(module, self.objective, tx, self.transport, needs_norm=self.needs_norm,
                              compiler_options=compiler_options)
@@ -200,6 +205,8 @@ class Pipeline:
             self.engine.zero = {s: zero1.of(self.transport.meshes[s], device_params(self, s),
                                             [None if lays is None else lays[j].axis for j in module.stage_params[s]])
                                 for s in range(S)}
+            self.engine.scatter = zero_reduce == "reduce_scatter"
+        self.zero_reduce = zero_reduce
         self.engine.state_specs = None  # set by init, from the canonical model state
         self._layouts: dict = {}
         self._last: Any = None
@@ -417,8 +424,8 @@ class Pipeline:
                 f"D x S x T = {self.D} x {mod.num_stages} x {self.tp} (data x pipeline x tensor): "
                 f"{mod.num_stages} stages x {self.D} data replicas"
                 + (f", Megatron tensor parallelism over {self.tp} devices per stage" if self.tp > 1 else "")
-                + (f", ZeRO-1 (each stage's optimizer state split over its {self.D} replicas)" if self.zero_stage
-                   else "")
+                + (f", ZeRO-1 (each stage's optimizer state split over its {self.D} replicas, gradients by "
+                   f"{self.zero_reduce.replace('_', '-')})" if self.zero_stage else "")
                 + (", sequence parallel" if mod.sequence_parallel else "")
                 + (", logits split by vocabulary into the loss (parallel_output)" if self.parallel_output else "")
                 + (whole_note(mod.tensor_layouts) if mod.tensor_layouts else "")
@@ -433,7 +440,7 @@ class Pipeline:
         sch = self.schedule
         out = {"devices": self.mesh.devices.size, "processes": jax.process_count(), "mesh": dict(self.mesh.shape),
                "data_parallel": self.D, "num_stages": self.module.num_stages, "tensor_parallel": self.tp,
-               "zero_stage": self.zero_stage,
+               "zero_stage": self.zero_stage, "zero_reduce": self.zero_reduce if self.zero_stage else None,
                "partition": self.module.describe(), "schedule": sch.name, "ticks": sch.num_ticks,
                "bubble_fraction": analysis.bubble_fraction(sch),
                "bubble_fraction_zb_costs": analysis.bubble_fraction(sch, analysis.COSTS),
@@ -469,7 +476,7 @@ def build(model: nnx.Module, tx: optax.GradientTransformation, cfg: Config, loss
                     mesh=pipeline_mesh(cfg.num_devices, cfg.num_stages, cfg.tensor_parallel),
                     tensor_parallel=cfg.tensor_parallel, sequence_parallel=cfg.sequence_parallel,
                     zero_stage=0 if cfg.zero_stage is None else cfg.zero_stage,
-                    zero_reduce=cfg.zero_reduce or "all_reduce",
+                    zero_reduce=cfg.zero_reduce or "reduce_scatter",
                     parallel_output=None if cfg.parallel_output else False,
                     batch_size=cfg.batch_size,
                     example_input=example, seed=cfg.seed, per_sample=per_sample,

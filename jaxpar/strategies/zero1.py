@@ -6,9 +6,9 @@ stage's mesh) and by `tp` (on its whole mesh).
 The leaves one device holds (under tensor parallelism: its tensor rank's slices) are one flat vector padded to D
 (`jaxpar.comm.shards`, ZeRO's own plan); data replica r keeps element block r of every optimizer moment, so a
 moment is a [T, D S] array, row t split over DATA. At the step's end each replica gets its block of the summed
-gradient: `tp` reduce-scatters it (Megatron's way, DeepSpeed's ``reduce_scatter: true``), the pipeline takes it
-from the whole gradient it all-reduces (``reduce_scatter: false``: its tied weights are summed across stages on
-whole gradients). Each replica updates its block with the optimizer on the flat slice and the blocks are
+gradient: by one reduce-scatter (Megatron's way, DeepSpeed's default ``reduce_scatter: true``; the pipeline sums
+its tied weights' per-device gradients across stages first, as DeepSpeed's ReduceTiedGrads precedes ReduceGrads),
+or taken from the whole gradient all-reduced (``--zero-reduce all_reduce``). Each replica updates its block with the optimizer on the flat slice and the blocks are
 all-gathered into its weights again.
 That equals the update without ZeRO only for elementwise optimizers, which `zero_optim.check` proves before
 training.
@@ -131,22 +131,29 @@ class StageZero(NamedTuple):
         p = optax.apply_updates(zero_optim.flat_tree(p), updates)[zero_optim.KEY]
         return sh.unpack(plan, sh.all_gather_shards(p, DATA)), squeeze(opt_state, True)
 
-    def update_fn(self, tx, params_tree, pspecs: list, *, needs_norm: bool, counts: list[int], jit):
+    def update_fn(self, tx, params_tree, pspecs: list, *, needs_norm: bool, counts: list[int], jit,
+                  scatter: bool = False):
         """The pipeline stage's update(params, opt_state, grads, state, vec) -> (params, opt_state, state), jitted
-        over the stage's mesh (vec: [Sums..., squared norm], its weight at 1)."""
+        over the stage's mesh (vec: [Sums..., squared norm], its weight at 1). `grads`: the stage's reduced
+        leaves, or with `scatter` the replicas' blocks [T, D S] of its reduce-scattered flat gradient."""
         tx = optax.with_extra_args_support(tx)
 
         def update(params, opt_state, grads, state, vec):
             weight = vec[1]
             extra = {"global_norm": jnp.sqrt(vec[-1]) / weight} if needs_norm else {}
-            params, opt_state = self.local_update(tx, params, opt_state, [g / weight for g in grads], **extra)
+            if scatter:
+                params, opt_state = self.local_update(tx, params, opt_state, None, grad_block=grads[0] / weight,
+                                                      **extra)
+            else:
+                params, opt_state = self.local_update(tx, params, opt_state, [g / weight for g in grads], **extra)
             state = [x + 1 if k in counts else x for k, x in enumerate(state)]  # RNG streams advance once
             return params, opt_state, state
 
         opt_specs = self.opt_specs(tx, params_tree)
-        mapped = jax.shard_map(update, mesh=self.mesh, in_specs=(pspecs, opt_specs, pspecs, P(), P()),
+        gspecs = self.spec if scatter else pspecs
+        mapped = jax.shard_map(update, mesh=self.mesh, in_specs=(pspecs, opt_specs, gspecs, P(), P()),
                                out_specs=(pspecs, opt_specs, P()), check_vma=False)
-        return jit(mapped, donate_argnums=(0, 1, 3))
+        return jit(mapped, donate_argnums=(0, 1, 2, 3) if scatter else (0, 1, 3))
 
 
 def _as_tree(plan: sh.ShardPlan) -> list:

@@ -14,7 +14,8 @@ Roughly, per step::
                   sums the tied weights first, then reduce-scatters each stage's flat gradient
     OPT:          every stage updates its weights with grads / global weight (in place: buffers donated)
 
-A last-stage F followed at once by its own B (or I) runs as one fused call (no residuals kept). Messages between
+A last-stage F followed at once by its own B (or I) runs as one fused call (no residuals kept), and an I followed
+at once by its own W as one B (no cotangents kept): the same work in fewer calls. Messages between
 stages of one process are device_puts at the send. Across processes they are two-sided ppermutes, all of a
 tick's messages between two stages in one program (1F1B's activation and gradient go together), run by one
 courier thread per process (Transport.post) in the global order, each finished before the next: neither side's
@@ -81,13 +82,16 @@ class Plan:
         self.sums_treedef = jax.tree.structure(x)
         self.grad_specs = [split_float(o)[0] for o in self.out_specs]
         S = schedule.num_stages
-        self.fused = set()
+        self.fused, self.merged = set(), set()
         for s in range(S):
             prog = schedule.program(s)
             for a, b in zip(prog, prog[1:]):
-                if a.op is Op.F and b.op in (Op.B, Op.I) and (b.microbatch, b.chunk) == (a.microbatch, a.chunk) \
+                same = (b.microbatch, b.chunk) == (a.microbatch, a.chunk)
+                if a.op is Op.F and b.op in (Op.B, Op.I) and same \
                         and virtual(a, S, schedule.placement) == mod.num_parts - 1:
                     self.fused.add(a)
+                if a.op is Op.I and b.op is Op.W and same:
+                    self.merged.add(a)
         self.messages = []  # per tick: [(stage a, stage b, [(kind, src, dst, src virtual, micro-batch)])]
         for row in schedule.steps:  # the messages SENT across processes, one group per pair of stages
             groups: dict = {}
@@ -239,7 +243,7 @@ class Engine:
             return self._done(a, out)
         if a in self._p.fused:
             nxt = self._next_backward(a)
-            if nxt.op is Op.B:
+            if nxt.op is Op.B or nxt in self._p.merged:  # F, then B (or I and its W at once): one call
                 self._acc[v], dx, sums, new = fns.forward_backward(self._acc.get(v), params, state, x, data, m)
             else:
                 dx, saved, cots, sums, new = fns.forward_input_grad(params, state, x, data, m)
@@ -277,6 +281,8 @@ class Engine:
     def _input_grad(self, a: Action) -> None:
         if self._fused_into_forward(a):
             return self._done(a, None)
+        if a in self._p.merged:  # its W comes next: the whole backward in one call, no cotangents kept
+            return self._backward(a)
         v, fns = self._part(a)
         params, state, x, data, saved, _ = self._stash[(v, a.microbatch)]
         dy = self._take(("grad", v, a.microbatch))
@@ -286,6 +292,8 @@ class Engine:
         self._done(a, cots)
 
     def _weight_grad(self, a: Action) -> None:
+        if Action(a.stage, Op.I, a.microbatch, a.chunk) in self._p.merged:  # done by its I
+            return self._done(a, None)
         v, fns = self._part(a)
         params, state, x, data, saved, cots = self._stash.pop((v, a.microbatch))
         self._acc[v] = fns.weight_grad(self._acc.get(v), params, state, x, data, saved, cots)

@@ -478,7 +478,7 @@ class Engine:
             local = P(tuple(mesh.axis_names)) if mesh.size > 1 else P()
             mapped = jax.shard_map(scatter, mesh=mesh, in_specs=(local, local), out_specs=(zero.spec, P()),
                                    check_vma=False)
-            self._updates[("scatter", s)] = self.jit(mapped, donate_argnums=(0,))
+            self._updates[("scatter", s)] = self.jit(mapped)
         return self._updates[("scatter", s)]
 
     def _norm_fn(self, s: int):

@@ -153,7 +153,7 @@ class StageZero(NamedTuple):
         gspecs = self.spec if scatter else pspecs
         mapped = jax.shard_map(update, mesh=self.mesh, in_specs=(pspecs, opt_specs, gspecs, P(), P()),
                                out_specs=(pspecs, opt_specs, P()), check_vma=False)
-        return jit(mapped, donate_argnums=(0, 1, 2, 3) if scatter else (0, 1, 3))
+        return jit(mapped, donate_argnums=(0, 1, 3))
 
 
 def _as_tree(plan: sh.ShardPlan) -> list:

@@ -300,8 +300,8 @@ def tied_model():
     return jaxpar.PipelineModule(specs, 2, partition_method="uniform", seed=3)
 
 
-@pytest.mark.parametrize("data,kw", [(1, {}), (2, dict(zero_stage=1)), (2, dict(zero_stage=1, zero_reduce="all_reduce")),
-                                     (1, dict(zero_stage=1))],
+@pytest.mark.parametrize("data,kw", [(1, {}), (2, dict(zero_stage=1)),
+                                     (2, dict(zero_stage=1, zero_reduce="all_reduce")), (1, dict(zero_stage=1))],
                          ids=["plain", "zero-1-reduce-scatter", "zero-1-all-reduce", "zero-1-one-replica"])
 def test_tied_weights_sum_their_gradient_and_stay_equal(data, kw):
     """DeepSpeed's ReduceTiedGrads: the tied weight's gradient summed over its two stages. Under ZeRO-1 by

@@ -8,8 +8,8 @@ The leaves one device holds (under tensor parallelism: its tensor rank's slices)
 moment is a [T, D S] array, row t split over DATA. At the step's end each replica gets its block of the summed
 gradient: by one reduce-scatter (Megatron's way, DeepSpeed's default ``reduce_scatter: true``; the pipeline sums
 its tied weights' per-device gradients across stages first, as DeepSpeed's ReduceTiedGrads precedes ReduceGrads),
-or taken from the whole gradient all-reduced (``--zero-reduce all_reduce``). Each replica updates its block with the optimizer on the flat slice and the blocks are
-all-gathered into its weights again.
+or taken from the whole gradient all-reduced (``--zero-reduce all_reduce``). Each replica updates its block with
+the optimizer on the flat slice and the blocks are all-gathered into its weights again.
 That equals the update without ZeRO only for elementwise optimizers, which `zero_optim.check` proves before
 training.
 

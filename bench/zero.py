@@ -128,6 +128,27 @@ def memory_rows(names: list[str], devices: int) -> list[dict]:
     return out
 
 
+def _rounds(runs: dict, steps: int, repeats: int) -> dict:
+    """name -> ms per step, the best of `repeats` rounds that alternate between the runs (load from elsewhere hits
+    them alike), each round the median of `steps` steps; `runs`: name -> [strategy, placed state, batch], the
+    state advanced in place."""
+    import jax
+
+    medians: dict = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            st, placed, rows = run[:3]
+            times = []
+            for _ in range(steps):
+                start = time.perf_counter()
+                placed, metrics = st.step(placed, rows)
+                jax.block_until_ready(metrics)
+                times.append(time.perf_counter() - start)
+            run[1] = placed
+            medians[name].append(statistics.median(times))
+    return {name: 1e3 * min(m) for name, m in medians.items()}
+
+
 def _timed(built: dict, state, data: dict, devices: int, steps: int, repeats: int) -> dict:
     """name -> (ms per step: the best round's median, seconds of the first two steps, compiled temporaries,
     bytes sent per device, the loss of one more step): every strategy of `built` compiled and warmed up, then `repeats`
@@ -146,20 +167,10 @@ def _timed(built: dict, state, data: dict, devices: int, steps: int, repeats: in
         compiled = st._step.lower(placed, rows).compile()
         temp = compiled.memory_analysis().temp_size_in_bytes
         sent = max(comm_cost.hlo_bytes_per_device(compiled.as_text(), devices))
-        runs[s] = [st, placed, rows, time.perf_counter() - start, (temp, sent), []]
-    for _ in range(repeats):
-        for s, run in runs.items():
-            st, placed, rows = run[:3]
-            times = []
-            for _ in range(steps):
-                start = time.perf_counter()
-                placed, metrics = st.step(placed, rows)
-                jax.block_until_ready(metrics)
-                times.append(time.perf_counter() - start)
-            run[1] = placed
-            run[5].append(statistics.median(times))
-    return {s: (1e3 * min(rounds), compile_s, temp, sent, float(st.step(placed, rows)[1]["loss"]))
-            for s, (st, placed, rows, compile_s, (temp, sent), rounds) in runs.items()}
+        runs[s] = [st, placed, rows, time.perf_counter() - start, (temp, sent)]
+    best = _rounds(runs, steps, repeats)
+    return {s: (best[s], compile_s, temp, sent, float(st.step(placed, rows)[1]["loss"]))
+            for s, (st, placed, rows, compile_s, (temp, sent)) in runs.items()}
 
 
 def _byte_batch(batch: int, seq_len: int) -> dict:
@@ -256,20 +267,10 @@ def pipe_time_rows(names: list[str], devices: int, batch: int, seq_len: int, ste
             pipe.engine.jit, pipe.engine._updates = plain, {}  # compiled again plainly: the probe off the clock
             placed, metrics = pipe.step(placed, rows)
             jax.block_until_ready(metrics)
-            runs[k] = [pipe, placed, rows, max(sent), []]
-        for _ in range(repeats):
-            for k, run in runs.items():
-                pipe, placed, rows = run[:3]
-                times = []
-                for _ in range(steps):
-                    start = time.perf_counter()
-                    placed, metrics = pipe.step(placed, rows)
-                    jax.block_until_ready(metrics)
-                    times.append(time.perf_counter() - start)
-                run[1] = placed
-                run[4].append(statistics.median(times))
-        for k, (pipe, placed, rows, sent, rounds) in runs.items():
-            out.append({"model": name, "variant": k, "step_ms": 1e3 * min(rounds), "hlo_sent": sent,
+            runs[k] = [pipe, placed, rows, max(sent)]
+        best = _rounds(runs, steps, repeats)
+        for k, (pipe, placed, rows, sent) in runs.items():
+            out.append({"model": name, "variant": k, "step_ms": best[k], "hlo_sent": sent,
                         "loss": float(pipe.step(placed, rows)[1]["loss"])})
     return out
 

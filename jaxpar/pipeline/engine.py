@@ -45,6 +45,20 @@ def _add_up(sums: list) -> jax.Array:
     return jnp.stack([sum(xs) for xs in zip(*[jax.tree.leaves(x) for x in sums])])
 
 
+def _merge_chunks(owned: dict, parts: list, accs: list, one, given: dict | None = None) -> list:
+    """A stage's gradient list (leaf j at owned[j]) from its chunks' accumulators (`parts`: each chunk's leaves):
+    every chunk holding leaf j adds `one` of its accumulator (a device's own value, or the replicas' sum); a leaf
+    in `given` takes that value instead."""
+    out = [None] * len(owned)
+    for j, g in (given or {}).items():
+        out[owned[j]] = g
+    for idx, acc in zip(parts, accs):
+        for j, g in zip(idx, acc):
+            if j not in (given or {}):
+                out[owned[j]] = one(g) if out[owned[j]] is None else out[owned[j]] + one(g)
+    return out
+
+
 def _assemble(total, norms: list, n: int) -> jax.Array:
     """[Sums vector (zeros on processes without the last stage), sum of squared gradient norms]."""
     head = jnp.zeros((n,), jnp.float32) if total is None else total
@@ -129,6 +143,8 @@ class Engine:
         self._updates: dict = {}
         self._scalars: dict = {}
         self.zero: dict | None = None  # ZeRO-1: stage -> its jaxpar.strategies.zero1.StageZero
+        # each part's parameter leaves (global indices), in its accumulator's order
+        self._pidx = [sorted({j for seg in module.parts[v] for j in seg.param_index}) for v in range(module.num_parts)]
         self.scatter = False  # ZeRO-1's gradients by reduce-scatter (else all-reduced whole)
 
     def data_specs(self, layout: Layout, stage: int):
@@ -360,15 +376,10 @@ class Engine:
         if ("reduce", s) not in self._updates:
             mod, D = self.module, self.transport.D
             owned = {j: k for k, j in enumerate(mod.stage_params[s])}
-            parts = [self._pidx(v) for v in self._parts_of(s)]
+            parts = [self._pidx[v] for v in self._parts_of(s)]
 
             def reduce(accs):
-                out = [None] * len(owned)
-                for idx, acc in zip(parts, accs):
-                    for j, g in zip(idx, acc):
-                        g = jnp.sum(g, 0) if D > 1 else g
-                        out[owned[j]] = g if out[owned[j]] is None else out[owned[j]] + g
-                return out
+                return _merge_chunks(owned, parts, accs, (lambda g: jnp.sum(g, 0)) if D > 1 else (lambda g: g))
 
             self._updates[("reduce", s)] = self.jit(reduce, out_shardings=self.transport.kinds[s]["rep"])
         return self._updates[("reduce", s)](accs)
@@ -381,14 +392,11 @@ class Engine:
         if ("reduce", s) not in self._updates:
             mod, mesh = self.module, self.transport.meshes[s]
             owned = {j: k for k, j in enumerate(mod.stage_params[s])}
-            parts = [self._pidx(v) for v in self._parts_of(s)]
+            parts = [self._pidx[v] for v in self._parts_of(s)]
             specs = [mod.tensor_layouts[j].spec(len(mod.param_specs[j].shape)) for j in mod.stage_params[s]]
 
             def reduce(accs):
-                out = [None] * len(owned)
-                for idx, acc in zip(parts, accs):
-                    for j, g in zip(idx, acc):
-                        out[owned[j]] = g[0] if out[owned[j]] is None else out[owned[j]] + g[0]
+                out = _merge_chunks(owned, parts, accs, lambda g: g[0])
                 if mod.sequence_parallel:  # replicated leaves saw only this rank's tokens: sum them over TENSOR
                     out = [g if TENSOR in spec else lax.psum(g, TENSOR) for g, spec in zip(out, specs)]
                 return [lax.psum(g, DATA) for g in out] if mesh.shape[DATA] > 1 else out
@@ -425,7 +433,7 @@ class Engine:
         for j, stages in mod.tied.items():
             values = {}
             for s in (s for s in stages if tr.mine(s)):
-                pieces = [acc[v][self._pos(v, j)] for v in self._parts_of(s) if j in self._pidx(v)]
+                pieces = [acc[v][self._pidx[v].index(j)] for v in self._parts_of(s) if j in self._pidx[v]]
                 values[s] = pieces[0] if len(pieces) == 1 else self._plus(pieces)
             if not values:
                 continue
@@ -434,15 +442,7 @@ class Engine:
             summed = self._sum_tied(stages, values, jax.ShapeDtypeStruct(any_value.shape, any_value.dtype), lay)
             for s in values:
                 out.setdefault(s, []).append((j, summed[s]))
-        return {s: [a for _, a in sorted(pairs, key=lambda p: mod.stage_params[s].index(p[0]))]
-                for s, pairs in out.items()}
-
-    def _pidx(self, v: int) -> list[int]:
-        """Part v's parameter leaves (global indices), in its accumulator's order."""
-        return sorted({j for seg in self.module.parts[v] for j in seg.param_index})
-
-    def _pos(self, v: int, j: int) -> int:
-        return self._pidx(v).index(j)
+        return {s: [a for _, a in sorted(pairs, key=lambda p: p[0])] for s, pairs in out.items()}  # leaf order
 
     def _scatter(self, s: int):
         """ZeRO-1 by reduce-scatter, under shard_map over stage s's mesh: each device's chunk accumulators summed
@@ -453,18 +453,12 @@ class Engine:
             mod, mesh, zero = self.module, self.transport.meshes[s], self.zero[s]
             owned = {j: k for k, j in enumerate(mod.stage_params[s])}
             tied = [j for j in mod.stage_params[s] if j in mod.tied]
-            parts = [self._pidx(v) for v in self._parts_of(s)]
+            parts = [self._pidx[v] for v in self._parts_of(s)]
             mine = [1.0 if mod.owner[j] == s else 0.0 for j in mod.stage_params[s]]  # a tied leaf: counted once
             one = (lambda g: g[0]) if mesh.size > 1 else (lambda g: g)  # noqa: E731  (the device's own value)
 
             def scatter(accs, totals):
-                out = [None] * len(owned)
-                for j, g in zip(tied, totals):
-                    out[owned[j]] = one(g)
-                for idx, acc in zip(parts, accs):
-                    for j, g in zip(idx, acc):
-                        if j not in tied:
-                            out[owned[j]] = one(g) if out[owned[j]] is None else out[owned[j]] + one(g)
+                out = _merge_chunks(owned, parts, accs, one, {j: one(g) for j, g in zip(tied, totals)})
                 if mod.sequence_parallel:  # replicated leaves saw only this rank's tokens: sum them over TENSOR
                     out = [g if ax is not None else lax.psum(g, TENSOR) for g, ax in zip(out, zero.axes)]
                 block = zero.reduce_scatter(out)

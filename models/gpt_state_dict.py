@@ -16,11 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar.models.gpt import CONFIGS, GPT, GPTConfig
+from jaxpar.models.gpt import CONFIGS, GPT, LN_EPS, GPTConfig
 
 LAYOUTS = ("hf", "nanogpt")
 _LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # HF Conv1D / nanoGPT nn.Linear
 _BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers older checkpoints carry: not weights
+_GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")  # transformers' names of the tanh GELU jaxpar's GPT runs
 
 
 def to_torch_state_dict(model: GPT, layout: str = "hf") -> dict[str, np.ndarray]:
@@ -162,6 +163,32 @@ def from_torch_state_dict(state_dict: Mapping[str, Any], n_head: int | None = No
         stream.count.set_value(jnp.zeros((), jnp.uint32))
     model.load_torch_state_dict(state_dict)
     return model
+
+
+def hf_config(cfg: GPTConfig) -> dict[str, Any]:
+    """transformers' GPT2Config (config.json) for `cfg`: what `GPT2LMHeadModel.from_pretrained(folder)` needs
+    beside the weights. A GPT without biases has no GPT2Config: nanoGPT's bias=False is not in transformers."""
+    if not cfg.bias:
+        raise ValueError("this GPT has no biases (bias=False), which transformers' GPT2 cannot hold; export it as "
+                         "a file with --torch-layout nanogpt instead of a Hugging Face folder.")
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
+            "n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
+            "n_head": cfg.n_head, "n_inner": None, "activation_function": "gelu_new", "resid_pdrop": cfg.dropout,
+            "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout, "layer_norm_epsilon": LN_EPS,
+            "initializer_range": 0.02, "tie_word_embeddings": True}
+
+
+def check_hf_config(meta: Mapping[str, Any], where: str) -> None:
+    """ValueError unless a Hugging Face GPT2Config's fields (config.json) describe the GPT jaxpar runs: the tanh
+    GELU and LayerNorm eps 1e-5 (other sizes are read off the weights, and a mismatch fails their load)."""
+    act = meta.get("activation_function", "gelu_new")
+    if act not in _GELU_TANH:
+        raise ValueError(f"{where}'s config.json has activation_function={act!r}, but jaxpar's GPT runs GPT-2's tanh "
+                         f"GELU ({', '.join(_GELU_TANH)}); its logits would differ. Use a GPT-2 checkpoint.")
+    eps = meta.get("layer_norm_epsilon", LN_EPS)
+    if not np.isclose(eps, LN_EPS, rtol=0, atol=1e-12):
+        raise ValueError(f"{where}'s config.json has layer_norm_epsilon={eps}, but jaxpar's GPT uses {LN_EPS} "
+                         "(GPT-2's); its logits would differ. Use a GPT-2 checkpoint.")
 
 
 def _name_of(layers: int, width: int) -> str:

@@ -40,6 +40,7 @@ def files(tmp_path_factory):
     idx.write_idx(root / "mnist_no_labels" / "t10k-images-idx3-ubyte", images)
     (root / "empty").mkdir()
     (root / "a_file").write_text("not a folder")
+    (root / "bad.safetensors").write_bytes(b"\x10" + bytes(7) + b"not a JSON header")  # a corrupt safetensors file
     ckpt = str(root / "linear_ckpt")
     trainer.run(Config(model="linear", dataset="npz", data_path=str(root / "ok.npz"), eval_split="", batch_size=16,
                        steps=1, quiet=True, checkpoint_dir=ckpt))
@@ -108,7 +109,15 @@ CASES = [
                                                                                        "drop --resume"]),
     ("--resume without --checkpoint-dir", ["--resume", "--checkpoint-dir", ""], ["--resume needs --checkpoint-dir"]),
     ("negative --checkpoint-every", ["--checkpoint-every", "-1"], ["--checkpoint-every -1", ">= 0"]),
-    ("--init-torch missing", ["--init-torch", "{root}/w.npz"], ["w.npz", "could not be read", "np.savez"]),
+    ("--init-torch missing", ["--init-torch", "{root}/w.npz"], ["w.npz", "does not exist", "pass a .npz"]),
+    ("--init-torch not a state dict", ["--init-torch", "{a_file}"], ["a_file", "names no state-dict format",
+                                                                     ".safetensors"]),
+    ("--init-torch corrupt", ["--init-torch", "{root}/bad.safetensors"], ["bad.safetensors", "could not be read as "
+                                                                          ".safetensors", "pass a file that"]),
+    ("--export-torch without a suffix", ["--export-torch", "{root}/weights"], ["weights'", "suffix '(none)'",
+                                                                              "pass a .npz"]),
+    ("--export-torch as a folder, not a GPT", ["--export-torch", "{root}/hf/"], ["is a folder", "only a GPT",
+                                                                                  "pass a file path"]),
     ("--export-torch into a missing folder", ["--export-torch", "{root}/no/w.npz"], ["does not exist", "create it"]),
     ("--metrics-out is a folder", ["--metrics-out", "{empty}"], ["empty", "is a directory", "pass a file path"]),
     ("user model module missing", ["--model", "no_such_module:make"], ["'no_such_module'", "could not be imported",

@@ -19,6 +19,7 @@ from flax import nnx
 
 from jaxpar.config import DEFAULT_LR, Config
 from jaxpar.optim import DECAY_PARAMS, LR_SCHEDULES, OPTIMIZERS, clip_by_global_norm, make_optimizer, warmup_cosine
+from jaxpar.run import weights
 from jaxpar.step import TrainState, init_state, make_eval_step
 from jaxpar.strategies.base import STRATEGIES, cfg_objective, get_builder, whole_batch
 
@@ -272,7 +273,7 @@ def make_model(cfg: Config, train_set) -> nnx.Module:
                              "--model MODULE:NAME of your own with a --loss for them.")
         kwargs = builtin_kwargs(cfg, np.shape(train_set.x), train_set.num_classes)
         if cfg.init_torch:
-            state_dict = load_npz(cfg.init_torch, "--init-torch")
+            state_dict = weights.read(cfg.init_torch, "--init-torch")[0]
             known = models.kwargs_from_state_dict(cfg.model, state_dict)  # sizes come from the state dict
             return models.from_torch_state_dict(cfg.model, state_dict,
                                                 **{k: v for k, v in kwargs.items() if k not in known})
@@ -299,7 +300,7 @@ def make_model(cfg: Config, train_set) -> nnx.Module:
         if not callable(getattr(model, "load_torch_state_dict", None)):
             raise ValueError(f"--init-torch: {type(model).__name__} has no load_torch_state_dict(state_dict) "
                              "method to read a PyTorch state dict with; define one, or drop --init-torch.")
-        model.load_torch_state_dict(load_npz(cfg.init_torch, "--init-torch"))
+        model.load_torch_state_dict(weights.read(cfg.init_torch, "--init-torch")[0])
     return model
 
 
@@ -317,8 +318,14 @@ def gpt_model(cfg: Config, train_set) -> nnx.Module:
     options = dict(n_head=cfg.n_head, dropout=cfg.dropout, recompute_granularity=cfg.recompute_granularity)
     if not cfg.init_torch:
         return models.get(cfg.model, seed=cfg.seed, vocab_size=vocab, block_size=seq_len, **options)
-    model = models.from_torch_state_dict(cfg.model, load_npz(cfg.init_torch, "--init-torch"), seed=cfg.seed,
-                                         **options)
+    state_dict, meta = weights.read(cfg.init_torch, "--init-torch")
+    if "n_head" in meta:  # the checkpoint's own head count (config.json, nanoGPT's model_args)
+        if cfg.n_head not in (None, meta["n_head"]):
+            raise ValueError(f"--n-head {cfg.n_head} differs from the n_head={meta['n_head']} --init-torch "
+                             f"{cfg.init_torch!r} was trained with; drop --n-head.")
+        options["n_head"] = meta["n_head"]
+    models.gpt.check_hf_config(meta, f"--init-torch {cfg.init_torch!r}")
+    model = models.from_torch_state_dict(cfg.model, state_dict, seed=cfg.seed, **options)
     if seq_len > model.config.block_size:
         raise ValueError(f"--seq-len {seq_len} is beyond the block size {model.config.block_size} of --init-torch's "
                          f"model (its position table); use --seq-len <= {model.config.block_size}.")
@@ -385,14 +392,6 @@ def check_fits(objective, state: TrainState, train_set, cfg: Config) -> None:
                          "shapes agree.") from None
 
 
-def load_npz(path: str, flag: str) -> dict[str, np.ndarray]:
-    try:
-        with np.load(path) as f:
-            return dict(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{flag} {path!r} could not be read as .npz ({e}); pass a file written by np.savez.") from e
-
-
 def _norm_of(metrics: dict) -> dict:
     """The step's gradient norm (before clipping) for its record, where the strategy reports one."""
     return {"grad_norm": float(metrics["grad_norm"])} if "grad_norm" in metrics else {}
@@ -456,9 +455,13 @@ def prepare_outputs(cfg: Config, state: TrainState):
     if cfg.checkpoint_dir:
         ckpt = checkpoint.Checkpointer(cfg.checkpoint_dir, checkpoint.run_info(cfg, state), resume=cfg.resume,
                                        keep=cfg.checkpoint_keep)
-    for flag, path in (("--metrics-out", cfg.metrics_out), ("--export-torch", cfg.export_torch)):
-        if path:
-            checkpoint.writable_file(path, flag)
+    from jaxpar import models
+
+    if cfg.metrics_out:
+        checkpoint.writable_file(cfg.metrics_out, "--metrics-out")
+    if cfg.export_torch:  # a folder (save_pretrained's) for GPT-2 in Hugging Face's layout only
+        weights.check_writable(cfg.export_torch, "--export-torch",
+                               folder_ok=cfg.model in models.GPT_NAMES and cfg.torch_layout == "hf")
     return ckpt
 
 
@@ -660,15 +663,18 @@ def _kept(cfg: Config, ckpt) -> str:
 
 
 def export_torch(objective, state: TrainState, path: str, layout: str = "hf") -> None:
-    """Write the trained weights as a PyTorch state dict (.npz of numpy arrays under torch's keys): the built-in
-    models' conversion, or the model's own ``torch_state_dict()``."""
+    """Write the trained weights as a PyTorch state dict (jaxpar.run.weights: .npz, .safetensors, torch's .pt /
+    .bin, or, for GPT-2 in Hugging Face's layout, a save_pretrained folder with config.json): the built-in models'
+    conversion, or the model's own ``torch_state_dict()``."""
     from jaxpar import models
 
     model = objective.merge(state.params, state.model_state)
     own = getattr(model, "torch_state_dict", None)
+    config = None
     if isinstance(model, models.GPT):  # GPT-2: Hugging Face's or nanoGPT's layout (--torch-layout)
         own = functools.partial(model.torch_state_dict, layout)
-    np.savez(path, **(own() if callable(own) else models.to_torch_state_dict(model)))
+        config = models.gpt.hf_config(model.config) if weights.is_folder(path) else None
+    weights.write(own() if callable(own) else models.to_torch_state_dict(model), path, "--export-torch", config)
 
 
 def sample_text(cfg: Config, model: nnx.Module, state: TrainState) -> str:

@@ -1,0 +1,209 @@
+"""PyTorch state-dict files: what `--init-torch` reads and `--export-torch` writes.
+
+    state_dict, meta = read(path)          # {torch key: numpy array}, {"n_head": ...} where the file says it
+    write(state_dict, path, config=...)    # atomically: a temporary file in the same folder, then renamed
+
+The format follows the path:
+- `.npz`: numpy's, under torch's keys (no torch needed);
+- `.safetensors`: Hugging Face's (transformers' `save_pretrained` writes `model.safetensors`);
+- `.pt`, `.pth`, `.bin`: `torch.save` / `torch.load(weights_only=True)`, which need torch. A nanoGPT checkpoint
+  (`ckpt.pt`: {"model": state dict, "model_args": {...}}) reads as its model, with its `n_head`;
+- a folder written by `save_pretrained` (model.safetensors or pytorch_model.bin, or their sharded index) reads
+  with its config.json, whose `n_head` is the head count. `write` to a folder gives the same layout, with the
+  `config` it is passed as config.json, so `GPT2LMHeadModel.from_pretrained(folder)` loads it.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Mapping
+
+import numpy as np
+
+TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+SUFFIXES = (".npz", ".safetensors", *TORCH_SUFFIXES)
+# save_pretrained's weight files, in the order transformers looks for them
+FOLDER_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+FORMATS = ("a .npz (numpy), .safetensors (Hugging Face's), .pt / .pth / .bin (torch.save; needs torch) file, or a "
+           "folder written by transformers' save_pretrained")
+
+
+def is_folder(path: str) -> bool:
+    """Whether `path` names a folder: an existing one, or a path ending in the separator."""
+    return os.path.isdir(path) or path.endswith(("/", os.sep))
+
+
+def read(path: str, flag: str = "--init-torch") -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """(the state dict as numpy arrays under torch's keys, what the file says of the model: `n_head` and
+    `activation_function` / `layer_norm_epsilon` where a config.json or a nanoGPT checkpoint gives them)."""
+    if os.path.isdir(path):
+        return _read_folder(path, flag)
+    if not os.path.isfile(path):
+        raise ValueError(f"{flag} {path!r} does not exist; pass {FORMATS}.")
+    suffix = _suffix(path, flag)
+    if suffix in TORCH_SUFFIXES:
+        torch = _torch(flag, path)
+        return _from_torch(_guarded(lambda: torch.load(path, map_location="cpu", weights_only=True), path, flag),
+                           path, flag, torch)
+    return _guarded(lambda: _read_npz(path) if suffix == ".npz" else _read_safetensors(path), path, flag), {}
+
+
+def check_writable(path: str, flag: str = "--export-torch", folder_ok: bool = False) -> None:
+    """A ValueError, before any work, unless `write` can write `path`: a known suffix (or a folder where
+    `folder_ok`), torch importable for torch's files, the folder existing and writable."""
+    from jaxpar.run.checkpoint import writable_file
+
+    if is_folder(path):
+        if not folder_ok:
+            raise ValueError(f"{flag} {path!r} is a folder, which only a GPT in Hugging Face's layout is written as "
+                             "(save_pretrained's model.safetensors + config.json); pass a file path ending in "
+                             f"{', '.join(SUFFIXES)}.")
+        parent = os.path.dirname(os.path.abspath(path.rstrip("/" + os.sep)))
+        writable_file(os.path.join(parent, "probe"), flag)  # the folder's parent: the folder itself may be new
+        if os.path.isdir(path):
+            writable_file(os.path.join(path, "probe"), flag)
+        return
+    suffix = _suffix(path, flag)
+    if suffix in TORCH_SUFFIXES:
+        _torch(flag, path)
+    writable_file(path, flag)
+
+
+def write(state_dict: Mapping[str, np.ndarray], path: str, flag: str = "--export-torch",
+          config: Mapping[str, Any] | None = None) -> list[str]:
+    """Write `state_dict` to `path` (file or folder, as `read` takes them); returns the files written. Each file
+    goes to a temporary name in its folder first and is renamed when complete, so a crash leaves no half file."""
+    if is_folder(path):
+        os.makedirs(path, exist_ok=True)
+        written = [_atomic(os.path.join(path, "model.safetensors"),
+                           lambda tmp: _write_safetensors(state_dict, tmp))]
+        if config is not None:
+            text = json.dumps(dict(config), indent=2, sort_keys=True) + "\n"
+            written.append(_atomic(os.path.join(path, "config.json"), lambda tmp: _write_text(tmp, text)))
+        return written
+    suffix = _suffix(path, flag)
+    if suffix == ".npz":
+        return [_atomic(path, lambda tmp: _write_npz(state_dict, tmp))]
+    if suffix == ".safetensors":
+        return [_atomic(path, lambda tmp: _write_safetensors(state_dict, tmp))]
+    torch = _torch(flag, path)
+    tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state_dict.items()}
+    return [_atomic(path, lambda tmp: torch.save(tensors, tmp))]
+
+
+# -- reading ------------------------------------------------------------------------------------------------
+
+_WRITERS = {".npz": "np.savez", ".safetensors": "safetensors (save_pretrained, save_file)", ".pt": "torch.save",
+            ".pth": "torch.save", ".bin": "torch.save"}
+
+
+def _suffix(path: str, flag: str) -> str:
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix not in SUFFIXES:
+        raise ValueError(f"{flag} {path!r} has the suffix {suffix or '(none)'!r}, which names no state-dict format; "
+                         f"pass {FORMATS}.")
+    return suffix
+
+
+def _torch(flag: str, path: str):
+    try:
+        import torch
+    except ImportError:
+        raise ValueError(f"{flag} {path!r} is a torch file, which needs torch (not installed here); pip install "
+                         "torch, or use .npz or .safetensors, which need no torch.") from None
+    return torch
+
+
+def _guarded(load, path: str, flag: str):
+    """load(), with the library's own errors (a corrupt or foreign file) turned into one line naming the fix."""
+    try:
+        return load()
+    except Exception as e:  # noqa: BLE001  (numpy, safetensors and torch each raise their own kinds)
+        suffix = os.path.splitext(path)[1].lower()
+        raise ValueError(f"{flag} {path!r} could not be read as {suffix} ({type(e).__name__}: {e}); pass a file "
+                         f"that {_WRITERS[suffix]} wrote.") from None
+
+
+def _read_npz(path: str) -> dict[str, np.ndarray]:
+    with np.load(path) as f:
+        return dict(f)
+
+
+def _read_safetensors(path: str) -> dict[str, np.ndarray]:
+    from safetensors import safe_open
+
+    with safe_open(path, framework="numpy") as f:
+        return {key: f.get_tensor(key) for key in f.keys()}
+
+
+def _from_torch(obj: Any, path: str, flag: str, torch) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """A loaded torch object as (numpy state dict, meta): a state dict, or nanoGPT's checkpoint around one."""
+    meta = {}
+    if isinstance(obj, dict) and isinstance(obj.get("model"), dict):  # nanoGPT's ckpt.pt
+        args = obj.get("model_args") or {}
+        meta = {k: args[k] for k in ("n_head",) if k in args}
+        obj = obj["model"]
+    if not isinstance(obj, Mapping):
+        raise ValueError(f"{flag} {path!r} holds a {type(obj).__name__}, not a state dict; save "
+                         "model.state_dict() (torch.save(model.state_dict(), path)).")
+    out = {}
+    for key, value in obj.items():
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"{flag} {path!r}: entry {key!r} is a {type(value).__name__}, not a tensor; save "
+                             "model.state_dict() alone.")
+        value = value.detach().cpu()
+        out[key] = (value.float() if value.dtype == torch.bfloat16 else value).numpy()
+    return out, meta
+
+
+def _read_folder(path: str, flag: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    found = next((name for name in FOLDER_FILES if os.path.isfile(os.path.join(path, name))), None)
+    if found is None:
+        raise ValueError(f"{flag} {path!r} is a folder without {' or '.join(FOLDER_FILES)}; pass the folder "
+                         "save_pretrained wrote, or a weights file.")
+    if found.endswith(".index.json"):  # sharded: the index maps each key to its shard
+        with open(os.path.join(path, found)) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        state_dict = {}
+        for shard in shards:
+            state_dict.update(read(os.path.join(path, shard), flag)[0])
+    else:
+        state_dict = read(os.path.join(path, found), flag)[0]
+    meta = {}
+    config = os.path.join(path, "config.json")
+    if os.path.isfile(config):
+        with open(config) as f:
+            hf = json.load(f)
+        meta = {k: hf[k] for k in ("n_head", "activation_function", "layer_norm_epsilon") if k in hf}
+    return state_dict, meta
+
+
+# -- writing ------------------------------------------------------------------------------------------------
+
+def _atomic(path: str, save) -> str:
+    folder, name = os.path.split(os.path.abspath(path))
+    stem, suffix = os.path.splitext(name)
+    tmp = os.path.join(folder, f".{stem}.tmp{os.getpid()}{suffix}")  # the suffix kept: np.savez would add .npz
+    try:
+        save(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path
+
+
+def _write_npz(state_dict: Mapping[str, np.ndarray], path: str) -> None:
+    np.savez(path, **state_dict)
+
+
+def _write_safetensors(state_dict: Mapping[str, np.ndarray], path: str) -> None:
+    from safetensors.numpy import save_file
+
+    # metadata format "pt": transformers' from_pretrained reads a safetensors file only when it says so
+    save_file({k: np.ascontiguousarray(v) for k, v in state_dict.items()}, path, metadata={"format": "pt"})
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)

@@ -1,0 +1,202 @@
+"""PyTorch state-dict files (jaxpar.run.weights): .npz, .safetensors and transformers' save_pretrained folders
+read back what was written, atomically; an HF folder (its config.json giving the head count) loads as Hugging
+Face's GPT2LMHeadModel computes (tests/fixtures/gpt.npz); torch's files need torch; the CLI exports a GPT as a
+folder that reads back to the trained model's logits; bad files and suffixes get one-line errors."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import types
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxpar.models import gpt
+from jaxpar.run import weights
+
+from make_gpt_fixture import H  # noqa: E402  (tests/, the fixture's sizes)
+from test_gpt import corpus, fixture, logits_of  # noqa: F401  (corpus: a pytest fixture)
+
+
+def state_dict(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"a.weight": rng.normal(size=(3, 4)).astype(np.float32), "a.bias": rng.normal(size=4).astype(np.float32),
+            "steps": np.arange(5, dtype=np.int64), "half": rng.normal(size=(2, 2)).astype(np.float16)}
+
+
+def assert_same(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, k
+        np.testing.assert_array_equal(got[k], want[k])
+
+
+@pytest.mark.parametrize("name", ["w.npz", "w.safetensors", "hf/"])
+def test_each_format_reads_back_what_was_written(tmp_path, name):
+    path = os.path.join(tmp_path, name)  # "hf/": a folder, by its trailing separator (pathlib would drop it)
+    written = weights.write(state_dict(), path, config={"n_head": 7} if name == "hf/" else None)
+    expected = ["config.json", "model.safetensors"] if name == "hf/" else [name]
+    assert sorted(os.listdir(path if name == "hf/" else tmp_path)) == expected  # no temporary file left behind
+    assert all(os.path.isfile(f) for f in written)
+    got, meta = weights.read(path)
+    assert_same(got, state_dict())
+    assert meta == ({"n_head": 7} if name == "hf/" else {})
+    assert not np.array_equal(state_dict(1)["a.weight"], got["a.weight"])  # the comparison can fail
+
+
+def test_a_write_that_fails_leaves_the_previous_file(tmp_path, monkeypatch):
+    path = str(tmp_path / "w.npz")
+    weights.write(state_dict(0), path)
+
+    def half_then_crash(sd, tmp):
+        with open(tmp, "wb") as f:
+            f.write(b"PK\x03\x04 half a zip")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(weights, "_write_npz", half_then_crash)
+    with pytest.raises(OSError, match="disk full"):
+        weights.write(state_dict(1), path)
+    assert os.listdir(tmp_path) == ["w.npz"]
+    assert_same(weights.read(path)[0], state_dict(0))
+
+
+def hf_folder(path, sd: dict, config: dict, shards: int = 1) -> None:
+    """What transformers' save_pretrained writes: model.safetensors (or shards and their index) and config.json,
+    made here with the safetensors library itself (not jaxpar's writer)."""
+    from safetensors.numpy import save_file
+
+    os.makedirs(path)
+    keys = sorted(k for k in sd if k != "lm_head.weight")  # save_pretrained leaves the tied head out
+    if shards == 1:
+        save_file({k: sd[k] for k in keys}, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, part in enumerate(np.array_split(np.array(keys), shards)):
+            name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+            save_file({k: sd[k] for k in part}, os.path.join(path, name), metadata={"format": "pt"})
+            weight_map.update({k: name for k in part})
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_hugging_face_folder_loads_as_gpt2lmheadmodel_computes(tmp_path, shards):
+    sd, x, want = fixture("hf")
+    config = {"model_type": "gpt2", "n_head": H, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5}
+    hf_folder(tmp_path / "hf", sd, config, shards)
+    got, meta = weights.read(str(tmp_path / "hf"))
+    assert meta == {k: config[k] for k in ("n_head", "activation_function", "layer_norm_epsilon")}
+    gpt.check_hf_config(meta, "the folder")
+    model = gpt.from_torch_state_dict(got, n_head=meta["n_head"])
+    np.testing.assert_allclose(logits_of(model, x), want, rtol=1e-5, atol=1e-5)
+    wrong_heads = gpt.from_torch_state_dict(got, n_head=H // 2)
+    assert np.abs(logits_of(wrong_heads, x) - want).max() > 1e-2  # the head count matters: config.json's is used
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("activation_function", "gelu", "activation_function='gelu'.*tanh GELU"),
+    ("layer_norm_epsilon", 1e-6, "layer_norm_epsilon=1e-06.*1e-05"),
+])
+def test_a_config_json_of_another_architecture_is_refused(field, value, message):
+    gpt.check_hf_config({"activation_function": "gelu_pytorch_tanh", "layer_norm_epsilon": 1e-5}, "ok")
+    with pytest.raises(ValueError, match=message):
+        gpt.check_hf_config({field: value}, "--init-torch 'x'")
+
+
+def test_torch_files_need_torch_and_say_so(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # as where torch is not installed
+    (tmp_path / "w.pt").write_bytes(b"whatever")
+    for call in (lambda: weights.check_writable(str(tmp_path / "out.bin")),
+                 lambda: weights.read(str(tmp_path / "w.pt")),
+                 lambda: weights.write(state_dict(), str(tmp_path / "out.pth"))):
+        with pytest.raises(ValueError, match="needs torch.*pip install torch, or use .npz or .safetensors"):
+            call()
+    assert sorted(os.listdir(tmp_path)) == ["w.pt"]
+
+
+def fake_torch():
+    """Just enough of torch for _from_torch: tensors that hold a numpy array (float32 or 'bfloat16')."""
+    class Tensor:
+        def __init__(self, a, dtype=None):
+            self.a, self.dtype = a, dtype or str(a.dtype)
+
+        def detach(self):
+            return self
+
+        def cpu(self):
+            return self
+
+        def float(self):
+            return Tensor(self.a.astype(np.float32))
+
+        def numpy(self):
+            assert self.dtype != "bfloat16", "numpy() of a bfloat16 tensor fails in torch"
+            return self.a
+
+    return types.SimpleNamespace(Tensor=Tensor, bfloat16="bfloat16")
+
+
+def test_torch_objects_become_numpy_state_dicts():
+    torch = fake_torch()
+    w = np.arange(6, dtype=np.float32).reshape(2, 3)
+    plain, meta = weights._from_torch({"w": torch.Tensor(w), "b": torch.Tensor(w[0], "bfloat16")}, "p", "--x", torch)
+    assert meta == {} and plain["w"] is w and plain["b"].dtype == np.float32
+    ckpt = {"model": {"w": torch.Tensor(w)}, "model_args": {"n_head": 6, "n_layer": 2}, "iter_num": 9}
+    nano, meta = weights._from_torch(ckpt, "ckpt.pt", "--init-torch", torch)  # nanoGPT's checkpoint
+    assert list(nano) == ["w"] and meta == {"n_head": 6}
+    with pytest.raises(ValueError, match="entry 'step' is a int, not a tensor; save model.state_dict"):
+        weights._from_torch({"w": torch.Tensor(w), "step": 3}, "p", "--init-torch", torch)
+    with pytest.raises(ValueError, match="holds a list, not a state dict"):
+        weights._from_torch([w], "p", "--init-torch", torch)
+
+
+def test_bad_paths_get_one_line_errors(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "bad.npz").write_bytes(b"not a zip")
+    cases = [(lambda: weights.read(str(tmp_path / "none.npz")), "does not exist"),
+             (lambda: weights.read(str(tmp_path / "empty")), "folder without model.safetensors"),
+             (lambda: weights.read(str(tmp_path / "bad.npz")), "could not be read as .npz.*np.savez"),
+             (lambda: weights.check_writable(str(tmp_path / "w.h5")), "suffix '.h5'.*names no state-dict format"),
+             (lambda: weights.check_writable(f"{tmp_path}/hf/"), "is a folder.*only a GPT"),
+             (lambda: weights.check_writable(str(tmp_path / "no" / "w.npz")), "does not exist")]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message) as e:
+            call()
+        assert "\n" not in str(e.value)
+    weights.check_writable(f"{tmp_path}/hf/", folder_ok=True)
+    assert sorted(os.listdir(tmp_path)) == ["bad.npz", "empty"]  # checks write nothing
+    with pytest.raises(ValueError, match="no biases.*--torch-layout nanogpt"):
+        gpt.hf_config(gpt.GPTConfig.named("gpt-nano", bias=False))
+
+
+def test_cli_exports_a_gpt_as_a_hf_folder_and_starts_from_it(tmp_path, corpus):  # noqa: F811
+    from jaxpar import cli
+    from jaxpar.config import Config
+    from jaxpar.data import datasets
+    from jaxpar.run import trainer
+
+    folder = str(tmp_path / "hf") + "/"
+    summary = cli.main(["--model", "gpt-nano", "--dataset", "text", "--data-path", corpus, "--seq-len", "16",
+                        "--batch-size", "8", "--steps", "2", "--optimizer", "adamw", "--lr", "1e-2", "--eval-split",
+                        "", "--export-torch", folder, "--quiet"])
+    with open(folder + "config.json") as f:
+        config = json.load(f)
+    assert {k: config[k] for k in ("n_layer", "n_head", "n_embd", "vocab_size", "n_positions")} == \
+        {"n_layer": 3, "n_head": 3, "n_embd": 48, "vocab_size": 256, "n_positions": 16}
+    assert config["activation_function"] == "gelu_new" and config["architectures"] == ["GPT2LMHeadModel"]
+    trained = gpt.GPT(gpt.GPTConfig.named("gpt-nano", vocab_size=256, block_size=16), rngs=nnx.Rngs(0))
+    nnx.update(trained, summary["state"].params)
+    x = np.random.default_rng(0).integers(0, 256, (2, 16))
+    data = datasets.load("text", "train", data_path=corpus, seq_len=16)
+    loaded = trainer.gpt_model(Config(model="gpt-nano", dataset="text", init_torch=folder), data)
+    np.testing.assert_array_equal(logits_of(loaded, x), logits_of(trained, x))
+    config["n_head"] = 4  # the folder's config.json decides the head count over the config name's 3
+    with open(folder + "config.json", "w") as f:
+        json.dump(config, f)
+    assert trainer.gpt_model(Config(model="gpt-nano", dataset="text", init_torch=folder), data).config.n_head == 4
+    with pytest.raises(ValueError, match="--n-head 3 differs from the n_head=4.*drop --n-head"):
+        trainer.gpt_model(Config(model="gpt-nano", dataset="text", init_torch=folder, n_head=3), data)

@@ -12,6 +12,7 @@ The public API is what `__all__` lists; importing jaxpar has no side effects (no
 tuning: call `tune_host_allocator()` first thing for the CPU fast path). Submodules with a vocabulary of their
 own are imported as modules: `jaxpar.comm.collectives`, `jaxpar.comm.buckets`, `jaxpar.comm.cost`,
 `jaxpar.pipeline.schedule`, `jaxpar.run.memory`, `jaxpar.run.checkpoint`, `jaxpar.run.distributed`,
+`jaxpar.run.weights` (state-dict files: `sd, meta = read("gpt2/")`, `write(sd, "out.safetensors")`),
 `jaxpar.launch`, `jaxpar.models`, `jaxpar.losses`. docs/architecture.md maps the folders.
 """
 from jaxpar import losses, models

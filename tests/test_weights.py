@@ -46,6 +46,24 @@ def test_each_format_reads_back_what_was_written(tmp_path, name):
     assert not np.array_equal(state_dict(1)["a.weight"], got["a.weight"])  # the comparison can fail
 
 
+def test_bfloat16_is_kept_by_safetensors_and_refused_by_npz(tmp_path):
+    """np.savez stores bfloat16 (an ml_dtypes type) as raw 2-byte voids: writing one is refused, and so is reading
+    such a file, instead of handing the model bytes; safetensors keeps the type."""
+    import ml_dtypes
+
+    sd = {"w": np.linspace(-2, 2, 6, dtype=np.float32).astype(ml_dtypes.bfloat16)}
+    weights.write(sd, str(tmp_path / "w.safetensors"))
+    got = weights.read(str(tmp_path / "w.safetensors"))[0]["w"]
+    assert got.dtype == sd["w"].dtype and np.array_equal(got.astype(np.float32), sd["w"].astype(np.float32))
+    with pytest.raises(ValueError, match="'w' is bfloat16, which .npz files do not keep.*write .safetensors"):
+        weights.write(sd, str(tmp_path / "w.npz"))
+    np.savez(tmp_path / "raw.npz", **sd)
+    assert np.load(tmp_path / "raw.npz")["w"].dtype.kind == "V"  # what the refusal guards against
+    with pytest.raises(ValueError, match="'w' holds raw bytes.*as float32 or as .safetensors"):
+        weights.read(str(tmp_path / "raw.npz"))
+    assert sorted(os.listdir(tmp_path)) == ["raw.npz", "w.safetensors"]
+
+
 def test_a_write_that_fails_leaves_the_previous_file(tmp_path, monkeypatch):
     path = str(tmp_path / "w.npz")
     weights.write(state_dict(0), path)

@@ -82,12 +82,14 @@ def write(state_dict: Mapping[str, np.ndarray], path: str, flag: str = "--export
             written.append(_atomic(os.path.join(path, "config.json"), lambda tmp: _write_text(tmp, text)))
         return written
     suffix = _suffix(path, flag)
-    if suffix == ".npz":
-        return [_atomic(path, lambda tmp: _write_npz(state_dict, tmp))]
     if suffix == ".safetensors":
         return [_atomic(path, lambda tmp: _write_safetensors(state_dict, tmp))]
+    if suffix == ".npz":  # numpy's own dtypes only: np.savez would store bfloat16 as raw bytes (dtype V2)
+        _numpy_dtypes_only(state_dict, path, flag, ())
+        return [_atomic(path, lambda tmp: _write_npz(state_dict, tmp))]
     torch = _torch(flag, path)
-    tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state_dict.items()}
+    _numpy_dtypes_only(state_dict, path, flag, ("bfloat16",))
+    tensors = {k: _to_torch(np.ascontiguousarray(v), torch) for k, v in state_dict.items()}
     return [_atomic(path, lambda tmp: torch.save(tensors, tmp))]
 
 
@@ -126,7 +128,12 @@ def _guarded(load, path: str, flag: str):
 
 def _read_npz(path: str) -> dict[str, np.ndarray]:
     with np.load(path) as f:
-        return dict(f)
+        out = dict(f)
+    raw = [k for k, v in out.items() if v.dtype.kind == "V"]
+    if raw:  # what np.savez makes of bfloat16 and other ml_dtypes arrays: bytes without their type
+        raise ValueError(f"{raw[0]!r} holds raw bytes ({out[raw[0]].dtype}), as np.savez stores bfloat16; save it "
+                         "as float32 or as .safetensors")
+    return out
 
 
 def _read_safetensors(path: str) -> dict[str, np.ndarray]:
@@ -191,6 +198,22 @@ def _atomic(path: str, save) -> str:
         if os.path.exists(tmp):
             os.remove(tmp)
     return path
+
+
+def _numpy_dtypes_only(state_dict: Mapping[str, np.ndarray], path: str, flag: str, allowed: tuple) -> None:
+    """ValueError naming the first array of an extension dtype (ml_dtypes: bfloat16, float8...) not in `allowed`."""
+    for key, value in state_dict.items():
+        dtype = np.asarray(value).dtype
+        if dtype.kind == "V" and dtype.name not in allowed:
+            raise ValueError(f"{flag} {path!r}: {key!r} is {dtype.name}, which {os.path.splitext(path)[1]} files do "
+                             "not keep (np.savez would store raw bytes); write .safetensors, which keeps it, or "
+                             "cast the state dict to float32.")
+
+
+def _to_torch(value: np.ndarray, torch):
+    if value.dtype.name == "bfloat16":  # ml_dtypes' bfloat16: the same bits as torch's
+        return torch.from_numpy(value.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(value)
 
 
 def _write_npz(state_dict: Mapping[str, np.ndarray], path: str) -> None:

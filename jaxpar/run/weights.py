@@ -23,7 +23,8 @@ import numpy as np
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 SUFFIXES = (".npz", ".safetensors", *TORCH_SUFFIXES)
 # save_pretrained's weight files, in the order transformers looks for them
-FOLDER_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+FOLDER_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
 FORMATS = ("a .npz (numpy), .safetensors (Hugging Face's), .pt / .pth / .bin (torch.save; needs torch) file, or a "
            "folder written by transformers' save_pretrained")
 

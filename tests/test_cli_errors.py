@@ -113,7 +113,7 @@ CASES = [
     ("--init-torch not a state dict", ["--init-torch", "{a_file}"], ["a_file", "names no state-dict format",
                                                                      ".safetensors"]),
     ("--init-torch corrupt", ["--init-torch", "{root}/bad.safetensors"], ["bad.safetensors", "could not be read as "
-                                                                          ".safetensors", "pass a file that"]),
+                                                                          ".safetensors", "pass a file safetensors"]),
     ("--export-torch without a suffix", ["--export-torch", "{root}/weights"], ["weights'", "suffix '(none)'",
                                                                               "pass a .npz"]),
     ("--export-torch as a folder, not a GPT", ["--export-torch", "{root}/hf/"], ["is a folder", "only a GPT",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any, Mapping
 
 import numpy as np
@@ -96,8 +97,9 @@ def write(state_dict: Mapping[str, np.ndarray], path: str, flag: str = "--export
 
 # -- reading ------------------------------------------------------------------------------------------------
 
-_WRITERS = {".npz": "np.savez", ".safetensors": "safetensors (save_pretrained, save_file)", ".pt": "torch.save",
-            ".pth": "torch.save", ".bin": "torch.save"}
+_TORCH_SAVE = "a state dict saved by torch.save(model.state_dict(), path) (a whole pickled module is not read)"
+_EXPECTED = {".npz": "a file np.savez wrote", ".safetensors": "a file safetensors wrote (save_pretrained, save_file)",
+             ".pt": _TORCH_SAVE, ".pth": _TORCH_SAVE, ".bin": _TORCH_SAVE}
 
 
 def _suffix(path: str, flag: str) -> str:
@@ -123,8 +125,10 @@ def _guarded(load, path: str, flag: str):
         return load()
     except Exception as e:  # noqa: BLE001  (numpy, safetensors and torch each raise their own kinds)
         suffix = os.path.splitext(path)[1].lower()
-        raise ValueError(f"{flag} {path!r} could not be read as {suffix} ({type(e).__name__}: {e}); pass a file "
-                         f"that {_WRITERS[suffix]} wrote.") from None
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip()  # torch's messages: many lines, terminal bold
+        first = (text.splitlines() or [""])[0][:200]
+        raise ValueError(f"{flag} {path!r} could not be read as {suffix} ({type(e).__name__}: {first}); pass "
+                         f"{_EXPECTED[suffix]}.") from None
 
 
 def _read_npz(path: str) -> dict[str, np.ndarray]:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One command for a machine with a GPU: the test suite, every strategy in its 1-device configuration on GPT-2,
-# and bench/gpt.py (jaxpar vs torch.compile) on gpt2 124M, batch 16 x 1024 tokens, bf16; then one table.
+# bench/gpt.py (jaxpar vs torch.compile) on gpt2 124M, batch 16 x 1024 tokens, bf16, and GPT-2's state dicts to
+# and from transformers (examples/hf_gpt2.py); then one table.
 #
 #     bash bench/gpu.sh                 # from the repository root; results also in $OUT (default /tmp/jaxpar-gpu)
 #
@@ -45,7 +46,11 @@ python bench/gpt.py --model gpt2 --batch-size 16 --seq-len 1024 --precision bf16
     >"$OUT/bench_gpt.log" 2>&1
 echo "$?" >"$OUT/bench_gpt.rc"
 
-# 4. one table
+# 4. GPT-2 to and from transformers (the image has it): state-dict files and save_pretrained folders, by logits
+JAX_PLATFORMS=cpu python examples/hf_gpt2.py "$OUT/hf_gpt2" >"$OUT/hf_gpt2.log" 2>&1
+echo "$?" >"$OUT/hf_gpt2.rc"
+
+# 5. one table
 OUT="$OUT" STRATS="$STRATS" python - <<'EOF'
 import json, os, re
 out = os.environ["OUT"]
@@ -67,6 +72,11 @@ for s in os.environ["STRATS"].split():
         tail = read(f"train_{s}.log").strip().splitlines()
         detail = tail[-1][:160] if tail else "no output"
     rows.append((f"train.py --strategy {s} (1 GPU)", "ok" if ok else "FAILED", detail))
+interop = [l for l in read("hf_gpt2.log").splitlines() if l.startswith("| ") and "|---" not in l][1:]
+worst = max((float(l.rsplit("|", 2)[1]) for l in interop if "FAILED" not in l), default=float("nan"))
+rows.append(("examples/hf_gpt2.py (transformers)", "ok" if read("hf_gpt2.rc").strip() == "0" and interop and not
+             any("FAILED" in l for l in interop) else "FAILED", f"{len(interop)} checks, largest logit difference "
+             f"{worst:.1e}" if interop else "no output"))
 bench = read("bench_gpt.log").splitlines()
 table = [l for l in bench if l.startswith("|")]
 rows.append(("bench/gpt.py gpt2 16x1024 bf16", "ok" if read("bench_gpt.rc").strip() == "0" else "FAILED",

@@ -218,3 +218,22 @@ def test_cli_exports_a_gpt_as_a_hf_folder_and_starts_from_it(tmp_path, corpus): 
     assert trainer.gpt_model(Config(model="gpt-nano", dataset="text", init_torch=folder), data).config.n_head == 4
     with pytest.raises(ValueError, match="--n-head 3 differs from the n_head=4.*drop --n-head"):
         trainer.gpt_model(Config(model="gpt-nano", dataset="text", init_torch=folder, n_head=3), data)
+
+
+def test_a_gpt_without_biases_is_refused_a_folder_before_training(tmp_path, corpus, capsys):  # noqa: F811
+    """nanoGPT's bias=False has no transformers GPT2Config: --export-torch out/ says so before any step runs."""
+    from jaxpar import cli
+
+    nobias = gpt.GPT(gpt.GPTConfig.named("gpt-nano", vocab_size=256, block_size=16, bias=False), rngs=nnx.Rngs(0))
+    weights.write(nobias.torch_state_dict("nanogpt"), str(tmp_path / "nobias.npz"))
+    argv = ["--model", "gpt-nano", "--init-torch", str(tmp_path / "nobias.npz"), "--dataset", "text",
+            "--data-path", corpus, "--seq-len", "16", "--batch-size", "8", "--steps", "1", "--eval-split", "",
+            "--quiet", "--metrics-out", str(tmp_path / "m.jsonl")]
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv + ["--export-torch", f"{tmp_path}/hf/"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and "no biases (bias=False)" in err, err
+    assert sorted(os.listdir(tmp_path)) == ["corpus.py", "nobias.npz"]  # nothing written: no metrics, no folder
+    summary = cli.main(argv + ["--export-torch", str(tmp_path / "out.npz"), "--torch-layout", "nanogpt"])
+    assert summary["steps"] == 1 and not gpt.config_from_state_dict(weights.read(str(tmp_path / "out.npz"))[0],
+                                                                     n_head=3).bias

@@ -446,9 +446,10 @@ class Diverged(RuntimeError):
     """The training loss became NaN or infinite: the run stops, and the last good checkpoint stays the latest."""
 
 
-def prepare_outputs(cfg: Config, state: TrainState):
+def prepare_outputs(cfg: Config, state: TrainState, model: nnx.Module | None = None):
     """Check every path the run will write -- checkpoint dir (writable, same model, something to resume), the
-    metrics and export files -- before anything is written; returns the Checkpointer (or None)."""
+    metrics and export files (a folder only for `model` a GPT in Hugging Face's layout, with biases) -- before
+    anything is written; returns the Checkpointer (or None)."""
     from jaxpar.run import checkpoint
 
     ckpt = None
@@ -460,8 +461,10 @@ def prepare_outputs(cfg: Config, state: TrainState):
     if cfg.metrics_out:
         checkpoint.writable_file(cfg.metrics_out, "--metrics-out")
     if cfg.export_torch:  # a folder (save_pretrained's) for GPT-2 in Hugging Face's layout only
-        weights.check_writable(cfg.export_torch, "--export-torch",
-                               folder_ok=cfg.model in models.GPT_NAMES and cfg.torch_layout == "hf")
+        gpt = isinstance(model, models.GPT) and cfg.torch_layout == "hf"
+        weights.check_writable(cfg.export_torch, "--export-torch", folder_ok=gpt)
+        if gpt and weights.is_folder(cfg.export_torch):
+            models.gpt.hf_config(model.config)  # refuses a GPT that transformers' GPT2 cannot hold
     return ckpt
 
 
@@ -519,7 +522,7 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
                          f"but {len(sampler)} samples per process leave a last batch of {len(sampler) % local_batch}; "
                          "pass --drop-last.")
     strategy = get_builder(cfg.strategy)(model, tx, cfg, loss_fn)  # validates the strategy's own rules
-    ckpt = prepare_outputs(cfg, state)
+    ckpt = prepare_outputs(cfg, state, model)
     position = {"loss_sum": 0.0, "count": 0.0}
     if ckpt is not None and cfg.resume:
         state, position = ckpt.restore(state)

@@ -381,6 +381,13 @@ def tp_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def versus_rows(rows: list[dict], base: str, cells) -> str:
+    """Table rows: model, variant, ms/step, its ratio to the `base` variant's of the same model, then cells(row)."""
+    ref = {r["model"]: r["step_ms"] for r in rows if r["variant"] == base}
+    return "\n".join(f"| {r['model']} | {r['variant']} | {r['step_ms']:.1f} | {r['step_ms'] / ref[r['model']]:.2f}x | "
+                     + " | ".join(cells(r)) + " |" for r in rows)
+
+
 def _mib(b) -> str:
     return "-" if b is None else f"{b / 2**20:.2f}"
 
@@ -467,20 +474,15 @@ def main(argv=None) -> dict:
         print(f"\nTP (T=2 x D={args.devices // 2}) alone and with ZeRO-1: step time, bytes sent per device\n"
               "| model | variant | ms/step | vs tp | sent KiB | temporaries MiB | loss |\n"
               "|---|---|---:|---:|---:|---:|---:|")
-        base = {r["model"]: r["step_ms"] for r in tp_times if r["variant"] == "tp"}
-        for r in tp_times:
-            print(f"| {r['model']} | {r['variant']} | {r['step_ms']:.1f} | {r['step_ms'] / base[r['model']]:.2f}x | "
-                  f"{r['hlo_sent'] / 1024:.1f} | {_mib(r['step_temp'])} | {r['loss']:.5f} |")
+        print(versus_rows(tp_times, "tp", lambda r: (f"{r['hlo_sent'] / 1024:.1f}", _mib(r["step_temp"]),
+                                                     f"{r['loss']:.5f}")))
     pipe_times = pipe_time_rows(split(args.pipe_time), args.devices, args.batch, args.seq_len, args.steps,
                                 args.repeats)
     if pipe_times:
         print(f"\nThe pipeline (S=2 x D={args.devices // 2}, 1F1B, 4 micro-batches) alone and with ZeRO-1: step time, "
               "bytes one device sends at the step's end\n"
               "| model | variant | ms/step | vs pipeline | sent at the end KiB | loss |\n|---|---|---:|---:|---:|---:|")
-        base = {r["model"]: r["step_ms"] for r in pipe_times if r["variant"] == "pipeline"}
-        for r in pipe_times:
-            print(f"| {r['model']} | {r['variant']} | {r['step_ms']:.1f} | {r['step_ms'] / base[r['model']]:.2f}x | "
-                  f"{r['hlo_sent'] / 1024:.1f} | {r['loss']:.5f} |")
+        print(versus_rows(pipe_times, "pipeline", lambda r: (f"{r['hlo_sent'] / 1024:.1f}", f"{r['loss']:.5f}")))
     if args.sequence_parallel:
         sp = sp_rows()
         print("\nSequence parallelism: the compiled TP step's temporaries, T=2\n| model | batch x seq | dropout | "

@@ -9,7 +9,7 @@ and its bubble. Tables print in Markdown; run `uptime` before and after (the mac
     python bench/pipeline.py --zb                        # ZB-H1 and ZB-V vs 1F1B at S=4, M=8: analysis, executed
 
 --processes: jaxpar's Pipeline in 2 processes x 1 CPU device (python -m jaxpar.launch, gloo) and torch's Schedule1F1B
-/ ScheduleGPipe in 2 processes (gloo; bench/pipeline_torch.py), the same layer split (jaxpar's 'parameters'
+/ ScheduleGPipe (and, for --schedules zbh1, ScheduleInterleavedZeroBubble: ZB1P) in 2 processes (gloo; bench/pipeline_torch.py), the same layer split (jaxpar's 'parameters'
 partition: layers 0-18 | 19-21), batch and micro-batches, SGD with momentum, plus each framework's own
 single-process step. `--model stack`: the 16 x Linear(512) stack of --stack instead (split 0-15 | 16-30), with
 the bound 1.5 x T_single / (1 - bubble) beside it; with --pin each stage has a core of its own, the bound's
@@ -40,7 +40,7 @@ def parse(argv=None):
     p.add_argument("--stack", action="store_true", help="the 16 x Linear(512) stack on 2 simulated devices")
     p.add_argument("--one-stage", action="store_true", help="S=1, M=1 against the single-device step")
     p.add_argument("--zb", action="store_true", help="ZB-H1 and ZB-V vs 1F1B at S=4, M=8")
-    p.add_argument("--schedules", default="1f1b,gpipe", help="comma separated (--processes)")
+    p.add_argument("--schedules", default="1f1b,gpipe", help="comma separated (--processes): 1f1b, gpipe, zbh1")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--micro-batches", type=int, default=4)
     p.add_argument("--image", type=int, default=64, help="AlexNet image side")
@@ -135,12 +135,19 @@ def jaxpar_worker(args) -> None:
 
 # ---- --processes: the driver ---------------------------------------------------------------------------------
 
+CROSS_SCHEDULES = ("1f1b", "gpipe", "zbh1")  # torch: Schedule1F1B, ScheduleGPipe, ScheduleInterleavedZeroBubble
+
+
+def _exited(p):
+    """A worker's exit status, or None while it runs (a Popen, or a multiprocessing Process)."""
+    return p.poll() if hasattr(p, "poll") else p.exitcode
+
 def wait_ready(ctl: str, group: str, ranks: int, procs, timeout: float = 1800) -> None:
     t = time.time()
     while not all(os.path.exists(os.path.join(ctl, f"ready.{group}.rank{r}")) for r in range(ranks)):
         for p in procs:
-            if p is not None and p.poll() is not None:
-                raise RuntimeError(f"{group} exited with status {p.returncode} before it was ready")
+            if p is not None and _exited(p) is not None:
+                raise RuntimeError(f"{group} exited with status {_exited(p)} before it was ready")
         if time.time() - t > timeout:
             raise RuntimeError(f"{group} not ready after {timeout} s")
         time.sleep(0.05)
@@ -171,7 +178,7 @@ def cross_process(args) -> None:
              "threads": args.threads, "single_threads": args.single_threads, "pin": args.pin}
     torch_pipe, torch_single = pipeline_torch.start(ctl, targs, n)
     try:
-        results = run_rounds(args, ctl, n, jax_pipe, jax_single)
+        results = run_rounds(args, ctl, n, jax_pipe, jax_single, torch_pipe.processes, torch_single.processes)
     finally:  # stop every worker, also after an error (the torch ranks are not daemons)
         pipeline_torch.write(os.path.join(ctl, "stop"), "stop")
         for p in (jax_pipe, jax_single):
@@ -187,12 +194,12 @@ def cross_process(args) -> None:
     report_cross(args, results, bounds)
 
 
-def run_rounds(args, ctl: str, n: int, jax_pipe, jax_single):
+def run_rounds(args, ctl: str, n: int, jax_pipe, jax_single, torch_pipe: list, torch_single: list):
     """Wait until every worker is warmed up, then alternate the timed rounds: {run: [per-rank timings]}."""
     import pipeline_torch
 
     for group, ranks, procs in (("jaxpar-pipeline", n, [jax_pipe]), ("jaxpar-single", 1, [jax_single]),
-                                ("torch", n, []), ("torch-single", 1, [])):
+                                ("torch", n, torch_pipe), ("torch-single", 1, torch_single)):
         wait_ready(ctl, group, ranks, procs)
     plan = [x for s in args.schedules.split(",") for x in ((f"jaxpar {s}", "jaxpar-pipeline", s, n),
                                                            (f"torch {s}", "torch", s, n))]
@@ -491,6 +498,10 @@ def main(argv=None) -> None:
     if args.worker:
         return jaxpar_worker(args)
     if args.processes:
+        unknown = sorted(set(args.schedules.split(",")) - set(CROSS_SCHEDULES))
+        if unknown:
+            raise SystemExit(f"--schedules {','.join(unknown)}: --processes compares schedules both frameworks have; "
+                             f"use some of {','.join(CROSS_SCHEDULES)}.")
         return cross_process(args)
     if not (args.stack or args.one_stage or args.zb):
         args.stack = True

@@ -1,6 +1,6 @@
 """The torch side of bench/pipeline.py: AlexNet as PyTorch lays it out (the same 22 layers as jaxpar.models.AlexNet,
-split at the same layer) or the Linear stack, torch.distributed.pipelining's Schedule1F1B / ScheduleGPipe over
-gloo, one process per stage, and torch's own single-process step. Workers take their rounds from control files
+split at the same layer) or the Linear stack, torch.distributed.pipelining's Schedule1F1B / ScheduleGPipe /
+ScheduleInterleavedZeroBubble over gloo, one process per stage, and torch's own single-process step. Workers take their rounds from control files
 (bench/pipeline.py)."""
 from __future__ import annotations
 
@@ -77,7 +77,8 @@ def pipeline_worker(rank: int, world: int, port: int, ctl: str, args: dict) -> N
     import torch.distributed as dist
     import torch.nn as nn
     import torch.nn.functional as F
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                              ScheduleInterleavedZeroBubble)
 
     if args["pin"]:
         os.sched_setaffinity(0, {rank % os.cpu_count()})
@@ -89,11 +90,15 @@ def pipeline_worker(rank: int, world: int, port: int, ctl: str, args: dict) -> N
     model, x, y = problem(args)
     module = nn.Sequential(*list(model)[lo:hi])
     opt = torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9)
-    kinds = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
     stages = {}
     for name in args["schedules"]:
         stage = PipelineStage(module, rank, world, torch.device("cpu"))
-        stages[name] = kinds[name](stage, n_microbatches=args["micro_batches"], loss_fn=F.cross_entropy)
+        if name == "zbh1":  # ZB1P of the zero-bubble paper (= ZB-H1), torch's only form for one stage a rank
+            stages[name] = ScheduleInterleavedZeroBubble([stage], n_microbatches=args["micro_batches"],
+                                                         loss_fn=F.cross_entropy)
+        else:
+            kinds = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+            stages[name] = kinds[name](stage, n_microbatches=args["micro_batches"], loss_fn=F.cross_entropy)
 
     def step(schedule):
         opt.zero_grad()

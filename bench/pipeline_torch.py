@@ -1,7 +1,7 @@
 """The torch side of bench/pipeline.py: AlexNet as PyTorch lays it out (the same 22 layers as jaxpar.models.AlexNet,
 split at the same layer) or the Linear stack, torch.distributed.pipelining's Schedule1F1B / ScheduleGPipe /
-ScheduleInterleavedZeroBubble over gloo, one process per stage, and torch's own single-process step. Workers take their rounds from control files
-(bench/pipeline.py)."""
+ScheduleInterleavedZeroBubble over gloo, one process per stage, and torch's own single-process step. Workers take
+their rounds from control files (bench/pipeline.py)."""
 from __future__ import annotations
 
 import json

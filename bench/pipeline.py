@@ -8,15 +8,16 @@ and its bubble. Tables print in Markdown; run `uptime` before and after (the mac
     python bench/pipeline.py --one-stage                 # S=1, M=1 against the single-device step
     python bench/pipeline.py --zb                        # ZB-H1 and ZB-V vs 1F1B at S=4, M=8: analysis, executed
 
---processes: jaxpar's Pipeline in 2 processes x 1 CPU device (python -m jaxpar.launch, gloo) and torch's Schedule1F1B
-/ ScheduleGPipe (--schedules zbh1: ScheduleInterleavedZeroBubble, the paper's ZB1P) in 2 processes (gloo;
-bench/pipeline_torch.py), the same layer split (jaxpar's 'parameters' partition: layers 0-18 | 19-21), batch and
-micro-batches, SGD with momentum, plus each framework's own single-process step. `--model stack`: the 16 x
+--processes: jaxpar's Pipeline in 2 processes x 1 CPU device (python -m jaxpar.launch, gloo) and torch's
+Schedule1F1B / ScheduleGPipe (--schedules zbh1: ScheduleInterleavedZeroBubble, the paper's ZB1P) in 2 processes
+(gloo; bench/pipeline_torch.py), the same layer split (jaxpar's 'parameters' partition: layers 0-18 | 19-21), batch
+and micro-batches, SGD with momentum, plus each framework's own single-process step. `--model stack`: the 16 x
 Linear(512) stack of --stack instead (split 0-15 | 16-30), with the bound 1.5 x T_single / (1 - bubble) beside it;
-with --pin each stage has a core of its own, the bound's premise. Every run is compiled and warmed up first (2 steps, never timed); then rounds of --steps
-steps alternate between the runs (jaxpar 1F1B, torch 1F1B, jaxpar GPipe, ...), so load from elsewhere hits them
-alike, and the best round counts. samples/s = batch x steps / the slowest rank's wall time; samples per CPU-second
-divides by the CPU time of all the run's processes (every thread); CPU s/step is per stage (rank).
+with --pin each stage has a core of its own, the bound's premise. Every run is compiled and warmed up first (2
+steps, never timed); then rounds of --steps steps alternate between the runs (jaxpar 1F1B, torch 1F1B, jaxpar GPipe,
+...), so load from elsewhere hits them alike, and the best round counts. samples/s = batch x steps / the slowest
+rank's wall time; samples per CPU-second divides by the CPU time of all the run's processes (every thread); CPU
+s/step is per stage (rank).
 """
 from __future__ import annotations
 

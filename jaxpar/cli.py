@@ -18,6 +18,11 @@ import sys
 
 from jaxpar.config import Config
 
+def _shown(default) -> str:
+    """A default as --help prints it: strings with whitespace (the sample prompt's newline) quoted."""
+    return repr(default) if isinstance(default, str) and (not default or default != default.strip()) else str(default)
+
+
 _NEGATED = {"shuffle": "--no-shuffle", "overlap": "--no-overlap",  # booleans that default to on
             "parallel_output": "--no-parallel-output"}
 
@@ -45,7 +50,7 @@ def parser() -> argparse.ArgumentParser:
             p.add_argument(flag, action="store_true", help=helps.get(f.name))
         else:
             kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0].split("|")[0].strip(), str)
-            p.add_argument(flag, type=kind, default=default, metavar=f.name.upper(), help=f"{helps.get(f.name, '')} (default: {default})")
+            p.add_argument(flag, type=kind, default=default, metavar=f.name.upper(), help=f"{helps.get(f.name, '')} (default: {_shown(default)})")
     return p
 
 

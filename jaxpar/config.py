@@ -9,7 +9,7 @@ from dataclasses import dataclass
 class Config:
     # what to train
     strategy: str = "single"  # single | ddp | dp | pipeline | zero | tp (jaxpar.strategies.base.STRATEGIES)
-    model: str = "convnet"  # linear | mlp | convnet | alexnet, or MODULE:NAME / FILE.py:NAME building an nnx.Module
+    model: str = "convnet"  # linear | mlp | convnet | alexnet | a GPT config (gpt2, gpt2-medium, ..., gpt-cpu: jaxpar.models.gpt.CONFIGS), or MODULE:NAME / FILE.py:NAME building an nnx.Module
     model_kwargs: str | None = None  # JSON object of keyword arguments for --model MODULE:NAME, e.g. '{"hidden": 64}'
     loss: str | None = None  # cross_entropy | mse | MODULE:NAME: fn(outputs, batch) -> (loss_sum, weight_sum[, metrics])
     label_smoothing: float = 0.0  # cross_entropy: torch's label_smoothing, in [0, 1]
@@ -63,7 +63,7 @@ class Config:
     grad_comm_dtype: str | None = None  # bf16: compress gradients for communication
     spmd: str = "shard_map"  # shard_map | pmap front end
     # ZeRO (DeepSpeed; also takes --bucket-cap-mb and --grad-accum)
-    zero_stage: int | None = None  # zero: 1 (default) | 2 | 3: partition the optimizer state, + gradients (FSDP SHARD_GRAD_OP), + parameters (FULL_SHARD); pipeline: 0 (default) | 1
+    zero_stage: int | None = None  # zero: 1 (default) | 2 | 3: partition the optimizer state, + gradients (FSDP SHARD_GRAD_OP), + parameters (FULL_SHARD); pipeline and tp: 0 (default) | 1
     zero_reduce: str | None = None  # reduce_scatter (default) | all_reduce: ZeRO-1's gradient reduction (zero, tp, pipeline)
     # DataParallel
     loss_on_device: bool = False  # each device computes its own loss; only scalars are gathered
@@ -83,8 +83,8 @@ class Config:
     activation_checkpoint_interval: int = 0  # N: keep each N-layer segment's input, recompute it in the backward
     recompute_granularity: str | None = None  # selective: GPT's core attention recomputed in the backward (Megatron's)
     # runs, files and reports
-    init_torch: str | None = None  # start from a PyTorch state dict saved as .npz
-    export_torch: str | None = None  # write the trained weights as a PyTorch state dict .npz
+    init_torch: str | None = None  # start from a PyTorch / Hugging Face state dict: .npz, .safetensors, torch's .pt/.pth/.bin (nanoGPT's ckpt.pt too), or a save_pretrained folder
+    export_torch: str | None = None  # write the trained weights as a PyTorch state dict: .npz, .safetensors, .pt/.pth/.bin, or a folder (an existing one, or a path ending in /; a GPT in the hf layout) that GPT2LMHeadModel.from_pretrained loads
     metrics_out: str | None = None  # JSON lines of per-step and per-epoch metrics
     checkpoint_dir: str | None = None  # folder of orbax checkpoints (atomic; the newest --checkpoint-keep kept)
     checkpoint_every: int = 0  # steps between checkpoints (0: only at the end and on SIGTERM/SIGINT)

@@ -74,8 +74,8 @@ class Config:
     sequence_parallel: bool = False  # tp, 3-D pipeline: LayerNorms and dropout on 1/T of the tokens (Megatron's)
     parallel_output: bool = True  # a vocabulary-split head's logits go to the loss split (Megatron's); off: gathered
     # pipeline
-    num_stages: int = 2
-    micro_batches: int = 4
+    num_stages: int = 2  # pipeline stages (DeepSpeed's num_stages); more devices than stages: data x pipeline
+    micro_batches: int = 4  # micro-batches a step splits the batch into (DeepSpeed's gradient_accumulation_steps)
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zbh1 (zero-bubble H1) | zbv (ZB-V, 2 chunks)
     virtual_stages: int = 1  # model chunks per stage (interleaved; zbv: 2)
     partition_method: str = "parameters"  # parameters | uniform | type:REGEX | profile

@@ -197,6 +197,20 @@ def test_flags_are_never_abbreviated(capsys):
         assert e.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
 
 
+def test_help_gives_every_flag_a_meaning_and_a_visible_default():
+    """--help is the flags' reference: each has its config.py comment, and a whitespace default (the sample
+    prompt's newline) shows quoted instead of as an empty '(default: )'."""
+    from jaxpar import cli
+
+    actions = [a for a in cli.parser()._actions if a.option_strings and a.dest != "help"]
+    assert len(actions) > 60
+    for a in actions:
+        assert a.help and not a.help.startswith(" ("), f"{a.option_strings[0]} has no meaning in --help"
+    text = cli.parser().format_help()
+    assert "(default: '\\n')" in text and "(default: )" not in text
+    assert ".safetensors" in text  # --init-torch / --export-torch name every file kind, not only .npz
+
+
 def test_at_least_twenty_cases():
     assert len(CASES) >= 20 and len({c[0] for c in CASES}) == len(CASES)
 

@@ -497,15 +497,76 @@ class Engine:
                                                                       scatter=self.scatter)
                 return self._updates[("update", s)]
 
-            def update(params, opt_state, grads, state, vec):
-                weight = vec[1]
-                p = jax.tree.unflatten(treedef, params)
-                g = jax.tree.unflatten(treedef, [x / weight for x in grads])
-                extra = {"global_norm": jnp.sqrt(vec[-1]) / weight} if needs_norm else {}
-                updates, opt_state = tx.update(g, opt_state, p, **extra)
-                state = [x + 1 if k in counts else x for k, x in enumerate(state)]  # RNG streams advance once
-                return jax.tree.leaves(optax.apply_updates(p, updates)), opt_state, state
+            own = mod.stage_params[s]
+            groups: dict = {}  # the stage's tied leaves by the stages holding them
+            for k, j in enumerate(own):
+                if j in mod.tied:
+                    groups.setdefault(tuple(mod.tied[j]), []).append(k)
+            parts = [tuple(k for k in range(len(own)) if own[k] not in mod.tied), *map(tuple, groups.values())]
+            rest = self.jit(self._subset_update(tuple(own[k] for k in parts[0]), counts), donate_argnums=(0, 1, 3))
+            if len(parts) == 1:
+                self._updates[("update", s)] = rest
+                return rest
+            # each tie's leaves get ONE compiled update, which every stage holding them runs on the same values:
+            # the copies stay equal bit for bit (XLA compiles a stage's whole update differently from another's).
+            # The ties' updates run first and read the shared optimizer leaves (a step count); the rest's, last,
+            # consumes them.
+            cut = opt_lib.state_parts(tx, mod, s, parts)
+            ties = []  # (its parameters, its optimizer leaves, the shared ones it reads, its update)
+            for i, part in enumerate(parts[1:], 1):
+                idx, flags = tuple(own[k] for k in part), tuple(k in cut.shared for k in cut.index[i])
+                if ("tied", idx, flags) not in self._updates:
+                    self._updates[("tied", idx, flags)] = self._tie_update(idx, cut.treedefs[i], flags)
+                ties.append((part, [k for k in cut.index[i] if k not in cut.shared],
+                             [k for k in cut.index[i] if k in cut.shared], self._updates[("tied", idx, flags)]))
 
-            self._updates[("update", s)] = self.jit(update, donate_argnums=(0, 1, 3))
+            def update(params, opt_state, grads, state, vec):
+                leaves, out = cut.treedef.flatten_up_to(opt_state), [None] * len(own)
+                for part, mine, common, fn in ties:
+                    new, moved = fn([params[k] for k in part], [leaves[k] for k in mine], [leaves[k] for k in common],
+                                    [grads[k] for k in part], vec)
+                    for k, a in zip(part, new):
+                        out[k] = a
+                    for k, a in zip(mine, moved):
+                        leaves[k] = a
+                new, state_0, state = rest([params[k] for k in parts[0]],
+                                           cut.treedefs[0].unflatten([leaves[k] for k in cut.index[0]]),
+                                           [grads[k] for k in parts[0]], state, vec)
+                for k, a in zip(parts[0], new):
+                    out[k] = a
+                for k, a in zip(cut.index[0], cut.treedefs[0].flatten_up_to(state_0)):
+                    leaves[k] = a
+                return out, cut.treedef.unflatten(leaves), state
+
+            self._updates[("update", s)] = update
         return self._updates[("update", s)]
+
+    def _tie_update(self, idx: tuple, treedef, shared: list):
+        """The one jitted update of tied leaves `idx`: (params, their optimizer leaves, the shared ones, grads,
+        vec) -> (params, their optimizer leaves); the shared leaves (read, not donated) come back from the rest."""
+        update = self._subset_update(idx, [])
+
+        def tie(params, mine, common, grads, vec):
+            mine_it, common_it = iter(mine), iter(common)
+            state = treedef.unflatten([next(common_it) if c else next(mine_it) for c in shared])
+            params, state, _ = update(params, state, grads, [], vec)
+            return params, [a for a, c in zip(treedef.flatten_up_to(state), shared) if not c]
+
+        return self.jit(tie, donate_argnums=(0, 1))
+
+    def _subset_update(self, idx: tuple, counts: list):
+        """update(params, opt_state, grads, state, vec) of the parameters `idx` (canonical leaves, a stage's or
+        part of it) with their optimizer state: grads / global weight, tx, and the RNG streams at `counts`
+        advanced once."""
+        tx, needs_norm, treedef = self.tx, self.needs_norm, opt_lib.subset_treedef(self.module, idx)
+
+        def update(params, opt_state, grads, state, vec):
+            inv, extra = opt_lib.mean_scale(vec, needs_norm)
+            p = jax.tree.unflatten(treedef, params)
+            g = jax.tree.unflatten(treedef, [x * inv for x in grads])
+            updates, opt_state = tx.update(g, opt_state, p, **extra)
+            state = [x + 1 if k in counts else x for k, x in enumerate(state)]  # RNG streams advance once
+            return jax.tree.leaves(optax.apply_updates(p, updates)), opt_state, state
+
+        return update
 

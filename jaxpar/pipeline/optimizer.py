@@ -9,16 +9,29 @@ cut to 3), once on the whole tree and once per stage subtree, and compares the u
 exact once it is given the global norm (`jaxpar.optim.clip_by_global_norm`, an optax extra argument
 ``global_norm``) gets it: the engine adds the stages' squared norms across stages. Anything else is refused with
 a one-line ValueError naming the fix.
+
+A stage holding a tied weight updates it apart from its other leaves (`state_parts` cuts its optimizer state by
+leaf positions, computed once), with one compiled program every stage holding the tie runs: XLA compiles each
+stage's whole update differently, which could leave the copies a bit apart.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+
+
+def mean_scale(vec, needs_norm: bool) -> tuple[jax.Array, dict]:
+    """(1 / the global batch weight, tx's extra arguments) from the step's [Sums..., squared norm] vector. Every
+    stage's update (and ZeRO-1's) multiplies the summed gradients by this one reciprocal rather than dividing
+    them: XLA:CPU lowers a division by a scalar as a multiplication by its reciprocal in some programs and not in
+    others, and each stage's update is its own program."""
+    inv = 1.0 / vec[1]
+    return inv, ({"global_norm": jnp.sqrt(vec[-1]) * inv} if needs_norm else {})
 
 
 def stage_tree(module, stage: int, leaves: list) -> nnx.State:
@@ -34,23 +47,76 @@ def _tree(module, stage: int | None, leaves: list) -> nnx.State:
     return jax.tree.unflatten(stage_treedef(module, stage), leaves)
 
 
-_TREEDEFS: dict = {}
-
-
 def stage_treedef(module, stage: int):
     """The treedef of the stage's parameter State (built once per module and stage)."""
-    key = (id(module), stage)
-    if key not in _TREEDEFS:
-        canonical = jax.tree.unflatten(module.param_treedef, [0] * len(module.param_paths))
-        kinds = {p: v for p, v in nnx.to_flat_state(canonical)}
-        sub = nnx.from_flat_state([(module.param_paths[j], kinds[module.param_paths[j]])
-                                   for j in module.stage_params[stage]])
-        _TREEDEFS[key] = jax.tree.structure(sub)
-    return _TREEDEFS[key]
+    return subset_treedef(module, tuple(module.stage_params[stage]))
 
 
 def _param_like(treedef):
     return lambda x: jax.tree.structure(x) == treedef
+
+
+_CACHE: dict = {}  # (what, ids of the objects, indices) -> (the objects, kept alive so no id is reused; value)
+
+
+def _cached(what: str, objects: tuple, idx: tuple, make):
+    key = (what, tuple(map(id, objects)), tuple(idx))
+    if key not in _CACHE:
+        _CACHE[key] = (objects, make())
+    return _CACHE[key][1]
+
+
+def subset_treedef(module, idx: tuple):
+    """The treedef of the parameter State holding canonical leaves `idx` (in that order) on their paths."""
+    def make():
+        canonical = jax.tree.unflatten(module.param_treedef, [0] * len(module.param_paths))
+        kinds = {p: v for p, v in nnx.to_flat_state(canonical)}
+        return jax.tree.structure(nnx.from_flat_state([(module.param_paths[j], kinds[module.param_paths[j]])
+                                                       for j in idx]))
+
+    return _cached("treedef", (module,), idx, make)
+
+
+def subset_layout(tx: optax.GradientTransformation, module, idx: tuple):
+    """opt_layout's first two for the parameter State of canonical leaves `idx` (computed once)."""
+    def make():
+        treedef = subset_treedef(module, idx)
+        state = jax.eval_shape(tx.init, jax.tree.unflatten(treedef, [module.param_specs[j] for j in idx]))
+        leaves, outer = jax.tree.flatten(state, is_leaf=_param_like(treedef))
+        return outer, [_param_like(treedef)(x) for x in leaves]
+
+    return _cached("layout", (tx, module), idx, make)
+
+
+class StateParts(NamedTuple):
+    """A stage's optimizer state cut by parameter subsets, as leaf positions (plain data, computed once): part i's
+    state is ``treedefs[i].unflatten([leaves[k] for k in index[i]])`` of the stage state's leaves; a leaf shared
+    by every part (a step count) appears in each, parameter-shaped ones in their part only."""
+    treedef: Any  # the stage state's
+    treedefs: list  # each part's
+    index: list[list[int]]  # each part's leaves, as positions in the stage state's
+    shared: frozenset  # positions in every part
+
+
+def state_parts(tx, module, stage: int, parts: list[tuple]) -> StateParts:
+    """StateParts of `parts` (each a tuple of positions in the stage's parameter leaves, increasing)."""
+    own = tuple(module.stage_params[stage])
+    outer, kinds = subset_layout(tx, module, own)
+    full = jax.tree.structure(jax.eval_shape(tx.init, _tree(module, stage, [module.param_specs[j] for j in own])))
+    marked = jax.tree.unflatten(full, list(range(full.num_leaves)))
+    leaves = jax.tree.flatten(marked, is_leaf=_param_like(subset_treedef(module, own)))[0]
+    flat = [jax.tree.leaves(x) if kind else x for x, kind in zip(leaves, kinds)]
+    treedefs, index = [], []
+    for part in parts:
+        idx = tuple(own[k] for k in part)
+        sub_outer, _ = subset_layout(tx, module, idx)
+        state = jax.tree.unflatten(sub_outer, [jax.tree.unflatten(subset_treedef(module, idx), [x[k] for k in part])
+                                               if kind else x for x, kind in zip(flat, kinds)])
+        got, treedef = jax.tree.flatten(state)
+        treedefs.append(treedef)
+        index.append(got)
+    shared = frozenset.intersection(*map(frozenset, index)) if len(index) > 1 else frozenset()
+    return StateParts(full, treedefs, index, shared)
 
 
 def opt_layout(tx: optax.GradientTransformation, module, stage: int | None):

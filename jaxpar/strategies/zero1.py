@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.comm import shards as sh
 from jaxpar.mesh import DATA, TENSOR
+from jaxpar.pipeline.optimizer import mean_scale
 from jaxpar.strategies import zero_optim
 
 
@@ -139,13 +140,12 @@ class StageZero(NamedTuple):
         tx = optax.with_extra_args_support(tx)
 
         def update(params, opt_state, grads, state, vec):
-            weight = vec[1]
-            extra = {"global_norm": jnp.sqrt(vec[-1]) / weight} if needs_norm else {}
+            inv, extra = mean_scale(vec, needs_norm)  # a reciprocal, as every pipeline stage's update takes it
             if scatter:
-                params, opt_state = self.local_update(tx, params, opt_state, None, grad_block=grads[0] / weight,
+                params, opt_state = self.local_update(tx, params, opt_state, None, grad_block=grads[0] * inv,
                                                       **extra)
             else:
-                params, opt_state = self.local_update(tx, params, opt_state, [g / weight for g in grads], **extra)
+                params, opt_state = self.local_update(tx, params, opt_state, [g * inv for g in grads], **extra)
             state = [x + 1 if k in counts else x for k, x in enumerate(state)]  # RNG streams advance once
             return params, opt_state, state
 

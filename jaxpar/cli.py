@@ -18,6 +18,7 @@ import sys
 
 from jaxpar.config import Config
 
+
 def _shown(default) -> str:
     """A default as --help prints it: strings with whitespace (the sample prompt's newline) quoted."""
     return repr(default) if isinstance(default, str) and (not default or default != default.strip()) else str(default)

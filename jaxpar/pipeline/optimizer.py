@@ -56,14 +56,14 @@ def _param_like(treedef):
     return lambda x: jax.tree.structure(x) == treedef
 
 
-_CACHE: dict = {}  # (what, ids of the objects, indices) -> (the objects, kept alive so no id is reused; value)
-
-
-def _cached(what: str, objects: tuple, idx: tuple, make):
+def _cached(module, what: str, objects: tuple, idx: tuple, make):
+    """make(), once per module, `what`, other objects and leaf indices: kept on the module, so the cache goes with
+    it; the other objects (tx) are held beside the value, so their ids cannot be reused while it lives."""
+    cache = module.__dict__.setdefault("_optimizer_cache", {})
     key = (what, tuple(map(id, objects)), tuple(idx))
-    if key not in _CACHE:
-        _CACHE[key] = (objects, make())
-    return _CACHE[key][1]
+    if key not in cache:
+        cache[key] = (objects, make())
+    return cache[key][1]
 
 
 def subset_treedef(module, idx: tuple):
@@ -74,7 +74,7 @@ def subset_treedef(module, idx: tuple):
         return jax.tree.structure(nnx.from_flat_state([(module.param_paths[j], kinds[module.param_paths[j]])
                                                        for j in idx]))
 
-    return _cached("treedef", (module,), idx, make)
+    return _cached(module, "treedef", (), idx, make)
 
 
 def subset_layout(tx: optax.GradientTransformation, module, idx: tuple):
@@ -85,7 +85,7 @@ def subset_layout(tx: optax.GradientTransformation, module, idx: tuple):
         leaves, outer = jax.tree.flatten(state, is_leaf=_param_like(treedef))
         return outer, [_param_like(treedef)(x) for x in leaves]
 
-    return _cached("layout", (tx, module), idx, make)
+    return _cached(module, "layout", (tx,), idx, make)
 
 
 class StateParts(NamedTuple):

@@ -19,11 +19,17 @@ def model():
     return scramble(gpt.GPT(CFG, rngs=nnx.Rngs(params=0, dropout=1)), seed=3)
 
 
+@nnx.jit
+def _logits(model, idx):
+    return model(idx)
+
+
 def last_logits(model, idx: np.ndarray) -> np.ndarray:
-    """nanoGPT's step: the context cropped to the last block_size tokens, the logits at its last position."""
+    """nanoGPT's step: the context cropped to the last block_size tokens, the logits at its last position (one
+    compiled forward per context length: run eagerly, op by op, each new length cost seconds of compiles)."""
     evaluated = nnx.clone(model)
     evaluated.eval()
-    return np.asarray(evaluated(jnp.asarray(idx[:, -CFG.block_size:])))[:, -1]
+    return np.asarray(_logits(evaluated, jnp.asarray(idx[:, -CFG.block_size:])))[:, -1]
 
 
 PROMPT = np.array([[1, 2, 3], [4, 4, 0]])

@@ -302,8 +302,8 @@ def test_vocab_parallel_cross_entropy_equals_the_whole_one(smoothing):
     y = jax.random.randint(jax.random.key(1), (3, 5), 0, 12).at[0, 0].set(-100).at[1, 1].set(7)
     batch = {"y": y, "mask": jnp.ones((3, 5)).at[2, 4].set(0.0)}
     loss_fn = functools.partial(jaxpar.cross_entropy, label_smoothing=smoothing)
-    whole = loss_fn(logits, batch)
-    whole_grad = jax.grad(lambda z: loss_fn(z, batch).loss)(logits)
+    whole = jax.jit(loss_fn)(logits, batch)  # compiled: eagerly, op by op, the test took 15-24 s of compiles
+    whole_grad = jax.jit(jax.grad(lambda z: loss_fn(z, batch).loss))(logits)
 
     def per_rank(local):
         split = lambda z: loss_fn(megatron.VocabParallelLogits(z, TENSOR), batch)  # noqa: E731
@@ -312,9 +312,9 @@ def test_vocab_parallel_cross_entropy_equals_the_whole_one(smoothing):
         alone = jaxpar.cross_entropy(local, {"y": jnp.minimum(y, 2) * (y >= 0)}).loss  # no collectives
         return out.loss, out.weight, out.metrics["accuracy"], grad, argmax, alone[None], out.metrics.get("nll", 0.0)
 
-    loss, weight, accuracy, grad, argmax, alone, nll = jax.shard_map(
+    loss, weight, accuracy, grad, argmax, alone, nll = jax.jit(jax.shard_map(
         per_rank, mesh=mesh, in_specs=P(None, None, TENSOR),
-        out_specs=(P(), P(), P(), P(None, None, TENSOR), P(), P(TENSOR), P()), check_vma=False)(logits)
+        out_specs=(P(), P(), P(), P(None, None, TENSOR), P(), P(TENSOR), P()), check_vma=False))(logits)
     if smoothing:
         np.testing.assert_allclose(nll, whole.metrics["nll"], rtol=1e-6)
     assert float(jnp.abs(alone - whole.loss).min()) > 1.0  # a rank's slice alone gives another loss

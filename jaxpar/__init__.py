@@ -32,7 +32,8 @@ from jaxpar.models import (GPT, MLP, AlexNet, ConvNet, GPTConfig, LinearModel, f
 from jaxpar.models import NAMES as MODELS
 from jaxpar.models import get as get_model
 from jaxpar.objective import LossOutput, Objective, OutputLoss
-from jaxpar import optim
+from jaxpar import loss_scale, optim
+from jaxpar.loss_scale import LossScaleConfig, loss_scaling
 from jaxpar.optim import OPTIMIZERS, make_optimizer
 from jaxpar.pipeline import schedule
 from jaxpar.run import memory
@@ -57,6 +58,8 @@ __all__ = [
     "Rows", "as_rows", "pad_rows",
     "TrainState", "init_state", "train_step", "apply_updates", "make_train_step", "make_eval_step",
     "OPTIMIZERS", "make_optimizer", "optim", "Config",
+    # fp16's loss scaler (DeepSpeed's), wrapped around any optimizer
+    "loss_scaling", "LossScaleConfig", "loss_scale",
     # strategies
     "Strategy", "STRATEGIES", "get_builder", "SingleDevice",
     "DataParallel", "chunk_sizes",

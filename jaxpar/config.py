@@ -49,7 +49,13 @@ class Config:
     seed: int = 0  # parameters, dropout and shuffling all derive from it
     shuffle: bool = True  # DistributedSampler(shuffle=...)
     drop_last: bool = False  # drop the last, smaller batch (otherwise it is padded and masked)
-    precision: str = "fp32"  # fp32 | bf16 (bf16 compute, fp32 master weights and optimizer state)
+    precision: str = "fp32"  # fp32 | bf16 | fp16: the compute dtype (master weights and optimizer state stay fp32); fp16 scales the loss (DeepSpeed's fp16)
+    loss_scale: float = 0.0  # fp16: 0 for dynamic loss scaling (DeepSpeed's default), or a fixed scale
+    initial_scale_power: int = 16  # fp16, dynamic: the scale starts at 2**N (DeepSpeed's initial_scale_power)
+    loss_scale_window: int = 1000  # fp16, dynamic: steps without an overflow before the scale doubles
+    hysteresis: int = 2  # fp16, dynamic: overflows tolerated before the scale halves (DeepSpeed's hysteresis)
+    consecutive_hysteresis: bool = False  # fp16, dynamic: refill the hysteresis after every step without an overflow
+    min_loss_scale: float = 1.0  # fp16, dynamic: the scale never halves below this (DeepSpeed's min_loss_scale)
     per_sample: str | None = None  # on | off: the loss per sample (split-independent) or per shard; default on unless BatchNorm
     # devices and processes
     cpu_devices: int | None = None  # simulate this many CPU devices (set before JAX starts)

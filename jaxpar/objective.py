@@ -309,14 +309,18 @@ class Objective:
         sums = Sums(out.loss, out.weight, jnp.sum(rows.mask), out.metrics)
         return sums, (advance_rng(new_state, model_state) if train else model_state)
 
-    def value_and_grad(self, params: nnx.State, model_state: nnx.State, rows: Rows, *, shard: Any = 0):
-        """((Sums, new model state), gradient of the SUMMED loss with respect to params)."""
+    def value_and_grad(self, params: nnx.State, model_state: nnx.State, rows: Rows, *, shard: Any = 0,
+                       loss_scale: Any = None):
+        """((Sums, new model state), gradient of the SUMMED loss with respect to params); with a `loss_scale` S
+        the backward runs on the scaled loss and the gradient is unscaled (jaxpar.loss_scale)."""
+        from jaxpar import loss_scale as scaling
+
         def f(p):
             sums, state = self.sums(p, model_state, rows, shard=shard)
             return sums.loss, (sums, state)
 
-        (_, aux), grads = jax.value_and_grad(f, has_aux=True)(params)
-        return aux, grads
+        (_, aux), grads, seed = scaling.value_and_grad(f, loss_scale)(params)
+        return aux, scaling.unscale(grads, seed)
 
     # -- outputs and losses apart (DataParallel's gather, the pipeline's last stage) ------------------------
 

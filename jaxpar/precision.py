@@ -1,9 +1,10 @@
-"""Mixed precision: which dtype the forward and backward compute in (master weights stay float32)."""
+"""Mixed precision: which dtype the forward and backward compute in (master weights stay float32). fp16 runs
+behind a loss scaler (jaxpar.loss_scale; train.py adds DeepSpeed's dynamic one), bf16 needs none."""
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-PRECISIONS = {"fp32": None, "bf16": jnp.bfloat16}
+PRECISIONS = {"fp32": None, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 
 
 def compute_dtype(precision: str):

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxpar import loss_scale
 from jaxpar.batch import Rows
 from jaxpar.objective import Objective, Sums, metrics_of
 from jaxpar.types import Metrics, Params
@@ -64,10 +65,13 @@ def scale(tree: Any, factor: jax.Array) -> Any:
 
 def train_step(objective: Objective, tx: optax.GradientTransformation, state: TrainState,
                rows: Rows) -> tuple[TrainState, Metrics]:
-    """The reference step, unjitted: gradient of the mean loss over the whole batch, one optimizer update."""
-    (sums, model_state), grads = objective.value_and_grad(state.params, state.model_state, rows)
+    """The reference step, unjitted: gradient of the mean loss over the whole batch, one optimizer update (with a
+    loss scaler in `tx`, the backward runs on the scaled loss: jaxpar.loss_scale)."""
+    s = loss_scale.current(state.opt_state)
+    (sums, model_state), grads = objective.value_and_grad(state.params, state.model_state, rows, loss_scale=s)
     grads = scale(grads, 1.0 / sums.weight)
-    return apply_updates(tx, state, grads, model_state), metrics_of(sums, grad_norm(grads))
+    metrics = {**metrics_of(sums, grad_norm(grads)), **loss_scale.metrics(s)}
+    return apply_updates(tx, state, grads, model_state), metrics
 
 
 def make_train_step(objective: Objective, tx: optax.GradientTransformation):

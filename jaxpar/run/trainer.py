@@ -152,6 +152,13 @@ def validate(cfg: Config) -> None:
                              "each segment; use one of the two (Megatron's --recompute-granularity takes one).")
     if cfg.steps is not None and cfg.steps < 1:
         raise ValueError(f"--steps {cfg.steps} must be >= 1 (or leave it out to run whole epochs).")
+    scaler = loss_scale_config(cfg)  # fp16's loss scaler: its settings checked here, before any work
+    if scaler is None:
+        defaults = Config()
+        given = [f"--{f.replace('_', '-')}" for f in LOSS_SCALE_FIELDS if getattr(cfg, f) != getattr(defaults, f)]
+        if given:
+            raise ValueError(f"{', '.join(given)} set(s) the loss scaler of --precision fp16, but --precision is "
+                             f"{cfg.precision}; add --precision fp16, or drop them (bf16 and fp32 need no scaling).")
     if cfg.lr is not None and not cfg.lr > 0:
         raise ValueError(f"--lr {cfg.lr} must be > 0; pass a positive learning rate, or leave it out for the "
                          f"optimizer's default ({DEFAULT_LR[cfg.optimizer]}).")
@@ -415,13 +422,34 @@ def learning_rate(cfg: Config, steps_per_epoch: int, total_steps: int | None = N
     return lr
 
 
+LOSS_SCALE_FIELDS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
+                     "min_loss_scale")
+
+
+def loss_scale_config(cfg: Config):
+    """--precision fp16's LossScaleConfig from the flags (ValueError naming the flag), None for fp32 and bf16."""
+    from jaxpar.loss_scale import LossScaleConfig
+
+    if cfg.precision != "fp16":
+        return None
+    try:
+        return LossScaleConfig(**{f: getattr(cfg, f) for f in LOSS_SCALE_FIELDS})
+    except ValueError as e:
+        raise ValueError(f"--precision fp16: --{str(e).replace('_', '-')}") from None
+
+
 def make_tx(cfg: Config, steps_per_epoch: int, total_steps: int | None = None) -> optax.GradientTransformation:
     """The optimizer at `learning_rate`, after global-norm clipping when --grad-clip is set (every strategy gives
-    jaxpar's clip the norm over all of the gradients: DeepSpeed's and torch's clip_grad_norm_ semantics)."""
+    jaxpar's clip the norm over all of the gradients: DeepSpeed's and torch's clip_grad_norm_ semantics), behind
+    DeepSpeed's loss scaler with --precision fp16."""
+    from jaxpar.loss_scale import loss_scaling
+
     lr = learning_rate(cfg, steps_per_epoch, total_steps)
     tx = make_optimizer(cfg.optimizer, lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
                         decay_params=cfg.weight_decay_params)
-    return optax.chain(clip_by_global_norm(cfg.grad_clip), tx) if cfg.grad_clip else tx
+    tx = optax.chain(clip_by_global_norm(cfg.grad_clip), tx) if cfg.grad_clip else tx
+    scaler = loss_scale_config(cfg)
+    return tx if scaler is None else loss_scaling(tx, scaler)
 
 
 def evaluate(eval_step, state: TrainState, dataset, batch_size: int, pad: bool = True) -> dict[str, float]:
@@ -548,6 +576,7 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
             raise Diverged(f"step {step} left non-finite parameters; not saved. " + _kept(cfg, ckpt))
 
     clock, stopped, start_step, epoch_done = report.Clock(), None, step, True
+    scaler, skipped = loss_scale_config(cfg), 0  # fp16: steps skipped on overflowing gradients
     last: dict[str, Any] = {}
     loss_sum, count = position["loss_sum"], position["count"]  # the epoch's running train loss
     try:
@@ -563,13 +592,23 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
                     loss, n = float(metrics["loss"]), float(metrics["samples"])  # reads back: the step is done
                     weight = float(metrics["weight"])
                     clock.tick(n)
-                    if not math.isfinite(loss):
+                    # fp16, dynamic scale: the gradients overflowed and the update was skipped (DeepSpeed's skip)
+                    overflow = scaler is not None and scaler.dynamic and not math.isfinite(float(metrics["grad_norm"]))
+                    if overflow:
+                        scale, skipped = float(metrics["loss_scale"]), skipped + 1
+                        writer.write({"event": "overflow", "step": step, "loss_scale": scale})
+                        if scale <= scaler.min_loss_scale:
+                            raise Diverged(f"the gradients overflowed at step {step} at the minimum loss scale "
+                                           f"{scale:g} (--min-loss-scale); stopped. " + _kept(cfg, ckpt) +
+                                           " Lower --lr, or train in --precision bf16.")
+                    elif not math.isfinite(loss):
                         writer.write({"event": "diverged", "step": step, "loss": loss, "checkpoint": _saved(ckpt)})
                         raise Diverged(f"the training loss became {loss} at step {step} (epoch {epoch}); stopped. "
                                        + _kept(cfg, ckpt) + " Lower --lr, or check the data for NaN values.")
-                    loss_sum, count = loss_sum + loss * weight, count + weight
+                    else:  # a skipped step's loss is not counted
+                        loss_sum, count = loss_sum + loss * weight, count + weight
                     bar.update(1)
-                    if step % cfg.log_every == 0:
+                    if step % cfg.log_every == 0 and not overflow:
                         bar.set_postfix(loss=f"{loss_sum / count:.4f}")
                         writer.write({"event": "step", "step": step, "epoch": epoch, "loss": loss,
                                       "train_loss": loss_sum / count, **_norm_of(metrics),
@@ -605,7 +644,8 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
                    "precision": cfg.precision, "describe": strategy.describe(), "steps": step,
                    "epochs": epoch + (not epoch_done or bool(stopped)),
                    **{k: v for k, v in last.items() if k not in ("epoch", "step")}, **clock.total(),
-                   "resumed_from": start_step if cfg.resume else None, "stopped": stopped}
+                   "resumed_from": start_step if cfg.resume else None, "stopped": stopped,
+                   **({"skipped_steps": skipped} if scaler is not None else {})}
         summary.update(lm_summary(cfg, model, train_set, summary, devices_used(strategy)))
         if cfg.sample and not stopped:
             summary["sample"] = sample_text(cfg, model, final)
@@ -695,7 +735,7 @@ def sample_text(cfg: Config, model: nnx.Module, state: TrainState) -> str:
 
 def summary_line(s: dict) -> str:
     evals = tuple(k for k in s if k.startswith("eval_"))
-    keys = ("strategy", "model", "devices", "processes", "steps", "epochs", "train_loss", *evals,
+    keys = ("strategy", "model", "devices", "processes", "steps", "skipped_steps", "epochs", "train_loss", *evals,
             "unigram_bits_per_byte", "samples_per_s", "tokens_per_s", "mfu", "time_s")
     return "summary: " + " ".join(f"{k}={s[k]:.4g}" if isinstance(s[k], float) else f"{k}={s[k]}"
                                   for k in keys if k in s)

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxpar import loss_scale
 from jaxpar.batch import Rows, as_rows, check_unpadded
 from jaxpar.config import Config
 from jaxpar.objective import Objective, OutputLoss, metrics_of
@@ -82,6 +83,11 @@ def _sum(*sums):
     return total, 1.0 / total.weight
 
 
+@jax.jit
+def _times(a, b):
+    return a * b
+
+
 # The per-device pieces: module-level jits (objective static), so every DataParallel of one objective shares
 # their compilations. Each runs on the device its inputs are committed to; XLA compiles once per (shape, device).
 @partial(jax.jit, static_argnums=0)
@@ -102,14 +108,18 @@ def _forward_loss(objective: Objective, params, model_state, chunk: Rows, shard)
 
 
 @partial(jax.jit, static_argnums=0)
-def _output_grad(objective: Objective, outputs, rows: Rows):
-    """(Sums, dL/doutputs) of the global mean loss L, on the output device."""
+def _output_grad(objective: Objective, outputs, rows: Rows, scale=None):
+    """(Sums, dL/doutputs) of the global mean loss L, on the output device; times the loss scale `scale`, if
+    any (torch's scaler.scale(loss).backward())."""
     def mean_loss(z):
         sums = objective.output_sums(z, rows)
         return sums.loss / sums.weight, sums
 
-    dz, sums = jax.grad(mean_loss, has_aux=True)(outputs)
-    return sums, dz
+    if scale is None:
+        dz, sums = jax.grad(mean_loss, has_aux=True)(outputs)
+        return sums, dz
+    loss, vjp, sums = jax.vjp(mean_loss, outputs, has_aux=True)
+    return sums, vjp(scale.astype(loss.dtype))[0]
 
 
 @jax.jit
@@ -119,7 +129,9 @@ def _backward(vjp, cotangent):
 
 
 @partial(jax.jit, static_argnums=0)
-def _update(tx: optax.GradientTransformation, state: TrainState, grads, model_state):
+def _update(tx: optax.GradientTransformation, state: TrainState, grads, model_state, scale=None):
+    """The optimizer on the master, the gradients first unscaled (exact for a power-of-two loss scale)."""
+    grads = loss_scale.unscale(grads, scale)
     return apply_updates(tx, state, grads, model_state), grad_norm(grads)
 
 
@@ -193,6 +205,7 @@ class DataParallel:
         self._last_batch = batch  # for report(): one measured step over it
         sizes = tuple(chunk_sizes(batch.mask.shape[0], len(self.devices)))
         devices = self.devices[:len(sizes)]
+        scale = loss_scale.current(state.opt_state)  # fp16: the loss scale S, None without a scaler
         # scatter: cut on the master, copy chunk i to device i (each movement below is one coalesced device_put)
         chunks = jax.device_put(list(_split(batch, sizes)), devices)
         # replicate: the master's params and model state onto every device used this step
@@ -208,6 +221,8 @@ class DataParallel:
         del outs
         if self.loss_on_device:
             sums, cotangent = _sum(*gathered)
+            if scale is not None:  # the backward of S times the loss
+                cotangent = _times(cotangent, jax.device_put(scale, self.out_device))
             cotangents = jax.device_put([cotangent] * len(devices), devices)
             on_output = [sums]
             del cotangent
@@ -215,7 +230,7 @@ class DataParallel:
                 print(f"Outside: input size {_shape(self._inputs(batch))} output size ({len(devices)},)")
         else:
             outputs = _concat(*gathered)
-            sums, doutputs = _output_grad(self.objective, outputs, jax.device_put(batch, self.out_device))
+            sums, doutputs = _output_grad(self.objective, outputs, *jax.device_put((batch, scale), self.out_device))
             cotangents = jax.device_put(list(_split(doutputs, sizes)), devices)  # scatter back
             on_output = [outputs, doutputs]
             if show:
@@ -235,9 +250,10 @@ class DataParallel:
             mark("reducing: the running sum and one replica's gradients on the master")
         del grads
         # replica 0's model state (its BatchNorm buffers; RNG streams advanced once) is the module's
-        state, norm = _update(self.tx, state, total, jax.device_put(states[0], self.master))
+        state, norm = _update(self.tx, state, total, jax.device_put(states[0], self.master), scale)
         mark("after update: new params and optimizer state on the master")
-        return state, metrics_of(sums, norm)  # on the output device, where torch computes the loss
+        # on the output device, where torch computes the loss
+        return state, {**metrics_of(sums, norm), **loss_scale.metrics(scale)}
 
     def unplace(self, state: TrainState) -> TrainState:
         return state

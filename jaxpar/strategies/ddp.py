@@ -30,6 +30,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpar import loss_scale
 from jaxpar.batch import Rows, as_rows, check_unpadded, pad_rows, round_up, split_rows
 from jaxpar.comm import cost as comm_cost
 from jaxpar.comm import overlap as ddp_overlap
@@ -108,6 +109,7 @@ def ddp_body(objective: Objective, tx: optax.GradientTransformation, plan, reduc
     K = grad_accum
 
     def body(state: TrainState, rows: Rows):
+        s = loss_scale.current(state.opt_state)
         leaves, treedef = jax.tree.flatten(state.params)
         buckets = plan(state.params) if callable(plan) else plan
         replica = lax.axis_index(axis_name)
@@ -118,27 +120,29 @@ def ddp_body(objective: Objective, tx: optax.GradientTransformation, plan, reduc
             sums, new_state = objective.sums(treedef.unflatten(ps), model_state, mb, shard=replica * K + k)
             return sums.loss, (sums, new_state)
 
-        grad = jax.value_and_grad(local_loss, has_aux=True)
+        # with a loss scale: every device and micro-batch at one seed (the reduction adds them inside the backward)
+        grad = loss_scale.value_and_grad(local_loss, s, axis_name)
         if rows.mask.shape[0] % K:
             raise ValueError(f"each device's {rows.mask.shape[0]} rows must be divisible by grad_accum={K}; pad the "
                              f"global batch to a multiple of devices x grad_accum (DistributedDataParallel.put_batch "
                              f"does).")
         micro = split_rows(rows, K)
         take = lambda k: jax.tree.map(lambda a: a[k], micro)  # noqa: E731
-        acc, total, model_state = None, None, state.model_state
+        acc, total, model_state, seed = None, None, state.model_state, None
         # no_sync micro-steps: local sums only. Unrolled: XLA:CPU runs convolutions in a loop ~5x slower
         for k in range(K - 1):
-            (_, (sums, new_state)), g = grad(leaves, take(k), model_state, k)
+            (_, (sums, new_state)), g, seed = grad(leaves, take(k), model_state, k, seed=seed)
             model_state = advance_rng(new_state, model_state, by=0)  # every micro-batch draws from the same streams
             acc = g if acc is None else jax.tree.map(jnp.add, acc, g)
             total = sums if total is None else total + sums
         if overlap:
-            (_, (sums, new_state)), grads = grad(leaves, take(K - 1), model_state, K - 1, acc, True)
+            (_, (sums, new_state)), grads, seed = grad(leaves, take(K - 1), model_state, K - 1, acc, True, seed=seed)
         else:
-            (_, (sums, new_state)), grads = grad(leaves, take(K - 1), model_state, K - 1)
+            (_, (sums, new_state)), grads, seed = grad(leaves, take(K - 1), model_state, K - 1, seed=seed)
             if acc is not None:
                 grads = jax.tree.map(jnp.add, grads, acc)
             grads = ddp_overlap.reduce_after_backward(grads, buckets, reduce)
+        grads = loss_scale.unscale(grads, seed)  # exact: the seed is a power of two
         total = sums if total is None else total + sums
         model_state = advance_rng(new_state, state.model_state)
         if not objective.per_sample:  # buffers (BatchNorm running stats) of replica 0, as broadcast_buffers=True
@@ -147,7 +151,8 @@ def ddp_body(objective: Objective, tx: optax.GradientTransformation, plan, reduc
         total = psum_sums(total, axis_name, ddp_overlap.zero_after(*[grads[i] for i in buckets[-1]]))
         grads = [g / total.weight for g in grads]
         state = apply_updates(tx, state, treedef.unflatten(grads), model_state)
-        return state, metrics_of(total, grad_norm(grads))  # the reduced gradient: the same on every replica
+        # the reduced gradient: the same on every replica
+        return state, {**metrics_of(total, grad_norm(grads)), **loss_scale.metrics(s)}
 
     return body
 

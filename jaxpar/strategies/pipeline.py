@@ -27,6 +27,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxpar import loss_scale
 from jaxpar.batch import Rows, as_rows, check_unpadded, pad_rows, round_up
 from jaxpar.config import Config
 from jaxpar.mesh import DATA, PIPE, TENSOR, make_mesh
@@ -146,6 +147,10 @@ class Pipeline:
                 wrt=objective_options.get("wrt", nnx.Param), seed=seed)
         if loss_fn is None and module.loss_fn is not None:
             loss_fn = module.loss_fn if isinstance(module.loss_fn, OutputLoss) else OutputLoss(module.loss_fn)
+        if loss_scale.wraps(tx, list(module.param_specs)):
+            raise ValueError("the pipeline's stages do not scale the loss yet, so its fp16 backward would underflow; "
+                             "use --precision bf16 (which needs no loss scale) or fp32 with the pipeline, or fp16 "
+                             "with --strategy single, dp, ddp, zero or tp.")
         self.module, self.tx, self.batch_size = module, tx, batch_size
         self.objective = Objective.of(module.model, loss_fn, **objective_options)
         self.objective.output_loss()  # a one-line ValueError for a loss(model, batch)

@@ -43,6 +43,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpar import loss_scale
 from jaxpar.batch import Rows, as_rows, check_unpadded, pad_rows, round_up
 from jaxpar.comm import cost as comm_cost
 from jaxpar.config import Config
@@ -304,11 +305,15 @@ class TensorParallel:
         sharded = [lay.axis is not None for lay in plan]
 
         def body(state: TrainState, rows: Rows):
+            scale = loss_scale.current(state.opt_state)
+
             def loss(params):
                 sums, new_state = objective.sums(params, state.model_state, rows, shard=lax.axis_index(DATA))
                 return sums.loss, (sums, new_state)
 
-            (_, (sums, new_state)), grads = jax.value_and_grad(loss, has_aux=True)(state.params)
+            # with a loss scale: every device at one seed (a tensor group's ranks hold the same rows and sums)
+            (_, (sums, new_state)), grads, seed = loss_scale.value_and_grad(loss, scale, DATA)(state.params)
+            grads = loss_scale.unscale(grads, seed)
             if sp:  # replicated leaves saw only this rank's tokens (LayerNorms, positions, row biases): sum them
                 leaves, treedef = jax.tree.flatten(grads)
                 grads = jax.tree.unflatten(treedef, [g if s else lax.psum(g, TENSOR) for g, s in zip(leaves, sharded)])
@@ -342,8 +347,9 @@ class TensorParallel:
                                                       None if scatter else jax.tree.leaves(grads),
                                                       grad_block=grad_block, **extra)
                 return TrainState(jax.tree.unflatten(treedef, params), opt_state, model_state,
-                                  state.step + 1), metrics_of(total, norm)
-            return apply_updates(tx, state, grads, model_state, **extra), metrics_of(total, norm)
+                                  state.step + 1), {**metrics_of(total, norm), **loss_scale.metrics(scale)}
+            return apply_updates(tx, state, grads, model_state, **extra), {**metrics_of(total, norm),
+                                                                           **loss_scale.metrics(scale)}
 
         step = jax.shard_map(body, mesh=self.mesh, in_specs=(specs, P(DATA)), out_specs=(specs, P()),
                              check_vma=False)

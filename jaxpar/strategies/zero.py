@@ -36,6 +36,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpar import loss_scale
 from jaxpar.batch import Rows, as_rows, check_unpadded, pad_rows, round_up, split_rows
 from jaxpar.comm import cost as comm_cost
 from jaxpar.comm import fetch, overlap
@@ -87,17 +88,18 @@ def zero_body(objective: Objective, tx, plan: sh.ShardPlan, stage: int, *, reduc
 
         wrt = {1: leaves, 2: [jnp.zeros((g.chunk,), leaves[0].dtype) for g in plan.groups] if stage == 2 else None,
                3: state.params}[stage]
-        grad = jax.value_and_grad(loss, has_aux=True)
-        acc, total, model_state = None, None, state.model_state
+        # with a loss scale: every device and micro-batch at one seed (stages 2-3 reduce inside the backward)
+        grad = loss_scale.value_and_grad(loss, loss_scale.current(state.opt_state), axis_name)
+        acc, total, model_state, seed = None, None, state.model_state, None
         for k in range(K):  # unrolled, as DDP: XLA:CPU runs convolutions in a loop several times slower
-            (_, (sums, new_state)), g = grad(wrt, take(k), model_state, k)
+            (_, (sums, new_state)), g, seed = grad(wrt, take(k), model_state, k, seed=seed)
             model_state = advance_rng(new_state, model_state, by=0)
             acc = g if acc is None else jax.tree.map(jnp.add, acc, g)
             total = sums if total is None else total + sums
         model_state = advance_rng(new_state, state.model_state)
         if not objective.per_sample:  # buffers (BatchNorm running stats) of replica 0, as DDP
             model_state = from_replica_0(model_state, axis_name)
-        return acc, total, model_state
+        return loss_scale.unscale(acc, seed), total, model_state
 
     def reduce_after_backward(grads: list) -> jax.Array:
         """Stage 1: each group reduced once the whole backward is done, in order (a token chains them)."""
@@ -130,7 +132,8 @@ def zero_body(objective: Objective, tx, plan: sh.ShardPlan, stage: int, *, reduc
             **extra)
         p = p + updates[zero_optim.KEY]
         params = p if stage == 3 else jax.tree.unflatten(treedef, sh.unpack(plan, sh.all_gather_shards(p, axis_name)))
-        return TrainState(params, opt_state, model_state, state.step + 1), metrics_of(total, norm)
+        metrics = {**metrics_of(total, norm), **loss_scale.metrics(loss_scale.current(state.opt_state))}
+        return TrainState(params, opt_state, model_state, state.step + 1), metrics
 
     return body
 

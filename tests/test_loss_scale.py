@@ -1,0 +1,284 @@
+"""fp16 loss scaling (jaxpar.loss_scale): the scale follows DeepSpeed's DynamicLossScaler step for step; in float32
+the scaled backward gives every strategy bit for bit the unscaled one's parameters (S a power of two); in float16
+it keeps gradients that underflow without it, and a gradient overflowing on one leaf skips the update on every
+device, shard and replica together, then halves the scale."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxpar
+from jaxpar import Objective, OutputLoss, as_rows, loss_scale
+from jaxpar.loss_scale import LossScaleConfig, loss_scaling
+from jaxpar.models import gpt
+
+
+class DeepSpeedScaler:
+    """The oracle: DeepSpeed's DynamicLossScaler.update_scale (deepspeed/runtime/fp16/loss_scaler.py) in plain
+    Python, without its logging and its raise at the minimum scale."""
+
+    def __init__(self, init_scale, scale_window, min_scale, delayed_shift, consecutive_hysteresis):
+        self.cur_scale, self.cur_iter, self.last_overflow_iter = init_scale, 0, -1
+        self.scale_window, self.min_scale = scale_window, min_scale
+        self.delayed_shift = self.cur_hysteresis = delayed_shift
+        self.consecutive_hysteresis = consecutive_hysteresis
+
+    def update_scale(self, overflow: bool) -> None:
+        if overflow:
+            if self.delayed_shift == 1 or self.cur_hysteresis == 1:
+                self.cur_scale = max(self.cur_scale / 2.0, self.min_scale)
+            else:
+                self.cur_hysteresis -= 1
+            self.last_overflow_iter = self.cur_iter
+        else:
+            if self.consecutive_hysteresis:
+                self.cur_hysteresis = self.delayed_shift
+            stable = self.cur_iter - self.last_overflow_iter - 1
+            if stable > 0 and stable % self.scale_window == 0:
+                if not self.consecutive_hysteresis:
+                    self.cur_hysteresis = self.delayed_shift
+                self.cur_scale *= 2.0
+        self.cur_iter += 1
+
+
+@pytest.mark.parametrize("power,window,hysteresis,consecutive,min_scale", [
+    (16, 1000, 2, False, 1.0),  # DeepSpeed's defaults
+    (4, 3, 1, False, 1.0),  # torch's GradScaler's kind: every overflow halves
+    (5, 2, 3, False, 2.0),  # the floor reached
+    (5, 2, 3, True, 1.0),
+])
+def test_scale_follows_deepspeeds_dynamic_loss_scaler(power, window, hysteresis, consecutive, min_scale):
+    cfg = LossScaleConfig(initial_scale_power=power, loss_scale_window=window, hysteresis=hysteresis,
+                          consecutive_hysteresis=consecutive, min_loss_scale=min_scale)
+    oracle = DeepSpeedScaler(2.0 ** power, window, min_scale, hysteresis, consecutive)
+    state = loss_scaling(optax.sgd(1.0), cfg).init({"w": jnp.zeros(2)})
+    rng = np.random.default_rng(power + window)
+    pattern = np.r_[np.ones(6, bool), rng.random(40) < 0.35, np.zeros(7, bool)]  # runs of overflows and of clean
+    update = jax.jit(lambda s, o: loss_scale.next_scale(cfg, s, o))
+    scales = []
+    for overflow in pattern:
+        state = update(state, jnp.asarray(overflow))
+        oracle.update_scale(bool(overflow))
+        scales.append(float(state.scale))
+        assert (float(state.scale), int(state.hysteresis)) == (oracle.cur_scale, oracle.cur_hysteresis)
+    assert len(set(scales)) > 2  # the pattern moved the scale both ways (or down to its floor)
+    if hysteresis == 2 and window == 1000:  # the first overflow only spends the hysteresis; the second halves
+        assert scales[:3] == [2.0 ** 16, 2.0 ** 15, 2.0 ** 14]
+
+
+# ---- every strategy, float32 and float16 -------------------------------------------------------------------
+
+class TwoLeaves(nnx.Module):
+    """y = x @ (1000 a) + x @ b, MSE: `a`'s float16 gradient is 1000 times `b`'s."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.a = nnx.Param(jax.random.normal(rngs.params(), (8, 4)) * 3e-4)
+        self.b = nnx.Param(jax.random.normal(rngs.params(), (8, 4)) * 0.3)
+
+    def __call__(self, x):
+        return x @ (self.a * 1000.0) + x @ self.b
+
+
+def mse_sum(out, batch):
+    err = out.astype(jnp.float32) - batch["y"]
+    return jnp.sum(err * err), jnp.asarray(err.shape[0], jnp.float32)
+
+
+def batches(steps: int = 3, rows: int = 12, big: float = 1.0, same: bool = False, errors=None):
+    """`steps` batches of `rows` rows, y = big x[:, :4]; `same`: each batch `rows` copies of one row, so that
+    every device's mean loss is the batch's; `errors`: per step, the targets' offset."""
+    rng = np.random.default_rng(0)
+    out = []
+    for i in range(steps):
+        x = rng.normal(size=(1 if same else rows, 8)).astype(np.float32).repeat(rows if same else 1, 0)
+        y = x[:, :4] * big + (0.0 if errors is None else errors[i])
+        out.append(as_rows({"x": x, "y": y.astype(np.float32)}, np.arange(i * rows, (i + 1) * rows)))
+    return out
+
+
+STRATEGIES = {  # name -> a builder (objective, tx) -> strategy
+    "single": lambda o, tx: jaxpar.SingleDevice(o, tx),
+    "dp": lambda o, tx: jaxpar.DataParallel(o, tx, device_ids=[0, 1, 2]),
+    "dp_loss_on_device": lambda o, tx: jaxpar.DataParallel(o, tx, device_ids=[0, 1], loss_on_device=True),
+    "ddp": lambda o, tx: jaxpar.DistributedDataParallel(o, tx, mesh=jaxpar.make_mesh(4), allreduce="ring",
+                                                        bucket_cap_mb=0, batch_size=12),
+    "zero1": lambda o, tx: jaxpar.ZeroRedundancy(o, tx, stage=1, mesh=jaxpar.make_mesh(4), batch_size=12),
+    "zero2": lambda o, tx: jaxpar.ZeroRedundancy(o, tx, stage=2, mesh=jaxpar.make_mesh(4), batch_size=12),
+    "zero3": lambda o, tx: jaxpar.ZeroRedundancy(o, tx, stage=3, mesh=jaxpar.make_mesh(4), batch_size=12),
+}
+
+
+def run(name: str, tx, dtype=None, data=None):
+    """(initial params, [(params, opt_state, metrics) after each step]) of strategy `name` on TwoLeaves."""
+    model = TwoLeaves(nnx.Rngs(0))
+    objective = Objective.of(model, OutputLoss(mse_sum), compute_dtype=dtype)
+    strategy = STRATEGIES[name](objective, tx)
+    state = jaxpar.init_state(model, tx)
+    placed, out = strategy.init(state), []
+    for b in data or batches():
+        placed, metrics = strategy.step(placed, strategy.put_batch(b))
+        done = strategy.unplace(placed)
+        out.append((leaves(done.params), done.opt_state, {k: float(v) for k, v in metrics.items()}))
+    return leaves(state.params), out
+
+
+def leaves(tree) -> list[np.ndarray]:
+    return [np.asarray(a) for a in jax.tree.leaves(tree)]
+
+
+ADAM = optax.adam(1e-2)
+
+
+UNEVEN = batches(rows=10)  # 3 + 3 + 3 + 1 real rows on 4 devices: the devices' weights differ
+
+
+@functools.lru_cache(maxsize=None)
+def unscaled(name: str):
+    return run(name, ADAM, data=UNEVEN)
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_float32_scaled_backward_equals_unscaled(name):
+    """The backward at seed S / 2**k (S = 2**12) and the gradient times its inverse: powers of two, so each
+    strategy's parameters and Adam moments equal its unscaled run's to float32 rounding (XLA fuses a traced seed
+    differently from a constant 1: an ulp here and there, which Adam's moments carry), and the metric reports S.
+    A wrong seed or a missing unscale is off by a power of two."""
+    init, plain = unscaled(name)
+    _, scaled = run(name, loss_scaling(ADAM, initial_scale_power=12), data=UNEVEN)
+    assert max(np.abs(a - b).max() for a, b in zip(plain[-1][0], init)) > 1e-3  # the steps move the weights
+    for (p0, s0, m0), (p1, s1, m1) in zip(plain, scaled):
+        assert m1["loss_scale"] == 2.0 ** 12 and "loss_scale" not in m0
+        for a, b in zip(p0 + leaves(s0), p1 + leaves(loss_scale.find(s1).inner)):  # atol: sums of 1e3s cancel
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(a).max())
+
+
+def test_a_missing_unscale_would_be_caught(monkeypatch):
+    """The equality above can fail: without the division by the seed the update is not the unscaled one."""
+    monkeypatch.setattr(loss_scale, "unscale", lambda grads, seed: grads)
+    _, scaled = run("single", loss_scaling(optax.sgd(1e-3), static=2.0 ** 12))
+    _, sgd = run("single", optax.sgd(1e-3))
+    assert max(np.abs(a - b).max() for a, b in zip(scaled[0][0], sgd[0][0])) > 1e-2
+
+
+@functools.lru_cache(maxsize=None)
+def overflowing(name: str):
+    """float16 from S = 2**4, hysteresis 1, each batch 12 copies of one row (every device's mean loss is the
+    batch's). At seed 1, the largest float16 gradient of `a` per row: 8.1e4 and 1.4e5 in steps 1-2 (targets off by
+    30), 3.4e3 and 2.1e3 in steps 3-4; `b`'s 1000 times less. The backward runs at about 0.75 S per row (S / 16
+    for 12 rows): `a` overflows float16 (65504) at S = 16 and 8, then not at 4; `b` never does."""
+    tx = loss_scaling(optax.adam(1e-4), initial_scale_power=4, hysteresis=1)  # a's 1000x moves the outputs 0.1
+    return run(name, tx, jnp.float16, batches(steps=4, same=True, errors=[30.0, 30.0, 0.5, 0.5]))
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_float16_overflow_skips_the_step_everywhere_then_halves_the_scale(name):
+    init, steps = overflowing(name)
+    scales = [m["loss_scale"] for _, _, m in steps]
+    finite = [bool(np.isfinite(m["grad_norm"])) for _, _, m in steps]
+    assert scales == [16.0, 8.0, 4.0, 4.0] and finite == [False, False, True, True]
+    for params, state, _ in steps[:2]:  # skipped: every leaf unchanged (`b`'s too, whose gradient was finite:
+        for a, b in zip(params, init):  # ZeRO's shards of it skip on the global norm), Adam's count unchanged
+            np.testing.assert_array_equal(a, b)
+        assert int(loss_scale.find(state).inner[0].count) == 0
+    assert int(loss_scale.find(steps[-1][1]).inner[0].count) == 2
+    _, ref = overflowing("single")
+    for a, b, c in zip(steps[-1][0], ref[-1][0], init):  # then the same two updates as the single device's
+        assert np.abs(b - c).max() > 1e-4
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=2e-6)
+
+
+def tiny_mse(out, batch):
+    loss, weight = mse_sum(out, batch)
+    return loss * 1e-9, weight
+
+
+def test_float16_scaling_keeps_gradients_that_underflow_without_it():
+    """A loss times 1e-9: its float16 backward at seed 1 carries ~1e-9, below float16's smallest subnormal (6e-8),
+    so unscaled float16 SGD leaves the weights where they were; at S = 2**20 the update is float32's, to float16's
+    rounding."""
+    model = TwoLeaves(nnx.Rngs(0))
+    data = batches(steps=1)
+    sgd = optax.sgd(1e6)
+
+    def moved(tx, dtype):
+        objective = Objective.of(model, OutputLoss(tiny_mse), compute_dtype=dtype)
+        state = jaxpar.init_state(model, tx)
+        new, _ = jaxpar.make_train_step(objective, tx)(state, data[0])
+        return [np.abs(np.asarray(a) - np.asarray(b)) for a, b in zip(jax.tree.leaves(new.params),
+                                                                      jax.tree.leaves(state.params))]
+
+    fp32, bare, scaled = moved(sgd, None), moved(sgd, jnp.float16), moved(loss_scaling(sgd, static=2.0 ** 20),
+                                                                          jnp.float16)
+    for f, z, s in zip(fp32, bare, scaled):
+        assert f.max() > 1e-3 and np.count_nonzero(z) < z.size // 4
+        np.testing.assert_allclose(s, f, rtol=0.02, atol=0.01 * f.max())  # float16's rounding
+
+
+def test_tensor_parallel_scaled_backward_equals_unscaled():
+    """tp on a tiny GPT (dropout on), 2 x 2 devices: the scaled run equals the unscaled one."""
+    from jax.sharding import Mesh
+
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), (jaxpar.DATA, jaxpar.TENSOR))
+    cfg = gpt.GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=2, n_embd=16, dropout=0.1, bias=True)
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, 16, (6, 9)).astype(np.int32) for _ in range(2)]
+    data = [as_rows({"x": s[:, :-1], "y": s[:, 1:]}, np.arange(6 * i, 6 * i + 6)) for i, s in enumerate(seqs)]
+
+    def train(tx):
+        model = gpt.GPT(cfg, rngs=nnx.Rngs(params=0, dropout=1))
+        tp = jaxpar.TensorParallel(model, tx, tensor_parallel=2, mesh=mesh)
+        placed = tp.init(jaxpar.init_state(model, tx))
+        for b in data:
+            placed, metrics = tp.step(placed, tp.put_batch(b))
+        return leaves(tp.unplace(placed).params), metrics
+
+    plain, m0 = train(ADAM)
+    scaled, m1 = train(loss_scaling(ADAM, initial_scale_power=10))
+    assert float(m1["loss_scale"]) == 2.0 ** 10
+    assert max(np.abs(a - b).max() for a, b in zip(plain, leaves(jaxpar.init_state(
+        gpt.GPT(cfg, rngs=nnx.Rngs(params=0, dropout=1)), ADAM).params))) > 1e-3  # the steps move the weights
+    for a, b in zip(plain, scaled):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)
+
+
+def test_pipeline_refuses_a_loss_scaler_in_one_line():
+    model = jaxpar.models.get("mlp", seed=0, in_features=8, hidden_dim=16, out_features=4)
+    with pytest.raises(ValueError, match="stages do not scale the loss.*use --precision bf16"):
+        jaxpar.Pipeline(model, loss_scaling(ADAM), num_stages=2, micro_batches=2)
+
+
+def test_train_py_fp16_skips_overflowing_steps_and_stops_at_the_minimum_scale(tmp_path):
+    """--precision fp16 on ddp (4 devices): from 2**20 the steps overflow and halve the scale (hysteresis 1) until
+    the backward fits, and after 3 clean steps it doubles again (window 3); the skipped steps are counted, logged as
+    overflow events at DeepSpeed's scales, and their losses left out.
+    With --min-loss-scale at the start the first overflow stops the run, in one line (DeepSpeed raises there)."""
+    import json
+
+    from jaxpar.config import Config
+    from jaxpar.run import trainer
+
+    common = dict(strategy="ddp", num_devices=4, model="mlp", dataset="synthetic", train_split="train[:256]",
+                  eval_split="", batch_size=32, optimizer="adam", precision="fp16", quiet=True,
+                  initial_scale_power=20, hysteresis=1, loss_scale_window=3)
+    out = tmp_path / "m.jsonl"
+    summary = trainer.run(Config(**common, steps=10, log_every=1, metrics_out=str(out)))
+    events = [json.loads(line) for line in out.read_text().splitlines()]
+    overflows = [e for e in events if e["event"] == "overflow"]
+    assert 0 < summary["skipped_steps"] == len(overflows) < 8
+    oracle, at = DeepSpeedScaler(2.0 ** 20, 3, 1.0, 1, False), {}  # the scale each step ran at, by DeepSpeed
+    for step in range(1, 11):
+        at[step] = oracle.cur_scale
+        oracle.update_scale(step in {e["step"] for e in overflows})
+    assert [e["loss_scale"] for e in overflows] == [at[e["step"]] for e in overflows]
+    assert [e["step"] for e in overflows[:3]] == [1, 2, 3]  # the descent from 2**20, then (window 3) growth
+    logged = {e["step"] for e in events if e["event"] == "step"}
+    assert logged.isdisjoint(e["step"] for e in overflows) and len(logged) == 10 - len(overflows)
+    assert all(np.isfinite(a).all() for a in leaves(summary["state"].params))
+    with pytest.raises(trainer.Diverged, match=r"overflowed at step 1 at the minimum loss scale 1\.04858e\+06"):
+        trainer.run(Config(**{**common, "min_loss_scale": 2.0 ** 20}, steps=2))

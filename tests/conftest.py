@@ -7,6 +7,8 @@ the same; only the machine code is slower. It changes nothing a test compares: b
 compiled the same way. pytest-xdist runs the files on two workers (pyproject's addopts).
 """
 import os
+import shutil
+import tempfile
 
 N_DEVICES = 8
 os.environ["XLA_FLAGS"] = (
@@ -14,6 +16,19 @@ os.environ["XLA_FLAGS"] = (
     + f" --xla_force_host_platform_device_count={N_DEVICES} --xla_backend_optimization_level=0"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# Many programs recur across tests and files (every Pipeline, DDP or ZeRO instance jits its own closures, which
+# compile to the same HLO; the reference steps), so the run shares one persistent compilation cache: a fresh
+# folder made by the first process (pytest's controller), inherited by the xdist workers and the processes the
+# tests start, removed at the end. Every program is cached, however short its compile (most take 50-100 ms).
+# A cache hit changes nothing a test reads: the executable is XLA's own, serialized (HLO text, memory analysis).
+# A partial entry (a process killed while writing one) only makes JAX warn and compile again.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE = tempfile.mkdtemp(prefix="jaxpar-tests-xla-cache-")
+else:
+    _CACHE = None
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 from jaxpar.run.hostmem import tune_host_allocator  # noqa: E402
 
@@ -34,3 +49,8 @@ FIRST = ("test_pipeline", "test_gpt", "test_3d", "test_tensor", "test_zero", "te
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(FIRST)}
     items.sort(key=lambda item: rank.get(item.path.stem, len(FIRST)))  # stable: the order within a file is kept
+
+
+def pytest_unconfigure(config):
+    if _CACHE is not None:  # the process that made the cache folder removes it
+        shutil.rmtree(_CACHE, ignore_errors=True)

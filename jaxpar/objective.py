@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpar import loss_scale as scaling
 from jaxpar.batch import Rows
 from jaxpar.types import PyTree
 
@@ -313,8 +314,6 @@ class Objective:
                        loss_scale: Any = None):
         """((Sums, new model state), gradient of the SUMMED loss with respect to params); with a `loss_scale` S
         the backward runs on the scaled loss and the gradient is unscaled (jaxpar.loss_scale)."""
-        from jaxpar import loss_scale as scaling
-
         def f(p):
             sums, state = self.sums(p, model_state, rows, shard=shard)
             return sums.loss, (sums, state)

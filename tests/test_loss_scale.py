@@ -276,6 +276,7 @@ def test_train_py_fp16_skips_overflowing_steps_and_stops_at_the_minimum_scale(tm
         at[step] = oracle.cur_scale
         oracle.update_scale(step in {e["step"] for e in overflows})
     assert [e["loss_scale"] for e in overflows] == [at[e["step"]] for e in overflows]
+    assert all(e["loss_scale"] == at[e["step"]] for e in events if e["event"] == "step")  # the clean steps' too
     assert [e["step"] for e in overflows[:3]] == [1, 2, 3]  # the descent from 2**20, then (window 3) growth
     logged = {e["step"] for e in events if e["event"] == "step"}
     assert logged.isdisjoint(e["step"] for e in overflows) and len(logged) == 10 - len(overflows)

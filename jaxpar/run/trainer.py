@@ -400,8 +400,9 @@ def check_fits(objective, state: TrainState, train_set, cfg: Config) -> None:
 
 
 def _norm_of(metrics: dict) -> dict:
-    """The step's gradient norm (before clipping) for its record, where the strategy reports one."""
-    return {"grad_norm": float(metrics["grad_norm"])} if "grad_norm" in metrics else {}
+    """The step's gradient norm (before clipping) for its record, where the strategy reports one, and the loss
+    scale its backward ran at (--precision fp16)."""
+    return {k: float(metrics[k]) for k in ("grad_norm", "loss_scale") if k in metrics}
 
 
 def learning_rate(cfg: Config, steps_per_epoch: int, total_steps: int | None = None) -> float | optax.Schedule:

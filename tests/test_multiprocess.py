@@ -22,13 +22,18 @@ ROOT = Path(__file__).resolve().parents[1]
 SPMD = ("shard_map", "pmap")
 
 
-def run_ddp(mesh, rank: int = 0, nproc: int = 1, spmd: str = "shard_map"):
-    """Parameter leaves after the DDP steps, this process feeding rows rank::nproc (DistributedSampler's)."""
+def run_ddp(mesh, rank: int = 0, nproc: int = 1, spmd: str = "shard_map", scaled: bool = False):
+    """Parameter leaves after the DDP steps, this process feeding rows rank::nproc (DistributedSampler's);
+    `scaled`: behind a loss scaler (2**12), whose seed averages the loss weight over both processes' devices."""
     import jax
 
+    from jaxpar import loss_scaling
     from jaxpar.strategies.ddp import DistributedDataParallel
 
     objective, tx, state, batches = problem()
+    if scaled:
+        tx = loss_scaling(tx, static=2.0 ** 12)
+        state = state._replace(opt_state=tx.init(state.params))
     ddp = DistributedDataParallel(objective, tx, mesh=mesh, allreduce="ring", bucket_cap_mb=0, spmd=spmd,
                                   batch_size=max(SIZES))
     placed = ddp.init(state)
@@ -56,6 +61,7 @@ def worker(mode: str, out: str | None = None) -> None:
             time.sleep(0.2)
     for spmd in SPMD:
         np.savez(f"{out}.{spmd}.rank{rank}.npz", *run_ddp(make_mesh(), rank, nproc, spmd))
+    np.savez(f"{out}.scaled.rank{rank}.npz", *run_ddp(make_mesh(), rank, nproc, scaled=True))
     for name in CONTRACT:  # a user's models (examples/), this process feeding rows rank::nproc
         np.savez(f"{out}.{name}.rank{rank}.npz", *run_contract(name, make_mesh(), rank, nproc))
     for stage in ZERO_STAGES:
@@ -172,8 +178,8 @@ def test_two_processes_equal_one_process_and_one_device(tmp_path, monkeypatch):
             np.testing.assert_array_equal(ranks[0][f"arr_{i}"], ranks[1][f"arr_{i}"])
             np.testing.assert_array_equal(ranks[0][f"arr_{i}"], here[i], err_msg=f"stage {stage}")
             np.testing.assert_allclose(ranks[0][f"arr_{i}"], w, rtol=1e-5, atol=2e-6, err_msg=f"stage {stage}")
-    for spmd in SPMD:
-        four = run_ddp(make_mesh(4), spmd=spmd)
+    for spmd in (*SPMD, "scaled"):  # "scaled": a loss scaler's seed, one for the 4 devices of both processes
+        four = run_ddp(make_mesh(4), scaled=True) if spmd == "scaled" else run_ddp(make_mesh(4), spmd=spmd)
         ranks = [np.load(tmp_path / f"params.{spmd}.rank{r}.npz") for r in range(2)]
         two = [ranks[0][f"arr_{i}"] for i in range(len(ref))]
         for a, b in zip(two, [ranks[1][f"arr_{i}"] for i in range(len(ref))]):

@@ -169,15 +169,17 @@ def power_of_two(x: jax.Array) -> jax.Array:
     return jnp.ldexp(jnp.ones((), jnp.float32), k)
 
 
-def value_and_grad(fn: Callable, scale: jax.Array | None, axis_name: Any = None) -> Callable:
+def value_and_grad(fn: Callable, scale: jax.Array | None, axis_name: Any = None, micro_batches: int = 1
+                   ) -> Callable:
     """`jax.value_and_grad(fn, has_aux=True)` for ``fn(x, ...) -> (summed loss, (Sums, ...))``, its backward run
     on the scaled loss: ``g(x, ..., seed=None) -> ((loss, aux), gradient TIMES seed, seed)``.
 
-    The seed, the cotangent of the summed loss, is S / 2**round(log2(w)), w the summed weight of the call's rows
-    averaged over the devices of `axis_name` (one scalar psum between the forward and the backward), or the `seed`
-    given, so that micro-batches accumulated into one reduction share it. Every device so runs its float16
-    backward at S times its mean loss, as DeepSpeed's and torch's scaled ``loss.backward()`` does on each rank,
-    and all devices at the same seed, so the gradients they reduce inside the backward add up. The seed is a
+    The seed, the cotangent of the summed loss, is S / 2**round(log2(w K)), w the summed weight of the call's rows
+    averaged over the devices of `axis_name` (one scalar psum between the forward and the backward) and K the
+    `micro_batches` accumulated into one step, or the `seed` given, so that those micro-batches share it. Every
+    device so runs its float16 backward at S times its mean loss over K, as DeepSpeed's scaled ``loss.backward()``
+    does on each rank (it divides each micro-batch's mean loss by gradient_accumulation_steps), and all devices at
+    the same seed, so the gradients they reduce inside the backward add up. The seed is a
     power of two: `unscale` recovers the gradient exactly. Without a scaler (scale None): jax.value_and_grad's
     result and seed None."""
     plain = jax.value_and_grad(fn, has_aux=True)
@@ -190,7 +192,7 @@ def value_and_grad(fn: Callable, scale: jax.Array | None, axis_name: Any = None)
             w = aux[0].weight
             if axis_name is not None:
                 w = lax.psum(w, axis_name) / lax.psum(1.0, axis_name)
-            seed = scale / power_of_two(w)
+            seed = scale / power_of_two(w * micro_batches)
         return (loss, aux), vjp(seed.astype(loss.dtype))[0], seed
 
     return run

@@ -65,8 +65,6 @@ CASES = [
     ("loss scale without fp16", ["--loss-scale", "128"], ["--loss-scale", "--precision is fp32",
                                                          "add --precision fp16"]),
     ("fp16 hysteresis 0", ["--precision", "fp16", "--hysteresis", "0"], ["--hysteresis=0", ">= 1"]),
-    ("fp16 pipeline", ["--strategy", "pipeline", "--model", "mlp", "--num-devices", "2", "--precision", "fp16"],
-     ["stages do not scale the loss", "--precision bf16", "--strategy single"]),
     ("zero batch", ["--batch-size", "0"], ["--batch-size 0", ">= 1"]),
     ("zero steps", ["--steps", "0"], ["--steps 0", ">= 1", "leave it out"]),
     ("negative lr", ["--lr", "-0.1"], ["--lr -0.1", "> 0"]),

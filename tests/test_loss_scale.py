@@ -5,6 +5,7 @@ device, shard and replica together, then halves the scale."""
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ import jaxpar
 from jaxpar import Objective, OutputLoss, as_rows, loss_scale
 from jaxpar.loss_scale import LossScaleConfig, loss_scaling
 from jaxpar.models import gpt
+from jaxpar.objective import Sums
 
 
 class DeepSpeedScaler:
@@ -72,17 +74,35 @@ def test_scale_follows_deepspeeds_dynamic_loss_scaler(power, window, hysteresis,
         assert scales[:3] == [2.0 ** 16, 2.0 ** 15, 2.0 ** 14]
 
 
+@pytest.mark.parametrize("weight,micro_batches,seed", [(12.0, 1, 2.0 ** 12 / 16), (3.0, 1, 2.0 ** 12 / 4),
+                                                       (12.0, 4, 2.0 ** 12 / 64), (5.0, 3, 2.0 ** 12 / 16)])
+def test_seed_is_the_scale_over_the_weight_of_the_step_per_device(weight, micro_batches, seed):
+    """DeepSpeed's scaled backward runs at S times each micro-batch's mean loss divided by
+    gradient_accumulation_steps: a summed loss over weight w, one of K micro-batches, is seeded at
+    S / 2**round(log2(w K)); the gradient comes back times that seed, and `unscale` divides it out exactly."""
+    def fn(x):
+        loss = jnp.sum(x * x)
+        return loss, (Sums(loss, jnp.float32(weight), jnp.float32(weight), {}),)
+
+    x = jnp.arange(3.0)
+    (loss, _), grad, got = loss_scale.value_and_grad(fn, jnp.float32(2.0 ** 12), micro_batches=micro_batches)(x)
+    assert float(got) == seed
+    np.testing.assert_array_equal(grad, 2 * x * seed)
+    np.testing.assert_array_equal(loss_scale.unscale(grad, got), 2 * x)
+
+
 # ---- every strategy, float32 and float16 -------------------------------------------------------------------
 
 class TwoLeaves(nnx.Module):
     """y = x @ (1000 a) + x @ b, MSE: `a`'s float16 gradient is 1000 times `b`'s."""
 
-    def __init__(self, rngs: nnx.Rngs):
-        self.a = nnx.Param(jax.random.normal(rngs.params(), (8, 4)) * 3e-4)
-        self.b = nnx.Param(jax.random.normal(rngs.params(), (8, 4)) * 0.3)
+    def __init__(self, rngs: nnx.Rngs, n_in: int = 8, n_out: int = 4, gain: float = 1000.0):
+        self.a = nnx.Param(jax.random.normal(rngs.params(), (n_in, n_out)) * 3e-4)
+        self.b = nnx.Param(jax.random.normal(rngs.params(), (n_in, n_out)) * 0.3)
+        self.gain = gain
 
     def __call__(self, x):
-        return x @ (self.a * 1000.0) + x @ self.b
+        return x @ (self.a * self.gain) + x @ self.b
 
 
 def mse_sum(out, batch):
@@ -247,14 +267,93 @@ def test_tensor_parallel_scaled_backward_equals_unscaled():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)
 
 
-def test_pipeline_refuses_a_loss_scaler_in_one_line():
-    model = jaxpar.models.get("mlp", seed=0, in_features=8, hidden_dim=16, out_features=4)
-    with pytest.raises(ValueError, match="stages do not scale the loss.*use --precision bf16"):
-        jaxpar.Pipeline(model, loss_scaling(ADAM), num_stages=2, micro_batches=2)
+class Stack(nnx.Module):
+    """Four TwoLeaves layers (8 -> 8 -> 8 -> 8 -> 4) in `layers`, for the pipeline to cut; only the last one's `a`
+    is amplified, so only the last stage's gradient overflows float16."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.layers = nnx.List([TwoLeaves(rngs, 8, 8, gain=1.0) for _ in range(3)] + [TwoLeaves(rngs, 8, 4)])
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
 
 
-def test_train_py_fp16_skips_overflowing_steps_and_stops_at_the_minimum_scale(tmp_path):
-    """--precision fp16 on ddp (4 devices): from 2**20 the steps overflow and halve the scale (hysteresis 1) until
+def run_stack(tx, dtype=None, data=None, *, mesh: int = 0, **pipeline):
+    """[(params, opt_state, metrics) after each step] of Stack under the pipeline (`pipeline`: its options, `mesh`
+    its devices for data x pipeline) or, without options, the single device."""
+    from jaxpar.strategies.pipeline import pipeline_mesh
+
+    model = Stack(nnx.Rngs(0))
+    state = jaxpar.init_state(model, tx)
+    if pipeline:
+        strategy = jaxpar.Pipeline(model, tx, loss_fn=OutputLoss(mse_sum), compute_dtype=dtype,
+                                   mesh=pipeline_mesh(mesh, pipeline["num_stages"]) if mesh else None, **pipeline)
+    else:
+        strategy = jaxpar.SingleDevice(Objective.of(model, OutputLoss(mse_sum), compute_dtype=dtype), tx)
+    placed, out = strategy.init(state), []
+    for b in data or UNEVEN:
+        placed, metrics = strategy.step(placed, strategy.put_batch(b))
+        done = strategy.unplace(placed)
+        out.append((leaves(done.params), done.opt_state, {k: float(v) for k, v in metrics.items()}))
+    return leaves(state.params), out
+
+
+PIPELINES = {  # 10 rows: with 2 replicas x 2 micro-batches, blocks of 3, 3, 3 and 1 real rows
+    "1f1b": dict(num_stages=2, micro_batches=2),
+    "zbh1": dict(num_stages=2, micro_batches=4, schedule="zbh1"),  # I and W apart
+    "interleaved": dict(num_stages=2, micro_batches=2, schedule="interleaved", virtual_stages=2),
+    "zbv-recompute": dict(num_stages=2, micro_batches=2, schedule="zbv", virtual_stages=2,
+                          activation_checkpoint_interval=1),  # the last chunk on stage 0
+    "data2-gpipe": dict(num_stages=2, micro_batches=2, schedule="gpipe", mesh=4),
+    "data2-zero1": dict(num_stages=2, micro_batches=2, mesh=4, zero_stage=1),
+}
+
+
+@pytest.mark.parametrize("name", list(PIPELINES))
+def test_pipeline_scaled_backward_equals_unscaled(name):
+    """The last stage seeds every micro-batch's backward with the step's first micro-batch's seed (its weight per
+    replica differs from the others' here), every stage's gradient carries it and their updates divide it out:
+    the parameters, Adam's moments and the gradient norm equal the unscaled pipeline's. Seeding each micro-batch
+    from its own weight, or not dividing, is off by a power of two."""
+    adam = optax.adam(1e-3)
+    init, plain = run_stack(adam, **PIPELINES[name])
+    _, scaled = run_stack(loss_scaling(adam, initial_scale_power=12), **PIPELINES[name])
+    assert max(np.abs(a - b).max() for a, b in zip(plain[-1][0], init)) > 1e-3  # the steps move the weights
+    for (p0, s0, m0), (p1, s1, m1) in zip(plain, scaled):
+        assert m1["loss_scale"] == 2.0 ** 12 and "loss_scale" not in m0
+        np.testing.assert_allclose(m1["grad_norm"], m0["grad_norm"], rtol=1e-6)
+        for a, b in zip(p0 + leaves(s0), p1 + leaves(loss_scale.find(s1).inner)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(a).max())
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zbh1", "data2-zero1"])
+def test_pipeline_float16_overflow_skips_every_stage_as_the_single_device(name):
+    """float16, as `overflowing`: the pipeline's stages skip the same steps as the single device (on the global norm,
+    every leaf of every stage unchanged, Adam's count too), halve the scale alike, then take its updates."""
+    tx = loss_scaling(optax.adam(1e-4), initial_scale_power=4, hysteresis=1)
+    data = batches(steps=4, same=True, errors=[30.0, 30.0, 0.5, 0.5])
+    init, ref = run_stack(tx, jnp.float16, data)
+    _, steps = run_stack(tx, jnp.float16, data, **PIPELINES[name])
+    for run_ in (ref, steps):
+        assert [m["loss_scale"] for _, _, m in run_] == [16.0, 8.0, 4.0, 4.0]
+        assert [bool(np.isfinite(m["grad_norm"])) for _, _, m in run_] == [False, False, True, True]
+    for params, state, _ in steps[:2]:
+        for a, b in zip(params, init):
+            np.testing.assert_array_equal(a, b)
+        assert int(loss_scale.find(state).inner[0].count) == 0
+    assert int(loss_scale.find(steps[-1][1]).inner[0].count) == 2
+    for a, b, c in zip(steps[-1][0], ref[-1][0], init):
+        assert np.abs(b - c).max() > 1e-5
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=2e-6)
+
+
+@pytest.mark.parametrize("strategy,power", [("ddp", 20), ("pipeline", 22)])
+def test_train_py_fp16_skips_overflowing_steps_and_stops_at_the_minimum_scale(tmp_path, strategy, power):
+    """--precision fp16 on ddp (4 devices x 8 rows) and on the pipeline (2 stages x 2 replicas, 4 micro-batches of 8
+    rows, each seeded at S / 32 as DeepSpeed divides by the micro-batches: 4 times less, so from a 4 times larger S):
+    from 2**power the steps overflow and halve the scale (hysteresis 1) until
     the backward fits, and after 3 clean steps it doubles again (window 3); the skipped steps are counted, logged as
     overflow events at DeepSpeed's scales, and their losses left out.
     With --min-loss-scale at the start the first overflow stops the run, in one line (DeepSpeed raises there)."""
@@ -263,15 +362,15 @@ def test_train_py_fp16_skips_overflowing_steps_and_stops_at_the_minimum_scale(tm
     from jaxpar.config import Config
     from jaxpar.run import trainer
 
-    common = dict(strategy="ddp", num_devices=4, model="mlp", dataset="synthetic", train_split="train[:256]",
+    common = dict(strategy=strategy, num_devices=4, model="mlp", dataset="synthetic", train_split="train[:256]",
                   eval_split="", batch_size=32, optimizer="adam", precision="fp16", quiet=True,
-                  initial_scale_power=20, hysteresis=1, loss_scale_window=3)
+                  initial_scale_power=power, hysteresis=1, loss_scale_window=3)
     out = tmp_path / "m.jsonl"
     summary = trainer.run(Config(**common, steps=10, log_every=1, metrics_out=str(out)))
     events = [json.loads(line) for line in out.read_text().splitlines()]
     overflows = [e for e in events if e["event"] == "overflow"]
     assert 0 < summary["skipped_steps"] == len(overflows) < 8
-    oracle, at = DeepSpeedScaler(2.0 ** 20, 3, 1.0, 1, False), {}  # the scale each step ran at, by DeepSpeed
+    oracle, at = DeepSpeedScaler(2.0 ** power, 3, 1.0, 1, False), {}  # the scale each step ran at, by DeepSpeed
     for step in range(1, 11):
         at[step] = oracle.cur_scale
         oracle.update_scale(step in {e["step"] for e in overflows})
@@ -281,5 +380,5 @@ def test_train_py_fp16_skips_overflowing_steps_and_stops_at_the_minimum_scale(tm
     logged = {e["step"] for e in events if e["event"] == "step"}
     assert logged.isdisjoint(e["step"] for e in overflows) and len(logged) == 10 - len(overflows)
     assert all(np.isfinite(a).all() for a in leaves(summary["state"].params))
-    with pytest.raises(trainer.Diverged, match=r"overflowed at step 1 at the minimum loss scale 1\.04858e\+06"):
-        trainer.run(Config(**{**common, "min_loss_scale": 2.0 ** 20}, steps=2))
+    with pytest.raises(trainer.Diverged, match=re.escape(f"overflowed at step 1 at the minimum loss scale {2.0 ** power:g}")):
+        trainer.run(Config(**{**common, "min_loss_scale": 2.0 ** power}, steps=2))

@@ -14,6 +14,10 @@ Roughly, per step::
                   sums the tied weights first, then reduce-scatters each stage's flat gradient
     OPT:          every stage updates its weights with grads / global weight (in place: buffers donated)
 
+With fp16's loss scaler (`scaled`) the last stage seeds each backward with one seed for the step (set by its first
+micro-batch, see jaxpar.pipeline.stage.PartFns), every stage's gradient carries it, and the step's vector takes it
+to every stage's update, which divides it out with the global weight (jaxpar.pipeline.optimizer.mean_scale).
+
 A last-stage F followed at once by its own B (or I) runs as one fused call (no residuals kept), and an I followed
 at once by its own W as one B (no cotangents kept): the same work in fewer calls. Messages between
 stages of one process are device_puts at the send. Across processes they are two-sided ppermutes, all of a
@@ -59,10 +63,12 @@ def _merge_chunks(owned: dict, parts: list, accs: list, one, given: dict | None 
     return out
 
 
-def _assemble(total, norms: list, n: int) -> jax.Array:
-    """[Sums vector (zeros on processes without the last stage), sum of squared gradient norms]."""
+def _assemble(total, norms: list, seed, n: int) -> jax.Array:
+    """[Sums vector, sum of squared gradient norms, the backward's seed] (the Sums and the seed zeros on processes
+    without the last stage: summed over processes, the vector is the step's everywhere)."""
     head = jnp.zeros((n,), jnp.float32) if total is None else total
-    return jnp.concatenate([head, sum(norms, jnp.zeros((), jnp.float32))[None]])
+    seed = jnp.zeros((), jnp.float32) if total is None else jnp.asarray(seed, jnp.float32)
+    return jnp.concatenate([head, sum(norms, jnp.zeros((), jnp.float32))[None], seed[None]])
 
 
 class _Pending:
@@ -83,7 +89,7 @@ class Plan:
         mod, tr = engine.module, engine.transport
         self.schedule = schedule
         self.fns = [part_fns(mod, v, engine.objective, layout, tr.meshes[mod.stage_of(v)], schedule.num_microbatches,
-                             engine.compiler_options) for v in range(mod.num_parts)]
+                             engine.compiler_options, engine.scaled) for v in range(mod.num_parts)]
         self.out_specs, x = [], None
         rows = layout.specs[0].shape[0]
         for v, fns in enumerate(self.fns):
@@ -129,7 +135,9 @@ class Engine:
         self.module, self.objective, self.transport = module, objective, transport
         self.compiler_options = compiler_options
         self.jit = partial(jax.jit, compiler_options=compiler_options)
-        self._add_up, self._assemble = self.jit(_add_up), self.jit(_assemble, static_argnums=2)
+        self._add_up, self._assemble = self.jit(_add_up), self.jit(_assemble, static_argnums=3)
+        self.scaled = False  # fp16's loss scaler: the last stage seeds the backward (run's `scale`)
+        self._sv = None  # the loss scaler's [S, seed] on the last stage, during a step
         self._plus = self.jit(lambda xs: sum(xs[1:], xs[0]))  # arrays of one layout added
         self.tx, self.needs_norm = optax.with_extra_args_support(tx), needs_norm
         self.state_specs: list = []
@@ -167,11 +175,19 @@ class Engine:
 
     # -- the step ------------------------------------------------------------------------------------------
 
-    def run(self, plan: Plan, params: dict, state: dict, batch: dict, *, train: bool = True
+    def run(self, plan: Plan, params: dict, state: dict, batch: dict, *, train: bool = True, scale=None
             ) -> tuple[Sums | None, dict, dict]:
         """Walk the schedule once: (last stage's summed Sums or None, per-stage state, per-part accumulators).
-        ``train`` False: the forwards run in eval mode (a forward-only schedule)."""
+        ``train`` False: the forwards run in eval mode (a forward-only schedule). `scale`: the loss scaler's S
+        on the last stage's devices (an engine that is `scaled`, training, on the process holding the last stage)."""
         tr = self.transport
+        last = self.module.stage_of(self.module.num_parts - 1)
+        self._sv = None
+        if self.scaled and train and tr.mine(last):
+            if scale is None:
+                raise ValueError("this pipeline's optimizer scales the loss: pass run(..., scale=S), S the loss "
+                                 "scaler's current scale (jaxpar.loss_scale.current of the last stage's state).")
+            self._sv = tr.put(jnp.stack([jnp.asarray(scale, jnp.float32), jnp.zeros((), jnp.float32)]), last)
         self._p, self._batch, self._params, self._train = plan, batch, params, train
         self._state = {s: list(v) for s, v in state.items()}
         self._acc, self._stash, self._out, self._mail, self._sums = {}, {}, {}, {}, []
@@ -259,16 +275,23 @@ class Engine:
             return self._done(a, out)
         if a in self._p.fused:
             nxt = self._next_backward(a)
+            sv = (self._sv,) if fns.scaled else ()
             if nxt.op is Op.B or nxt in self._p.merged:  # F, then B (or I and its W at once): one call
-                self._acc[v], dx, sums, new = fns.forward_backward(self._acc.get(v), params, state, x, data, m)
+                self._acc[v], dx, sums, new, *sv = fns.forward_backward(self._acc.get(v), params, state, x, data, m,
+                                                                        *sv)
             else:
-                dx, saved, cots, sums, new = fns.forward_input_grad(params, state, x, data, m)
+                dx, saved, cots, sums, new, *sv = fns.forward_input_grad(params, state, x, data, m, *sv)
                 self._stash[(v, a.microbatch)] = (params, state, x, data, saved, cots)
+            if sv:
+                self._sv = sv[0]
             self._out[("grad", v, a.microbatch)] = dx
             self._sums.append(sums)
             out = (dx, sums, self._acc.get(v))  # what the timer waits for: everything the fused call computed
         else:
-            out, saved, new = fns.forward(params, state, x, data, m)
+            sv = (self._sv,) if fns.scaled else ()
+            out, saved, new, *sv = fns.forward(params, state, x, data, m, *sv)
+            if sv:
+                self._sv = sv[0]
             self._stash[(v, a.microbatch)] = (params, state, x, data, saved, None)
             if fns.last:
                 self._sums.append(out)
@@ -289,7 +312,7 @@ class Engine:
             return self._done(a, None)
         v, fns = self._part(a)
         params, state, x, data, saved, _ = self._stash.pop((v, a.microbatch))
-        dy = self._take(("grad", v, a.microbatch))
+        dy = self._sv if fns.scaled else self._take(("grad", v, a.microbatch))
         self._acc[v], dx = fns.backward(self._acc.get(v), params, state, x, data, saved, dy)
         self._out[("grad", v, a.microbatch)] = dx
         self._done(a, self._acc[v])
@@ -301,7 +324,7 @@ class Engine:
             return self._backward(a)
         v, fns = self._part(a)
         params, state, x, data, saved, _ = self._stash[(v, a.microbatch)]
-        dy = self._take(("grad", v, a.microbatch))
+        dy = self._sv if fns.scaled else self._take(("grad", v, a.microbatch))
         dx, cots = fns.input_grad(params, state, x, data, saved, dy)
         self._stash[(v, a.microbatch)] = (params, state, x, data, saved, cots)
         self._out[("grad", v, a.microbatch)] = dx
@@ -356,12 +379,13 @@ class Engine:
                     grads[s][k] = summed[s]
             norms = [jax.device_put(self._norm_fn(s)(grads[s]), tr.first_device) for s in tr.local_stages]
         n = sums_treedef.num_leaves
+        seed = 1.0 if self._sv is None else jax.device_put(self._sv[1], tr.first_device)
         vec = tr.all_processes_sum(self._assemble(None if total is None else jax.device_put(total, tr.first_device),
-                                                  norms, n))
+                                                  norms, seed, n))
         for s in tr.local_stages:
             params[s], opt_state[s], state[s] = self._update_fn(s)(params[s], opt_state[s], grads[s], state[s],
                                                                    tr.put(vec, s))
-        return params, opt_state, state, vec  # [Sums..., squared norm]
+        return params, opt_state, state, vec  # [Sums..., squared norm, seed]
 
     def _parts_of(self, s: int) -> list[int]:
         return [v for v in range(self.module.num_parts) if self.module.stage_of(v) == s]

@@ -26,12 +26,13 @@ from flax import nnx
 
 
 def mean_scale(vec, needs_norm: bool) -> tuple[jax.Array, dict]:
-    """(1 / the global batch weight, tx's extra arguments) from the step's [Sums..., squared norm] vector. Every
-    stage's update (and ZeRO-1's) multiplies the summed gradients by this one reciprocal rather than dividing
+    """(1 / (the global batch weight x the backward's seed), tx's extra arguments) from the step's [Sums...,
+    squared norm, seed] vector (the seed: 1, or fp16's loss scaler's power of two, so dividing it out is exact).
+    Every stage's update (and ZeRO-1's) multiplies the summed gradients by this one reciprocal rather than dividing
     them: XLA:CPU lowers a division by a scalar as a multiplication by its reciprocal in some programs and not in
     others, and each stage's update is its own program."""
-    inv = 1.0 / vec[1]
-    return inv, ({"global_norm": jnp.sqrt(vec[-1]) * inv} if needs_norm else {})
+    inv = (1.0 / vec[1]) * (1.0 / vec[-1])
+    return inv, ({"global_norm": jnp.sqrt(vec[-2]) * inv} if needs_norm else {})
 
 
 def stage_tree(module, stage: int, leaves: list) -> nnx.State:

@@ -38,6 +38,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.batch import Rows
+from jaxpar.loss_scale import power_of_two
 from jaxpar.mesh import DATA, TENSOR
 from jaxpar.objective import Objective, Sums, advance_rng, cast_floating, reseed
 
@@ -106,10 +107,10 @@ def act_spec(module) -> P:
 
 
 def part_fns(module, part: int, objective: Objective, layout: Layout, mesh, micro_batches: int,
-             compiler_options: dict | None = None) -> "PartFns":
+             compiler_options: dict | None = None, scaled: bool = False) -> "PartFns":
     """PartFns of `part`, shared with any earlier part of the same structure on the same devices (another
     Pipeline of the same model, another schedule over the same partition): XLA compiles each function once."""
-    fns = PartFns(module, part, objective, layout, mesh, micro_batches, compiler_options)
+    fns = PartFns(module, part, objective, layout, mesh, micro_batches, compiler_options, scaled)
     shared = _COMPILED.setdefault(fns.key, fns)
     if shared is fns:
         return fns
@@ -122,10 +123,17 @@ def part_fns(module, part: int, objective: Objective, layout: Layout, mesh, micr
 
 class PartFns:
     """The compiled functions of virtual stage `part` (see the module docstring); `mesh` is the stage's DATA
-    sub-mesh (D devices), `micro_batches` keys batch-mode RNG draws (shard = replica * M + micro-batch)."""
+    sub-mesh (D devices), `micro_batches` keys batch-mode RNG draws (shard = replica * M + micro-batch).
+
+    `scaled` (fp16's loss scaler, jaxpar.loss_scale): the last part's backward starts from a seed instead of 1.
+    Its forward functions take and return ``sv = [S, seed]``: a seed of 0 is set from this micro-batch, to
+    S / 2**round(log2(w M / D)) (w its loss weight over the D replicas, M the micro-batches: DeepSpeed scales each
+    micro-batch's mean loss over gradient_accumulation_steps), so the step's first micro-batch fixes the seed of
+    all; its backward and input_grad take sv as their ``dy``.
+    Every stage's gradient then carries the seed, which the engine divides out once at the step's end."""
 
     def __init__(self, module, part: int, objective: Objective, layout: Layout, mesh, micro_batches: int,
-                 compiler_options: dict | None = None):
+                 compiler_options: dict | None = None, scaled: bool = False):
         self.module, self.part, self.obj, self.layout, self.mesh = module, part, objective, layout, mesh
         self.segments = module.parts[part]
         self.first, self.last = part == 0, part == module.num_parts - 1
@@ -139,6 +147,7 @@ class PartFns:
         self.param_specs = P() if layouts is None else \
             [layouts[j].spec(len(module.param_specs[j].shape)) for j in self.pidx]
         self.loss = objective.output_loss() if (self.first or self.last) else None
+        self.scaled = scaled and self.last  # only the last part seeds the backward
         obj = objective
         self.key = (tuple((seg.graphdef, seg.eval_graphdef, seg.param_treedef, seg.state_treedef, seg.remat,
                            seg.layers.start > 0, pp, sp) for seg, pp, sp in zip(self.segments, self.seg_ppos,
@@ -146,25 +155,29 @@ class PartFns:
                     tuple(module.param_specs[j] for j in self.pidx), self.first, self.last, module.unpack,
                     obj.loss_fn, obj.wrt, obj.per_sample, obj.rows_per_call, obj.compute_dtype, layout,
                     tuple(mesh.devices.flat), tuple(mesh.shape.items()), str(self.param_specs), micro_batches,
-                    act_spec(module),
+                    act_spec(module), self.scaled,
                     tuple(sorted((compiler_options or {}).items())))
         self.options = compiler_options
         # "act": what crosses a stage boundary (x, y, dx, dy), by rows -- and under sequence parallelism also by
         # tokens over TENSOR (act_spec); "rows": the micro-batch's data
         replicated_out = "rep" if self.last else "act"
-        self.forward = self._compile(self._forward, ("params", "rep", "act", "rows", "rep"),
-                                     (replicated_out, "local", "rep"))
-        self.backward = self._compile(self._backward, ("local", "params", "rep", "act", "rows", "local", "act"),
+        sv = ("rep",) if self.scaled else ()  # the loss scaler's [S, seed], in and out
+        dy = "rep" if self.scaled else "act"  # the last part's backward: sv (else None, the seed 1)
+        self.forward = self._compile(self._forward, ("params", "rep", "act", "rows", "rep", *sv),
+                                     (replicated_out, "local", "rep", *sv))
+        self.backward = self._compile(self._backward, ("local", "params", "rep", "act", "rows", "local", dy),
                                       ("local", "act"), donate=(0,))
-        self.input_grad = self._compile(self._input_grad, ("params", "rep", "act", "rows", "local", "act"),
+        self.input_grad = self._compile(self._input_grad, ("params", "rep", "act", "rows", "local", dy),
                                         ("act", "local"))
         self.weight_grad = self._compile(self._weight_grad,
                                          ("local", "params", "rep", "act", "rows", "local", "local"), "local",
                                          donate=(0,))
-        self.forward_backward = self._compile(self._forward_backward, ("local", "params", "rep", "act", "rows", "rep"),
-                                              ("local", "act", "rep", "rep"), donate=(0,))
-        self.forward_input_grad = self._compile(self._forward_input_grad, ("params", "rep", "act", "rows", "rep"),
-                                                ("act", "local", "local", "rep", "rep"))
+        self.forward_backward = self._compile(self._forward_backward,
+                                              ("local", "params", "rep", "act", "rows", "rep", *sv),
+                                              ("local", "act", "rep", "rep", *sv), donate=(0,))
+        self.forward_input_grad = self._compile(self._forward_input_grad,
+                                                ("params", "rep", "act", "rows", "rep", *sv),
+                                                ("act", "local", "local", "rep", "rep", *sv))
         self.evaluate = self._compile(self._evaluate, ("params", "rep", "act", "rows"), replicated_out)
 
     # -- compiling: one device, or shard_map over the stage's replicas ---------------------------------------
@@ -291,10 +304,11 @@ class PartFns:
         return sums.loss, vjps, sums, state
 
     def _grads(self, vjps, dy, acc, *, weights: bool = True):
-        """Walk the segments backwards from cotangent dy (None on the last stage: dloss = 1): (acc + dparams or
-        None, dx or None on the first stage, each segment's output cotangent)."""
+        """Walk the segments backwards from cotangent dy (on the last stage None: dloss = 1, or the loss scaler's
+        sv: dloss = its seed): (acc + dparams or None, dx or None on the first stage, each segment's output
+        cotangent)."""
         if self.last:
-            dy = vjps[-1](jnp.ones((), jnp.float32))[0]
+            dy = vjps[-1](jnp.ones((), jnp.float32) if dy is None else dy[1])[0]
             vjps = vjps[:-1]
         grads, cots = [None] * len(self.pidx), [None] * len(self.segments)
         for k in reversed(range(len(self.segments))):
@@ -315,10 +329,16 @@ class PartFns:
         grads = [jnp.zeros(s.shape, s.dtype) if g is None else g for g, s in zip(grads, specs)]
         return grads if acc is None else [a + g for a, g in zip(acc, grads)]
 
-    def _forward(self, params, state, x, data, m):
+    def _seed(self, sv, sums):
+        """sv with its seed set from this micro-batch's weight, unless the step's first already set it."""
+        fresh = sv[0] / power_of_two(sums.weight * (self.M / self.D))
+        return sv.at[1].set(jnp.where(sv[1] > 0, sv[1], fresh))
+
+    def _forward(self, params, state, x, data, m, *sv):
         out, vjps, sums, state = self._run(params, state, x, data, m, train=True, grad=True)
         saved = Saved.strip(vjps, (params, state, x, data))
-        return (sums if self.last else out), saved, (() if self.obj.per_sample else state)
+        return (sums if self.last else out), saved, (() if self.obj.per_sample else state), \
+            *(self._seed(sv[0], sums) for _ in sv)
 
     def _backward(self, acc, params, state, x, data, saved, dy):
         grads, dx, _ = self._grads(saved.rebuild((params, state, x, data)), dy, acc)
@@ -334,16 +354,18 @@ class PartFns:
             self._add(grads, k, vjps[k](cots[k])[0])
         return self._finish(grads, acc)
 
-    def _forward_backward(self, acc, params, state, x, data, m):
+    def _forward_backward(self, acc, params, state, x, data, m, *sv):
         _, vjps, sums, new_state = self._run(params, state, x, data, m, train=True, grad=True)
-        grads, dx, _ = self._grads(vjps, None, acc)
-        return grads, dx, sums, (() if self.obj.per_sample else new_state)
+        sv = tuple(self._seed(a, sums) for a in sv)
+        grads, dx, _ = self._grads(vjps, sv[0] if sv else None, acc)
+        return grads, dx, sums, (() if self.obj.per_sample else new_state), *sv
 
-    def _forward_input_grad(self, params, state, x, data, m):
+    def _forward_input_grad(self, params, state, x, data, m, *sv):
         _, vjps, sums, new_state = self._run(params, state, x, data, m, train=True, grad=True)
-        _, dx, cots = self._grads(vjps, None, None, weights=False)
+        sv = tuple(self._seed(a, sums) for a in sv)
+        _, dx, cots = self._grads(vjps, sv[0] if sv else None, None, weights=False)
         saved = Saved.strip(vjps[:-1], (params, state, x, data))
-        return dx, saved, cots, sums, (() if self.obj.per_sample else new_state)
+        return dx, saved, cots, sums, (() if self.obj.per_sample else new_state), *sv
 
     def _evaluate(self, params, state, x, data):
         out, _, sums, _ = self._run(params, state, x, data, 0, train=False, grad=False)

@@ -121,7 +121,7 @@ def ddp_body(objective: Objective, tx: optax.GradientTransformation, plan, reduc
             return sums.loss, (sums, new_state)
 
         # with a loss scale: every device and micro-batch at one seed (the reduction adds them inside the backward)
-        grad = loss_scale.value_and_grad(local_loss, s, axis_name)
+        grad = loss_scale.value_and_grad(local_loss, s, axis_name, micro_batches=K)
         if rows.mask.shape[0] % K:
             raise ValueError(f"each device's {rows.mask.shape[0]} rows must be divisible by grad_accum={K}; pad the "
                              f"global batch to a multiple of devices x grad_accum (DistributedDataParallel.put_batch "

@@ -147,10 +147,6 @@ class Pipeline:
                 wrt=objective_options.get("wrt", nnx.Param), seed=seed)
         if loss_fn is None and module.loss_fn is not None:
             loss_fn = module.loss_fn if isinstance(module.loss_fn, OutputLoss) else OutputLoss(module.loss_fn)
-        if loss_scale.wraps(tx, list(module.param_specs)):
-            raise ValueError("the pipeline's stages do not scale the loss yet, so its fp16 backward would underflow; "
-                             "use --precision bf16 (which needs no loss scale) or fp32 with the pipeline, or fp16 "
-                             "with --strategy single, dp, ddp, zero or tp.")
         self.module, self.tx, self.batch_size = module, tx, batch_size
         self.objective = Objective.of(module.model, loss_fn, **objective_options)
         self.objective.output_loss()  # a one-line ValueError for a loss(model, batch)
@@ -197,9 +193,12 @@ class Pipeline:
                 raise ValueError(f"parameter {'/'.join(map(str, module.param_paths[j]))} is tied across stages "
                                  f"{stages} on processes {procs}; a tied weight may span two processes at most: "
                                  "use fewer processes, or place its uses on stages of two processes.")
-        self.needs_norm = opt_lib.probe(tx, module)
+        # a loss scaler skips on the global norm: every stage must be given the same one
+        scaled = loss_scale.wraps(tx, list(module.param_specs))
+        self.needs_norm = opt_lib.probe(tx, module) or scaled
         self.engine = Engine(module, self.objective, tx, self.transport, needs_norm=self.needs_norm,
                              compiler_options=compiler_options)
+        self.engine.scaled = scaled
         self.zero_stage = zero_stage
         if zero_stage:  # the flat slices' update must equal the stage's: elementwise transforms only
             from jaxpar.pipeline.memory import device_params
@@ -333,20 +332,31 @@ class Pipeline:
 
     def step(self, placed: PipelineState, batch: Batch) -> tuple[PipelineState, dict]:
         plan = self.engine.plan(batch.layout, self.schedule)
-        total, state, acc = self.engine.run(plan, placed.params, placed.model_state, batch.stages)
+        scale = self._scale(placed.opt_state)  # fp16's loss scale S this step runs at (None without a scaler)
+        last = self.module.stage_of(self.module.num_parts - 1)
+        on_last = scale is not None and self.transport.mine(last)  # the seed's S: the last stage's own copy
+        total, state, acc = self.engine.run(plan, placed.params, placed.model_state, batch.stages,
+                                            scale=loss_scale.current(placed.opt_state[last]) if on_last else None)
         params, opt_state, state, vec = self.engine.reduce_and_update(
             dict(placed.params), dict(placed.opt_state), state, acc, total, plan.sums_treedef)
         self._last = (batch.layout, plan)
         extra = [_advance(a, k) for a, k in zip(placed.extra_state, self._extra_kinds())]
-        return PipelineState(params, opt_state, state, extra, placed.step + 1), self._metrics(plan.sums_treedef)(vec)
+        metrics = self._metrics(plan.sums_treedef)(vec)
+        return PipelineState(params, opt_state, state, extra, placed.step + 1), {**metrics,
+                                                                                 **loss_scale.metrics(scale)}
+
+    def _scale(self, opt_state: dict):
+        """The loss scaler's S in the state of this process's first stage (every stage holds the same), or None;
+        a copy, as the update consumes the state's buffers."""
+        return jnp.copy(loss_scale.current(opt_state[self.transport.local_stages[0]])) if self.engine.scaled else None
 
     def _metrics(self, treedef):
         """vector -> the step's metrics, jitted (eager slicing would wait for the step: the clock runs on)."""
         key = ("metrics", treedef)
         if key not in self._layouts:
-            self._layouts[key] = self.engine.jit(
+            self._layouts[key] = self.engine.jit(  # [Sums..., squared norm of the summed gradient, its seed]
                 lambda v: metrics_of(jax.tree.unflatten(treedef, [v[i] for i in range(treedef.num_leaves)]),
-                                     jnp.sqrt(v[-1]) / v[1]))  # [Sums..., squared norm of the summed gradient]
+                                     jnp.sqrt(v[-2]) / v[1] / v[-1]))
         return self._layouts[key]
 
     def evaluate(self, placed: PipelineState, batch) -> Sums:

@@ -89,7 +89,7 @@ def zero_body(objective: Objective, tx, plan: sh.ShardPlan, stage: int, *, reduc
         wrt = {1: leaves, 2: [jnp.zeros((g.chunk,), leaves[0].dtype) for g in plan.groups] if stage == 2 else None,
                3: state.params}[stage]
         # with a loss scale: every device and micro-batch at one seed (stages 2-3 reduce inside the backward)
-        grad = loss_scale.value_and_grad(loss, loss_scale.current(state.opt_state), axis_name)
+        grad = loss_scale.value_and_grad(loss, loss_scale.current(state.opt_state), axis_name, micro_batches=K)
         acc, total, model_state, seed = None, None, state.model_state, None
         for k in range(K):  # unrolled, as DDP: XLA:CPU runs convolutions in a loop several times slower
             (_, (sums, new_state)), g, seed = grad(wrt, take(k), model_state, k, seed=seed)

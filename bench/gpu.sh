@@ -26,7 +26,7 @@ JAX_PLATFORMS=cuda JAX_DEFAULT_MATMUL_PRECISION=highest python -m pytest -o addo
     -k "logits or state_dict or attention or layers or bf16 or size or init" >"$OUT/tests_gpu.log" 2>&1
 echo "$?" >"$OUT/tests_gpu.rc"
 
-# 2. every strategy on one GPU: GPT-2 124M on the standard library's bytes, batch 16 x 1024, bf16
+# 2. every strategy on one GPU: GPT-2 124M on the standard library's bytes, batch 16 x 1024, bf16; then fp16
 COMMON=(--model gpt2 --dataset text --seq-len 1024 --batch-size 16 --precision bf16 --optimizer adamw --lr 6e-4
         --gamma 1.0 --steps "$STEPS" --eval-split 'test[:64]' --eval-batch-size 16 --log-every 10 --quiet --report)
 STRATS=$(python -c "import jaxpar; print(' '.join(jaxpar.STRATEGIES))")
@@ -39,6 +39,17 @@ for s in $STRATS; do
     python train.py --strategy "$s" "${COMMON[@]}" "${extra[@]}" --metrics-out "$OUT/train_$s.jsonl" \
         >"$OUT/train_$s.log" 2>&1
     echo "$?" >"$OUT/train_$s.rc"
+done
+# fp16 with DeepSpeed's dynamic loss scaling (2**16, window 1000, hysteresis 2): the step's own seed and skip
+for s in single ddp pipeline; do
+    case $s in
+        pipeline) extra=(--num-stages 1 --micro-batches 4) ;;
+        single) extra=() ;;
+        *) extra=(--num-devices 1) ;;
+    esac
+    python train.py --strategy "$s" "${COMMON[@]}" "${extra[@]}" --precision fp16 \
+        --metrics-out "$OUT/train_${s}_fp16.jsonl" >"$OUT/train_${s}_fp16.log" 2>&1
+    echo "$?" >"$OUT/train_${s}_fp16.rc"
 done
 
 # 3. jaxpar vs PyTorch (torch.compile, flash attention) on the same weights and batch
@@ -60,18 +71,20 @@ for name in ("tests_cpu", "tests_gpu"):
     log = read(f"{name}.log").strip().splitlines()
     rows.append((f"pytest ({name.split('_')[1]})", "ok" if read(f"{name}.rc").strip() == "0" else "FAILED",
                  log[-1] if log else "no output"))
-for s in os.environ["STRATS"].split():
+for s in [*os.environ["STRATS"].split(), "single_fp16", "ddp_fp16", "pipeline_fp16"]:
     summary = [l for l in read(f"train_{s}.log").splitlines() if l.startswith("summary:")]
     ok = read(f"train_{s}.rc").strip() == "0" and summary
     if ok:
         kv = dict(re.findall(r"(\w+)=(\S+)", summary[-1]))
         mfu = [l for l in read(f"train_{s}.log").splitlines() if l.startswith("MFU")]
         detail = f"{float(kv.get('tokens_per_s', 'nan')):,.0f} tokens/s, MFU {kv.get('mfu', '-')}, " \
-                 f"train loss {kv.get('train_loss')}, held-out bits/byte {kv.get('eval_bits_per_byte')}"
+                 f"train loss {kv.get('train_loss')}, held-out bits/byte {kv.get('eval_bits_per_byte')}" + \
+                 (f", skipped steps {kv.get('skipped_steps', 0)}" if s.endswith("fp16") else "")
     else:
         tail = read(f"train_{s}.log").strip().splitlines()
         detail = tail[-1][:160] if tail else "no output"
-    rows.append((f"train.py --strategy {s} (1 GPU)", "ok" if ok else "FAILED", detail))
+    label = f"--strategy {s.removesuffix('_fp16')} --precision fp16" if s.endswith("fp16") else f"--strategy {s}"
+    rows.append((f"train.py {label} (1 GPU)", "ok" if ok else "FAILED", detail))
 interop = [l for l in read("hf_gpt2.log").splitlines() if l.startswith("| ") and "|---" not in l][1:]
 worst = max((float(l.rsplit("|", 2)[1]) for l in interop if "FAILED" not in l), default=float("nan"))
 rows.append(("examples/hf_gpt2.py (transformers)", "ok" if read("hf_gpt2.rc").strip() == "0" and interop and not

@@ -135,7 +135,7 @@ class StageZero(NamedTuple):
     def update_fn(self, tx, params_tree, pspecs: list, *, needs_norm: bool, counts: list[int], jit,
                   scatter: bool = False):
         """The pipeline stage's update(params, opt_state, grads, state, vec) -> (params, opt_state, state), jitted
-        over the stage's mesh (vec: [Sums..., squared norm], its weight at 1). `grads`: the stage's reduced
+        over the stage's mesh (vec: [Sums..., squared norm, seed], its weight at 1). `grads`: the stage's reduced
         leaves, or with `scatter` the replicas' blocks [T, D S] of its reduce-scattered flat gradient."""
         tx = optax.with_extra_args_support(tx)
 

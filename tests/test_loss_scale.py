@@ -19,6 +19,7 @@ from jaxpar import Objective, OutputLoss, as_rows, loss_scale
 from jaxpar.loss_scale import LossScaleConfig, loss_scaling
 from jaxpar.models import gpt
 from jaxpar.objective import Sums
+from jaxpar.strategies.pipeline import pipeline_mesh
 
 
 class DeepSpeedScaler:
@@ -283,8 +284,6 @@ class Stack(nnx.Module):
 def run_stack(tx, dtype=None, data=None, *, mesh: int = 0, **pipeline):
     """[(params, opt_state, metrics) after each step] of Stack under the pipeline (`pipeline`: its options, `mesh`
     its devices for data x pipeline) or, without options, the single device."""
-    from jaxpar.strategies.pipeline import pipeline_mesh
-
     model = Stack(nnx.Rngs(0))
     state = jaxpar.init_state(model, tx)
     if pipeline:
@@ -313,10 +312,10 @@ PIPELINES = {  # 10 rows: with 2 replicas x 2 micro-batches, blocks of 3, 3, 3 a
 
 @pytest.mark.parametrize("name", list(PIPELINES))
 def test_pipeline_scaled_backward_equals_unscaled(name):
-    """The last stage seeds every micro-batch's backward with the step's first micro-batch's seed (its weight per
-    replica differs from the others' here), every stage's gradient carries it and their updates divide it out:
-    the parameters, Adam's moments and the gradient norm equal the unscaled pipeline's. Seeding each micro-batch
-    from its own weight, or not dividing, is off by a power of two."""
+    """The last stage seeds every micro-batch's backward with the step's first micro-batch's seed, every stage's
+    gradient carries it and their updates divide it out: the parameters, Adam's moments and the gradient norm equal
+    the unscaled pipeline's. Not dividing is off by a power of two; so is seeding each micro-batch from its own
+    weight where the weights differ (ZB-H1's micro-batches of 3, 3, 3 and 1 real rows; the replicas' blocks)."""
     adam = optax.adam(1e-3)
     init, plain = run_stack(adam, **PIPELINES[name])
     _, scaled = run_stack(loss_scaling(adam, initial_scale_power=12), **PIPELINES[name])
@@ -326,6 +325,46 @@ def test_pipeline_scaled_backward_equals_unscaled(name):
         np.testing.assert_allclose(m1["grad_norm"], m0["grad_norm"], rtol=1e-6)
         for a, b in zip(p0 + leaves(s0), p1 + leaves(loss_scale.find(s1).inner)):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(a).max())
+
+
+SEEDS = {  # 16 rows, SGD, a static S = 2**12; name -> (builder, the seed: S / 2**round(log2(w K)))
+    "single": (lambda o, tx, m: jaxpar.SingleDevice(o, tx), 2.0 ** 12 / 16),  # w 16
+    "ddp-accum2": (lambda o, tx, m: jaxpar.DistributedDataParallel(o, tx, mesh=jaxpar.make_mesh(4), grad_accum=2,
+                                                                    batch_size=16), 2.0 ** 12 / 4),  # w 2, K 2
+    "zero2-accum2": (lambda o, tx, m: jaxpar.ZeroRedundancy(o, tx, stage=2, mesh=jaxpar.make_mesh(4), grad_accum=2,
+                                                            batch_size=16), 2.0 ** 12 / 4),
+    "pipeline-D2-M4": (lambda o, tx, m: jaxpar.Pipeline(m, tx, loss_fn=OutputLoss(mse_sum), num_stages=2,
+                                                        micro_batches=4, mesh=pipeline_mesh(4, 2)),
+                       2.0 ** 12 / 8),  # 2 rows a replica per micro-batch, K = 4 micro-batches
+}
+
+
+@pytest.mark.parametrize("name", list(SEEDS))
+def test_each_strategy_seeds_at_the_scale_over_the_weight_of_its_step(name, monkeypatch):
+    """With the division by the seed taken out, one SGD step moves every weight by exactly seed times the unscaled
+    step's move: the seed is S / 2**round(log2(w K)), w the loss weight per device of a micro-batch and K the
+    micro-batches of the step (DeepSpeed divides each micro-batch's loss by gradient_accumulation_steps)."""
+    from jaxpar.pipeline import optimizer as pipe_opt
+
+    build, seed = SEEDS[name]
+    data = batches(steps=1, rows=16)[0]
+
+    def moved(tx):
+        model = Stack(nnx.Rngs(0))
+        state = jaxpar.init_state(model, tx)
+        strategy = build(Objective.of(model, OutputLoss(mse_sum)), tx, model)
+        placed, _ = strategy.step(strategy.init(state), strategy.put_batch(data))
+        return [np.asarray(a) - np.asarray(b) for a, b in zip(leaves(strategy.unplace(placed).params),
+                                                               leaves(state.params))]
+
+    plain = moved(optax.sgd(1.0))  # a large step: the differences keep their digits
+    monkeypatch.setattr(loss_scale, "unscale", lambda grads, seed: grads)
+    monkeypatch.setattr(pipe_opt, "mean_scale", lambda vec, needs_norm: (
+        1.0 / vec[1], {"global_norm": jnp.sqrt(vec[-2]) / vec[1]} if needs_norm else {}))
+    kept = moved(loss_scaling(optax.sgd(1.0), static=2.0 ** 12))
+    for a, b in zip(plain, kept):
+        big = np.abs(a) > 1e-3 * np.abs(a).max()
+        np.testing.assert_allclose(b[big] / a[big], seed, rtol=1e-4)
 
 
 @pytest.mark.parametrize("name", ["1f1b", "zbh1", "data2-zero1"])
@@ -349,10 +388,10 @@ def test_pipeline_float16_overflow_skips_every_stage_as_the_single_device(name):
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=2e-6)
 
 
-@pytest.mark.parametrize("strategy,power", [("ddp", 20), ("pipeline", 22)])
+@pytest.mark.parametrize("strategy,power", [("ddp", 20), ("pipeline", 21)])
 def test_train_py_fp16_skips_overflowing_steps_and_stops_at_the_minimum_scale(tmp_path, strategy, power):
-    """--precision fp16 on ddp (4 devices x 8 rows) and on the pipeline (2 stages x 2 replicas, 4 micro-batches of 8
-    rows, each seeded at S / 32 as DeepSpeed divides by the micro-batches: 4 times less, so from a 4 times larger S):
+    """--precision fp16 on ddp (4 devices x 8 rows: seed S / 8) and on the pipeline (2 stages x 2 replicas, 4
+    micro-batches of 4 rows a replica: S / 16, as DeepSpeed divides by the micro-batches; so from twice the S):
     from 2**power the steps overflow and halve the scale (hysteresis 1) until
     the backward fits, and after 3 clean steps it doubles again (window 3); the skipped steps are counted, logged as
     overflow events at DeepSpeed's scales, and their losses left out.
@@ -380,5 +419,6 @@ def test_train_py_fp16_skips_overflowing_steps_and_stops_at_the_minimum_scale(tm
     logged = {e["step"] for e in events if e["event"] == "step"}
     assert logged.isdisjoint(e["step"] for e in overflows) and len(logged) == 10 - len(overflows)
     assert all(np.isfinite(a).all() for a in leaves(summary["state"].params))
-    with pytest.raises(trainer.Diverged, match=re.escape(f"overflowed at step 1 at the minimum loss scale {2.0 ** power:g}")):
+    stop = re.escape(f"overflowed at step 1 at the minimum loss scale {2.0 ** power:g}")
+    with pytest.raises(trainer.Diverged, match=stop):
         trainer.run(Config(**{**common, "min_loss_scale": 2.0 ** power}, steps=2))

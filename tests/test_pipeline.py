@@ -491,10 +491,11 @@ def test_bad_input_is_refused_before_any_work():
 def worker(out: str) -> None:
     """2 processes x 2 devices: the LM as 2 stages x 2 replicas (ZB-H1, recompute, ZeRO-1: each stage's momentum
     split over its replicas; data x pipeline across processes), again on ZB-V without ZeRO (its V crosses the
-    processes twice), and the MLP as 4 stages (1F1B, global-norm clipping, behind a dynamic loss scaler at 2**12:
-    the seed set on process 1's last stage reaches process 0's stages with the step's vector, so they divide it
-    out); each saves the state it unplaces and the Sums of an evaluation (the forward-only schedule). (ZB-V was out of this test from b70775e: one clean-clone
-    CI run hung in it, never reproduced. The candidate cause, two gloo collectives in flight at once, is gone since
+    processes twice), and the MLP as 4 stages (1F1B, global-norm clipping); each saves the state it unplaces and
+    the Sums of an evaluation (the forward-only schedule). The first LM run is behind a dynamic loss scaler at 2**12
+    (SGD: a seed left in the gradient would show; clipping would cancel it): the seed set on process 1's last
+    stage reaches process 0's stage with the step's vector, and both divide it out. (ZB-V was out of this test from
+    b70775e: one clean-clone CI run hung in it, never reproduced. The candidate cause, two gloo collectives in flight at once, is gone since
     the transport runs them one at a time; 24 runs of it under load, two at once, finished on 2026-11-23.)"""
     import faulthandler
     import signal
@@ -509,9 +510,9 @@ def worker(out: str) -> None:
     distributed.initialize()
     rank = jax.process_index()
     for label, name, S, tx, kw in (
-            ("mlp", "mlp", 4, jaxpar.loss_scaling(CLIP, initial_scale_power=12), dict(schedule="1f1b", micro_batches=4)),
-            ("lm", "lm", 2, TX, dict(schedule="zbh1", micro_batches=2, activation_checkpoint_interval=1,
-                                     zero_stage=1)),
+            ("mlp", "mlp", 4, CLIP, dict(schedule="1f1b", micro_batches=4)),
+            ("lm", "lm", 2, jaxpar.loss_scaling(TX, initial_scale_power=12),
+             dict(schedule="zbh1", micro_batches=2, activation_checkpoint_interval=1, zero_stage=1)),
             ("lm_zbv", "lm", 2, TX, dict(schedule="zbv", virtual_stages=2, micro_batches=3))):
         model, loss, batch = PROBLEMS[name]()
         pipe = pipeline(model, tx, loss_fn=loss, num_stages=S, mesh=pipeline_mesh(None, S), **kw)

@@ -11,7 +11,8 @@ Roughly, for part v (a few segments, see jaxpar.pipeline.module) and one micro-b
 The residuals a vjp keeps that are the function's own inputs (the weights, the stage input, the batch) are not
 returned -- jit would copy them -- but passed again to the backward (`Saved` records where they go). On the last
 virtual stage the forward ends in the loss: it returns the micro-batch's Sums and the backward seeds dloss = 1
-(the gradient of the SUMMED loss; the engine divides by the global weight once). Per-sample objectives run each
+(the gradient of the SUMMED loss; the engine divides by the global weight once), or with fp16's loss scaler the
+step's seed (PartFns). Per-sample objectives run each
 segment vmapped over rows, reseeding the segment's RNG streams by sample id as the reference step does, so
 dropout masks equal single-device ones. With D data-parallel replicas of the stage the functions run under
 shard_map over its DATA sub-mesh: rows sharded, weights replicated; residuals and gradient accumulators stay

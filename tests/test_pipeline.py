@@ -495,8 +495,9 @@ def worker(out: str) -> None:
     the Sums of an evaluation (the forward-only schedule). The first LM run is behind a dynamic loss scaler at 2**12
     (SGD: a seed left in the gradient would show; clipping would cancel it): the seed set on process 1's last
     stage reaches process 0's stage with the step's vector, and both divide it out. (ZB-V was out of this test from
-    b70775e: one clean-clone CI run hung in it, never reproduced. The candidate cause, two gloo collectives in flight at once, is gone since
-    the transport runs them one at a time; 24 runs of it under load, two at once, finished on 2026-11-23.)"""
+    b70775e: one clean-clone CI run hung in it, never reproduced. The candidate cause, two gloo collectives in
+    flight at once, is gone since the transport runs them one at a time; 24 runs of it under load, two at once,
+    finished on 2026-11-23.)"""
     import faulthandler
     import signal
 

@@ -43,6 +43,9 @@ def num_rows(batch: PyTree, what: str = "batch") -> int:
     sizes = {}
     for path, leaf in flat:
         shape = np.shape(leaf)
+        if not shape and any(isinstance(k, jax.tree_util.SequenceKey) for k in path):
+            raise ValueError(f"{what} leaf {jax.tree_util.keystr(path)} is a Python scalar inside a list: the {what} "
+                             "holds Python lists, which are pytrees; convert each to an array (np.asarray).")
         if not shape:
             raise ValueError(f"{what} leaf {jax.tree_util.keystr(path) or '<root>'} is a scalar; every leaf needs a "
                              "leading batch axis (give it shape [B, ...]).")
@@ -51,7 +54,10 @@ def num_rows(batch: PyTree, what: str = "batch") -> int:
         listing = ", ".join(f"{name} has {n}" for n, name in sizes.items())
         raise ValueError(f"the {what}'s leaves disagree on the batch size ({listing}); every leaf needs the same "
                          "leading axis, one entry per sample.")
-    return next(iter(sizes))
+    n = next(iter(sizes))
+    if n == 0:
+        raise ValueError(f"the {what} has 0 rows; pass at least one row (drop an empty last batch).")
+    return n
 
 
 def as_rows(batch: PyTree | Rows, ids: Any = None, *, offset: int = 0) -> Rows:

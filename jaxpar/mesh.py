@@ -32,6 +32,13 @@ def check_divisible(value: int, by: int, what: str, by_what: str, fix: str) -> N
         raise ValueError(f"{what}={value} must be divisible by {by_what}={by}; {fix}")
 
 
+def check_data_mesh(mesh, who: str) -> None:
+    """ValueError unless `mesh` is one DATA axis (what data parallelism shards the batch and the state over)."""
+    if tuple(mesh.axis_names) != (DATA,):
+        raise ValueError(f"{who} runs on a 1-D mesh of axis {DATA!r}, got axes {dict(mesh.shape)}; build it with "
+                         f"jaxpar.make_mesh(num_devices) (a pipeline's data axis: Pipeline(..., zero_stage=1)).")
+
+
 def make_mesh(num_devices: int | None = None, pipe: int = 1, devices: Sequence | None = None):
     """A (DATA,) mesh, or (DATA, PIPE) when pipe > 1, over the first `num_devices` devices."""
     import jax

@@ -67,6 +67,26 @@ class Sums(NamedTuple):
 RESERVED = ("loss", "weight", "samples")  # metric names a step reports itself
 
 
+_LAYERED: dict = {}  # (model class, unpack) -> its subclass whose __call__ runs `layers` in turn (check_layers)
+
+
+def check_wrt_within(part: Any, wrt: Any, trained: set, who: str, where: str) -> None:
+    """ValueError unless `wrt` selects within `part` (a layer, or a list of layers, split on its own) exactly the
+    Variables whose ids are in `trained` (what it selects within the whole model): strategies that split the model
+    by layers (the pipeline, ZeRO-3) apply the filter to each part, where paths start at the part."""
+    variables = {tuple(p): v for p, v in nnx.iter_graph(part) if isinstance(v, nnx.Variable)}
+    selected = {id(variables[tuple(p)]) for p, _ in nnx.to_flat_state(nnx.split(part, wrt, ...)[1])}
+    variables = {id(v): p for p, v in variables.items()}
+    gaps = [(path, i in selected) for i, path in variables.items() if (i in selected) != (i in trained)]
+    if gaps:
+        path, inside = gaps[0]
+        raise ValueError(f"the wrt filter {'selects' if inside else 'leaves out'} {'/'.join(map(str, path))} of "
+                         f"{where} but {'not' if inside else 'does select it'} in the whole model; {who} applies wrt "
+                         "to each part of the model on its own, where paths start at the part: filter by Variable "
+                         "type or by names inside a layer (nnx.PathContains('bias')), not by the model's attribute "
+                         "names or layer positions.")
+
+
 def to_loss_output(out: Any, what: str = "loss_fn") -> LossOutput:
     """Normalise a loss's return value to float32 scalars; TypeError naming the rule otherwise (at trace time)."""
     if isinstance(out, LossOutput):
@@ -322,6 +342,44 @@ class Objective:
         return aux, scaling.unscale(grads, seed)
 
     # -- outputs and losses apart (DataParallel's gather, the pipeline's last stage) ------------------------
+
+    def check_layers(self, params: nnx.State, model_state: nnx.State, batch: PyTree, why: str, fix: str,
+                     unpack: bool = False) -> None:
+        """ValueError unless the model, in eval mode, computes the same through its own __call__ as through its
+        `layers` applied in turn (`unpack`: nnx.Sequential's tuple/dict convention), on `batch` (a few rows): the
+        outputs under an OutputLoss, else the loss. For strategies that run the layers instead of __call__ (`why`):
+        the pipeline, ZeRO-3's per-layer fetches, activation checkpointing. Eager, once, before training."""
+        from jaxpar.pipeline.module import apply_layers
+
+        plain, layered = (nnx.merge(self.eval_graphdef, params, model_state) for _ in range(2))  # alike streams
+        name = type(plain).__name__
+        key = (type(plain), unpack)
+        if key not in _LAYERED:
+            base = type(plain)  # called with more than one input, the strategies call the model itself too
+            _LAYERED[key] = type(f"Layered{name}", (base,), {
+                "__call__": lambda self, *a, **k: apply_layers(self.layers, a[0], unpack) if len(a) == 1 and not k
+                else base.__call__(self, *a, **k)})
+        layered.__class__ = _LAYERED[key]
+        if isinstance(self.loss_fn, OutputLoss):
+            x = cast_floating(self.loss_fn.inputs(batch), self.compute_dtype)
+            want, got, what = plain(x), layered(x), "outputs"
+        else:
+            want, got, what = self._call_loss(plain, batch, "loss_fn"), self._call_loss(layered, batch, "loss_fn"), \
+                "losses"
+        w, g = jax.tree.leaves(want), jax.tree.leaves(got)
+        shapes = [jnp.shape(a) for a in w], [jnp.shape(a) for a in g]
+        if jax.tree.structure(want) != jax.tree.structure(got) or shapes[0] != shapes[1]:
+            gap = f"{what} shaped {shapes[0]} against {shapes[1]}"
+        else:
+            diff = max([float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32)),
+                                      initial=0.0)) for a, b in zip(w, g)], default=0.0)
+            size = max([float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32)), initial=0.0)) for a in w] + [1.0])
+            if not diff > 1e-5 * size:  # eager, the same kernels: equal where the two are the same function
+                return
+            gap = f"{what} differ by up to {diff:.3g}"
+        raise ValueError(f"{why} `layers` one after another instead of {name}.__call__, but the two differ ({gap} on "
+                         f"the first batch's first rows, eval mode): write __call__ as `for layer in self.layers: x = "
+                         f"layer(x)` (residuals and other glue inside the layers), or {fix}.")
 
     def output_loss(self) -> OutputLoss:
         if not isinstance(self.loss_fn, OutputLoss):

@@ -205,6 +205,38 @@ def test_wrt_trains_only_what_it_selects():
     assert frozen(out) and all(np.array_equal(a, b) for a, b in zip(frozen(out), frozen(state)))
 
 
+def test_a_wrt_filter_on_the_models_own_paths_is_refused_where_the_layers_are_split():
+    """The pipeline and ZeRO-3 apply wrt to each stage's layer list or each layer on its own, where paths start
+    there: a filter on a layer's position in the model (freeze layer 0) would select other variables, so they refuse
+    it; a filter on names inside a layer selects the same and trains."""
+    def model():
+        r = nnx.Rngs(0)
+        return nnx.Sequential(nnx.Linear(8, 8, rngs=r), nnx.relu, nnx.Linear(8, 8, rngs=r), nnx.relu,
+                              nnx.Linear(8, 2, rngs=r))
+
+    _, loss, batches, _, _ = problem("regression")
+    by_position = nnx.All(nnx.Param, nnx.Not(nnx.PathContains(0)))  # the model's layer 0 frozen
+    by_name = nnx.All(nnx.Param, nnx.PathContains("kernel"))  # every bias frozen
+    m = model()
+    assert len(jax.tree.leaves(nnx.split(m, by_position, ...)[1])) == 4  # layers 2 and 4's kernels and biases
+    with pytest.raises(ValueError, match="the wrt filter leaves out 0/bias of layers 2-2 .* but does select it in "
+                                         "the whole model; the pipeline applies wrt to each part"):
+        jaxpar.Pipeline(m, TX, loss_fn=loss, num_stages=2, wrt=by_position)
+    with pytest.raises(ValueError, match="the wrt filter selects bias of layer 0 but not in the whole model; ZeRO "
+                                         "stage 3 applies wrt"):
+        jaxpar.ZeroRedundancy(m, TX, loss_fn=loss, stage=3, mesh=jaxpar.make_mesh(2), wrt=by_position).init(
+            jaxpar.init_state(m, TX, wrt=by_position))
+    ref = jaxpar.SingleDevice(m, TX, loss_fn=loss, wrt=by_name)
+    state = jaxpar.init_state(m, TX, wrt=by_name)
+    want, _ = ref.step(ref.init(state), ref.put_batch(batches[0]))
+    for strategy in (jaxpar.Pipeline(m, TX, loss_fn=loss, num_stages=2, micro_batches=2, wrt=by_name),
+                     jaxpar.ZeroRedundancy(m, TX, loss_fn=loss, stage=3, mesh=jaxpar.make_mesh(2), wrt=by_name)):
+        got = strategy.unplace(strategy.step(strategy.init(state), strategy.put_batch(batches[0]))[0])
+        assert max_diff(got.params, state.params) > 1e-3 and max_diff(got.model_state, state.model_state) == 0
+        np.testing.assert_allclose(np.concatenate([a.ravel() for a in leaves(got.params)]),
+                                   np.concatenate([a.ravel() for a in leaves(want.params)]), rtol=1e-5, atol=1e-6)
+
+
 class Recomputed(nnx.Module):
     """Linear -> Dropout run through a custom_vjp whose backward recomputes the forward from the saved input
     state (activation checkpointing by hand): the draws must see the reseeded stream in both."""
@@ -278,6 +310,101 @@ class Counting(nnx.Module):
     def __call__(self, x):
         self.calls.set_value(self.calls.get_value() + 1)
         return self.fc(x)
+
+
+class Residual(nnx.Module):
+    """A model with `layers` whose __call__ is NOT them in turn (`residual`: each hidden layer adds its output to
+    its input), or is (`residual` False: __call__ applies the layers, tanh functions among them, one by one)."""
+
+    def __init__(self, residual: bool, rngs: nnx.Rngs):
+        linears = [nnx.Linear(8, 8, rngs=rngs) for _ in range(3)]
+        self.residual = residual
+        self.layers = nnx.List(linears + [nnx.Linear(8, 2, rngs=rngs)] if residual else
+                               [m for lin in linears for m in (lin, jnp.tanh)] + [nnx.Linear(8, 2, rngs=rngs)])
+
+    def __call__(self, x):
+        if not self.residual:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+        for layer in self.layers[:-1]:
+            x = x + jnp.tanh(layer(x))
+        return self.layers[-1](x)
+
+
+def test_strategies_that_run_the_layers_check_they_are_the_model():
+    """The pipeline, ZeRO-3 (a fetch per layer) and activation checkpointing run `model.layers` one after another,
+    not the model's __call__: on the first batch they check the two agree, and refuse a model where they do not."""
+    batch = problem("regression")[2][0]
+    loss = OutputLoss(regression.loss)
+    runs_layers = {
+        "pipeline": lambda m: jaxpar.Pipeline(m, TX, loss_fn=loss, num_stages=2, micro_batches=2),
+        "pipeline-1": lambda m: jaxpar.Pipeline(m, TX, loss_fn=loss, num_stages=1, micro_batches=1),
+        "zero3": lambda m: jaxpar.ZeroRedundancy(m, TX, loss_fn=loss, stage=3, mesh=jaxpar.make_mesh(2)),
+        "single-recompute": lambda m: jaxpar.SingleDevice(m, TX, loss_fn=loss, activation_checkpoint_interval=1),
+        "ddp-recompute": lambda m: jaxpar.DistributedDataParallel(m, TX, loss_fn=loss, mesh=jaxpar.make_mesh(2),
+                                                                  activation_checkpoint_interval=2),
+        "dp-recompute": lambda m: jaxpar.DataParallel(m, TX, loss_fn=loss, device_ids=[0, 1],
+                                                      activation_checkpoint_interval=1),
+        "zero1-recompute": lambda m: jaxpar.ZeroRedundancy(m, TX, loss_fn=loss, stage=1, mesh=jaxpar.make_mesh(2),
+                                                           activation_checkpoint_interval=1),
+    }
+    runs_call = {"single": lambda m: jaxpar.SingleDevice(m, TX, loss_fn=loss),
+                 "zero1": lambda m: jaxpar.ZeroRedundancy(m, TX, loss_fn=loss, stage=1, mesh=jaxpar.make_mesh(2))}
+    bad = Residual(True, nnx.Rngs(0))
+    x = jnp.asarray(batch.data["x"][:2])
+    layered = x
+    for layer in bad.layers:
+        layered = layer(layered)
+    assert float(jnp.max(jnp.abs(bad(x) - layered))) > 1e-2  # the two functions really differ
+    for name, make in {**runs_layers, **runs_call}.items():
+        for residual in (False, True):
+            model = Residual(residual, nnx.Rngs(0))
+            strategy = make(model)
+            strategy.init(jaxpar.init_state(model, TX))
+            if residual and name in runs_layers:
+                with pytest.raises(ValueError, match="`layers` one after another instead of Residual.__call__, but "
+                                                     "the two differ \\(outputs differ by up to"):
+                    strategy.put_batch(batch)
+            else:
+                strategy.put_batch(batch)  # the layers are the model, or the strategy calls the model itself
+
+
+def test_a_state_of_another_optimizer_is_refused_at_init():
+    _, loss, _, objective, _ = problem("regression")
+    model = regression.make_model(8, 16, 2, 0.3, rngs=nnx.Rngs(0))
+    other = jaxpar.init_state(model, optax.adam(1e-3))  # Adam's state; the strategies run SGD with momentum
+    for strategy in (jaxpar.SingleDevice(objective, TX), jaxpar.DistributedDataParallel(objective, TX),
+                     jaxpar.ZeroRedundancy(objective, TX, stage=2, mesh=jaxpar.make_mesh(2)),
+                     jaxpar.DataParallel(objective, TX, device_ids=[0, 1]),
+                     jaxpar.Pipeline(model, TX, loss_fn=loss, num_stages=2)):
+        with pytest.raises(ValueError, match="state.opt_state is not the tree the strategy's tx makes .*"
+                                             "jaxpar.init_state\\(model, tx\\)"):
+            strategy.init(other)
+        strategy.init(jaxpar.init_state(model, TX))  # its own optimizer's state is taken
+    wide = jaxpar.init_state(regression.make_model(8, 16, 2, 0.3, rngs=nnx.Rngs(0)), TX)
+    wide = wide._replace(opt_state=jax.tree.map(lambda a: jnp.zeros((*a.shape[:-1], a.shape[-1] + 1)) if a.ndim
+                                                else a, wide.opt_state))
+    with pytest.raises(ValueError, match="state.opt_state leaf 0 has shape"):
+        jaxpar.SingleDevice(objective, TX).init(wide)
+
+
+def test_bad_batches_are_named_before_any_work():
+    _, loss, batches, objective, _ = problem("regression")
+    x, y = batches[0].data["x"][:4], batches[0].data["y"][:4]
+    cases = [({"x": x.tolist(), "y": y}, "leaf \\['x'\\]\\[0\\]\\[0\\] is a Python scalar inside a list.*np.asarray"),
+             ({"x": x[:0], "y": y[:0]}, "the batch has 0 rows; pass at least one row"),
+             ({"x": x, "y": y[:3]}, "leaves disagree on the batch size \\(\\['x'\\] has 4, \\['y'\\] has 3\\)"),
+             ({"x": x, "y": 1.0}, "leaf \\['y'\\] is a scalar; every leaf needs a leading batch axis")]
+    model = regression.make_model(8, 16, 2, 0.3, rngs=nnx.Rngs(0))
+    for strategy in (jaxpar.SingleDevice(objective, TX), jaxpar.DistributedDataParallel(objective, TX),
+                     jaxpar.ZeroRedundancy(objective, TX, stage=3, mesh=jaxpar.make_mesh(2)),
+                     jaxpar.DataParallel(objective, TX, device_ids=[0, 1]),
+                     jaxpar.Pipeline(model, TX, loss_fn=loss, num_stages=2)):
+        strategy.init(jaxpar.init_state(model, TX))
+        for batch, match in cases:
+            with pytest.raises(ValueError, match=match):
+                strategy.put_batch(batch)
 
 
 def test_bad_contract_use_is_named():

@@ -239,8 +239,13 @@ def test_bad_options_name_the_fix():
     objective, tx, _, _ = problem()
     with pytest.raises(ValueError, match="allreduce='tree' is not known; use one of psum"):
         DistributedDataParallel(objective, tx, allreduce="tree")
-    with pytest.raises(ValueError, match="grad_accum=0 must be >= 1"):
-        DistributedDataParallel(objective, tx, grad_accum=0)
+    for bad in (0, 2.5):
+        with pytest.raises(ValueError, match=f"grad_accum={bad} must be an int >= 1"):
+            DistributedDataParallel(objective, tx, grad_accum=bad)
+    from jaxpar.strategies.pipeline import pipeline_mesh
+
+    with pytest.raises(ValueError, match="runs on a 1-D mesh of axis 'data', got axes \\{'data': 2, 'pipe': 2"):
+        DistributedDataParallel(objective, tx, mesh=pipeline_mesh(4, num_stages=2))
     with pytest.raises(ValueError, match="spmd='xmap' is not known"):
         DistributedDataParallel(objective, tx, spmd="xmap")
 

@@ -288,8 +288,11 @@ def test_clip_by_global_norm_sees_the_norm_over_all_stages():
     assert pipe.needs_norm
     np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
     assert_equal_states(pipe.unplace(placed), ref)
-    with pytest.raises(ValueError, match="couples parameters across stages .*use jaxpar.optim.clip_by_global_norm"):
-        Pipeline(mlp()[0], optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1)), loss_fn=mlp()[1])
+    for tx in (optax.chain(optax.clip_by_global_norm(threshold), optax.sgd(0.1)) for threshold in (0.05, 1e9)):
+        with pytest.raises(ValueError, match="couples parameters across stages .*use jaxpar.optim.clip_by_global_norm"):
+            Pipeline(mlp()[0], tx, loss_fn=mlp()[1])
+    with pytest.raises(ValueError, match="couples parameters across stages .*apply_if_finite"):  # one stage's inf
+        Pipeline(mlp()[0], optax.apply_if_finite(optax.sgd(0.1), 3), loss_fn=mlp()[1])
 
 
 def tied_model():

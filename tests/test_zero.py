@@ -458,6 +458,12 @@ def test_bad_options_name_the_fix():
         jaxpar.ZeroRedundancy(objective, TX, reduce="ring")
     with pytest.raises(ValueError, match="applies to stage 1 only"):
         jaxpar.ZeroRedundancy(objective, TX, stage=2, reduce="all_reduce")
+    with pytest.raises(ValueError, match="grad_accum=2.5 must be an int >= 1"):
+        jaxpar.ZeroRedundancy(objective, TX, grad_accum=2.5)
+    from jaxpar.strategies.pipeline import pipeline_mesh
+
+    with pytest.raises(ValueError, match="ZeroRedundancy runs on a 1-D mesh of axis 'data'.*jaxpar.make_mesh"):
+        jaxpar.ZeroRedundancy(objective, TX, mesh=pipeline_mesh(4, num_stages=2))
     with pytest.raises(ValueError, match="step\\(\\) before init\\(\\)"):
         jaxpar.ZeroRedundancy(objective, TX).step(None, None)
 
@@ -466,6 +472,8 @@ def test_bad_options_name_the_fix():
     (optax.adafactor(1e-2, min_dim_size_to_factor=4), "does not split element by element"),
     (optax.lamb(1e-2), "not elementwise"),
     (optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)), "not elementwise"),
+    (optax.chain(optax.clip_by_global_norm(1e9), optax.adam(1e-2)), "not elementwise"),  # above a unit-normal norm
+    (optax.apply_if_finite(optax.adam(1e-2), 3), "not elementwise"),  # skips when any shard has an inf
     (optax.adamw(1e-2, mask=lambda p: jax.tree.map(lambda a: a.ndim >= 2, p)), "not elementwise"),  # ndim of a shard
 ])
 def test_non_elementwise_optimizers_are_refused_before_training(tx, message):

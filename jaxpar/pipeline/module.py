@@ -26,6 +26,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 from flax import nnx
 
+from jaxpar.objective import check_wrt_within
 from jaxpar.pipeline import partition as partition_lib
 from jaxpar.pipeline import schedule as schedule_lib
 
@@ -107,6 +108,15 @@ class Segment(NamedTuple):
     param_treedef: Any
     state_treedef: Any
     remat: bool
+
+
+def apply_layers(layers, x, unpack: bool, first: int = 0):
+    """`layers` applied in turn to x (layer index `first` onward); where `unpack` (nnx.Sequential's convention), a
+    tuple or dict output is the next layer's *args or **kwargs."""
+    for i, layer in enumerate(layers, first):
+        x = layer(*x) if unpack and i and isinstance(x, tuple) else \
+            layer(**x) if unpack and i and isinstance(x, dict) else layer(x)
+    return x
 
 
 def _variables(node) -> dict[tuple, Any]:
@@ -198,6 +208,7 @@ class PipelineModule:
         self.state_kinds = [type(v) for _, v in nnx.to_flat_state(rest)]
         where = _variables(self.model)
         self._param_of = {id(where[p]): j for j, p in enumerate(self.param_paths)}
+        self._model_vars = {id(v) for v in where.values()}
         self._state_of = {id(where[p]): j for j, p in enumerate(self.state_paths)}
         counted: set = set()
         self.layer_params = []
@@ -218,6 +229,9 @@ class PipelineModule:
             evaluated = nnx.clone(seg)
             evaluated.eval()
             where = _variables(seg)
+            if all(id(v) in self._model_vars for v in where.values()):  # else: the error below names the layer
+                check_wrt_within(seg, self.wrt, set(self._param_of), "the pipeline",
+                                 f"layers {group.start}-{group.stop - 1} (a stage's list, from index 0)")
             pidx, sidx = [], []
             for paths, index, out_list, what in ((_flat_paths(params), self._param_of, pidx, "parameter"),
                                                  (_flat_paths(rest), self._state_of, sidx, "variable")):

@@ -42,6 +42,7 @@ from jaxpar.batch import Rows
 from jaxpar.loss_scale import power_of_two
 from jaxpar.mesh import DATA, TENSOR
 from jaxpar.objective import Objective, Sums, advance_rng, cast_floating, reseed
+from jaxpar.pipeline.module import apply_layers
 
 
 @jax.tree_util.register_pytree_node_class
@@ -224,12 +225,7 @@ class PartFns:
         st = jax.tree.unflatten(seg.state_treedef, list(st))
 
         unpack, first = self.module.unpack, seg.layers.start
-
-        def run(model, a):
-            for i, layer in enumerate(model, first):  # nnx.Sequential's call convention where the model is one
-                a = layer(*a) if unpack and i and isinstance(a, tuple) else \
-                    layer(**a) if unpack and i and isinstance(a, dict) else layer(a)
-            return a
+        run = lambda model, a: apply_layers(model, a, unpack, first)  # noqa: E731
 
         if not obj.per_sample:
             model = nnx.merge(graphdef, p, st)

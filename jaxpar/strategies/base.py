@@ -15,6 +15,7 @@ import importlib
 from typing import Any, Protocol
 
 import jax
+import numpy as np
 from flax import nnx
 
 from jaxpar.objective import Objective
@@ -54,6 +55,58 @@ class Strategy(Protocol):
 
     def report(self, placed: Any) -> dict:
         """Extras for --report (communication, memory, schedule)."""
+
+
+def check_state(state: TrainState, tx) -> None:
+    """ValueError unless state.opt_state is what `tx` makes for state.params (tx.init's tree and shapes, as
+    jaxpar.init_state(model, tx) or a checkpoint of it gives): a state built with another optimizer would fail deep
+    inside optax, or worse, line up by chance. Shapes only (eval_shape): each strategy's init calls it first."""
+    have, want = state.opt_state, jax.eval_shape(tx.init, state.params)
+    leaves, treedef = jax.tree.flatten(have)
+    w_leaves, w_treedef = jax.tree.flatten(want)
+    fix = "build the state with jaxpar.init_state(model, tx) from the optimizer given to the strategy"
+    if treedef != w_treedef:
+        raise ValueError(f"state.opt_state is not the tree the strategy's tx makes ({len(leaves)} leaves against "
+                         f"{len(w_leaves)}: {_first_gap(treedef, w_treedef)}); {fix}.")
+    shapes = [(i, np.shape(a), np.shape(b)) for i, (a, b) in enumerate(zip(leaves, w_leaves))
+              if np.shape(a) != np.shape(b)]
+    if shapes:
+        i, a, b = shapes[0]
+        raise ValueError(f"state.opt_state leaf {i} has shape {a} where the strategy's tx makes {b} ({len(shapes)} "
+                         f"leaves differ); {fix}.")
+
+
+class LayersCheck:
+    """Objective.check_layers, once: armed by a strategy's init with the canonical state where the strategy runs the
+    model's `layers` instead of its __call__, run on the first batch's first two rows by put_batch, then dropped."""
+
+    def __init__(self):
+        self.pending: tuple | None = None
+
+    def arm(self, objective: Objective, state: TrainState, why: str, fix: str, unpack: bool = False) -> None:
+        self.pending = (objective, state.params, state.model_state, why, fix, unpack)
+
+    def __call__(self, rows) -> None:
+        if self.pending is not None:
+            objective, params, model_state, why, fix, unpack = self.pending
+            head = jax.tree.map(lambda a: np.asarray(a)[:2], rows.data)
+            objective.check_layers(params, model_state, head, why, fix, unpack)
+            self.pending = None
+
+
+def recompute_check(objective: Objective, state: TrainState, check: LayersCheck) -> None:
+    """Arm `check` when the objective recomputes N-layer segments (activation checkpointing runs the layers)."""
+    n = objective.activation_checkpoint_interval
+    if n:
+        check.arm(objective, state, f"activation_checkpoint_interval={n} runs the model's",
+                  "use activation_checkpoint_interval 0")
+
+
+def _first_gap(a, b) -> str:
+    """Where two treedefs' printed forms first part."""
+    x, y = str(a), str(b)
+    i = next((k for k, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+    return f"...{x[max(0, i - 40):i + 40]}... against ...{y[max(0, i - 40):i + 40]}..."
 
 
 def get_builder(name: str):

@@ -41,7 +41,7 @@ from jaxpar.config import Config
 from jaxpar.objective import Objective, OutputLoss, metrics_of
 from jaxpar.run import memory
 from jaxpar.step import TrainState, apply_updates, grad_norm
-from jaxpar.strategies.base import cfg_objective, objective_of, to_device
+from jaxpar.strategies.base import LayersCheck, cfg_objective, check_state, objective_of, recompute_check, to_device
 
 
 def chunk_sizes(batch_size: int, num_devices: int) -> list[int]:
@@ -150,6 +150,7 @@ class DataParallel:
     def __init__(self, model: nnx.Module | Objective, tx: optax.GradientTransformation, *, loss_fn=None,
                  device_ids: Sequence[int] | None = None, output_device: int = 0, loss_on_device: bool = False,
                  print_shapes: bool = False, **objective_options):
+        self._layers_check = LayersCheck()  # armed by init where the layers run instead of __call__
         if jax.process_count() > 1:
             raise ValueError(f"strategy='dp' runs in one process, but jax.process_count()={jax.process_count()}; "
                              "use --strategy ddp across processes.")
@@ -186,6 +187,8 @@ class DataParallel:
 
     # -- the Strategy protocol --
     def init(self, state: TrainState) -> TrainState:
+        check_state(state, self.tx)
+        recompute_check(self.objective, state, self._layers_check)
         model = self.objective.merge(state.params, state.model_state)
         if any(getattr(node, "axis_name", None) for _, node in nnx.iter_graph(model)):
             raise ValueError("the model has synchronised BatchNorm (an axis_name), which DataParallel's per-device "
@@ -195,6 +198,7 @@ class DataParallel:
     def put_batch(self, batch) -> Rows:
         """The whole global batch onto the master (the tutorial's `input.to(device)`); step scatters it."""
         rows = as_rows(batch)
+        self._layers_check(rows)
         if not self.objective.per_sample:
             check_unpadded(rows, "per_sample=False")
         return jax.device_put(rows, self.master)

@@ -31,16 +31,16 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import loss_scale
-from jaxpar.batch import Rows, as_rows, check_unpadded, pad_rows, round_up, split_rows
+from jaxpar.batch import Rows, as_rows, check_unpadded, num_rows, pad_rows, round_up, split_rows
 from jaxpar.comm import cost as comm_cost
 from jaxpar.comm import overlap as ddp_overlap
 from jaxpar.comm.buckets import BucketPlan, plan_buckets
 from jaxpar.comm.collectives import ALGORITHMS, all_reduce
 from jaxpar.config import Config
-from jaxpar.mesh import DATA, make_mesh
+from jaxpar.mesh import DATA, check_data_mesh, make_mesh
 from jaxpar.objective import Objective, Sums, advance_rng, metrics_of
 from jaxpar.step import TrainState, apply_updates, grad_norm
-from jaxpar.strategies.base import cfg_objective, objective_of
+from jaxpar.strategies.base import LayersCheck, cfg_objective, check_state, objective_of, recompute_check
 from jaxpar.types import Params
 
 SPMD = ("shard_map", "pmap")
@@ -187,8 +187,8 @@ def check_options(*, allreduce: str, spmd: str, grad_accum: int, grad_comm_dtype
         raise ValueError(f"allreduce={allreduce!r} is not known; use one of {', '.join(ALGORITHMS)}.")
     if spmd not in SPMD:
         raise ValueError(f"spmd={spmd!r} is not known; use one of {', '.join(SPMD)}.")
-    if grad_accum < 1:
-        raise ValueError(f"grad_accum={grad_accum} must be >= 1; use 1 for no accumulation.")
+    if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum < 1:
+        raise ValueError(f"grad_accum={grad_accum!r} must be an int >= 1; use 1 for no accumulation.")
     if grad_comm_dtype not in COMM_DTYPES:
         raise ValueError(f"grad_comm_dtype={grad_comm_dtype!r} is not known; use bf16, fp32 or leave it out.")
     if not bucket_cap_mb >= 0:
@@ -254,12 +254,14 @@ class DistributedDataParallel:
                  mesh: Mesh | None = None, allreduce: str = "psum", bucket_cap_mb: float = 25.0, overlap: bool = True,
                  grad_accum: int = 1, grad_comm_dtype: str | None = None, spmd: str = "shard_map",
                  batch_size: int | None = None, leaf_order: Sequence[int] | None = None, **objective_options):
+        self._layers_check = LayersCheck()  # armed by init where the layers run instead of __call__
         check_options(allreduce=allreduce, spmd=spmd, grad_accum=grad_accum, grad_comm_dtype=grad_comm_dtype,
                       bucket_cap_mb=bucket_cap_mb)
         self.objective = objective_of(model, loss_fn, **objective_options)
         if leaf_order is None and isinstance(model, nnx.Module):
             leaf_order = ddp_overlap.forward_leaf_order(model, self.objective.wrt)
         self.tx, self.mesh = tx, mesh or make_mesh()
+        check_data_mesh(self.mesh, "DistributedDataParallel")
         self.allreduce, self.bucket_cap_mb, self.overlap = allreduce, bucket_cap_mb, overlap
         self.grad_accum, self.grad_comm_dtype, self.spmd = grad_accum, grad_comm_dtype, spmd
         self.batch_size, self.leaf_order = batch_size, leaf_order
@@ -273,6 +275,8 @@ class DistributedDataParallel:
         self.share = None if self.batch_size is None else round_up(math.ceil(self.batch_size / nproc), self.multiple)
 
     def init(self, state: TrainState):
+        check_state(state, self.tx)
+        recompute_check(self.objective, state, self._layers_check)
         if self.plan is None:
             order = self.leaf_order
             if order is None:
@@ -287,8 +291,9 @@ class DistributedDataParallel:
 
     def put_batch(self, batch) -> Rows:
         """This process's rows (a batch pytree or Rows), padded to its share and sharded over its devices."""
-        local = None if isinstance(batch, Rows) else jax.tree.leaves(batch)[0].shape[0]
+        local = None if isinstance(batch, Rows) else num_rows(batch)
         rows = as_rows(batch, offset=jax.process_index() * (local or 0))
+        self._layers_check(rows)
         n = rows.size
         if self.share is not None and n <= self.share:
             target = self.share

@@ -40,6 +40,7 @@ from jaxpar.pipeline.module import LayerSpec, PipelineModule, TiedLayerSpec
 from jaxpar.pipeline.stage import Layout, act_spec
 from jaxpar.pipeline.transfer import Transport
 from jaxpar.step import TrainState
+from jaxpar.strategies.base import LayersCheck, check_state
 
 __all__ = ["Batch", "LayerSpec", "Pipeline", "PipelineModule", "PipelineState", "TiedLayerSpec", "build",
            "pipeline_mesh"]
@@ -214,6 +215,9 @@ class Pipeline:
         self.engine.state_specs = None  # set by init, from the canonical model state
         self._layouts: dict = {}
         self._last: Any = None
+        # a model of the user's own: its __call__ must be its layers in turn (checked on the first batch; under 3-D
+        # the blocks already point at the TENSOR axis, and a model that splits defines tensor_layout(), as GPT's)
+        self._own_model, self._layers_check = not isinstance(model, PipelineModule) and T == 1, LayersCheck()
 
     # -- placement -----------------------------------------------------------------------------------------
 
@@ -223,6 +227,10 @@ class Pipeline:
         if jax.tree.structure(state.params) != mod.param_treedef:
             raise ValueError("state.params does not have the tree of the model this pipeline cuts; pass "
                              "jaxpar.init_state(model, tx) of the same model (for a PipelineModule: of module.model).")
+        check_state(state, self.tx)
+        if self._own_model:
+            self._layers_check.arm(self.objective, state, "the pipeline runs the model's",
+                                   "pass a PipelineModule built from a layer list", self.module.unpack)
         params, rest = jax.tree.leaves(state.params), jax.tree.leaves(state.model_state)
         self.engine.state_specs = [jax.ShapeDtypeStruct(jnp.shape(a), a.dtype) for a in rest]
         self._key_impls = {k: jax.random.key_impl(a) for k, a in enumerate(rest)
@@ -310,6 +318,7 @@ class Pipeline:
         if self.engine.state_specs is None:
             raise ValueError("Pipeline.put_batch() before init(); call placed = pipe.init(state) first.")
         rows = as_rows(batch)
+        self._layers_check(rows)  # once: the model's __call__ is its layers in turn (armed by init)
         group = self.D * self.micro_batches
         target = round_up(max(rows.size, self.batch_size or 0), group)
         rows = pad_rows(rows, target)

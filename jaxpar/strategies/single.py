@@ -19,7 +19,7 @@ from jaxpar.config import Config
 from jaxpar.mesh import DATA
 from jaxpar.objective import Objective
 from jaxpar.step import TrainState, train_step
-from jaxpar.strategies.base import cfg_objective, objective_of, to_device
+from jaxpar.strategies.base import LayersCheck, cfg_objective, check_state, objective_of, recompute_check, to_device
 
 
 class SingleDevice:
@@ -29,6 +29,7 @@ class SingleDevice:
 
     def __init__(self, model: nnx.Module | Objective, tx: optax.GradientTransformation, *, loss_fn=None,
                  device: Any = None, **objective_options):
+        self._layers_check = LayersCheck()  # armed by init where the layers run instead of __call__
         if jax.process_count() > 1:
             raise ValueError(f"strategy='single' runs in one process, but jax.process_count()={jax.process_count()}; "
                              "use --strategy ddp or pipeline across processes.")
@@ -41,10 +42,13 @@ class SingleDevice:
                                            check_vma=False))
 
     def init(self, state: TrainState) -> TrainState:
+        check_state(state, self.tx)
+        recompute_check(self.objective, state, self._layers_check)
         return to_device(state, self.device)
 
     def put_batch(self, batch) -> Rows:
         rows = as_rows(batch)
+        self._layers_check(rows)
         if not self.objective.per_sample:
             check_unpadded(rows, "per_sample=False")
         return jax.device_put(rows, self.device)

@@ -44,13 +44,14 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import loss_scale
-from jaxpar.batch import Rows, as_rows, check_unpadded, pad_rows, round_up
+from jaxpar.batch import Rows, as_rows, check_unpadded, num_rows, pad_rows, round_up
 from jaxpar.comm import cost as comm_cost
 from jaxpar.config import Config
 from jaxpar.mesh import DATA, TENSOR
 from jaxpar.objective import Objective, advance_rng, metrics_of
 from jaxpar.step import TrainState, apply_updates, squared_norm
 from jaxpar.strategies import zero_optim
+from jaxpar.strategies.base import check_state
 from jaxpar.strategies.ddp import from_replica_0, local_devices, psum_sums
 
 # split the output dim; the fused q|k|v output dim by heads; the input dim; an embedding table's rows (the
@@ -236,6 +237,7 @@ class TensorParallel:
     def init(self, state: TrainState) -> TrainState:
         """The canonical state onto the mesh: split leaves in tensor order, sharded over TENSOR; the rest replicated
         (ZeRO-1: the optimizer moments flat, each tensor rank's split over DATA)."""
+        check_state(state, self.tx)
         host = state._replace(params=map_params(in_tensor_order, state.params, state.params, self.plan),
                               opt_state=map_params(in_tensor_order, state.opt_state, state.params, self.plan))
         if self.zero_stage and self.zero is None:
@@ -266,7 +268,7 @@ class TensorParallel:
 
     def put_batch(self, batch) -> Rows:
         """This process's rows, padded to its share, sharded over DATA (replicated over TENSOR)."""
-        local = None if isinstance(batch, Rows) else jax.tree.leaves(batch)[0].shape[0]
+        local = None if isinstance(batch, Rows) else num_rows(batch)
         rows = as_rows(batch, offset=jax.process_index() * (local or 0))
         n = rows.size
         target = self.share if self.share is not None and n <= self.share else round_up(n, self.multiple)

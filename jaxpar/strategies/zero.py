@@ -37,17 +37,17 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import loss_scale
-from jaxpar.batch import Rows, as_rows, check_unpadded, pad_rows, round_up, split_rows
+from jaxpar.batch import Rows, as_rows, check_unpadded, num_rows, pad_rows, round_up, split_rows
 from jaxpar.comm import cost as comm_cost
 from jaxpar.comm import fetch, overlap
 from jaxpar.comm import shards as sh
 from jaxpar.comm.buckets import plan_buckets
 from jaxpar.config import Config
-from jaxpar.mesh import DATA, make_mesh
-from jaxpar.objective import Objective, advance_rng, metrics_of
+from jaxpar.mesh import DATA, check_data_mesh, make_mesh
+from jaxpar.objective import Objective, advance_rng, check_wrt_within, metrics_of
 from jaxpar.step import TrainState
 from jaxpar.strategies import zero_optim
-from jaxpar.strategies.base import cfg_objective, objective_of
+from jaxpar.strategies.base import LayersCheck, cfg_objective, check_state, objective_of, recompute_check
 from jaxpar.strategies.ddp import from_replica_0, local_devices, place_rows, psum_sums, replicate
 
 STAGES = (1, 2, 3)
@@ -147,8 +147,8 @@ def check_options(*, stage: int, reduce: str, grad_accum: int, bucket_cap_mb: fl
     if reduce != "reduce_scatter" and stage != 1:
         raise ValueError(f"zero_reduce={reduce!r} applies to stage 1 only (stages 2 and 3 reduce-scatter inside the "
                          "backward); drop --zero-reduce or use --zero-stage 1.")
-    if grad_accum < 1:
-        raise ValueError(f"grad_accum={grad_accum} must be >= 1; use 1 for no accumulation.")
+    if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum < 1:
+        raise ValueError(f"grad_accum={grad_accum!r} must be an int >= 1; use 1 for no accumulation.")
     if not bucket_cap_mb >= 0:
         raise ValueError(f"bucket_cap_mb={bucket_cap_mb} must be >= 0; use 0 for one leaf per bucket.")
 
@@ -165,6 +165,7 @@ class ZeroRedundancy:
                  loss_fn=None, mesh: Mesh | None = None, reduce: str = "reduce_scatter", bucket_cap_mb: float = 25.0,
                  grad_accum: int = 1, batch_size: int | None = None, leaf_order: Sequence[int] | None = None,
                  prefetch: bool = True, **objective_options):
+        self._layers_check = LayersCheck()  # armed by init where the layers run instead of __call__
         check_options(stage=stage, reduce=reduce, grad_accum=grad_accum, bucket_cap_mb=bucket_cap_mb)
         self.objective = objective_of(model, loss_fn, **objective_options)
         if stage == 3 and self.objective.activation_checkpoint_interval:
@@ -174,6 +175,7 @@ class ZeroRedundancy:
         if leaf_order is None and isinstance(model, nnx.Module):
             leaf_order = overlap.forward_leaf_order(model, self.objective.wrt)
         self.tx, self.mesh, self.stage, self.reduce = tx, mesh or make_mesh(), stage, reduce
+        check_data_mesh(self.mesh, "ZeroRedundancy")
         self.bucket_cap_mb, self.grad_accum, self.batch_size = bucket_cap_mb, grad_accum, batch_size
         self.leaf_order, self.prefetch = leaf_order, prefetch
         self.plan: sh.ShardPlan | None = None
@@ -199,6 +201,12 @@ class ZeroRedundancy:
         self.param_treedef = jax.tree.structure(params)
         objective, treedef = self.objective, self.param_treedef
         if self.stage == 3:
+            model = self.objective.merge(params, state.model_state)
+            paths = {tuple(p) for p, _ in nnx.to_flat_state(params)}
+            trained = {id(v) for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable) and tuple(p) in paths}
+            for i, layer in enumerate(getattr(model, "layers", None) or ()):  # fetched layer by layer
+                if isinstance(layer, nnx.Module):
+                    check_wrt_within(layer, objective.wrt, trained, "ZeRO stage 3", f"layer {i}")
             settings = fetch.Settings(objective.wrt, DATA, objective.per_sample, self.prefetch)
             graphdef, eval_graphdef = fetch.fetching_graphdefs(objective, params, state.model_state, settings)
             objective = objective.replace(graphdef=graphdef, eval_graphdef=eval_graphdef)
@@ -223,6 +231,11 @@ class ZeroRedundancy:
 
     def init(self, state: TrainState):
         """The canonical state onto the mesh: sharded leaves as [N S] arrays split over DATA, the rest replicated."""
+        check_state(state, self.tx)
+        recompute_check(self.objective, state, self._layers_check)  # stage 3 refuses an interval
+        if self.stage == 3 and getattr(self.objective.merge(state.params, state.model_state), "layers", None):
+            self._layers_check.arm(self.objective, state, "ZeRO stage 3 fetches each layer's weights as it runs the "
+                                   "model's", "give the model no `layers` attribute (one fetch of every weight)")
         if self.plan is None:
             self._setup(state)
         _, kinds, outer = zero_optim.layouts(self.tx, state.params)
@@ -240,8 +253,9 @@ class ZeroRedundancy:
 
     def put_batch(self, batch) -> Rows:
         """This process's rows, padded to its share (a multiple of its devices x grad_accum) and sharded."""
-        local = None if isinstance(batch, Rows) else jax.tree.leaves(batch)[0].shape[0]
+        local = None if isinstance(batch, Rows) else num_rows(batch)
         rows = as_rows(batch, offset=jax.process_index() * (local or 0))
+        self._layers_check(rows)
         if self.share is not None and rows.size <= self.share:
             target = self.share
         elif jax.process_count() > 1:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxpar import loss_scale
+from jaxpar import loss_scale, optim
 from jaxpar.comm import shards as shard_lib
 
 KEY = "shard"
@@ -73,14 +73,15 @@ def flat_state_shapes(tx: optax.GradientTransformation, params, size: int, dtype
 
 def check(tx: optax.GradientTransformation, params, rtol: float = 1e-5) -> bool:
     """Whether tx needs the global gradient norm (True) or is elementwise (False); ValueError otherwise.
-    Two update steps on 3-per-dimension copies of the parameters, whole and in flat pieces."""
+    Update steps on 3-per-dimension copies of the parameters, whole and in flat pieces, with gradients from
+    jaxpar.optim.probe_gradients."""
     layouts(tx, params)
     tx = optax.with_extra_args_support(tx)
     rng = np.random.default_rng(0)
     leaves, treedef = jax.tree.flatten(params)
     shrink = [tuple(min(d, 3) for d in np.shape(a)) for a in leaves]
-    draw = lambda: [rng.standard_normal(s).astype(np.float32) for s in shrink]  # noqa: E731
-    p0, grads = draw(), [draw(), draw()]
+    p0 = [rng.standard_normal(s).astype(np.float32) for s in shrink]
+    grads = optim.probe_gradients(shrink, rng)  # norms up to 1e12, then an inf: clipping and skipping show
     ravel = lambda xs: np.concatenate([np.ravel(x) for x in xs])  # noqa: E731
     sizes = [int(np.prod(x)) for x in shrink]
     big = int(np.argmax(sizes))  # cut the largest leaf in two (a per-leaf transform must see it), and the middle
@@ -103,7 +104,8 @@ def check(tx: optax.GradientTransformation, params, rtol: float = 1e-5) -> bool:
         whole = run(lambda xs: jax.tree.unflatten(treedef, [jnp.asarray(x) for x in xs]), norm)
         parts = [run(lambda xs, a=a, b=b: flat_tree(jnp.asarray(ravel(xs)[a:b])), norm,
                      flat_tree(jnp.asarray(decays[a:b]))) for a, b in zip(cuts[:-1], cuts[1:])]
-        return all(np.allclose(np.concatenate([p[step] for p in parts]), w, rtol=rtol, atol=1e-7)
+        return all(np.allclose(np.concatenate([p[step] for p in parts]), w, rtol=rtol, atol=1e-7,
+                               equal_nan=True)
                    for step, w in enumerate(whole))
 
     try:  # a loss scaler skips on the global norm: every shard must be given the same one
@@ -113,8 +115,9 @@ def check(tx: optax.GradientTransformation, params, rtol: float = 1e-5) -> bool:
             return True
     except (TypeError, ValueError, KeyError) as e:  # a transform that looks into the parameter tree
         raise ValueError(f"the optimizer fails on a flat parameter vector ({type(e).__name__}: {e}); {FIX}.") from e
-    raise ValueError(f"the optimizer is not elementwise: its update of a slice of the parameters differs from its "
-                     f"update of the whole tree, so ZeRO's 1/N slices would not equal the single-device step; {FIX}.")
+    raise ValueError(f"the optimizer is not elementwise (e.g. optax.clip_by_global_norm, optax.apply_if_finite): its "
+                     f"update of a slice of the parameters differs from its update of the whole tree, so "
+                     f"ZeRO's 1/N slices would not equal the single-device step; {FIX}.")
 
 
 def decay_values(shapes) -> list[float]:

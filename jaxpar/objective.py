@@ -70,6 +70,16 @@ RESERVED = ("loss", "weight", "samples")  # metric names a step reports itself
 _LAYERED: dict = {}  # (model class, unpack) -> its subclass whose __call__ runs `layers` in turn (check_layers)
 
 
+def _same_trace(f: Callable, g: Callable, arg: Any) -> bool:
+    """Whether f and g trace to the same jaxpr over the same constants (then they are the same function)."""
+    try:
+        a, b = jax.make_jaxpr(f)(arg), jax.make_jaxpr(g)(arg)
+    except Exception:  # noqa: BLE001 -- e.g. a model that mutates its state when traced: compare by running
+        return False
+    return str(a.jaxpr) == str(b.jaxpr) and len(a.consts) == len(b.consts) and all(
+        x is y or (jnp.shape(x) == jnp.shape(y) and bool(jnp.array_equal(x, y))) for x, y in zip(a.consts, b.consts))
+
+
 def check_wrt_within(part: Any, wrt: Any, trained: set, who: str, where: str) -> None:
     """ValueError unless `wrt` selects within `part` (a layer, or a list of layers, split on its own) exactly the
     Variables whose ids are in `trained` (what it selects within the whole model): strategies that split the model
@@ -348,24 +358,34 @@ class Objective:
         """ValueError unless the model, in eval mode, computes the same through its own __call__ as through its
         `layers` applied in turn (`unpack`: nnx.Sequential's tuple/dict convention), on `batch` (a few rows): the
         outputs under an OutputLoss, else the loss. For strategies that run the layers instead of __call__ (`why`):
-        the pipeline, ZeRO-3's per-layer fetches, activation checkpointing. Eager, once, before training."""
+        the pipeline, ZeRO-3's per-layer fetches, activation checkpointing. Once, before training: first traced
+        (the same jaxpr over the same weights is the same function), then, where the traces differ, run eagerly."""
         from jaxpar.pipeline.module import apply_layers
 
-        plain, layered = (nnx.merge(self.eval_graphdef, params, model_state) for _ in range(2))  # alike streams
-        name = type(plain).__name__
-        key = (type(plain), unpack)
-        if key not in _LAYERED:
-            base = type(plain)  # called with more than one input, the strategies call the model itself too
-            _LAYERED[key] = type(f"Layered{name}", (base,), {
-                "__call__": lambda self, *a, **k: apply_layers(self.layers, a[0], unpack) if len(a) == 1 and not k
-                else base.__call__(self, *a, **k)})
-        layered.__class__ = _LAYERED[key]
+        def models():  # each side on its own copy (merge shares the state's Variables): streams start alike, and
+            # what the calls advance or trace stays in the copies
+            plain, layered = (nnx.clone(nnx.merge(self.eval_graphdef, params, model_state)) for _ in range(2))
+            key = (type(plain), unpack)
+            if key not in _LAYERED:
+                base = type(plain)  # called with more than one input, the strategies call the model itself too
+                _LAYERED[key] = type(f"Layered{base.__name__}", (base,), {
+                    "__call__": lambda self, *a, **k: apply_layers(self.layers, a[0], unpack) if len(a) == 1
+                    and not k else base.__call__(self, *a, **k)})
+            layered.__class__ = _LAYERED[key]
+            return plain, layered
+
         if isinstance(self.loss_fn, OutputLoss):
-            x = cast_floating(self.loss_fn.inputs(batch), self.compute_dtype)
-            want, got, what = plain(x), layered(x), "outputs"
+            arg, what = cast_floating(self.loss_fn.inputs(batch), self.compute_dtype), "outputs"
+            run = lambda model, x: model(x)  # noqa: E731
         else:
-            want, got, what = self._call_loss(plain, batch, "loss_fn"), self._call_loss(layered, batch, "loss_fn"), \
-                "losses"
+            arg, what = batch, "losses"
+            run = lambda model, b: self._call_loss(model, b, "loss_fn")  # noqa: E731
+        plain, layered = models()
+        name = type(plain).__name__
+        if _same_trace(lambda a: run(plain, a), lambda a: run(layered, a), arg):
+            return
+        plain, layered = models()  # fresh: tracing may have left tracers in the copies
+        want, got = run(plain, arg), run(layered, arg)
         w, g = jax.tree.leaves(want), jax.tree.leaves(got)
         shapes = [jnp.shape(a) for a in w], [jnp.shape(a) for a in g]
         if jax.tree.structure(want) != jax.tree.structure(got) or shapes[0] != shapes[1]:

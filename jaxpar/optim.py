@@ -83,18 +83,15 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
     return optax.GradientTransformationExtraArgs(optax.init_empty_state, update)
 
 
-PROBE_SCALES = (1.0, 1e-3, 1e6, 1e12)  # gradient norms the optimizer probes try: a clipping threshold below the largest
-# one triggers on the whole tree and on a slice differently, so the probes see the coupling
-
-
 def probe_gradients(shapes: list[tuple], rng: np.random.Generator) -> list[list[np.ndarray]]:
     """The gradients ZeRO's and the pipeline's optimizer probes step on, one list of leaves per step: standard
-    normal draws at each of PROBE_SCALES, then one with an inf in its largest leaf (a transform that skips the update
-    on a non-finite gradient anywhere, as optax.apply_if_finite does, is not per-parameter either)."""
+    normals, then normals x 1e12 with an inf in the largest leaf. A clipping threshold below ~1e12 clips the whole
+    tree and a part of it differently, and a transform that skips the update on a non-finite gradient anywhere (as
+    optax.apply_if_finite does) updates the parts without the inf: neither is per-parameter."""
     draw = lambda scale: [np.asarray(scale * rng.standard_normal(s), np.float32) for s in shapes]  # noqa: E731
-    steps, last = [draw(scale) for scale in PROBE_SCALES], draw(1.0)
-    last[int(np.argmax([int(np.prod(s)) for s in shapes]))].flat[0] = np.inf
-    return steps + [last]
+    unit, large = draw(1.0), draw(1e12)
+    large[int(np.argmax([int(np.prod(s)) for s in shapes]))].flat[0] = np.inf
+    return [unit, large]
 
 
 def warmup_cosine(lr: float, warmup_steps: int, decay_steps: int, min_lr: float) -> optax.Schedule:

@@ -332,6 +332,16 @@ class Residual(nnx.Module):
         return self.layers[-1](x)
 
 
+class Noise(nnx.Module):
+    """Adds noise from its own stream, in eval mode too: the check's two sides must start the stream alike."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.rngs = rngs
+
+    def __call__(self, x):
+        return x + 0.1 * jax.random.normal(self.rngs.noise(), x.shape)
+
+
 def test_strategies_that_run_the_layers_check_they_are_the_model():
     """The pipeline, ZeRO-3 (a fetch per layer) and activation checkpointing run `model.layers` one after another,
     not the model's __call__: on the first batch they check the two agree, and refuse a model where they do not."""
@@ -368,6 +378,18 @@ def test_strategies_that_run_the_layers_check_they_are_the_model():
                     strategy.put_batch(batch)
             else:
                 strategy.put_batch(batch)  # the layers are the model, or the strategy calls the model itself
+    r = nnx.Rngs(params=0, noise=5)  # a stream drawn in eval mode: the check leaves the user's state as it was
+    noisy = nnx.Sequential(nnx.Linear(8, 8, rngs=r), Noise(r), nnx.Linear(8, 2, rngs=r))
+    state = jaxpar.init_state(noisy, TX)
+    raw = lambda tree: [np.asarray(jax.random.key_data(a) if jnp.issubdtype(a.dtype, jax.dtypes.prng_key)  # noqa
+                                   else a) for a in jax.tree.leaves(tree)]
+    before = raw(state.model_state)
+    assert len(before) == 4  # the streams' keys and counts (noise, params)
+    for name, make in runs_layers.items():
+        strategy = make(noisy)
+        strategy.init(state)
+        strategy.put_batch(batch)
+        assert all(np.array_equal(a, b) for a, b in zip(raw(state.model_state), before)), name
 
 
 def test_a_state_of_another_optimizer_is_refused_at_init():

@@ -274,6 +274,9 @@ def test_zero_1_refusals():
                       (dict(zero_stage=1, tx=optax.lamb(1e-3)), "the optimizer is not elementwise")]:
         with pytest.raises(ValueError, match=match):
             Pipeline(model, kw.pop("tx", TX), loss_fn=loss, **kw)
+    mask = jax.tree.map(lambda a: a.ndim > 1, nnx.state(model, nnx.Param))  # the whole model's tree: no stage's
+    with pytest.raises(ValueError, match="the optimizer fails on stage 0's parameters alone .*adamw\\(mask=fn\\)"):
+        Pipeline(model, optax.adamw(1e-3, mask=mask), loss_fn=loss)
 
 
 def test_clip_by_global_norm_sees_the_norm_over_all_stages():

@@ -483,6 +483,16 @@ def test_non_elementwise_optimizers_are_refused_before_training(tx, message):
         z.init(jaxpar.init_state(model, tx))
 
 
+def test_an_optimizer_option_given_as_a_tree_of_the_model_is_refused_in_one_line():
+    model, objective, _, _, _ = problem("mlp")
+    mask = jax.tree.map(lambda a: a.ndim > 1, nnx.state(model, nnx.Param))  # a tree that no flat shard matches
+    tx = optax.adamw(1e-2, mask=mask)
+    z = jaxpar.ZeroRedundancy(objective, tx, stage=1, mesh=jaxpar.make_mesh(2))
+    with pytest.raises(ValueError, match="the optimizer fails on a flat parameter vector \\(ValueError: [^\\n]*\\); "
+                                         "use an elementwise optimizer"):
+        z.init(jaxpar.init_state(model, tx))
+
+
 def test_build_from_config_and_cli_errors():
     from jaxpar.config import Config
     from jaxpar.strategies.base import get_builder

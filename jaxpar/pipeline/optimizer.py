@@ -136,7 +136,14 @@ def check_layout(tx: optax.GradientTransformation, module) -> None:
     """ValueError unless every stage's optimizer state is the canonical one with fewer parameter leaves."""
     outer, kinds, leaves = opt_layout(tx, module, None)
     for s in range(module.num_stages):
-        o, k, ls = opt_layout(tx, module, s)
+        try:
+            o, k, ls = opt_layout(tx, module, s)
+        except (TypeError, ValueError, KeyError) as e:  # e.g. a mask given as a tree of the whole model
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise ValueError(f"the optimizer fails on stage {s}'s parameters alone ({type(e).__name__}: {first}); the "
+                             "pipeline updates each stage on its own: give masks and per-parameter options as "
+                             "functions of the parameters (optax.adamw(mask=fn)), or use an elementwise optimizer.") \
+                from e
         same = o == outer and k == kinds and all(
             kind or (jax.tree.structure(a) == jax.tree.structure(b) and
                      [x.shape for x in jax.tree.leaves(a)] == [x.shape for x in jax.tree.leaves(b)])
@@ -193,7 +200,7 @@ def probe(tx: optax.GradientTransformation, module, rtol: float = 1e-5) -> bool:
     rng = np.random.default_rng(0)
     shrink = [tuple(min(d, 3) for d in s.shape) for s in module.param_specs]
     params = [rng.standard_normal(s).astype(np.float32) for s in shrink]
-    grads = optim.probe_gradients(shrink, rng)  # norms up to 1e12, then an inf: clipping and skipping show
+    grads = optim.probe_gradients(shrink, rng)  # unit, then 1e12 with an inf: clipping and skipping show
 
     def run(stage, norm: bool):
         idx = list(range(len(shrink))) if stage is None else module.stage_params[stage]

@@ -195,7 +195,7 @@ class Pipeline:
                                  f"{stages} on processes {procs}; a tied weight may span two processes at most: "
                                  "use fewer processes, or place its uses on stages of two processes.")
         # a loss scaler skips on the global norm: every stage must be given the same one
-        scaled = loss_scale.wraps(tx, list(module.param_specs))
+        scaled = loss_scale.wraps(tx, jax.tree.unflatten(module.param_treedef, module.param_specs))
         self.needs_norm = opt_lib.probe(tx, module) or scaled
         self.engine = Engine(module, self.objective, tx, self.transport, needs_norm=self.needs_norm,
                              compiler_options=compiler_options)

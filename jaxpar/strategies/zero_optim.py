@@ -49,7 +49,12 @@ def layouts(tx: optax.GradientTransformation, params) -> tuple[Any, list[bool], 
     treedef = jax.tree.structure(params)
     canonical = jax.eval_shape(tx.init, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params))
     c_leaves, c_outer = jax.tree.flatten(canonical, is_leaf=_like(treedef))
-    flat = jax.eval_shape(tx.init, flat_tree(jax.ShapeDtypeStruct((7,), jnp.float32)))
+    try:
+        flat = jax.eval_shape(tx.init, flat_tree(jax.ShapeDtypeStruct((7,), jnp.float32)))
+    except (TypeError, ValueError, KeyError) as e:  # e.g. a mask given as a tree of the model's parameters
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ValueError(f"the optimizer fails on a flat parameter vector ({type(e).__name__}: {first}); {FIX}.") \
+            from e
     f_leaves, f_outer = jax.tree.flatten(flat, is_leaf=is_flat)
     shapes = [a.shape for a in jax.tree.leaves(params)]
     kinds = [_like(treedef)(x) and [a.shape for a in jax.tree.leaves(x)] == shapes for x in c_leaves]
@@ -81,7 +86,7 @@ def check(tx: optax.GradientTransformation, params, rtol: float = 1e-5) -> bool:
     leaves, treedef = jax.tree.flatten(params)
     shrink = [tuple(min(d, 3) for d in np.shape(a)) for a in leaves]
     p0 = [rng.standard_normal(s).astype(np.float32) for s in shrink]
-    grads = optim.probe_gradients(shrink, rng)  # norms up to 1e12, then an inf: clipping and skipping show
+    grads = optim.probe_gradients(shrink, rng)  # unit, then 1e12 with an inf: clipping and skipping show
     ravel = lambda xs: np.concatenate([np.ravel(x) for x in xs])  # noqa: E731
     sizes = [int(np.prod(x)) for x in shrink]
     big = int(np.argmax(sizes))  # cut the largest leaf in two (a per-leaf transform must see it), and the middle

@@ -412,20 +412,31 @@ RECIPE = {  # nanoGPT's recipe (clipping, warmup + cosine) under Megatron's stra
 }
 
 
+@pytest.fixture(scope="module")
+def clip_runs(tmp_path_factory):
+    """(flags, single's clipped parameters), once for the module; the premise: without the clip they differ."""
+    from jaxpar import cli
+
+    path = tmp_path_factory.mktemp("clip") / "corpus.py"
+    path.write_bytes(b"".join(f"def f{i}(x):\n    return x + {i}\n\n".encode() for i in range(400)))
+    base = ["--model", "gpt-nano", "--n-head", "4", "--dataset", "text", "--data-path", str(path), "--seq-len",
+            "16", "--batch-size", "8", "--steps", "3", "--eval-split", "", "--optimizer", "sgd", "--momentum", "0.9",
+            "--lr", "0.5", "--lr-schedule", "cosine", "--warmup-steps", "1", "--quiet"]
+    single = cli.main(base + ["--grad-clip", "0.5"])
+    free = cli.main(base)
+    a, b = (jax.tree.leaves(s["state"].params) for s in (single, free))
+    assert max(float(np.abs(x - y).max()) for x, y in zip(a, b)) > 1e-3  # the clip bites
+    return base + ["--grad-clip", "0.5"], a
+
+
 @pytest.mark.parametrize("key", RECIPE)
-def test_grad_clip_and_cosine_schedule_under_tensor_parallelism(key, corpus):
+def test_grad_clip_and_cosine_schedule_under_tensor_parallelism(key, clip_runs):
     """--grad-clip under TP and 3-D takes the norm over every slice and stage, each replicated leaf once: the
     clipped parameters equal single's. SGD with momentum, whose updates scale with the clipped gradient."""
     from jaxpar import cli
 
-    base = ["--model", "gpt-nano", "--n-head", "4", "--dataset", "text", "--data-path", corpus, "--seq-len", "16",
-            "--batch-size", "8", "--steps", "3", "--eval-split", "", "--optimizer", "sgd", "--momentum", "0.9",
-            "--lr", "0.5", "--lr-schedule", "cosine", "--warmup-steps", "1", "--quiet"]
-    single = cli.main(base + ["--grad-clip", "0.5"])
-    free = cli.main(base)
-    got = cli.main(base + ["--grad-clip", "0.5"] + RECIPE[key])
-    a, b, c = (jax.tree.leaves(s["state"].params) for s in (single, free, got))
-    assert max(float(np.abs(x - y).max()) for x, y in zip(a, b)) > 1e-3  # the clip bites
+    flags, a = clip_runs
+    c = jax.tree.leaves(cli.main(flags + RECIPE[key])["state"].params)
     for x, y in zip(c, a):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=2e-6)
 

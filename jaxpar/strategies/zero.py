@@ -204,14 +204,15 @@ class ZeroRedundancy:
             model = self.objective.merge(params, state.model_state)
             paths = {tuple(p) for p, _ in nnx.to_flat_state(params)}
             trained = {id(v) for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable) and tuple(p) in paths}
-            for i, layer in enumerate(getattr(model, "layers", None) or ()):  # fetched layer by layer
+            self._fetches_layers = bool(getattr(model, "layers", None))  # fetched layer by layer (fetch.py)
+            for i, layer in enumerate(model.layers if self._fetches_layers else ()):
                 if isinstance(layer, nnx.Module):
                     check_wrt_within(layer, objective.wrt, trained, "ZeRO stage 3", f"layer {i}")
             settings = fetch.Settings(objective.wrt, DATA, objective.per_sample, self.prefetch)
             graphdef, eval_graphdef = fetch.fetching_graphdefs(objective, params, state.model_state, settings)
             objective = objective.replace(graphdef=graphdef, eval_graphdef=eval_graphdef)
             treedef = fetch.tagged_treedef(params)
-            self._units = fetch.units(self.objective.merge(params, state.model_state), objective.wrt)
+            self._units = fetch.units(model, objective.wrt)
         self.state_specs = TrainState(P(DATA) if self.stage == 3 else P(), self._opt_specs(params), P(), P())
         kw = dict(reduce=self.reduce, grad_accum=self.grad_accum, needs_norm=self.needs_norm, treedef=treedef)
         body = zero_body(objective, self.tx, self.plan, self.stage, **kw)
@@ -233,11 +234,11 @@ class ZeroRedundancy:
         """The canonical state onto the mesh: sharded leaves as [N S] arrays split over DATA, the rest replicated."""
         check_state(state, self.tx)
         recompute_check(self.objective, state, self._layers_check)  # stage 3 refuses an interval
-        if self.stage == 3 and getattr(self.objective.merge(state.params, state.model_state), "layers", None):
-            self._layers_check.arm(self.objective, state, "ZeRO stage 3 fetches each layer's weights as it runs the "
-                                   "model's", "give the model no `layers` attribute (one fetch of every weight)")
         if self.plan is None:
             self._setup(state)
+        if self.stage == 3 and self._fetches_layers:
+            self._layers_check.arm(self.objective, state, "ZeRO stage 3 fetches each layer's weights as it runs the "
+                                   "model's", "give the model no `layers` attribute (one fetch of every weight)")
         _, kinds, outer = zero_optim.layouts(self.tx, state.params)
         opt = [zero_optim.flat_tree(self._place_flat(x)) if kind else replicate(x, self.mesh)
                for x, kind in zip(zero_optim.to_flat(self.tx, self.plan, state.params, state.opt_state), kinds)]

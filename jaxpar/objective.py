@@ -104,7 +104,7 @@ def to_loss_output(out: Any, what: str = "loss_fn") -> LossOutput:
     elif isinstance(out, (tuple, list)) and len(out) in (2, 3):
         loss, weight, metrics = (*out, {}) if len(out) == 2 else out
     else:
-        raise TypeError(f"{what} returned {type(out).__name__}; return (loss_sum, weight_sum) or "
+        raise TypeError(f"{what} returned {_kind(out)}; return (loss_sum, weight_sum) or "
                         "(loss_sum, weight_sum, metrics) -- sums over the batch, e.g. (jnp.sum(losses), losses.size).")
     metrics = dict(metrics or {})
     clash = [k for k in metrics if k in RESERVED]
@@ -129,7 +129,13 @@ def default_inputs(batch: PyTree) -> PyTree:
         return batch["x"]
     if isinstance(batch, (tuple, list)):
         return batch[0]
-    raise TypeError(f"a {type(batch).__name__} batch has no default input; pass OutputLoss(fn, inputs=...).")
+    raise TypeError(f"the batch is {_kind(batch)}, which has no default input: make it a dict with the model's "
+                    "input under 'x' (and the targets under 'y'), or pass OutputLoss(fn, inputs=lambda batch: ...).")
+
+
+def _kind(x: Any) -> str:
+    """What a user handed over, in their words: "one array" (a tracer, inside jit or vmap, is one), else the type."""
+    return "one array" if hasattr(x, "shape") and hasattr(x, "dtype") else f"a {type(x).__name__}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,6 +242,7 @@ class Objective:
     rows_per_call: int | None = None
     compute_dtype: Any = None
     activation_checkpoint_interval: int = 0  # > 0: the training forward recomputes N-layer segments (recompute.py)
+    shapes: Any = None  # (params, model_state) of the model it was made from, as ShapeDtypeStructs: init checks states
 
     @classmethod
     def of(cls, model: nnx.Module, loss_fn: LossFn | None = None, *, wrt: Any = nnx.Param,
@@ -268,8 +275,9 @@ class Objective:
         graphdef = nnx.split(checkpointed(model, activation_checkpoint_interval), wrt, ...)[0]
         evaluated = nnx.clone(model)
         evaluated.eval()
+        shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), a.dtype), nnx.split(model, wrt, ...)[1:])
         return cls(graphdef, nnx.split(evaluated, wrt, ...)[0], loss_fn, wrt, bool(per_sample), rows_per_call,
-                   compute_dtype, activation_checkpoint_interval)
+                   compute_dtype, activation_checkpoint_interval, shapes)
 
     def replace(self, **changes) -> "Objective":
         return dataclasses.replace(self, **changes)

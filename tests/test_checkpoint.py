@@ -178,6 +178,12 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     restored, _ = checkpoint.Checkpointer(ckpt, checkpoint.run_info(cfg, _template(cfg)), resume=True).restore(
         _template(cfg))
     assert all(np.isfinite(a).all() for a in leaves(restored)[:4])
+    mask = np.ones(64, np.float32)
+    mask[32:48] = 0  # step 3's batch all masked out: a mean over no targets, NaN in torch too, named as such
+    np.savez(path, x=np.nan_to_num(x), y=np.argmax(x[:, :3], -1).astype(np.int32), mask=mask)
+    with pytest.raises(trainer.Diverged, match=r"batch of step 3 \(epoch 0\) has a total loss weight of 0 \(every "
+                                               r"row or token masked out\).*last good checkpoint, step 2"):
+        trainer.run(config(path, checkpoint_dir=str(tmp_path / "ckpt0"), checkpoint_every=1, shuffle=False))
 
 
 def _template(cfg):

@@ -392,10 +392,14 @@ def test_strategies_that_run_the_layers_check_they_are_the_model():
         assert all(np.array_equal(a, b) for a, b in zip(raw(state.model_state), before)), name
 
 
-def test_a_state_of_another_optimizer_is_refused_at_init():
+def test_a_state_of_another_optimizer_or_model_is_refused_at_init():
+    """A state is the strategy's model's and optimizer's or refused: one of a model with other widths trained that
+    model under this one's name (an NNX graphdef holds no shapes), one of another optimizer failed inside optax."""
     _, loss, _, objective, _ = problem("regression")
     model = regression.make_model(8, 16, 2, 0.3, rngs=nnx.Rngs(0))
     other = jaxpar.init_state(model, optax.adam(1e-3))  # Adam's state; the strategies run SGD with momentum
+    narrow = jaxpar.init_state(regression.make_model(8, 12, 2, 0.3, rngs=nnx.Rngs(0)), TX)  # hidden 12, not 16
+    deeper = jaxpar.init_state(nnx.Sequential(*model.layers, nnx.Linear(2, 2, rngs=nnx.Rngs(0))), TX)
     for strategy in (jaxpar.SingleDevice(objective, TX), jaxpar.DistributedDataParallel(objective, TX),
                      jaxpar.ZeroRedundancy(objective, TX, stage=2, mesh=jaxpar.make_mesh(2)),
                      jaxpar.DataParallel(objective, TX, device_ids=[0, 1]),
@@ -403,11 +407,20 @@ def test_a_state_of_another_optimizer_is_refused_at_init():
         with pytest.raises(ValueError, match="state.opt_state is not the tree the strategy's tx makes .*"
                                              "jaxpar.init_state\\(model, tx\\)"):
             strategy.init(other)
-        strategy.init(jaxpar.init_state(model, TX))  # its own optimizer's state is taken
+        with pytest.raises(ValueError, match="state.params\\['layers'\\]\\[0\\]\\['bias'\\].* has shape "
+                                             "\\(12,\\) where the strategy's model has \\(16,\\) \\(5 leaves "
+                                             "differ\\); build the state with jaxpar.init_state\\(model, tx\\) of the "
+                                             "model given to the strategy"):
+            strategy.init(narrow)
+        with pytest.raises(ValueError, match="state.params is not the tree the strategy's model has \\(8 leaves "
+                                             "against 6: state.params\\['layers'\\]\\[6\\].* is not in it\\)"):
+            strategy.init(deeper)
+        strategy.init(jaxpar.init_state(model, TX))  # its own model's and optimizer's state is taken
     wide = jaxpar.init_state(regression.make_model(8, 16, 2, 0.3, rngs=nnx.Rngs(0)), TX)
     wide = wide._replace(opt_state=jax.tree.map(lambda a: jnp.zeros((*a.shape[:-1], a.shape[-1] + 1)) if a.ndim
                                                 else a, wide.opt_state))
-    with pytest.raises(ValueError, match="state.opt_state leaf 0 has shape"):
+    with pytest.raises(ValueError, match="state.opt_state\\[0\\].trace\\['layers'\\]\\[0\\]\\['bias'\\].* has shape "
+                                         "\\(17,\\) where the strategy's tx makes \\(16,\\) \\(6 leaves differ\\)"):
         jaxpar.SingleDevice(objective, TX).init(wide)
 
 
@@ -434,6 +447,12 @@ def test_bad_contract_use_is_named():
     with pytest.raises(TypeError, match="return \\(loss_sum, weight_sum\\)"):
         Objective.of(regression.make_model(rngs=nnx.Rngs(0)), lambda m, b: 1.0).sums(
             state.params, state.model_state, batches[0])
+    with pytest.raises(TypeError, match="returned one array; return \\(loss_sum, weight_sum\\)"):  # a tracer's type
+        Objective.of(regression.make_model(rngs=nnx.Rngs(0)), lambda m, b: jnp.sum(m(b["x"]))).sums(
+            state.params, state.model_state, batches[0])
+    with pytest.raises(TypeError, match="the batch is one array, which has no default input: make it a dict"):
+        Objective.of(regression.make_model(rngs=nnx.Rngs(0)), OutputLoss(regression.loss)).sums(
+            state.params, state.model_state, jaxpar.as_rows(batches[0].data["x"]))
     with pytest.raises(TypeError, match="shape \\(1, 2\\); return scalars"):
         Objective.of(regression.make_model(rngs=nnx.Rngs(0)), lambda m, b: (m(b["x"]), 1.0)).sums(
             state.params, state.model_state, batches[0])

@@ -604,6 +604,10 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
                                            " Lower --lr, or train in --precision bf16.")
                     elif not math.isfinite(loss):
                         writer.write({"event": "diverged", "step": step, "loss": loss, "checkpoint": _saved(ckpt)})
+                        if weight == 0:  # every row or token masked: the mean is 0/0 (as torch's), the update NaN
+                            raise Diverged(f"the batch of step {step} (epoch {epoch}) has a total loss weight of 0 "
+                                           "(every row or token masked out), so its mean loss and the update are "
+                                           "NaN; stopped. " + _kept(cfg, ckpt) + " Drop such rows from the data.")
                         raise Diverged(f"the training loss became {loss} at step {step} (epoch {epoch}); stopped. "
                                        + _kept(cfg, ckpt) + " Lower --lr, or check the data for NaN values.")
                     else:  # a skipped step's loss is not counted

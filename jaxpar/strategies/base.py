@@ -57,23 +57,43 @@ class Strategy(Protocol):
         """Extras for --report (communication, memory, schedule)."""
 
 
-def check_state(state: TrainState, tx) -> None:
-    """ValueError unless state.opt_state is what `tx` makes for state.params (tx.init's tree and shapes, as
-    jaxpar.init_state(model, tx) or a checkpoint of it gives): a state built with another optimizer would fail deep
-    inside optax, or worse, line up by chance. Shapes only (eval_shape): each strategy's init calls it first."""
+def check_state(state: TrainState, tx, objective: Objective | None = None) -> None:
+    """ValueError unless the state is one of the strategy's model and optimizer: params and model_state with the
+    tree and shapes of the model the objective was made from, opt_state what `tx` makes for them (as
+    jaxpar.init_state(model, tx) or a checkpoint of it gives). A state of another model (other widths) would train
+    that model under this one's name, one of another optimizer fail deep inside optax, or worse, line up by chance.
+    Shapes only (eval_shape): each strategy's init calls it first."""
+    if objective is not None and objective.shapes is not None:
+        fix = "build the state with jaxpar.init_state(model, tx) of the model given to the strategy"
+        for name, have, want in zip(("params", "model_state"), (state.params, state.model_state), objective.shapes):
+            _check_tree(f"state.{name}", have, want, "the strategy's model has", fix, by_path=True)
     have, want = state.opt_state, jax.eval_shape(tx.init, state.params)
-    leaves, treedef = jax.tree.flatten(have)
-    w_leaves, w_treedef = jax.tree.flatten(want)
-    fix = "build the state with jaxpar.init_state(model, tx) from the optimizer given to the strategy"
-    if treedef != w_treedef:
-        raise ValueError(f"state.opt_state is not the tree the strategy's tx makes ({len(leaves)} leaves against "
-                         f"{len(w_leaves)}: {_first_gap(treedef, w_treedef)}); {fix}.")
-    shapes = [(i, np.shape(a), np.shape(b)) for i, (a, b) in enumerate(zip(leaves, w_leaves))
-              if np.shape(a) != np.shape(b)]
+    _check_tree("state.opt_state", have, want, "the strategy's tx makes",
+                "build the state with jaxpar.init_state(model, tx) from the optimizer given to the strategy")
+
+
+def _check_tree(what: str, have: Any, want: Any, whose: str, fix: str, by_path: bool = False) -> None:
+    """ValueError naming the first gap unless `have` has the tree and leaf shapes of `want`. by_path: the same
+    leaf paths suffice (a model's Variables carry metadata, such as an RNG stream's tag, that training ignores)."""
+    leaves, treedef = jax.tree.flatten_with_path(have)
+    w_leaves, w_treedef = jax.tree.flatten_with_path(want)
+    if by_path:
+        paths, w_paths = ([jax.tree_util.keystr(p) for p, _ in x] for x in (leaves, w_leaves))
+        if paths != w_paths:
+            i = next((k for k, (p, q) in enumerate(zip(paths, w_paths)) if p != q), min(len(paths), len(w_paths)))
+            gap = (f"{what}{paths[i]} where it has {w_paths[i]}" if i < min(len(paths), len(w_paths)) else
+                   f"{what}{paths[i]} is not in it" if i < len(paths) else f"its {w_paths[i]} is missing")
+            raise ValueError(f"{what} is not the tree {whose} ({len(paths)} leaves against {len(w_paths)}: {gap}); "
+                             f"{fix}.")
+    elif treedef != w_treedef:
+        raise ValueError(f"{what} is not the tree {whose} ({len(leaves)} leaves against {len(w_leaves)}: "
+                         f"{_first_gap(treedef, w_treedef)}); {fix}.")
+    w_leaves = [a for _, a in w_leaves]
+    shapes = [(path, np.shape(a), np.shape(b)) for (path, a), b in zip(leaves, w_leaves) if np.shape(a) != np.shape(b)]
     if shapes:
-        i, a, b = shapes[0]
-        raise ValueError(f"state.opt_state leaf {i} has shape {a} where the strategy's tx makes {b} ({len(shapes)} "
-                         f"leaves differ); {fix}.")
+        path, a, b = shapes[0]
+        raise ValueError(f"{what}{jax.tree_util.keystr(path)} has shape {a} where {whose} {b} ({len(shapes)} leaves "
+                         f"differ); {fix}.")
 
 
 class LayersCheck:

@@ -187,7 +187,7 @@ class DataParallel:
 
     # -- the Strategy protocol --
     def init(self, state: TrainState) -> TrainState:
-        check_state(state, self.tx)
+        check_state(state, self.tx, self.objective)
         recompute_check(self.objective, state, self._layers_check)
         model = self.objective.merge(state.params, state.model_state)
         if any(getattr(node, "axis_name", None) for _, node in nnx.iter_graph(model)):

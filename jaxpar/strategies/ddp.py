@@ -275,7 +275,7 @@ class DistributedDataParallel:
         self.share = None if self.batch_size is None else round_up(math.ceil(self.batch_size / nproc), self.multiple)
 
     def init(self, state: TrainState):
-        check_state(state, self.tx)
+        check_state(state, self.tx, self.objective)
         recompute_check(self.objective, state, self._layers_check)
         if self.plan is None:
             order = self.leaf_order

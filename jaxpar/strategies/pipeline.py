@@ -224,10 +224,7 @@ class Pipeline:
     def init(self, state: TrainState) -> PipelineState:
         """The canonical state cut into this process's stages (fresh buffers: the step donates them)."""
         mod, tr = self.module, self.transport
-        if jax.tree.structure(state.params) != mod.param_treedef:
-            raise ValueError("state.params does not have the tree of the model this pipeline cuts; pass "
-                             "jaxpar.init_state(model, tx) of the same model (for a PipelineModule: of module.model).")
-        check_state(state, self.tx)
+        check_state(state, self.tx, self.objective)  # the model's tree and shapes (module.model's for a PipelineModule)
         if self._own_model:
             self._layers_check.arm(self.objective, state, "the pipeline runs the model's",
                                    "pass a PipelineModule built from a layer list", self.module.unpack)

@@ -42,7 +42,7 @@ class SingleDevice:
                                            check_vma=False))
 
     def init(self, state: TrainState) -> TrainState:
-        check_state(state, self.tx)
+        check_state(state, self.tx, self.objective)
         recompute_check(self.objective, state, self._layers_check)
         return to_device(state, self.device)
 

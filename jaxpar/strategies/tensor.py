@@ -237,7 +237,7 @@ class TensorParallel:
     def init(self, state: TrainState) -> TrainState:
         """The canonical state onto the mesh: split leaves in tensor order, sharded over TENSOR; the rest replicated
         (ZeRO-1: the optimizer moments flat, each tensor rank's split over DATA)."""
-        check_state(state, self.tx)
+        check_state(state, self.tx, self.objective)
         host = state._replace(params=map_params(in_tensor_order, state.params, state.params, self.plan),
                               opt_state=map_params(in_tensor_order, state.opt_state, state.params, self.plan))
         if self.zero_stage and self.zero is None:

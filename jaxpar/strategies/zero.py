@@ -232,7 +232,7 @@ class ZeroRedundancy:
 
     def init(self, state: TrainState):
         """The canonical state onto the mesh: sharded leaves as [N S] arrays split over DATA, the rest replicated."""
-        check_state(state, self.tx)
+        check_state(state, self.tx, self.objective)
         recompute_check(self.objective, state, self._layers_check)  # stage 3 refuses an interval
         if self.plan is None:
             self._setup(state)

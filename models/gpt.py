@@ -406,4 +406,4 @@ def flops_per_token(cfg: GPTConfig, seq_len: int | None = None) -> float:
 
 from jaxpar.models import gpt_state_dict  # noqa: E402  (it imports GPT from here)
 from jaxpar.models.gpt_state_dict import (LAYOUTS, check_hf_config, config_from_state_dict,  # noqa: E402,F401
-                                          from_torch_state_dict, hf_config, normalize_state_dict)
+                                          from_torch_state_dict, hf_config, model_args, normalize_state_dict)

@@ -165,6 +165,14 @@ def from_torch_state_dict(state_dict: Mapping[str, Any], n_head: int | None = No
     return model
 
 
+def model_args(cfg: GPTConfig) -> dict[str, Any]:
+    """nanoGPT's model_args for `cfg` (the fields of its GPTConfig, as its ckpt.pt keeps them): what an exported
+    file keeps beside the weights (jaxpar.run.weights.write's `meta`), for the head count no weight shows."""
+    return {"n_layer": int(cfg.n_layer), "n_head": int(cfg.n_head), "n_embd": int(cfg.n_embd),
+            "block_size": int(cfg.block_size), "bias": bool(cfg.bias), "vocab_size": int(cfg.vocab_size),
+            "dropout": float(cfg.dropout)}
+
+
 def hf_config(cfg: GPTConfig) -> dict[str, Any]:
     """transformers' GPT2Config (config.json) for `cfg`: what `GPT2LMHeadModel.from_pretrained(folder)` needs
     beside the weights. A GPT without biases has no GPT2Config: nanoGPT's bias=False is not in transformers."""

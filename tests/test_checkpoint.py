@@ -164,6 +164,44 @@ def test_resume_under_another_strategy(npz, uninterrupted, tmp_path):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_resume_to_more_steps_keeps_the_cosine_schedule_only_when_told(npz, tmp_path, capsys):
+    """The cosine schedule decays to the run's last step unless --lr-decay-steps is given, so a run of 3 steps
+    resumed to 5 trained on another schedule: the note says so and how to keep it; with --lr-decay-steps 5 from the
+    start, 3 steps resumed to 5 are bit-identical to 5 uninterrupted steps."""
+    cosine = dict(lr_schedule="cosine", warmup_steps=1, gamma=Config().gamma, log_every=1)
+    whole = trainer.run(config(npz, steps=5, lr_decay_steps=5, **cosine))["state"]
+    for decay, note in ((None, True), (5, False)):
+        ckpt = str(tmp_path / f"ckpt{decay}")
+        trainer.run(config(npz, steps=3, lr_decay_steps=decay, checkpoint_dir=ckpt, **cosine))
+        capsys.readouterr()
+        resumed = trainer.run(config(npz, steps=5, lr_decay_steps=decay, checkpoint_dir=ckpt, resume=True,
+                                     **cosine))["state"]
+        printed = capsys.readouterr().out
+        assert ("the cosine schedule decayed to step 3, now 5" in printed and "--lr-decay-steps 3" in printed) == note
+        same = all(np.array_equal(a, b) for a, b in zip(leaves(resumed), leaves(whole)))
+        assert same != note, f"--lr-decay-steps {decay}"  # the note's run trained another schedule
+
+
+def test_resume_refuses_another_head_count_and_names_the_flags_that_change_the_state(npz, tmp_path):
+    """A GPT's head count shows in no leaf's shape, so it is recorded and a resume with another is refused; a
+    resume whose state has other leaves (clipping adds optimizer state) names the flags that differ."""
+    tokens = np.random.default_rng(0).integers(0, 16, (8, 9)).astype(np.int32)
+    np.savez(tmp_path / "tokens.npz", x=tokens[:, :-1], y=tokens[:, 1:])
+    gpt = dict(model="gpt-nano", dataset="npz", data_path=str(tmp_path / "tokens.npz"), eval_split="", batch_size=4,
+               optimizer="sgd", quiet=True, checkpoint_dir=str(tmp_path / "gpt"))
+    trainer.run(Config(**gpt, steps=1))  # gpt-nano's 3 heads
+    with pytest.raises(ValueError, match="a GPT with 3 heads, not 6: the head count changes what its weights "
+                                         "compute; pass --n-head 3 or another --checkpoint-dir"):
+        trainer.run(Config(**gpt, steps=2, resume=True, n_head=6))  # 48 wide: every leaf keeps its shape
+    assert trainer.run(Config(**gpt, steps=2, resume=True, n_head=3))["resumed_from"] == 1
+    ckpt = str(tmp_path / "ckpt")
+    trainer.run(config(npz, steps=2, checkpoint_dir=ckpt))
+    with pytest.raises(ValueError, match="holds a checkpoint of model 'mlp' with .*, but this run has .*; pass "
+                                         "the flags that differ: --grad-clip was 0.0, now 1.0, or another "
+                                         "--checkpoint-dir"):
+        trainer.run(config(npz, steps=3, checkpoint_dir=ckpt, resume=True, grad_clip=1.0))
+
+
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     x = np.random.default_rng(1).normal(size=(64, 12)).astype(np.float32)
     x[40] = np.nan  # batch 3 (rows 32..47, no shuffle): step 3's loss is NaN

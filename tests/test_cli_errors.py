@@ -68,6 +68,32 @@ CASES = [
     ("zero batch", ["--batch-size", "0"], ["--batch-size 0", ">= 1"]),
     ("zero steps", ["--steps", "0"], ["--steps 0", ">= 1", "leave it out"]),
     ("negative lr", ["--lr", "-0.1"], ["--lr -0.1", "> 0"]),
+    # flags that nothing in the run reads were accepted and ignored: another strategy's, a GPT's, a dataset's
+    ("grad accum under single", ["--grad-accum", "2"], ["--grad-accum 2", "--strategy ddp and zero, not single",
+                                                        "drop --grad-accum"]),
+    ("grad accum under the pipeline", ["--strategy", "pipeline", "--model", "mlp", "--grad-accum", "2"],
+     ["--grad-accum 2", "not pipeline (the pipeline accumulates over --micro-batches"]),
+    ("stages under ddp", ["--strategy", "ddp", "--num-stages", "4"],
+     ["--num-stages 4", "--strategy pipeline, not ddp"]),
+    ("tensor parallel under ddp", ["--strategy", "ddp", "--tensor-parallel", "2"],
+     ["--tensor-parallel 2", "--strategy tp and pipeline, not ddp"]),
+    ("ring under zero", ["--strategy", "zero", "--allreduce", "ring"], ["--allreduce ring", "ddp, not zero"]),
+    ("dropout on a non-GPT", ["--dropout", "0.5"], ["--dropout 0.5 would be ignored", "--model linear is not one of "
+                                                    "jaxpar's GPTs", "drop --dropout"]),
+    ("seq len off text", ["--seq-len", "64"], ["--seq-len 64 would be ignored", "--dataset npz is not text"]),
+    ("data dir for npz", ["--data-dir", "/nonexistent"], ["--data-dir /nonexistent would be ignored", "reads no IDX"]),
+    ("gamma under cosine", ["--lr-schedule", "cosine", "--gamma", "0.5"], ["--gamma 0.5 would be ignored",
+                                                                          "--lr-schedule cosine is not StepLR's"]),
+    ("momentum under adam", ["--optimizer", "adam", "--momentum", "0.9"], ["--momentum 0.9 would be ignored",
+                                                                          "--optimizer adam has no momentum"]),
+    # values accepted before, and training on them (a negative gamma ascends after the first epoch)
+    ("negative gamma", ["--gamma", "-1"], ["--gamma -1.0 must be > 0", "1.0 for a constant rate"]),
+    ("nan gamma", ["--gamma", "nan"], ["--gamma nan must be > 0"]),
+    ("nan momentum", ["--optimizer", "sgd", "--momentum", "nan"], ["--momentum nan must be >= 0"]),
+    ("negative weight decay", ["--weight-decay", "-0.5"], ["--weight-decay -0.5 must be >= 0", "torch.optim's rule"]),
+    ("negative seed", ["--seed", "-1"], ["--seed -1 must be >= 0", "--seed 0"]),
+    ("no stages", ["--strategy", "pipeline", "--model", "mlp", "--num-stages", "0"],
+     ["--num-stages 0 must be >= 1", "pass a positive count"]),
     ("stages more than layers", ["--strategy", "pipeline", "--model", "mlp", "--num-stages", "4",
                                  "--num-devices", "8"], ["4", "3 layers", "at most 3 stages"]),
     ("devices not divisible by stages", ["--strategy", "pipeline", "--model", "mlp", "--num-stages", "3",
@@ -222,7 +248,8 @@ def test_at_least_twenty_cases():
 def test_wrong_invocation(case, argv, patterns, files, capsys):
     out = outputs(files, case)
     flags = {k: v for k, v in out.items() if k not in argv}  # the case's own paths win
-    full = [a.format(**files) for a in BASE + [a for kv in flags.items() for a in kv] + argv]
+    base = BASE if "--dataset" not in argv else [a for a in BASE if a not in ("--data-path", "{ok_npz}")]
+    full = [a.format(**files) for a in base + [a for kv in flags.items() for a in kv] + argv]
     ckpt_before = sorted(os.listdir(files["ckpt"]))
     code, err = run_main(full, capsys)
     check_answer(code, err, [p.format(**files) for p in patterns])

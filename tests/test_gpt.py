@@ -390,6 +390,9 @@ def test_train_gpt_on_text_reports_tokens_bits_per_byte_and_exports(corpus, tmp_
     x = np.random.default_rng(0).integers(0, 256, (2, 16))
     exported = gpt.from_torch_state_dict(sd, n_head=3)
     np.testing.assert_array_equal(logits_of(exported, x), logits_of(model, x))
+    from jaxpar.run import weights
+
+    assert weights.read(out)[1]["n_head"] == 3  # the file records the head count, which no weight's shape shows
 
 
 def test_label_smoothing_trains_the_smoothed_loss_and_reports_bits_of_the_nll(corpus):

@@ -403,12 +403,16 @@ def test_train_py_fp16_skips_overflowing_steps_and_stops_at_the_minimum_scale(tm
 
     common = dict(strategy=strategy, num_devices=4, model="mlp", dataset="synthetic", train_split="train[:256]",
                   eval_split="", batch_size=32, optimizer="adam", precision="fp16", quiet=True,
-                  initial_scale_power=power, hysteresis=1, loss_scale_window=3)
+                  initial_scale_power=power, hysteresis=1, loss_scale_window=3, lr_schedule="cosine", warmup_steps=4)
     out = tmp_path / "m.jsonl"
     summary = trainer.run(Config(**common, steps=10, log_every=1, metrics_out=str(out)))
     events = [json.loads(line) for line in out.read_text().splitlines()]
     overflows = [e for e in events if e["event"] == "overflow"]
     assert 0 < summary["skipped_steps"] == len(overflows) < 8
+    # a skipped step advances no schedule (Adam's count stays): the k-th applied step ran at the schedule's lr(k)
+    lr_at, clean = trainer.learning_rate(Config(**common, steps=10), 8, 10), [e for e in events if e["event"] == "step"]
+    np.testing.assert_allclose([e["lr"] for e in clean], [float(lr_at(k)) for k in range(len(clean))], rtol=1e-6)
+    assert [e["lr"] for e in clean] != [float(lr_at(e["step"] - 1)) for e in clean]  # the step count would differ
     oracle, at = DeepSpeedScaler(2.0 ** power, 3, 1.0, 1, False), {}  # the scale each step ran at, by DeepSpeed
     for step in range(1, 11):
         at[step] = oracle.cur_scale
@@ -421,4 +425,4 @@ def test_train_py_fp16_skips_overflowing_steps_and_stops_at_the_minimum_scale(tm
     assert all(np.isfinite(a).all() for a in leaves(summary["state"].params))
     stop = re.escape(f"overflowed at step 1 at the minimum loss scale {2.0 ** power:g}")
     with pytest.raises(trainer.Diverged, match=stop):
-        trainer.run(Config(**{**common, "min_loss_scale": 2.0 ** power}, steps=2))
+        trainer.run(Config(**{**common, "min_loss_scale": 2.0 ** power, "warmup_steps": 0}, steps=2))

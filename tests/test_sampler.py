@@ -111,3 +111,48 @@ def test_load_state_dict_checks_the_settings():
         DistributedSampler(20, 4, 0).load_state_dict(state)
     with pytest.raises(ValueError, match="offset=11 must be in \\[0, 10\\]"):
         DistributedSampler(20, 2, 0).load_state_dict({**state, "offset": 11})
+
+
+@pytest.mark.parametrize("n, replicas, padding_ranks", [
+    (41, 2, [1]), (41, 3, [2]), (41, 4, [1, 2, 3]), (3, 8, [3, 4, 5, 6, 7]), (12, 4, []), (7, 7, [])])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_real_marks_the_wrap_around_padding(n, replicas, padding_ranks, shuffle):
+    """real() is False exactly at the padded positions (>= n), and the real positions of all ranks hold every
+    sample once; torch's plan itself (indices()) is unchanged and repeats samples."""
+    for epoch in (0, 1):
+        every, real_every = [], []
+        for rank in range(replicas):
+            s = DistributedSampler(n, replicas, rank, shuffle=shuffle, seed=2)
+            s.set_epoch(epoch)
+            idx, real = s.indices(), s.real()
+            assert real.dtype == bool and real.shape == idx.shape == (len(s),)
+            if not shuffle:
+                assert idx.tolist() == torch_indices(n, replicas, rank, False)  # still torch's plan
+            positions = rank + replicas * np.arange(len(s))
+            assert real.tolist() == (positions < n).tolist()
+            assert (not real.all()) == (rank in padding_ranks) and (~real).sum() <= 1  # at most the last one
+            assert real[:-1].all()
+            every.append(idx)
+            real_every.append(idx[real])
+        every, real_every = np.concatenate(every), np.concatenate(real_every)
+        assert (len(every) > n) == bool(padding_ranks)  # where there is padding, torch's plan repeats samples
+        if padding_ranks:
+            assert np.bincount(every, minlength=n).max() >= 2
+        assert sorted(real_every.tolist()) == list(range(n))  # the real positions: every sample exactly once
+
+
+@pytest.mark.parametrize("n, replicas", [(41, 2), (41, 3), (41, 4), (3, 2)])
+def test_real_with_drop_last_is_all_true(n, replicas):
+    for rank in range(replicas):
+        s = DistributedSampler(n, replicas, rank, seed=1, drop_last=True)
+        assert s.real().shape == s.indices().shape and s.real().all()
+    got = np.concatenate([DistributedSampler(n, replicas, r, seed=1, drop_last=True).indices()
+                          for r in range(replicas)])
+    assert len(set(got.tolist())) == len(got) < n  # drop_last trims instead of padding: no repeats
+
+
+def test_real_ignores_the_offset():
+    s = DistributedSampler(41, 2, 1, seed=0)
+    whole = s.real()
+    next(s.batches(8))
+    assert s.offset == 8 and np.array_equal(s.real(), whole) and not whole[-1]

@@ -283,3 +283,20 @@ def test_a_dataset_without_a_test_split_skips_evaluation(user_data, tmp_path):
     np.savez(tmp_path / "regression.npz", x=data["x"], y=data["y"])  # no x_test / y_test
     out = user_run("regression", tmp_path, "--strategy", "single")
     assert out["steps"] == 2 and not [k for k in out if k.startswith("eval_")]
+
+
+def test_whole_shard_losses_refuse_the_samplers_wrap_around_copies(monkeypatch, tmp_path):
+    """63 samples on 2 processes: the sampler pads rank 1 with a copy, which the loader masks out of a per-sample
+    loss; a loss over whole shards (BatchNorm's statistics) would see it, so train.py refuses before any work."""
+    from jaxpar.config import Config
+    from jaxpar.run import trainer
+
+    x = np.random.default_rng(0).normal(size=(63, 5)).astype(np.float32)
+    np.savez(tmp_path / "d.npz", x=x, y=(x[:, 0] > 0).astype(np.int32))
+    cfg = Config(model="mlp", dataset="npz", data_path=str(tmp_path / "d.npz"), eval_split="", batch_size=16,
+                 steps=1, quiet=True, per_sample="off")
+    monkeypatch.setattr(jax, "process_count", lambda: 2)  # rank 0 of 2: 32 samples, batches of 8
+    with pytest.raises(ValueError, match="63 samples do not divide by the 2 processes: the sampler pads with 1 "
+                                         "wrap-around copies, which would reach the batch statistics; pass "
+                                         "--drop-last"):
+        trainer.run(cfg)

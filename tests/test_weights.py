@@ -1,11 +1,14 @@
 """PyTorch state-dict files (jaxpar.run.weights): .npz, .safetensors and transformers' save_pretrained folders
 read back what was written, atomically; an HF folder (its config.json giving the head count) loads as Hugging
 Face's GPT2LMHeadModel computes (tests/fixtures/gpt.npz); torch's files need torch; the CLI exports a GPT as a
-folder that reads back to the trained model's logits; bad files and suffixes get one-line errors."""
+folder that reads back to the trained model's logits; a GPT's file of any format keeps its head count, which
+--init-torch uses (a file without one loads as before); bad files and suffixes get one-line errors."""
 from __future__ import annotations
 
 import json
 import os
+import pickle
+import re
 import sys
 import types
 
@@ -17,7 +20,7 @@ from jaxpar.models import gpt
 from jaxpar.run import weights
 
 from make_gpt_fixture import H  # noqa: E402  (tests/, the fixture's sizes)
-from test_gpt import corpus, fixture, logits_of  # noqa: F401  (corpus: a pytest fixture)
+from test_gpt import corpus, fixture, logits_of, scramble  # noqa: F401  (corpus: a pytest fixture)
 
 
 def state_dict(seed: int = 0) -> dict[str, np.ndarray]:
@@ -136,26 +139,48 @@ def test_torch_files_need_torch_and_say_so(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["w.pt"]
 
 
+class FakeTensor:
+    """A fake torch tensor: a numpy array (float32 or 'bfloat16'); at module level, so pickle keeps it."""
+
+    def __init__(self, a, dtype=None):
+        self.a, self.dtype = a, dtype or str(a.dtype)
+
+    def detach(self):
+        return self
+
+    def cpu(self):
+        return self
+
+    def float(self):
+        return FakeTensor(self.a.astype(np.float32))
+
+    def numpy(self):
+        assert self.dtype != "bfloat16", "numpy() of a bfloat16 tensor fails in torch"
+        return self.a
+
+
 def fake_torch():
-    """Just enough of torch for _from_torch: tensors that hold a numpy array (float32 or 'bfloat16')."""
-    class Tensor:
-        def __init__(self, a, dtype=None):
-            self.a, self.dtype = a, dtype or str(a.dtype)
+    """Just enough of torch for weights' torch files: tensors that hold a numpy array, save / load by pickle."""
+    def save(obj, path):
+        with open(path, "wb") as f:
+            pickle.dump(obj, f)
 
-        def detach(self):
-            return self
+    def load(path, map_location=None, weights_only=True):
+        with open(path, "rb") as f:
+            return pickle.load(f)
 
-        def cpu(self):
-            return self
+    return types.SimpleNamespace(Tensor=FakeTensor, bfloat16="bfloat16", from_numpy=FakeTensor, save=save, load=load)
 
-        def float(self):
-            return Tensor(self.a.astype(np.float32))
 
-        def numpy(self):
-            assert self.dtype != "bfloat16", "numpy() of a bfloat16 tensor fails in torch"
-            return self.a
-
-    return types.SimpleNamespace(Tensor=Tensor, bfloat16="bfloat16")
+@pytest.fixture
+def torch_or_fake(monkeypatch):
+    """torch where it is installed, else fake_torch() in its place: the torch-file tests run either way."""
+    try:
+        import torch
+    except ImportError:
+        torch = fake_torch()
+        monkeypatch.setitem(sys.modules, "torch", torch)
+    return torch
 
 
 def test_torch_objects_become_numpy_state_dicts():
@@ -237,3 +262,83 @@ def test_a_gpt_without_biases_is_refused_a_folder_before_training(tmp_path, corp
     summary = cli.main(argv + ["--export-torch", str(tmp_path / "out.npz"), "--torch-layout", "nanogpt"])
     assert summary["steps"] == 1 and not gpt.config_from_state_dict(weights.read(str(tmp_path / "out.npz"))[0],
                                                                      n_head=3).bias
+
+
+GPT_FILES = ("w.npz", "w.safetensors", "w.pt")
+
+
+@pytest.mark.parametrize("layout", ["hf", "nanogpt"])
+def test_a_gpt_file_keeps_the_head_count_its_weights_do_not_show(tmp_path, corpus, layout,  # noqa: F811
+                                                                  torch_or_fake):
+    """6 heads where gpt-nano's config says 3: every format's file says 6, which --init-torch uses (the same
+    logits), refusing a --n-head that differs; written without it, the file loads with the config's 3 heads as
+    before -- another function of the same weights."""
+    from jaxpar.config import Config
+    from jaxpar.data import datasets
+    from jaxpar.run import trainer
+
+    cfg = gpt.GPTConfig.named("gpt-nano", vocab_size=256, block_size=16, n_head=6)
+    model = scramble(gpt.GPT(cfg, rngs=nnx.Rngs(0)), seed=1)
+    sd, x = model.torch_state_dict(layout), np.random.default_rng(0).integers(0, 256, (2, 16))
+    want = logits_of(model, x)
+    data = datasets.load("text", "train", data_path=corpus, seq_len=16)
+    for name in GPT_FILES:
+        path = str(tmp_path / name)
+        weights.write(sd, path, meta=gpt.model_args(cfg), nanogpt=layout == "nanogpt")
+        assert weights.read(path)[1] == {"n_head": 6}
+        loaded = trainer.gpt_model(Config(model="gpt-nano", dataset="text", init_torch=path), data)
+        assert loaded.config.n_head == 6, name
+        np.testing.assert_array_equal(logits_of(loaded, x), want)
+        refused = f"--n-head 3 differs from the n_head=6 --init-torch {re.escape(repr(path))}.*drop --n-head"
+        with pytest.raises(ValueError, match=refused):
+            trainer.gpt_model(Config(model="gpt-nano", dataset="text", init_torch=path, n_head=3), data)
+        weights.write(sd, path)  # as files written by others: no head count
+        assert weights.read(path)[1] == {}
+        plain = trainer.gpt_model(Config(model="gpt-nano", dataset="text", init_torch=path), data)
+        assert plain.config.n_head == 3, name
+        assert np.abs(logits_of(plain, x) - want).max() > 1e-2  # the head count changes the function
+
+
+def test_gpt_files_stay_what_other_readers_take(tmp_path, torch_or_fake, monkeypatch):
+    """The head count rides beside the weights: np.load sees only the state dict, safetensors' metadata keeps
+    "format": "pt" (transformers' check), a Hugging Face-layout .pt is a plain state dict, a nanoGPT-layout one
+    nanoGPT's ckpt.pt (GPTConfig(**model_args) in its sample.py); read-only arrays reach torch as writable copies
+    (torch.from_numpy warns of read-only ones)."""
+    cfg = gpt.GPTConfig(vocab_size=16, block_size=4, n_layer=1, n_head=2, n_embd=8)
+    model = gpt.GPT(cfg, rngs=nnx.Rngs(0))
+    args = gpt.model_args(cfg)
+    assert set(args) == {"n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "dropout"}  # nanoGPT's
+    sd = model.torch_state_dict("hf")
+    for v in sd.values():
+        v.flags.writeable = False  # as jax's arrays are
+    from_numpy = torch_or_fake.from_numpy
+
+    def writable_only(a):  # torch warns of a read-only array, once per process: here every time, as an error
+        assert a.flags.writeable, "torch.from_numpy of a read-only array"
+        return from_numpy(a)
+
+    monkeypatch.setattr(torch_or_fake, "from_numpy", writable_only)
+    for name in GPT_FILES:
+        weights.write(sd, str(tmp_path / name), meta=args)
+    weights.write(model.torch_state_dict("nanogpt"), str(tmp_path / "ckpt.pt"), meta=args, nanogpt=True)
+    with np.load(tmp_path / "w.npz") as f:
+        assert sorted(f) == sorted(sd)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "w.safetensors"), framework="numpy") as f:
+        assert f.metadata()["format"] == "pt" and json.loads(f.metadata()["n_head"]) == 2
+    plain = torch_or_fake.load(str(tmp_path / "w.pt"), map_location="cpu", weights_only=True)
+    assert sorted(plain) == sorted(sd)
+    ckpt = torch_or_fake.load(str(tmp_path / "ckpt.pt"), map_location="cpu", weights_only=True)
+    assert sorted(ckpt) == ["model", "model_args"] and ckpt["model_args"] == args
+    assert sorted(ckpt["model"]) == sorted(sd) and weights.read(str(tmp_path / "ckpt.pt"))[1] == {"n_head": 2}
+
+
+def test_a_head_count_that_is_not_one_is_refused(tmp_path):
+    from safetensors.numpy import save_file
+
+    path = str(tmp_path / "w.safetensors")
+    save_file(state_dict(), path, metadata={"format": "pt", "n_head": "six"})
+    with pytest.raises(ValueError, match="says n_head='six', which is not a head count.*pass --n-head") as e:
+        weights.read(path)
+    assert "\n" not in str(e.value)

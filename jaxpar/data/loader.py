@@ -3,7 +3,8 @@
 `put` (e.g. `strategy.put_batch`, which device_puts with the step's sharding) runs on a background thread
 `prefetch` batches ahead of the consumer: the analog of DataLoader(pin_memory=True) + .to(non_blocking=True).
 The sampler's offset advances only as the consumer receives batches, so `sampler.state_dict()` taken after
-k batches resumes exactly at batch k, however far the thread has run ahead.
+k batches resumes exactly at batch k, however far the thread has run ahead. Rows that are the sampler's
+wrap-around padding (`sampler.real()` False) get mask 0: N processes then train on exactly one process's samples.
 
     for batch in Loader(train_set, 64, sampler, put=strategy.put_batch):
         state, metrics = strategy.step(state, batch)
@@ -35,7 +36,9 @@ _JOIN_S = 1.0  # how long a closing consumer waits for a put() in flight (the th
 class Loader:
     """Iterates batches (jaxpar.batch.Rows: `dataset.batch(idx)`, the ids are the sample indices) of `batch_size`
     rows (this process's share) from `sampler`'s offset to the end of its epoch; yields `put(rows)` when `put`
-    is given."""
+    is given. The mask is 1 on real samples and 0 on the sampler's wrap-around padding (copies that pad the epoch
+    to a multiple of the process count): per-sample losses drop them, as they drop pad_rows' rows, and a loss that
+    sees whole shards (per_sample=False: BatchNorm) refuses them in put_batch, as it refuses pad_rows' rows."""
 
     def __init__(self, dataset: Any, batch_size: int, sampler: DistributedSampler, *, drop_last: bool = False,
                  put: Callable[[dict], Any] | None = None, prefetch: int = 2):
@@ -54,23 +57,35 @@ class Loader:
         rest = len(self.sampler) - self.sampler.offset
         return rest // self.batch_size if self.drop_last else -(-rest // self.batch_size)
 
-    def gather(self, idx: np.ndarray) -> Rows:
-        """The host batch of global indices `idx` (`dataset.batch(idx)`), each row's id its sample index."""
+    def gather(self, idx: np.ndarray, mask: np.ndarray | None = None) -> Rows:
+        """The host batch of global indices `idx` (`dataset.batch(idx)`), each row's id its sample index;
+        `mask` (1 real, 0 padding) defaults to all ones."""
         data = self.dataset.batch(idx)
-        return Rows(data, np.ones(len(idx), np.float32), idx.astype(np.int32))
+        mask = np.ones(len(idx), np.float32) if mask is None else np.asarray(mask, np.float32)
+        if mask.shape != (len(idx),):
+            raise ValueError(f"mask has shape {mask.shape} but idx has {len(idx)} rows; pass one mask value per row.")
+        return Rows(data, mask, idx.astype(np.int32))
+
+    def plan(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The rest of the epoch from the sampler's offset: (indices, mask) per batch, the mask 0 where the
+        sampler's position is wrap-around padding (sampler.real()). A plan only: nothing advances."""
+        batches = self.sampler.batch_plan(self.batch_size, self.drop_last)
+        real = self.sampler.real()[self.sampler.offset:].astype(np.float32)
+        starts = np.cumsum([0] + [len(idx) for idx in batches])
+        return [(idx, real[lo:lo + len(idx)]) for idx, lo in zip(batches, starts)]
 
     def __iter__(self) -> Iterator[Any]:
-        plan = self.sampler.batch_plan(self.batch_size, self.drop_last)
+        plan = self.plan()
         if self.put is None or self.prefetch == 0:
-            for idx in plan:
-                batch = self.gather(idx)
+            for idx, mask in plan:
+                batch = self.gather(idx, mask)
                 batch = batch if self.put is None else self.put(batch)
                 self.sampler.offset += len(idx)
                 yield batch
             return
         yield from self._threaded(plan)
 
-    def _threaded(self, plan: list[np.ndarray]) -> Iterator[Any]:
+    def _threaded(self, plan: list[tuple[np.ndarray, np.ndarray]]) -> Iterator[Any]:
         q: queue.Queue = queue.Queue(maxsize=self.prefetch)
         stop = threading.Event()
 
@@ -85,8 +100,8 @@ class Loader:
 
         def produce() -> None:
             try:
-                for idx in plan:
-                    if stop.is_set() or not send((idx, self.put(self.gather(idx)))):
+                for idx, mask in plan:
+                    if stop.is_set() or not send((idx, self.put(self.gather(idx, mask)))):
                         return
                 send(_END)
             except BaseException as e:  # noqa: BLE001 -- re-raised on the consumer's thread

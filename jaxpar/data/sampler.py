@@ -5,6 +5,10 @@ a multiple of num_replicas (or trimmed with drop_last), then every num_replicas-
 
     indices = perm(seed, epoch) + perm[:padding]      # or perm[:total_size] with drop_last
     mine = indices[rank::num_replicas]                # all ranks get len(self) indices
+
+The wrap-around copies are padding: `real()` marks them (positions p >= num_samples of the padded order), and
+jaxpar.data.loader.Loader gives those rows mask 0, so N processes train on exactly the samples one process does
+(torch trains the copies a second time).
 """
 from __future__ import annotations
 
@@ -30,7 +34,8 @@ class DistributedSampler:
 
     Beyond torch: `offset` counts this rank's samples already consumed in the current epoch;
     `batches()` (and jaxpar.data.loader.Loader) advance it, `state_dict()` / `load_state_dict()` carry it, so a
-    run resumes mid-epoch at the next unseen batch.
+    run resumes mid-epoch at the next unseen batch. `real()` tells this rank's wrap-around padding from its
+    real samples, so padding can be masked out (weight 0) instead of trained twice.
     """
 
     def __init__(self, num_samples: int, num_replicas: int = 1, rank: int = 0, shuffle: bool = True,
@@ -73,6 +78,13 @@ class DistributedSampler:
             padding = self.total_size - n
             order = np.concatenate([order, np.tile(order, math.ceil(padding / n))[:padding]])
         return order[self.rank:self.total_size:self.num_replicas]
+
+    def real(self) -> np.ndarray:
+        """bool [len(self)], aligned with indices(): False at this rank's wrap-around padding (positions
+        rank + k*num_replicas >= num_samples of the padded epoch order, copies of samples another position
+        holds), True elsewhere. Over all ranks the True positions hold every sample exactly once (without
+        drop_last; with it there is no padding and all are True). Ignores the offset, like indices()."""
+        return np.arange(self.rank, self.total_size, self.num_replicas) < self.num_samples
 
     def __iter__(self) -> Iterator[int]:
         """The indices not yet consumed this epoch (from `offset`); iterating does not advance it."""

@@ -33,9 +33,10 @@ from jaxpar.step import TrainState
 
 FORMAT = 1  # bump when the layout changes
 # Config fields that change the trajectory: a resume that changes them still runs, with a printed note
-TRAJECTORY_FIELDS = ("dataset", "train_split", "batch_size", "lr", "gamma", "seed", "shuffle", "drop_last",
-                     "precision", "momentum", "weight_decay", "weight_decay_params", "image_size", "lr_schedule",
-                     "warmup_steps", "lr_decay_steps", "min_lr", "grad_clip", "label_smoothing")
+TRAJECTORY_FIELDS = ("dataset", "data_path", "data_dir", "train_split", "seq_len", "batch_size", "lr", "gamma",
+                     "seed", "shuffle", "drop_last", "precision", "momentum", "weight_decay", "weight_decay_params",
+                     "image_size", "lr_schedule", "warmup_steps", "lr_decay_steps", "min_lr", "grad_clip", "loss",
+                     "label_smoothing", "dropout", "per_sample", "model_kwargs")
 
 
 def _is_key(a) -> bool:
@@ -51,12 +52,14 @@ def leaf_specs(state: TrainState) -> dict[str, list]:
     return specs
 
 
-def run_info(cfg, state: TrainState) -> dict[str, Any]:
-    """What a checkpoint records about its run, and what a resuming run must match."""
+def run_info(cfg, state: TrainState, n_head: int | None = None, decay_steps: int | None = None) -> dict[str, Any]:
+    """What a checkpoint records about its run, and what a resuming run must match: besides the flags, a GPT's
+    head count (`n_head`, which no leaf's shape shows) and the step the cosine schedule decays to (`decay_steps`,
+    by default the run's last, so a resume with more --steps would change it)."""
     params = jax.tree.leaves(state.params)
     return {"format": FORMAT, "model": cfg.model, "optimizer": cfg.optimizer,
             "param_count": int(sum(np.size(a) for a in params)), "leaves": leaf_specs(state),
-            "config": dataclasses.asdict(cfg)}
+            "config": dataclasses.asdict(cfg), "n_head": n_head, "decay_steps": decay_steps}
 
 
 def to_host(state: TrainState) -> list[np.ndarray]:
@@ -170,15 +173,23 @@ def check_compatible(meta: dict, info: dict, directory: str) -> list[str]:
     if meta["optimizer"] != info["optimizer"]:
         raise ValueError(f"{where} optimizer {meta['optimizer']!r}, not --optimizer {info['optimizer']!r}; "
                          f"pass --optimizer {meta['optimizer']} or another --checkpoint-dir.")
+    old, new = meta.get("config", {}), info["config"]
+    changed = [f"--{f.replace('_', '-')} was {old[f]!r}, now {new[f]!r}" for f in TRAJECTORY_FIELDS
+               if f in old and old[f] != new.get(f)]
+    if None not in (meta.get("n_head"), info["n_head"]) and meta["n_head"] != info["n_head"]:
+        raise ValueError(f"{where} a GPT with {meta['n_head']} heads, not {info['n_head']}: the head count changes "
+                         f"what its weights compute; pass --n-head {meta['n_head']} or another --checkpoint-dir.")
     saved, now = meta["leaves"], info["leaves"]
     if saved != now:
         diff = next((k for k in now if saved.get(k) != now[k]), None) or next(k for k in saved if k not in now)
+        flags = f"the flags that differ: {'; '.join(changed)}" if changed else "the data/model flags of that run"
         raise ValueError(f"{where} model {meta['model']!r} with {diff} = {saved.get(diff, 'absent')} (shape, dtype), "
-                         f"but this run has {now.get(diff, 'absent')}; pass the data/model flags of that run "
-                         "or another --checkpoint-dir.")
-    old, new = meta.get("config", {}), info["config"]
-    return [f"--{f.replace('_', '-')} was {old[f]!r}, now {new[f]!r}" for f in TRAJECTORY_FIELDS
-            if f in old and old[f] != new.get(f)]
+                         f"but this run has {now.get(diff, 'absent')}; pass {flags}, or another --checkpoint-dir.")
+    if None not in (meta.get("decay_steps"), info["decay_steps"]) and meta["decay_steps"] != info["decay_steps"]:
+        changed.append(f"the cosine schedule decayed to step {meta['decay_steps']}, now {info['decay_steps']} (it "
+                       f"ends at the run's last step unless --lr-decay-steps is given: pass --lr-decay-steps "
+                       f"{meta['decay_steps']} to keep the original)")
+    return changed
 
 
 def all_steps(directory: str) -> list[int]:

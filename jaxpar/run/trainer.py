@@ -184,8 +184,21 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"--weight-decay-params {cfg.weight_decay_params} chooses which parameters decay, but "
                          f"--optimizer {cfg.optimizer} runs with no weight decay; pass --weight-decay (nanoGPT: 0.1), "
                          "or drop --weight-decay-params.")
-    if cfg.momentum < 0:
+    if not cfg.momentum >= 0:
         raise ValueError(f"--momentum {cfg.momentum} must be >= 0; pass 0 (torch's default) or a positive value.")
+    if cfg.weight_decay is not None and not cfg.weight_decay >= 0:
+        raise ValueError(f"--weight-decay {cfg.weight_decay} must be >= 0 (torch.optim's rule); pass e.g. 0.1, or "
+                         "leave it out for the optimizer's default.")
+    if not 0 < cfg.gamma < math.inf:
+        raise ValueError(f"--gamma {cfg.gamma} must be > 0 (StepLR multiplies the learning rate by it each epoch: "
+                         "0 stops training, a negative one ascends); pass e.g. 0.7, or 1.0 for a constant rate.")
+    if cfg.seed < 0:
+        raise ValueError(f"--seed {cfg.seed} must be >= 0 (numpy's and JAX's seeds); pass e.g. --seed 0.")
+    for field in ("num_stages", "micro_batches", "virtual_stages"):
+        if getattr(cfg, field) < 1:
+            raise ValueError(f"--{field.replace('_', '-')} {getattr(cfg, field)} must be >= 1; pass a positive count "
+                             "(the pipeline's defaults: 2 stages, 4 micro-batches, 1 chunk per stage).")
+    check_flags_are_read(cfg)
     if cfg.dataset == "npz" and not cfg.data_path:
         raise ValueError("--dataset npz needs --data-path FILE.npz; pass a file holding arrays x and y "
                          "(np.savez(path, x=..., y=...)).")
@@ -199,6 +212,44 @@ def validate(cfg: Config) -> None:
     if cfg.checkpoint_keep < 1:
         raise ValueError(f"--checkpoint-keep {cfg.checkpoint_keep} must be >= 1; pass how many complete "
                          "checkpoints to keep.")
+
+
+# Flags that only some strategies read: given to another, they would be accepted and silently ignored
+STRATEGY_FLAGS = {"allreduce": ("ddp",), "overlap": ("ddp",), "bucket_cap_mb": ("ddp", "zero"),
+                  "grad_accum": ("ddp", "zero"), "grad_comm_dtype": ("ddp", "zero"), "spmd": ("ddp", "zero"),
+                  "loss_on_device": ("dp",), "print_shapes": ("dp",), "output_device": ("dp",),
+                  "tensor_parallel": ("tp", "pipeline"), "parallel_output": ("tp", "pipeline"),
+                  "num_stages": ("pipeline",), "micro_batches": ("pipeline",), "schedule": ("pipeline",),
+                  "virtual_stages": ("pipeline",), "partition_method": ("pipeline",)}
+HINTS = {("grad_accum", "pipeline"): " (the pipeline accumulates over --micro-batches, DeepSpeed's "
+                                     "gradient_accumulation_steps)"}
+
+
+def check_flags_are_read(cfg: Config) -> None:
+    """ValueError for a flag changed from its default that nothing in this run reads: another strategy's, a GPT's
+    on another model, a dataset's on another dataset, another schedule's or optimizer's."""
+    from jaxpar import models
+
+    defaults, flag = Config(), lambda f: f"--{f.replace('_', '-')}"  # noqa: E731
+    given = lambda f: getattr(cfg, f) != getattr(defaults, f)  # noqa: E731
+    for field, owners in STRATEGY_FLAGS.items():
+        if given(field) and cfg.strategy not in owners:
+            raise ValueError(f"{flag(field)} {getattr(cfg, field)} is read by --strategy {' and '.join(owners)}, not "
+                             f"{cfg.strategy}{HINTS.get((field, cfg.strategy), '')}; use that strategy, or drop "
+                             f"{flag(field)}.")
+    readers = [(("n_head", "dropout", "torch_layout"), cfg.model in models.GPT_NAMES,
+                f"--model {cfg.model} is not one of jaxpar's GPTs ({', '.join(models.GPT_NAMES)})"),
+               (("seq_len",), cfg.dataset == "text", f"--dataset {cfg.dataset} is not text"),
+               (("data_dir",), cfg.dataset in ("mnist", "cifar10"), f"--dataset {cfg.dataset} reads no IDX or tfds "
+                                                                     "folder (mnist and cifar10 do)"),
+               (("data_path",), cfg.dataset in ("npz", "text"), f"--dataset {cfg.dataset} reads no file (npz and "
+                                                                 "text do)"),
+               (("gamma",), cfg.lr_schedule == "step", f"--lr-schedule {cfg.lr_schedule} is not StepLR's"),
+               (("momentum",), cfg.optimizer == "sgd", f"--optimizer {cfg.optimizer} has no momentum flag (SGD's)")]
+    for fields, read, why in readers:
+        for field in fields:
+            if given(field) and not read:
+                raise ValueError(f"{flag(field)} {getattr(cfg, field)} would be ignored: {why}; drop {flag(field)}.")
 
 
 def load_object(ref: str, flag: str) -> Any:
@@ -475,17 +526,20 @@ class Diverged(RuntimeError):
     """The training loss became NaN or infinite: the run stops, and the last good checkpoint stays the latest."""
 
 
-def prepare_outputs(cfg: Config, state: TrainState, model: nnx.Module | None = None):
-    """Check every path the run will write -- checkpoint dir (writable, same model, something to resume), the
-    metrics and export files (a folder only for `model` a GPT in Hugging Face's layout, with biases) -- before
-    anything is written; returns the Checkpointer (or None)."""
+def prepare_outputs(cfg: Config, state: TrainState, model: nnx.Module | None = None,
+                    total_steps: int | None = None):
+    """Check every path the run will write -- checkpoint dir (writable, same model and head count, something to
+    resume), the metrics and export files (a folder only for `model` a GPT in Hugging Face's layout, with biases) --
+    before anything is written; returns the Checkpointer (or None)."""
+    from jaxpar import models
     from jaxpar.run import checkpoint
 
     ckpt = None
     if cfg.checkpoint_dir:
-        ckpt = checkpoint.Checkpointer(cfg.checkpoint_dir, checkpoint.run_info(cfg, state), resume=cfg.resume,
-                                       keep=cfg.checkpoint_keep)
-    from jaxpar import models
+        n_head = model.config.n_head if isinstance(model, models.GPT) else None
+        decay = (cfg.lr_decay_steps or total_steps) if cfg.lr_schedule == "cosine" else None
+        ckpt = checkpoint.Checkpointer(cfg.checkpoint_dir, checkpoint.run_info(cfg, state, n_head, decay),
+                                       resume=cfg.resume, keep=cfg.checkpoint_keep)
 
     if cfg.metrics_out:
         checkpoint.writable_file(cfg.metrics_out, "--metrics-out")
@@ -550,8 +604,13 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
         raise ValueError(f"the loss sees whole shards (--per-sample off, or BatchNorm), so every batch must be full, "
                          f"but {len(sampler)} samples per process leave a last batch of {len(sampler) % local_batch}; "
                          "pass --drop-last.")
+    if not objective.per_sample and sampler.total_size > sampler.num_samples:
+        raise ValueError(f"the loss sees whole shards (--per-sample off, or BatchNorm), but {len(train_set)} samples "
+                         f"do not divide by the {replicas} processes: the sampler pads with "
+                         f"{sampler.total_size - sampler.num_samples} wrap-around copies, which would reach the batch "
+                         "statistics; pass --drop-last.")
     strategy = get_builder(cfg.strategy)(model, tx, cfg, loss_fn)  # validates the strategy's own rules
-    ckpt = prepare_outputs(cfg, state, model)
+    ckpt = prepare_outputs(cfg, state, model, total_steps)
     position = {"loss_sum": 0.0, "count": 0.0}
     if ckpt is not None and cfg.resume:
         state, position = ckpt.restore(state)
@@ -572,12 +631,13 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
                   "config": dataclasses.asdict(cfg)})
 
     def save() -> None:
-        data = {"sampler": sampler.state_dict(), "loss_sum": loss_sum, "count": count}
+        data = {"sampler": sampler.state_dict(), "loss_sum": loss_sum, "count": count, "skipped": skipped}
         if not ckpt.save(step, strategy.unplace(placed), data):
             raise Diverged(f"step {step} left non-finite parameters; not saved. " + _kept(cfg, ckpt))
 
     clock, stopped, start_step, epoch_done = report.Clock(), None, step, True
-    scaler, skipped = loss_scale_config(cfg), 0  # fp16: steps skipped on overflowing gradients
+    scaler = loss_scale_config(cfg)  # fp16: steps skipped on overflowing gradients advance no schedule
+    skipped = int(position.get("skipped", 0))
     last: dict[str, Any] = {}
     loss_sum, count = position["loss_sum"], position["count"]  # the epoch's running train loss
     try:
@@ -617,7 +677,8 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
                         bar.set_postfix(loss=f"{loss_sum / count:.4f}")
                         writer.write({"event": "step", "step": step, "epoch": epoch, "loss": loss,
                                       "train_loss": loss_sum / count, **_norm_of(metrics),
-                                      "lr": float(lr_at(step - 1)) if callable(lr_at) else lr_at, **clock.window()})
+                                      "lr": float(lr_at(step - 1 - skipped)) if callable(lr_at) else lr_at,
+                                      **clock.window()})
                     if on_step is not None:
                         on_step(step, metrics)
                     stopped = signals.agreed()
@@ -627,7 +688,8 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
                     if stopped or step >= total_steps:
                         break
                 bar.close()
-                last = {"epoch": epoch, "step": step, "train_loss": loss_sum / max(count, 1)}
+                last = {"epoch": epoch, "step": step,  # NaN: every step of the epoch was skipped (fp16)
+                        "train_loss": loss_sum / count if count else float("nan")}
                 if stopped:
                     break
                 epoch_done = len(loader) == 0  # else --steps ended the run mid-epoch
@@ -718,11 +780,13 @@ def export_torch(objective, state: TrainState, path: str, layout: str = "hf") ->
 
     model = objective.merge(state.params, state.model_state)
     own = getattr(model, "torch_state_dict", None)
-    config = None
+    config = meta = None
     if isinstance(model, models.GPT):  # GPT-2: Hugging Face's or nanoGPT's layout (--torch-layout)
         own = functools.partial(model.torch_state_dict, layout)
         config = models.gpt.hf_config(model.config) if weights.is_folder(path) else None
-    weights.write(own() if callable(own) else models.to_torch_state_dict(model), path, "--export-torch", config)
+        meta = models.gpt.model_args(model.config)  # a file's record of the head count, which no weight shows
+    weights.write(own() if callable(own) else models.to_torch_state_dict(model), path, "--export-torch", config,
+                  meta=meta, nanogpt=meta is not None and layout == "nanogpt")
 
 
 def sample_text(cfg: Config, model: nnx.Module, state: TrainState) -> str:

@@ -11,12 +11,21 @@ The format follows the path:
 - a folder written by `save_pretrained` (model.safetensors or pytorch_model.bin, or their sharded index) reads
   with its config.json, whose `n_head` is the head count. `write` to a folder gives the same layout, with the
   `config` it is passed as config.json, so `GPT2LMHeadModel.from_pretrained(folder)` loads it.
+
+A file keeps `write`'s `meta` (a GPT's: nanoGPT's model_args, jaxpar.models.gpt.model_args), whose `n_head` --
+which no weight's shape shows -- `read` returns: in a .safetensors file's metadata (each value JSON, as a string:
+{"format": "pt", "n_head": "6", ...}); in a .npz file's zip comment (JSON: np.load ignores it); in a torch file
+as nanoGPT's ckpt.pt, {"model": state dict, "model_args": meta}, where `nanogpt`, else as the state dict's
+`_metadata` (torch's own attribute, which load_state_dict ignores under a key no module has) at key "jaxpar".
+Files without it read as before, with no n_head.
 """
 from __future__ import annotations
 
+import collections
 import json
 import os
 import re
+import zipfile
 from typing import Any, Mapping
 
 import numpy as np
@@ -26,6 +35,8 @@ SUFFIXES = (".npz", ".safetensors", *TORCH_SUFFIXES)
 # save_pretrained's weight files, in the order transformers looks for them
 FOLDER_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
+META = ("n_head",)  # what `read` returns of a file's meta: the head count, which no weight's shape shows
+TORCH_META_KEY = "jaxpar"  # the key of `meta` in a torch state dict's _metadata (no module of a model is named so)
 FORMATS = ("a .npz (numpy), .safetensors (Hugging Face's), .pt / .pth / .bin (torch.save; needs torch) file, or a "
            "folder written by transformers' save_pretrained")
 
@@ -36,8 +47,9 @@ def is_folder(path: str) -> bool:
 
 
 def read(path: str, flag: str = "--init-torch") -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """(the state dict as numpy arrays under torch's keys, what the file says of the model: `n_head` and
-    `activation_function` / `layer_norm_epsilon` where a config.json or a nanoGPT checkpoint gives them)."""
+    """(the state dict as numpy arrays under torch's keys, what the file says of the model: `n_head` where a
+    config.json, a nanoGPT checkpoint or `write`'s meta gives it, and a config.json's `activation_function` /
+    `layer_norm_epsilon`)."""
     if os.path.isdir(path):
         return _read_folder(path, flag)
     if not os.path.isfile(path):
@@ -47,7 +59,9 @@ def read(path: str, flag: str = "--init-torch") -> tuple[dict[str, np.ndarray], 
         torch = _torch(flag, path)
         return _from_torch(_guarded(lambda: torch.load(path, map_location="cpu", weights_only=True), path, flag),
                            path, flag, torch)
-    return _guarded(lambda: _read_npz(path) if suffix == ".npz" else _read_safetensors(path), path, flag), {}
+    state_dict, meta = _guarded(lambda: _read_npz(path) if suffix == ".npz" else _read_safetensors(path), path,
+                                flag)
+    return state_dict, _meta(meta, path, flag)
 
 
 def check_writable(path: str, flag: str = "--export-torch", folder_ok: bool = False) -> None:
@@ -72,9 +86,14 @@ def check_writable(path: str, flag: str = "--export-torch", folder_ok: bool = Fa
 
 
 def write(state_dict: Mapping[str, np.ndarray], path: str, flag: str = "--export-torch",
-          config: Mapping[str, Any] | None = None) -> list[str]:
+          config: Mapping[str, Any] | None = None, meta: Mapping[str, Any] | None = None,
+          nanogpt: bool = False) -> list[str]:
     """Write `state_dict` to `path` (file or folder, as `read` takes them); returns the files written. Each file
-    goes to a temporary name in its folder first and is renamed when complete, so a crash leaves no half file."""
+    goes to a temporary name in its folder first and is renamed when complete, so a crash leaves no half file.
+
+    `config`: a folder's config.json. `meta`: what a file keeps beside the weights (JSON scalars; see the module's
+    notes), `read` returning its n_head. `nanogpt`: a torch file is nanoGPT's ckpt.pt, {"model": state dict,
+    "model_args": meta}, which nanoGPT's sample.py loads (meta: nanoGPT's model_args)."""
     if is_folder(path):
         os.makedirs(path, exist_ok=True)
         written = [_atomic(os.path.join(path, "model.safetensors"),
@@ -84,15 +103,26 @@ def write(state_dict: Mapping[str, np.ndarray], path: str, flag: str = "--export
             written.append(_atomic(os.path.join(path, "config.json"), lambda tmp: _write_text(tmp, text)))
         return written
     suffix = _suffix(path, flag)
+    meta = dict(meta or {})
     if suffix == ".safetensors":
-        return [_atomic(path, lambda tmp: _write_safetensors(state_dict, tmp))]
+        return [_atomic(path, lambda tmp: _write_safetensors(state_dict, tmp, meta))]
     if suffix == ".npz":  # numpy's own dtypes only: np.savez would store bfloat16 as raw bytes (dtype V2)
         _numpy_dtypes_only(state_dict, path, flag, ())
-        return [_atomic(path, lambda tmp: _write_npz(state_dict, tmp))]
+        return [_atomic(path, lambda tmp: _write_npz_and_meta(state_dict, tmp, meta))]
     torch = _torch(flag, path)
     _numpy_dtypes_only(state_dict, path, flag, ("bfloat16",))
-    tensors = {k: _to_torch(np.ascontiguousarray(v), torch) for k, v in state_dict.items()}
-    return [_atomic(path, lambda tmp: torch.save(tensors, tmp))]
+    tensors, converted = collections.OrderedDict(), {}
+    for key, value in state_dict.items():  # one tensor per array: tied weights (lm_head = wte) share a storage
+        if id(value) not in converted:  # a writable copy: torch warns on read-only arrays (jax's)
+            converted[id(value)] = _to_torch(np.array(value, order="C"), torch)
+        tensors[key] = converted[id(value)]
+    if nanogpt and meta:
+        obj = {"model": tensors, "model_args": meta}
+    else:
+        obj = tensors
+        if meta:
+            tensors._metadata = collections.OrderedDict({TORCH_META_KEY: meta})
+    return [_atomic(path, lambda tmp: torch.save(obj, tmp))]
 
 
 # -- reading ------------------------------------------------------------------------------------------------
@@ -131,30 +161,55 @@ def _guarded(load, path: str, flag: str):
                          f"{_EXPECTED[suffix]}.") from None
 
 
-def _read_npz(path: str) -> dict[str, np.ndarray]:
+def _read_npz(path: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     with np.load(path) as f:
         out = dict(f)
     raw = [k for k, v in out.items() if v.dtype.kind == "V"]
     if raw:  # what np.savez makes of bfloat16 and other ml_dtypes arrays: bytes without their type
         raise ValueError(f"{raw[0]!r} holds raw bytes ({out[raw[0]].dtype}), as np.savez stores bfloat16; save it "
                          "as float32 or as .safetensors")
-    return out
+    with zipfile.ZipFile(path) as z:
+        comment = z.comment.decode("utf-8", "replace")
+    try:  # write's meta; another writer's comment, if any, is not JSON of a dict and says nothing
+        meta = json.loads(comment) if comment else {}
+    except ValueError:
+        meta = {}
+    return out, meta if isinstance(meta, dict) else {}
 
 
-def _read_safetensors(path: str) -> dict[str, np.ndarray]:
+def _read_safetensors(path: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     from safetensors import safe_open
 
     with safe_open(path, framework="numpy") as f:
-        return {key: f.get_tensor(key) for key in f.keys()}
+        return {key: f.get_tensor(key) for key in f.keys()}, dict(f.metadata() or {})
+
+
+def _meta(raw: Mapping[str, Any], path: str, flag: str) -> dict[str, Any]:
+    """The META entries of a file's meta, checked: a head count is an int >= 1 (safetensors keeps it as a string)."""
+    out = {}
+    for key in META:
+        if key not in raw:
+            continue
+        value = raw[key]
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{flag} {path!r} says {key}={raw[key]!r}, which is not a head count (an int >= 1); "
+                             f"rewrite the file with {key} a positive int, or without it and pass --n-head.")
+        out[key] = int(value)
+    return out
 
 
 def _from_torch(obj: Any, path: str, flag: str, torch) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """A loaded torch object as (numpy state dict, meta): a state dict, or nanoGPT's checkpoint around one."""
-    meta = {}
     if isinstance(obj, dict) and isinstance(obj.get("model"), dict):  # nanoGPT's ckpt.pt
-        args = obj.get("model_args") or {}
-        meta = {k: args[k] for k in ("n_head",) if k in args}
+        meta = _meta(obj.get("model_args") or {}, path, flag)
         obj = obj["model"]
+    else:  # a state dict: write's meta in torch's _metadata, if any
+        meta = _meta((getattr(obj, "_metadata", None) or {}).get(TORCH_META_KEY) or {}, path, flag)
     if not isinstance(obj, Mapping):
         raise ValueError(f"{flag} {path!r} holds a {type(obj).__name__}, not a state dict; save "
                          "model.state_dict() (torch.save(model.state_dict(), path)).")
@@ -225,11 +280,22 @@ def _write_npz(state_dict: Mapping[str, np.ndarray], path: str) -> None:
     np.savez(path, **state_dict)
 
 
-def _write_safetensors(state_dict: Mapping[str, np.ndarray], path: str) -> None:
+def _write_npz_and_meta(state_dict: Mapping[str, np.ndarray], path: str, meta: Mapping[str, Any]) -> None:
+    """np.savez's file with `meta` as JSON in its zip comment, which np.load ignores: the entries stay the state
+    dict's."""
+    _write_npz(state_dict, path)
+    if meta:
+        with zipfile.ZipFile(path, "a") as z:
+            z.comment = json.dumps(dict(meta), sort_keys=True).encode()
+
+
+def _write_safetensors(state_dict: Mapping[str, np.ndarray], path: str,
+                       meta: Mapping[str, Any] | None = None) -> None:
     from safetensors.numpy import save_file
 
     # metadata format "pt": transformers' from_pretrained reads a safetensors file only when it says so
-    save_file({k: np.ascontiguousarray(v) for k, v in state_dict.items()}, path, metadata={"format": "pt"})
+    metadata = {k: json.dumps(v) for k, v in (meta or {}).items() if k != "format"} | {"format": "pt"}
+    save_file({k: np.ascontiguousarray(v) for k, v in state_dict.items()}, path, metadata=metadata)
 
 
 def _write_text(path: str, text: str) -> None:

@@ -67,7 +67,10 @@ def pipeline_mesh(devices: int | Sequence | None = None, num_stages: int = 1, te
                              f"divides {n}.")
         grid = np.array(devices, dtype=object).reshape(S, n // (S * T), T).transpose(1, 0, 2)  # [DATA, PIPE, TENSOR]
         return jax.sharding.Mesh(grid, (DATA, PIPE, TENSOR))
-    if not 1 <= num_stages <= n or n % num_stages:
+    if isinstance(num_stages, bool) or not isinstance(num_stages, (int, np.integer)) or num_stages < 1:
+        raise ValueError(f"num_stages={num_stages!r} must be an int >= 1 (stages of the pipeline); pass 2 or more "
+                         "to pipeline, 1 to run the model as one stage.")
+    if num_stages > n or n % num_stages:
         raise ValueError(f"num_devices={n} must be a multiple of num_stages={num_stages} (one data-parallel group "
                          f"of {num_stages} stages per {num_stages} devices); use --num-devices "
                          f"{max(num_stages, n - n % num_stages)} or --num-stages dividing {n}.")

@@ -78,6 +78,8 @@ CASES = [
     ("tensor parallel under ddp", ["--strategy", "ddp", "--tensor-parallel", "2"],
      ["--tensor-parallel 2", "--strategy tp and pipeline, not ddp"]),
     ("ring under zero", ["--strategy", "zero", "--allreduce", "ring"], ["--allreduce ring", "ddp, not zero"]),
+    ("no overlap under single", ["--no-overlap"], ["--no-overlap is read by --strategy ddp, not single",
+                                                    "drop --no-overlap"]),
     ("dropout on a non-GPT", ["--dropout", "0.5"], ["--dropout 0.5 would be ignored", "--model linear is not one of "
                                                     "jaxpar's GPTs", "drop --dropout"]),
     ("seq len off text", ["--seq-len", "64"], ["--seq-len 64 would be ignored", "--dataset npz is not text"]),

@@ -186,9 +186,9 @@ def check_compatible(meta: dict, info: dict, directory: str) -> list[str]:
         raise ValueError(f"{where} model {meta['model']!r} with {diff} = {saved.get(diff, 'absent')} (shape, dtype), "
                          f"but this run has {now.get(diff, 'absent')}; pass {flags}, or another --checkpoint-dir.")
     if None not in (meta.get("decay_steps"), info["decay_steps"]) and meta["decay_steps"] != info["decay_steps"]:
-        changed.append(f"the cosine schedule decayed to step {meta['decay_steps']}, now {info['decay_steps']} (it "
-                       f"ends at the run's last step unless --lr-decay-steps is given: pass --lr-decay-steps "
-                       f"{meta['decay_steps']} to keep the original)")
+        changed.append(f"the cosine schedule decayed to step {meta['decay_steps']}, now {info['decay_steps']}: it "
+                       f"ends at the run's last step unless --lr-decay-steps is given; pass --lr-decay-steps "
+                       f"{meta['decay_steps']} to keep the original")
     return changed
 
 

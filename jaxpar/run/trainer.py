@@ -230,13 +230,16 @@ def check_flags_are_read(cfg: Config) -> None:
     on another model, a dataset's on another dataset, another schedule's or optimizer's."""
     from jaxpar import models
 
-    defaults, flag = Config(), lambda f: f"--{f.replace('_', '-')}"  # noqa: E731
+    from jaxpar.cli import _NEGATED
+
+    defaults = Config()
     given = lambda f: getattr(cfg, f) != getattr(defaults, f)  # noqa: E731
+    flag = lambda f: _NEGATED.get(f, f"--{f.replace('_', '-')}")  # noqa: E731  (as typed: --no-overlap)
+    shown = lambda f: flag(f) if isinstance(getattr(cfg, f), bool) else f"{flag(f)} {getattr(cfg, f)}"  # noqa: E731
     for field, owners in STRATEGY_FLAGS.items():
         if given(field) and cfg.strategy not in owners:
-            raise ValueError(f"{flag(field)} {getattr(cfg, field)} is read by --strategy {' and '.join(owners)}, not "
-                             f"{cfg.strategy}{HINTS.get((field, cfg.strategy), '')}; use that strategy, or drop "
-                             f"{flag(field)}.")
+            raise ValueError(f"{shown(field)} is read by --strategy {' and '.join(owners)}, not {cfg.strategy}"
+                             f"{HINTS.get((field, cfg.strategy), '')}; use that strategy, or drop {flag(field)}.")
     readers = [(("n_head", "dropout", "torch_layout"), cfg.model in models.GPT_NAMES,
                 f"--model {cfg.model} is not one of jaxpar's GPTs ({', '.join(models.GPT_NAMES)})"),
                (("seq_len",), cfg.dataset == "text", f"--dataset {cfg.dataset} is not text"),
@@ -249,7 +252,7 @@ def check_flags_are_read(cfg: Config) -> None:
     for fields, read, why in readers:
         for field in fields:
             if given(field) and not read:
-                raise ValueError(f"{flag(field)} {getattr(cfg, field)} would be ignored: {why}; drop {flag(field)}.")
+                raise ValueError(f"{shown(field)} would be ignored: {why}; drop {flag(field)}.")
 
 
 def load_object(ref: str, flag: str) -> Any:

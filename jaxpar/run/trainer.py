@@ -99,8 +99,8 @@ def validate(cfg: Config) -> None:
             fit = stages * tp * max(1, cfg.num_devices // (stages * tp))
             raise ValueError(f"--num-devices {cfg.num_devices} must be a multiple of --num-stages x --tensor-parallel "
                              f"= {stages} x {tp} (D x S x T); use --num-devices {fit}.")
-        if cfg.model in models.GPT_NAMES:
-            heads = models.GPTConfig.named(cfg.model, n_head=cfg.n_head).n_head
+        if cfg.model in models.GPT_NAMES and not (cfg.init_torch and cfg.n_head is None):  # else the file's count
+            heads = models.GPTConfig.named(cfg.model, n_head=cfg.n_head).n_head  # (the stage plan checks that one)
             if heads % tp:
                 raise ValueError(f"--model {cfg.model} has {heads} heads, which --tensor-parallel {tp} does not split "
                                  f"evenly; use a --tensor-parallel dividing {heads} (or --n-head a multiple of {tp}).")

@@ -24,7 +24,7 @@ def _shown(default) -> str:
     return repr(default) if isinstance(default, str) and (not default or default != default.strip()) else str(default)
 
 
-_NEGATED = {"shuffle": "--no-shuffle", "overlap": "--no-overlap",  # booleans that default to on
+NEGATED = {"shuffle": "--no-shuffle", "overlap": "--no-overlap",  # booleans that default to on
             "parallel_output": "--no-parallel-output"}
 
 
@@ -45,8 +45,8 @@ def parser() -> argparse.ArgumentParser:
     for f in dataclasses.fields(Config):
         default = getattr(defaults, f.name)
         flag = "--" + f.name.replace("_", "-")
-        if f.name in _NEGATED:
-            p.add_argument(_NEGATED[f.name], dest=f.name, action="store_false", help=f"turn off: {helps.get(f.name, f.name)}")
+        if f.name in NEGATED:
+            p.add_argument(NEGATED[f.name], dest=f.name, action="store_false", help=f"turn off: {helps.get(f.name, f.name)}")
         elif isinstance(default, bool):
             p.add_argument(flag, action="store_true", help=helps.get(f.name))
         else:

@@ -229,12 +229,11 @@ def check_flags_are_read(cfg: Config) -> None:
     """ValueError for a flag changed from its default that nothing in this run reads: another strategy's, a GPT's
     on another model, a dataset's on another dataset, another schedule's or optimizer's."""
     from jaxpar import models
-
-    from jaxpar.cli import _NEGATED
+    from jaxpar.cli import NEGATED
 
     defaults = Config()
     given = lambda f: getattr(cfg, f) != getattr(defaults, f)  # noqa: E731
-    flag = lambda f: _NEGATED.get(f, f"--{f.replace('_', '-')}")  # noqa: E731  (as typed: --no-overlap)
+    flag = lambda f: NEGATED.get(f, f"--{f.replace('_', '-')}")  # noqa: E731  (as typed: --no-overlap)
     shown = lambda f: flag(f) if isinstance(getattr(cfg, f), bool) else f"{flag(f)} {getattr(cfg, f)}"  # noqa: E731
     for field, owners in STRATEGY_FLAGS.items():
         if given(field) and cfg.strategy not in owners:
@@ -459,6 +458,11 @@ def _norm_of(metrics: dict) -> dict:
     return {k: float(metrics[k]) for k in ("grad_norm", "loss_scale") if k in metrics}
 
 
+def decay_steps(cfg: Config, total_steps: int) -> int:
+    """The step the cosine schedule reaches --min-lr: --lr-decay-steps, by default the run's last step."""
+    return total_steps if cfg.lr_decay_steps is None else cfg.lr_decay_steps
+
+
 def learning_rate(cfg: Config, steps_per_epoch: int, total_steps: int | None = None) -> float | optax.Schedule:
     """The learning rate by update count: StepLR(step_size=1 epoch, gamma), or nanoGPT's warmup + cosine decaying
     to --min-lr at --lr-decay-steps (default: the run's last step, `total_steps`)."""
@@ -466,7 +470,7 @@ def learning_rate(cfg: Config, steps_per_epoch: int, total_steps: int | None = N
     if total_steps is None:
         total_steps = steps_per_epoch * cfg.epochs if cfg.steps is None else cfg.steps
     if cfg.lr_schedule == "cosine":
-        decay = total_steps if cfg.lr_decay_steps is None else cfg.lr_decay_steps
+        decay = decay_steps(cfg, total_steps)
         if decay <= cfg.warmup_steps:
             raise ValueError(f"--warmup-steps {cfg.warmup_steps} leaves no decay: the run has {total_steps} steps; "
                              "pass fewer --warmup-steps, or a larger --lr-decay-steps or --steps.")
@@ -540,7 +544,7 @@ def prepare_outputs(cfg: Config, state: TrainState, model: nnx.Module | None = N
     ckpt = None
     if cfg.checkpoint_dir:
         n_head = model.config.n_head if isinstance(model, models.GPT) else None
-        decay = (cfg.lr_decay_steps or total_steps) if cfg.lr_schedule == "cosine" else None
+        decay = decay_steps(cfg, total_steps) if cfg.lr_schedule == "cosine" else None
         ckpt = checkpoint.Checkpointer(cfg.checkpoint_dir, checkpoint.run_info(cfg, state, n_head, decay),
                                        resume=cfg.resume, keep=cfg.checkpoint_keep)
 

@@ -74,6 +74,17 @@ def attention_impl(setting: str, dtype, head_dim: int) -> str:
     return "cudnn" if fits and jax.default_backend() == "gpu" else "xla"
 
 
+def query_blocks(t: int) -> list[int]:
+    """causal_attention's query-block bounds on CPUs: about CPU_QUERY_BLOCK rows each, at most 8 blocks."""
+    return np.linspace(0, t, max(1, min(8, t // CPU_QUERY_BLOCK)) + 1).astype(int).tolist()
+
+
+def cpu_score_count(t: int) -> int:
+    """Scores one head of one sequence forms on CPUs (causal_attention's blocks: rows lo:hi against keys 0:hi)."""
+    bounds = query_blocks(t)
+    return sum((hi - lo) * hi for lo, hi in zip(bounds[:-1], bounds[1:]))
+
+
 def causal_attention(q_BxTxNxH: jax.Array, k_BxTxNxH: jax.Array, v_BxTxNxH: jax.Array,
                      setting: str = "auto") -> jax.Array:
     """softmax(q k^T / sqrt(H), causal) v through `jax.nn.dot_product_attention`: one call on GPUs (cuDNN's fused
@@ -82,14 +93,13 @@ def causal_attention(q_BxTxNxH: jax.Array, k_BxTxNxH: jax.Array, v_BxTxNxH: jax.
     XLA:CPU materialises the T x T scores and their gradients (memory-bound passes); the blocks skip most of the
     masked upper triangle: at T=256 in 4 blocks, 35 % less attention time than one causal call (bench/gpt.py)."""
     impl = attention_impl(setting, q_BxTxNxH.dtype, q_BxTxNxH.shape[-1])
-    t = q_BxTxNxH.shape[-3]
-    blocks = max(1, min(8, t // CPU_QUERY_BLOCK)) if jax.default_backend() == "cpu" else 1
-    if blocks == 1:
+    bounds = query_blocks(q_BxTxNxH.shape[-3]) if jax.default_backend() == "cpu" else [0, q_BxTxNxH.shape[-3]]
+    if len(bounds) == 2:
         return jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxNxH, v_BxTxNxH, is_causal=True, implementation=impl)
-    bounds = np.linspace(0, t, blocks + 1).astype(int)
     out = []
     for lo, hi in zip(bounds[:-1], bounds[1:]):  # rows lo:hi see keys 0:hi, key j <= row i
-        mask_1x1xQxK = np.tril(np.ones((hi - lo, hi), bool), k=lo)[None, None]
+        rows, keys = jax.lax.broadcasted_iota(int, (hi - lo, hi), 0), jax.lax.broadcasted_iota(int, (hi - lo, hi), 1)
+        mask_1x1xQxK = (keys <= rows + lo)[None, None]  # in the graph: a constant would be (hi - lo) x hi bytes
         out.append(jax.nn.dot_product_attention(q_BxTxNxH[..., lo:hi, :, :], k_BxTxNxH[..., :hi, :, :],
                                                 v_BxTxNxH[..., :hi, :, :], mask=mask_1x1xQxK, implementation=impl))
     return jnp.concatenate(out, axis=-3)

@@ -83,6 +83,8 @@ CASES = [
     ("dropout on a non-GPT", ["--dropout", "0.5"], ["--dropout 0.5 would be ignored", "--model linear is not one of "
                                                     "jaxpar's GPTs", "drop --dropout"]),
     ("seq len off text", ["--seq-len", "64"], ["--seq-len 64 would be ignored", "--dataset npz is not text"]),
+    ("seq len whose attention cannot fit", ["--model", "gpt-nano", "--dataset", "text", "--seq-len", "1000000"],
+     ["--seq-len 1000000", "6,286.4 GiB", "3 heads", "lower --seq-len"]),  # 6 TiB: more than any machine has
     ("data dir for npz", ["--data-dir", "/nonexistent"], ["--data-dir /nonexistent would be ignored", "reads no IDX"]),
     ("gamma under cosine", ["--lr-schedule", "cosine", "--gamma", "0.5"], ["--gamma 0.5 would be ignored",
                                                                           "--lr-schedule cosine is not StepLR's"]),

@@ -219,6 +219,28 @@ def test_blocked_cpu_attention_equals_one_causal_call(t):
     assert t // gpt.CPU_QUERY_BLOCK >= 3  # really blocked
 
 
+def test_a_sequence_whose_attention_scores_cannot_fit_is_refused_before_anything_is_built():
+    """The CPU blocks' score count (rows lo:hi against keys 0:hi), and train.py's floor on it: every device the
+    step runs in lockstep holds its heads' scores of one sequence in one layer; beyond the host's memory, one
+    line. The pipeline's stages and single count one device; tensor parallelism splits the heads."""
+    from jaxpar.config import Config
+    from jaxpar.models import gpt_ops
+    from jaxpar.run import trainer
+
+    assert gpt_ops.cpu_score_count(100) == 100 * 100  # one block: the whole square
+    assert gpt_ops.cpu_score_count(256) == 64 * (64 + 128 + 192 + 256)  # 4 blocks of 64 rows
+    nano = gpt.GPTConfig.named("gpt-nano")  # 3 heads
+    scores = gpt_ops.cpu_score_count(1000)
+    for cfg, floor in [(Config(strategy="single"), 3 * scores * 4),
+                       (Config(strategy="pipeline", num_devices=2), 3 * scores * 4),
+                       (Config(strategy="ddp", num_devices=2, batch_size=16), 2 * 3 * scores * 4),
+                       (Config(strategy="ddp", num_devices=4, batch_size=2), 2 * 3 * scores * 4),  # 2 rows: 2 busy
+                       (Config(strategy="tp", num_devices=3, tensor_parallel=3), 3 * 1 * scores * 4)]:
+        trainer.check_attention_fits(nano, 1000, cfg, memory=floor)  # fits exactly
+        with pytest.raises(ValueError, match=r"^--seq-len 1000: .* GiB .*beyond this machine's .*lower --seq-len"):
+            trainer.check_attention_fits(nano, 1000, cfg, memory=floor - 1)
+
+
 def test_attention_uses_cudnn_only_on_gpus_for_half_precision(monkeypatch):
     assert gpt.attention_impl("auto", jnp.bfloat16, 64) == "xla"  # here: a CPU
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")

@@ -8,6 +8,7 @@ allocates inside one compiled call; on GPU `peak_bytes` adds the allocator's hig
 from __future__ import annotations
 
 import gc
+import os
 from typing import Iterable, Sequence
 
 import jax
@@ -47,6 +48,14 @@ def peak_bytes(device) -> int | None:
     """The allocator's peak bytes in use on `device`, or None where it keeps no statistics (CPU)."""
     stats = device.memory_stats()
     return None if not stats else stats.get("peak_bytes_in_use")
+
+
+def host_bytes() -> int | None:
+    """This machine's physical memory in bytes (what CPU devices share), or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def diff(after: Bytes, before: Bytes) -> Bytes:

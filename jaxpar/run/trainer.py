@@ -19,6 +19,7 @@ from flax import nnx
 
 from jaxpar.config import DEFAULT_LR, Config
 from jaxpar.optim import DECAY_PARAMS, LR_SCHEDULES, OPTIMIZERS, clip_by_global_norm, make_optimizer, warmup_cosine
+from jaxpar.run import memory as jax_memory
 from jaxpar.run import weights
 from jaxpar.step import TrainState, init_state, make_eval_step
 from jaxpar.strategies.base import STRATEGIES, cfg_objective, get_builder, whole_batch
@@ -377,6 +378,7 @@ def gpt_model(cfg: Config, train_set) -> nnx.Module:
     vocab = getattr(train_set, "vocab_size", None) or 1 + int(max(np.max(train_set.x), np.max(train_set.y)))
     options = dict(n_head=cfg.n_head, dropout=cfg.dropout, recompute_granularity=cfg.recompute_granularity)
     if not cfg.init_torch:
+        check_attention_fits(models.GPTConfig.named(cfg.model, n_head=cfg.n_head), seq_len, cfg)
         return models.get(cfg.model, seed=cfg.seed, vocab_size=vocab, block_size=seq_len, **options)
     state_dict, meta = weights.read(cfg.init_torch, "--init-torch")
     if "n_head" in meta:  # the checkpoint's own head count (config.json, nanoGPT's model_args)
@@ -392,7 +394,33 @@ def gpt_model(cfg: Config, train_set) -> nnx.Module:
     if vocab > model.config.vocab_size:
         raise ValueError(f"the data holds token {vocab - 1}, beyond the vocabulary of --init-torch's model "
                          f"({model.config.vocab_size}); use data tokenized for that model.")
+    check_attention_fits(model.config, seq_len, cfg)
     return model
+
+
+def check_attention_fits(gpt, seq_len: int, cfg: Config, memory: int | None = None) -> None:
+    """Refuse a sequence length whose attention scores cannot fit in memory, before anything is built. On CPUs XLA
+    forms each head's causal scores (causal_attention's query blocks), and the devices of one host share its
+    memory: every device that runs the step in lockstep (all but single and the pipeline's stages) holds its heads'
+    scores of at least one sequence in one layer at once. That floor -- the step keeps a batch of them, layer by
+    layer, for the backward -- beyond the host's memory would have the kernel kill the run minutes later.
+    `memory`: the host's bytes (default: its physical memory)."""
+    from jaxpar.models import gpt_ops
+
+    memory = jax_memory.host_bytes() if memory is None else memory
+    if jax.default_backend() != "cpu" or not memory:  # GPUs: fused attention, and XLA's own out-of-memory error
+        return
+    tp = max(1, cfg.tensor_parallel) if cfg.strategy in ("tp", "pipeline") else 1
+    nproc = jax.process_count()
+    local = (cfg.num_devices or jax.device_count()) // nproc
+    devices = 1 if cfg.strategy in ("single", "pipeline") else max(1, min(local, cfg.batch_size // nproc * tp))
+    heads, scores = -(-gpt.n_head // tp), gpt_ops.cpu_score_count(seq_len)
+    need = devices * heads * scores * 4
+    if need > memory:
+        raise ValueError(f"--seq-len {seq_len}: the attention scores of one sequence in one layer alone take "
+                         f"{need / 2**30:,.1f} GiB ({devices} device(s) x {heads} heads x {scores:,} float32 scores; "
+                         f"XLA:CPU forms them whole), beyond this machine's {memory / 2**30:,.1f} GiB; lower --seq-len "
+                         "(the scores grow with its square).")
 
 
 def lm_summary(cfg: Config, model: nnx.Module, train_set, summary: dict, devices: int) -> dict:

@@ -122,6 +122,27 @@ def test_3d_equals_the_single_step(D, S, T, schedule):
     assert pipe.report()["tensor_parallel"] == T
 
 
+class Doubled(GPT):
+    """A GPT whose __call__ is NOT its layers in turn: the logits doubled."""
+
+    def __call__(self, idx_BxT):
+        return 2 * super().__call__(idx_BxT)
+
+
+def test_3d_checks_that_the_layers_are_the_model():
+    """The pipeline runs the model's `layers`, not its __call__; under 3-D too it checks on the first batch that
+    the two agree, on the objective's unsplit model (jaxpar's GPT passes: the tests above), and refuses one where
+    they do not."""
+    bad = Doubled(GPTConfig(**CFG), rngs=nnx.Rngs(params=0, dropout=1))
+    assert max_diff(bad(jnp.asarray(batch()["x"])), model()(jnp.asarray(batch()["x"]))) > 1e-2  # really differ
+    pipe = Pipeline(bad, TX, loss_fn=LOSS, num_stages=2, micro_batches=2, tensor_parallel=2,
+                    mesh=pipeline_mesh(4, 2, 2), compiler_options=FAST)
+    pipe.init(jaxpar.init_state(bad, TX))
+    with pytest.raises(ValueError, match=r"`layers` one after another instead of Doubled.__call__, but the two "
+                                         r"differ \(outputs differ by up to"):
+        pipe.put_batch(batch())
+
+
 @pytest.mark.parametrize("D,S,T,schedule", [(2, 2, 2, "1f1b"), (1, 2, 2, "zbv")])
 def test_3d_sequence_parallel_equals_the_single_step(D, S, T, schedule):
     """Megatron's sequence parallelism inside the 3-D pipeline: between the split regions, and across the stage

@@ -218,9 +218,9 @@ class Pipeline:
         self.engine.state_specs = None  # set by init, from the canonical model state
         self._layouts: dict = {}
         self._last: Any = None
-        # a model of the user's own: its __call__ must be its layers in turn (checked on the first batch; under 3-D
-        # the blocks already point at the TENSOR axis, and a model that splits defines tensor_layout(), as GPT's)
-        self._own_model, self._layers_check = not isinstance(model, PipelineModule) and T == 1, LayersCheck()
+        # a model of the user's own: its __call__ must be its layers in turn (checked on the first batch, on the
+        # objective's unsplit model: under 3-D too)
+        self._own_model, self._layers_check = not isinstance(model, PipelineModule), LayersCheck()
 
     # -- placement -----------------------------------------------------------------------------------------
 

@@ -80,6 +80,18 @@ def _same_trace(f: Callable, g: Callable, arg: Any) -> bool:
         x is y or (jnp.shape(x) == jnp.shape(y) and bool(jnp.array_equal(x, y))) for x, y in zip(a.consts, b.consts))
 
 
+def check_rows_leading(out: PyTree, rows: int, fix: str = "") -> None:
+    """ValueError unless every leaf of the model's outputs `out` has the `rows` it was run on as its leading axis:
+    outputs are cut, gathered and concatenated by rows, so a per-batch value (a scalar, a [k, D] table) cannot
+    be one of them. `fix`: a strategy's own alternative, appended."""
+    for path, a in jax.tree_util.tree_flatten_with_path(out)[0]:
+        if not jnp.ndim(a) or jnp.shape(a)[0] != rows:
+            raise ValueError(f"the model's output{jax.tree_util.keystr(path)} is shaped {jnp.shape(a)} on {rows} "
+                             "row(s), but outputs are cut and gathered by rows: give every output leaf the rows as "
+                             "its leading axis (a per-batch value such as an auxiliary loss belongs in the "
+                             f"loss){fix}.")
+
+
 def check_wrt_within(part: Any, wrt: Any, trained: set, who: str, where: str) -> None:
     """ValueError unless `wrt` selects within `part` (a layer, or a list of layers, split on its own) exactly the
     Variables whose ids are in `trained` (what it selects within the whole model): strategies that split the model
@@ -304,6 +316,9 @@ class Objective:
     def sums(self, params: nnx.State, model_state: nnx.State, rows: Rows, *, train: bool = True,
              shard: Any = 0) -> tuple[Sums, nnx.State]:
         """(Sums over the real rows of `rows`, the model state after them). `shard` keys batch-mode draws."""
+        if not isinstance(rows, Rows):  # a raw batch failed deep inside ('dict' object has no attribute 'mask')
+            raise TypeError(f"the objective takes Rows (the batch, its mask and sample ids), not a "
+                            f"{type(rows).__name__}; pass jaxpar.as_rows(batch), or a strategy's put_batch(batch).")
         params = cast_floating(params, self.compute_dtype)
         if not self.per_sample:
             return self._batch_sums(params, model_state, rows, train, shard)
@@ -363,16 +378,31 @@ class Objective:
 
     def check_layers(self, params: nnx.State, model_state: nnx.State, batch: PyTree, why: str, fix: str,
                      unpack: bool = False) -> None:
-        """ValueError unless the model, in eval mode, computes the same through its own __call__ as through its
-        `layers` applied in turn (`unpack`: nnx.Sequential's tuple/dict convention), on `batch` (a few rows): the
-        outputs under an OutputLoss, else the loss. For strategies that run the layers instead of __call__ (`why`):
-        the pipeline, ZeRO-3's per-layer fetches, activation checkpointing. Once, before training: first traced
-        (the same jaxpr over the same weights is the same function), then, where the traces differ, run eagerly."""
+        """ValueError unless the model computes the same through its own __call__ as through its `layers` applied
+        in turn (`unpack`: nnx.Sequential's tuple/dict convention), on `batch` (a few rows), in eval mode and in
+        training mode (glue such as a dropout between the layers acts only there): the outputs under an
+        OutputLoss, else the loss. For strategies that run the layers instead of __call__ (`why`): the pipeline,
+        ZeRO-3's per-layer fetches, activation checkpointing. Once, before training: first traced (the same jaxpr
+        over the same weights is the same function), then, where the traces differ, run eagerly, each side's random
+        streams starting alike."""
+        for graphdef, mode in ((self.eval_graphdef, "eval mode"), (self.graphdef, "training mode")):
+            gap = self._layers_gap(graphdef, params, model_state, batch, unpack)
+            if gap:
+                raise ValueError(f"{why} `layers` one after another instead of {gap[0]}.__call__, but the two differ "
+                                 f"({gap[1]} on the first batch's first rows, {mode}): write __call__ as `for layer "
+                                 "in self.layers: x = layer(x)` (residuals, dropout and other glue inside the "
+                                 f"layers), or {fix}.")
+
+    def _layers_gap(self, graphdef: nnx.GraphDef, params: nnx.State, model_state: nnx.State, batch: PyTree,
+                    unpack: bool) -> tuple[str, str] | None:
+        """None where __call__ and the layers in turn agree under `graphdef`, else (model name, how they differ)."""
         from jaxpar.pipeline.module import apply_layers
 
         def models():  # each side on its own copy (merge shares the state's Variables): streams start alike, and
             # what the calls advance or trace stays in the copies
-            plain, layered = (nnx.clone(nnx.merge(self.eval_graphdef, params, model_state)) for _ in range(2))
+            plain, layered = (nnx.clone(nnx.merge(graphdef, params, model_state)) for _ in range(2))
+            if getattr(type(plain), "_recompute_interval", 0):  # training's graph recomputes: the user's class
+                plain.__class__ = layered.__class__ = type(plain).__bases__[0]
             key = (type(plain), unpack)
             if key not in _LAYERED:
                 base = type(plain)  # called with more than one input, the strategies call the model itself too
@@ -391,23 +421,19 @@ class Objective:
         plain, layered = models()
         name = type(plain).__name__
         if _same_trace(lambda a: run(plain, a), lambda a: run(layered, a), arg):
-            return
+            return None
         plain, layered = models()  # fresh: tracing may have left tracers in the copies
         want, got = run(plain, arg), run(layered, arg)
         w, g = jax.tree.leaves(want), jax.tree.leaves(got)
         shapes = [jnp.shape(a) for a in w], [jnp.shape(a) for a in g]
         if jax.tree.structure(want) != jax.tree.structure(got) or shapes[0] != shapes[1]:
-            gap = f"{what} shaped {shapes[0]} against {shapes[1]}"
-        else:
-            diff = max([float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32)),
-                                      initial=0.0)) for a, b in zip(w, g)], default=0.0)
-            size = max([float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32)), initial=0.0)) for a in w] + [1.0])
-            if not diff > 1e-5 * size:  # eager, the same kernels: equal where the two are the same function
-                return
-            gap = f"{what} differ by up to {diff:.3g}"
-        raise ValueError(f"{why} `layers` one after another instead of {name}.__call__, but the two differ ({gap} on "
-                         f"the first batch's first rows, eval mode): write __call__ as `for layer in self.layers: x = "
-                         f"layer(x)` (residuals and other glue inside the layers), or {fix}.")
+            return name, f"{what} shaped {shapes[0]} against {shapes[1]}"
+        diff = max([float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32)),
+                                  initial=0.0)) for a, b in zip(w, g)], default=0.0)
+        size = max([float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32)), initial=0.0)) for a in w] + [1.0])
+        if not diff > 1e-5 * size:  # eager, the same kernels: equal where the two are the same function
+            return None
+        return name, f"{what} differ by up to {diff:.3g}"
 
     def output_loss(self) -> OutputLoss:
         if not isinstance(self.loss_fn, OutputLoss):
@@ -434,7 +460,9 @@ class Objective:
         def one(row, sid, params, model_state):
             model = nnx.merge(self.graphdef, params, model_state)
             reseed(model, sid)
-            return jax.tree.map(lambda a: a[0], run(model, _expand(row)))
+            out = run(model, _expand(row))
+            check_rows_leading(out, 1)
+            return jax.tree.map(lambda a: a[0], out)
 
         parts = []
         step = self.rows_per_call or rows.mask.shape[0]

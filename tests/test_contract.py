@@ -332,6 +332,19 @@ class Residual(nnx.Module):
         return self.layers[-1](x)
 
 
+class Glue(nnx.Module):
+    """`layers` with no dropout, and a __call__ that puts one between them: the same function in eval mode only."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.layers = nnx.List([nnx.Linear(8, 8, rngs=rngs), jnp.tanh, nnx.Linear(8, 2, rngs=rngs)])
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        for layer in self.layers[:-1]:
+            x = self.drop(layer(x))
+        return self.layers[-1](x)
+
+
 class Noise(nnx.Module):
     """Adds noise from its own stream, in eval mode too: the check's two sides must start the stream alike."""
 
@@ -378,6 +391,22 @@ def test_strategies_that_run_the_layers_check_they_are_the_model():
                     strategy.put_batch(batch)
             else:
                 strategy.put_batch(batch)  # the layers are the model, or the strategy calls the model itself
+    glue, layered = Glue(nnx.Rngs(0)), x  # dropout between the layers acts in training only: checked there too
+    for layer in glue.layers:
+        layered = layer(layered)
+    assert float(jnp.max(jnp.abs(glue(x) - layered))) > 1e-2  # training mode: the two differ
+    glue.eval()
+    assert float(jnp.max(jnp.abs(glue(x) - layered))) == 0.0  # eval mode: the same, so an eval-only check passed
+    for name, make in {**runs_layers, **runs_call}.items():
+        model = Glue(nnx.Rngs(0))
+        strategy = make(model)
+        strategy.init(jaxpar.init_state(model, TX))
+        if name in runs_layers:
+            with pytest.raises(ValueError, match=r"instead of Glue.__call__, but the two differ \(outputs differ by up "
+                                                 r"to .* training mode\)"):
+                strategy.put_batch(batch)
+        else:
+            strategy.put_batch(batch)
     r = nnx.Rngs(params=0, noise=5)  # a stream drawn in eval mode: the check leaves the user's state as it was
     noisy = nnx.Sequential(nnx.Linear(8, 8, rngs=r), Noise(r), nnx.Linear(8, 2, rngs=r))
     state = jaxpar.init_state(noisy, TX)
@@ -416,6 +445,16 @@ def test_a_state_of_another_optimizer_or_model_is_refused_at_init():
                                              "against 6: state.params\\['layers'\\]\\[6\\].* is not in it\\)"):
             strategy.init(deeper)
         strategy.init(jaxpar.init_state(model, TX))  # its own model's and optimizer's state is taken
+        half = jaxpar.init_state(model, TX)  # bfloat16 weights in a float32 model trained at bfloat16
+        half = half._replace(params=jax.tree.map(lambda a: a.astype(jnp.bfloat16), half.params))
+        with pytest.raises(ValueError, match="state.params\\['layers'\\]\\[0\\]\\['bias'\\].* is bfloat16 where "
+                                             "the strategy's model has float32 \\(6 leaves differ\\).*cast the "
+                                             "state to the model's dtypes"):
+            strategy.init(half)
+        with pytest.raises(TypeError, match="the state is State, not a jaxpar.TrainState.*jaxpar.init_state"):
+            strategy.init(nnx.state(model))
+    with pytest.raises(TypeError, match="tx=None is not an optax GradientTransformation"):
+        jaxpar.SingleDevice(objective, None).init(jaxpar.init_state(model, TX))
     wide = jaxpar.init_state(regression.make_model(8, 16, 2, 0.3, rngs=nnx.Rngs(0)), TX)
     wide = wide._replace(opt_state=jax.tree.map(lambda a: jnp.zeros((*a.shape[:-1], a.shape[-1] + 1)) if a.ndim
                                                 else a, wide.opt_state))
@@ -440,6 +479,36 @@ def test_bad_batches_are_named_before_any_work():
         for batch, match in cases:
             with pytest.raises(ValueError, match=match):
                 strategy.put_batch(batch)
+        name = type(strategy).__name__  # a raw batch handed to step(): it failed deep inside ('mask', 'sharding')
+        with pytest.raises(TypeError, match=f"{name}.step\\(\\) got a dict batch, not what {name}.put_batch returns"):
+            strategy.step(strategy.init(jaxpar.init_state(model, TX)), {"x": x, "y": y})
+    with pytest.raises(TypeError, match="the objective takes Rows .* not a dict; pass jaxpar.as_rows\\(batch\\)"):
+        jaxpar.make_eval_step(objective)(*jaxpar.init_state(model, TX)[::2], {"x": x, "y": y})
+
+
+class Scored(nnx.Module):
+    """Per-row outputs and a per-batch one (an auxiliary loss as a scalar output)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.fc = nnx.Linear(8, 2, rngs=rngs)
+
+    def __call__(self, x):
+        y = self.fc(x)
+        return {"y": y, "aux": jnp.mean(y ** 2)}
+
+
+def test_outputs_are_gathered_by_rows_or_refused():
+    """DataParallel gathers outputs by rows (and per sample each row's outputs are its own): a scalar output was an
+    IndexError inside jax, or would be concatenated devices times over. One line naming the leaf."""
+    loss = OutputLoss(lambda out, b: (jnp.sum((out["y"] - b["y"]) ** 2) + out["aux"], b["y"].size))
+    batch = {"x": np.ones((4, 8), np.float32), "y": np.zeros((4, 2), np.float32)}
+    for per_sample in (True, False):
+        model = Scored(nnx.Rngs(0))
+        dp = jaxpar.DataParallel(model, TX, loss_fn=loss, device_ids=[0, 1], per_sample=per_sample)
+        placed = dp.init(jaxpar.init_state(model, TX))
+        with pytest.raises(ValueError, match="the model's output\\['aux'\\] is shaped \\(\\) on [12] row\\(s\\), but outputs "
+                                             "are cut and gathered by rows"):
+            dp.step(placed, dp.put_batch(batch))
 
 
 def test_bad_contract_use_is_named():

@@ -104,4 +104,5 @@ def check_unpadded(rows: Rows, why: str) -> None:
     mask = np.asarray(rows.mask)
     if not mask.all():
         raise ValueError(f"{int((mask == 0).sum())} padding rows would reach a loss that sees whole shards ({why}); "
-                         "use a batch size the devices (x micro-batches) divide and --drop-last, or per_sample=True.")
+                         "give every step a batch the devices (x micro-batches) divide (train.py: --drop-last keeps "
+                         "the last one full), or, for a model without BatchNorm, use per_sample=True.")

@@ -133,7 +133,7 @@ def test_sync_batch_norm_makes_ddp_equal_the_single_step():
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_batch_mode_refuses_padding_and_sync_bn_refuses_dp():
+def test_batch_mode_refuses_padding_and_sync_bn_refuses_dp_and_the_pipeline():
     ddp = jaxpar.DistributedDataParallel(bn_model(), TX, mesh=jaxpar.make_mesh(4))
     rows = as_rows({"x": np.zeros((14, 6), np.float32), "y": np.zeros(14, np.int32)})
     with pytest.raises(ValueError, match="2 padding rows would reach a loss that sees whole shards.*--drop-last"):
@@ -143,3 +143,6 @@ def test_batch_mode_refuses_padding_and_sync_bn_refuses_dp():
     dp = jaxpar.DataParallel(bn_model(True), TX, device_ids=[0, 1])
     with pytest.raises(ValueError, match="SyncBatchNorm needs DistributedDataParallel"):
         dp.init(jaxpar.init_state(bn_model(True), TX))
+    pipe = jaxpar.Pipeline(bn_model(True), TX, num_stages=2, micro_batches=2)  # it failed inside flax's BatchNorm
+    with pytest.raises(ValueError, match="which the pipeline's stages cannot bind.*SyncBatchNorm needs Distributed"):
+        pipe.init(jaxpar.init_state(bn_model(True), TX))

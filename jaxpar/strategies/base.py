@@ -63,18 +63,42 @@ def check_state(state: TrainState, tx, objective: Objective | None = None) -> No
     jaxpar.init_state(model, tx) or a checkpoint of it gives). A state of another model (other widths) would train
     that model under this one's name, one of another optimizer fail deep inside optax, or worse, line up by chance.
     Shapes only (eval_shape): each strategy's init calls it first."""
+    if not isinstance(state, TrainState):
+        raise TypeError(f"the state is {type(state).__name__}, not a jaxpar.TrainState (params, opt_state, "
+                        "model_state, step); build it with jaxpar.init_state(model, tx).")
+    if not callable(getattr(tx, "init", None)) or not callable(getattr(tx, "update", None)):
+        raise TypeError(f"tx={tx!r} is not an optax GradientTransformation; pass one, e.g. optax.adam(1e-3).")
     if objective is not None and objective.shapes is not None:
         fix = "build the state with jaxpar.init_state(model, tx) of the model given to the strategy"
         for name, have, want in zip(("params", "model_state"), (state.params, state.model_state), objective.shapes):
-            _check_tree(f"state.{name}", have, want, "the strategy's model has", fix, by_path=True)
+            _check_tree(f"state.{name}", have, want, "the strategy's model has", fix, by_path=True,
+                        dtypes=name == "params")
     have, want = state.opt_state, jax.eval_shape(tx.init, state.params)
     _check_tree("state.opt_state", have, want, "the strategy's tx makes",
                 "build the state with jaxpar.init_state(model, tx) from the optimizer given to the strategy")
 
 
-def _check_tree(what: str, have: Any, want: Any, whose: str, fix: str, by_path: bool = False) -> None:
-    """ValueError naming the first gap unless `have` has the tree and leaf shapes of `want`. by_path: the same
-    leaf paths suffice (a model's Variables carry metadata, such as an RNG stream's tag, that training ignores)."""
+def check_placed(batch: Any, kind: type, who: str) -> None:
+    """TypeError unless step() got the batch `who`.put_batch returns (a raw dict or array failed deep inside)."""
+    if not isinstance(batch, kind):
+        raise TypeError(f"{who}.step() got a {type(batch).__name__} batch, not what {who}.put_batch returns; pass "
+                        "placed, metrics = strategy.step(placed, strategy.put_batch(batch)).")
+
+
+def refuse_sync_batch_norm(model: nnx.Module, who: str) -> None:
+    """ValueError where the model has synchronised BatchNorm (an axis_name) that `who` cannot bind: as in torch,
+    SyncBatchNorm needs the data-parallel strategies that see a global batch (DDP, ZeRO)."""
+    if any(getattr(node, "axis_name", None) for _, node in nnx.iter_graph(model)):
+        raise ValueError(f"the model has synchronised BatchNorm (an axis_name), which {who} cannot bind; as in "
+                         "torch, SyncBatchNorm needs DistributedDataParallel (or ZeRO): use one of those, or leave "
+                         "the model's BatchNorm unsynchronised (no jaxpar.sync_batch_norm).")
+
+
+def _check_tree(what: str, have: Any, want: Any, whose: str, fix: str, by_path: bool = False,
+                dtypes: bool = False) -> None:
+    """ValueError naming the first gap unless `have` has the tree and leaf shapes of `want` (`dtypes`: and leaf
+    dtypes). by_path: the same leaf paths suffice (a model's Variables carry metadata, such as an RNG stream's
+    tag, that training ignores)."""
     leaves, treedef = jax.tree.flatten_with_path(have)
     w_leaves, w_treedef = jax.tree.flatten_with_path(want)
     if by_path:
@@ -94,6 +118,11 @@ def _check_tree(what: str, have: Any, want: Any, whose: str, fix: str, by_path: 
         path, a, b = shapes[0]
         raise ValueError(f"{what}{jax.tree_util.keystr(path)} has shape {a} where {whose} {b} ({len(shapes)} leaves "
                          f"differ); {fix}.")
+    kinds = [(path, a.dtype, b.dtype) for (path, a), b in zip(leaves, w_leaves) if dtypes and a.dtype != b.dtype]
+    if kinds:  # a bfloat16 state in a float32 model would train at the state's precision without a word
+        path, a, b = kinds[0]
+        raise ValueError(f"{what}{jax.tree_util.keystr(path)} is {a} where {whose} {b} ({len(kinds)} leaves "
+                         f"differ); {fix}, or cast the state to the model's dtypes.")
 
 
 class LayersCheck:

@@ -38,10 +38,11 @@ from flax import nnx
 from jaxpar import loss_scale
 from jaxpar.batch import Rows, as_rows, check_unpadded
 from jaxpar.config import Config
-from jaxpar.objective import Objective, OutputLoss, metrics_of
+from jaxpar.objective import Objective, OutputLoss, check_rows_leading, metrics_of
 from jaxpar.run import memory
 from jaxpar.step import TrainState, apply_updates, grad_norm
-from jaxpar.strategies.base import LayersCheck, cfg_objective, check_state, objective_of, recompute_check, to_device
+from jaxpar.strategies.base import (LayersCheck, cfg_objective, check_placed, check_state, objective_of,
+                                    recompute_check, refuse_sync_batch_norm, to_device)
 
 
 def chunk_sizes(batch_size: int, num_devices: int) -> list[int]:
@@ -189,10 +190,8 @@ class DataParallel:
     def init(self, state: TrainState) -> TrainState:
         check_state(state, self.tx, self.objective)
         recompute_check(self.objective, state, self._layers_check)
-        model = self.objective.merge(state.params, state.model_state)
-        if any(getattr(node, "axis_name", None) for _, node in nnx.iter_graph(model)):
-            raise ValueError("the model has synchronised BatchNorm (an axis_name), which DataParallel's per-device "
-                             "forwards cannot bind; as in torch, SyncBatchNorm needs DistributedDataParallel.")
+        refuse_sync_batch_norm(self.objective.merge(state.params, state.model_state),
+                               "DataParallel's per-device forwards")
         return to_device(state, self.master)
 
     def put_batch(self, batch) -> Rows:
@@ -204,6 +203,7 @@ class DataParallel:
         return jax.device_put(rows, self.master)
 
     def step(self, state: TrainState, batch: Rows):
+        check_placed(batch, Rows, "DataParallel")
         mark = self._tracker.mark if self._tracker else (lambda label: None)
         show = self.print_shapes and self._tracker is None  # a measuring step (report) prints nothing
         self._last_batch = batch  # for report(): one measured step over it
@@ -233,6 +233,7 @@ class DataParallel:
             if show:  # what torch's DataParallel gathers here: one loss per replica
                 print(f"Outside: input size {_shape(self._inputs(batch))} output size ({len(devices)},)")
         else:
+            check_rows_leading(gathered[0], sizes[0], ", or pass loss_on_device=True")
             outputs = _concat(*gathered)
             sums, doutputs = _output_grad(self.objective, outputs, *jax.device_put((batch, scale), self.out_device))
             cotangents = jax.device_put(list(_split(doutputs, sizes)), devices)  # scatter back

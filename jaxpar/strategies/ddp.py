@@ -40,7 +40,8 @@ from jaxpar.config import Config
 from jaxpar.mesh import DATA, check_data_mesh, make_mesh
 from jaxpar.objective import Objective, Sums, advance_rng, metrics_of
 from jaxpar.step import TrainState, apply_updates, grad_norm
-from jaxpar.strategies.base import LayersCheck, cfg_objective, check_state, objective_of, recompute_check
+from jaxpar.strategies.base import (LayersCheck, cfg_objective, check_placed, check_state, objective_of,
+                                    recompute_check)
 from jaxpar.types import Params
 
 SPMD = ("shard_map", "pmap")
@@ -310,6 +311,7 @@ class DistributedDataParallel:
     def step(self, placed, rows):
         if self._step is None:
             raise ValueError("DistributedDataParallel.step() before init(); call placed = ddp.init(state) first.")
+        check_placed(rows, Rows, "DistributedDataParallel")
         self._batch_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), rows)
         state, metrics = self._step(placed, rows)
         if self.spmd == "pmap":

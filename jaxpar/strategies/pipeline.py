@@ -40,7 +40,7 @@ from jaxpar.pipeline.module import LayerSpec, PipelineModule, TiedLayerSpec
 from jaxpar.pipeline.stage import Layout, act_spec
 from jaxpar.pipeline.transfer import Transport
 from jaxpar.step import TrainState
-from jaxpar.strategies.base import LayersCheck, check_state
+from jaxpar.strategies.base import LayersCheck, check_placed, check_state, refuse_sync_batch_norm
 
 __all__ = ["Batch", "LayerSpec", "Pipeline", "PipelineModule", "PipelineState", "TiedLayerSpec", "build",
            "pipeline_mesh"]
@@ -228,6 +228,7 @@ class Pipeline:
         """The canonical state cut into this process's stages (fresh buffers: the step donates them)."""
         mod, tr = self.module, self.transport
         check_state(state, self.tx, self.objective)  # the model's tree and shapes (module.model's for a PipelineModule)
+        refuse_sync_batch_norm(self.objective.merge(state.params, state.model_state), "the pipeline's stages")
         if self._own_model:
             self._layers_check.arm(self.objective, state, "the pipeline runs the model's",
                                    "pass a PipelineModule built from a layer list", self.module.unpack)
@@ -340,6 +341,7 @@ class Pipeline:
     # -- the step ------------------------------------------------------------------------------------------
 
     def step(self, placed: PipelineState, batch: Batch) -> tuple[PipelineState, dict]:
+        check_placed(batch, Batch, "Pipeline")
         plan = self.engine.plan(batch.layout, self.schedule)
         scale = self._scale(placed.opt_state)  # fp16's loss scale S this step runs at (None without a scaler)
         last = self.module.stage_of(self.module.num_parts - 1)

@@ -19,7 +19,8 @@ from jaxpar.config import Config
 from jaxpar.mesh import DATA
 from jaxpar.objective import Objective
 from jaxpar.step import TrainState, train_step
-from jaxpar.strategies.base import LayersCheck, cfg_objective, check_state, objective_of, recompute_check, to_device
+from jaxpar.strategies.base import (LayersCheck, cfg_objective, check_placed, check_state, objective_of,
+                                    recompute_check, to_device)
 
 
 class SingleDevice:
@@ -54,6 +55,7 @@ class SingleDevice:
         return jax.device_put(rows, self.device)
 
     def step(self, state: TrainState, rows: Rows):
+        check_placed(rows, Rows, "SingleDevice")
         return self._step(state, rows)
 
     def unplace(self, state: TrainState) -> TrainState:

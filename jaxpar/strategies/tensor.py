@@ -51,7 +51,7 @@ from jaxpar.mesh import DATA, TENSOR
 from jaxpar.objective import Objective, advance_rng, metrics_of
 from jaxpar.step import TrainState, apply_updates, squared_norm
 from jaxpar.strategies import zero_optim
-from jaxpar.strategies.base import check_state
+from jaxpar.strategies.base import check_placed, check_state
 from jaxpar.strategies.ddp import from_replica_0, local_devices, psum_sums
 
 # split the output dim; the fused q|k|v output dim by heads; the input dim; an embedding table's rows (the
@@ -358,6 +358,7 @@ class TensorParallel:
         return jax.jit(step, donate_argnums=0)
 
     def step(self, placed: TrainState, rows: Rows):
+        check_placed(rows, Rows, "TensorParallel")
         self._batch_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), rows)
         return self._step(placed, rows)
 

@@ -47,7 +47,8 @@ from jaxpar.mesh import DATA, check_data_mesh, make_mesh
 from jaxpar.objective import Objective, advance_rng, check_wrt_within, metrics_of
 from jaxpar.step import TrainState
 from jaxpar.strategies import zero_optim
-from jaxpar.strategies.base import LayersCheck, cfg_objective, check_state, objective_of, recompute_check
+from jaxpar.strategies.base import (LayersCheck, cfg_objective, check_placed, check_state, objective_of,
+                                    recompute_check)
 from jaxpar.strategies.ddp import from_replica_0, local_devices, place_rows, psum_sums, replicate
 
 STAGES = (1, 2, 3)
@@ -130,7 +131,7 @@ def zero_body(objective: Objective, tx, plan: sh.ShardPlan, stage: int, *, reduc
         updates, opt_state = optax.with_extra_args_support(tx).update(
             zero_optim.flat_tree(g), state.opt_state, zero_optim.flat_tree(p), decay_mask=zero_optim.flat_tree(decay),
             **extra)
-        p = p + updates[zero_optim.KEY]
+        p = optax.apply_updates(zero_optim.flat_tree(p), updates)[zero_optim.KEY]  # in the parameters' dtype
         params = p if stage == 3 else jax.tree.unflatten(treedef, sh.unpack(plan, sh.all_gather_shards(p, axis_name)))
         metrics = {**metrics_of(total, norm), **loss_scale.metrics(loss_scale.current(state.opt_state))}
         return TrainState(params, opt_state, model_state, state.step + 1), metrics
@@ -272,6 +273,7 @@ class ZeroRedundancy:
     def step(self, placed, rows):
         if self._step is None:
             raise ValueError("ZeroRedundancy.step() before init(); call placed = zero.init(state) first.")
+        check_placed(rows, Rows, "ZeroRedundancy")
         self._batch_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), rows)
         return self._step(placed, rows)
 

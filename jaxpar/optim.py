@@ -83,6 +83,13 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
     return optax.GradientTransformationExtraArgs(optax.init_empty_state, update)
 
 
+def state_kind(state) -> str:
+    """An optimizer state's types, short (for errors): ScaleByAdamState, or (EmptyState, ScaleByAdamState)."""
+    if isinstance(state, (tuple, list)) and not hasattr(state, "_fields"):
+        return "(" + ", ".join(state_kind(x) for x in state) + ")"
+    return type(state).__name__
+
+
 def probe_gradients(shapes: list[tuple], rng: np.random.Generator) -> list[list[np.ndarray]]:
     """The gradients ZeRO's and the pipeline's optimizer probes step on, one list of leaves per step: standard
     normals, then normals x 1e12 with an inf in the largest leaf. A clipping threshold below ~1e12 clips the whole

@@ -483,6 +483,49 @@ def test_non_elementwise_optimizers_are_refused_before_training(tx, message):
         z.init(jaxpar.init_state(model, tx))
 
 
+def test_bfloat16_parameters_stay_bfloat16():
+    """A model whose weights are bfloat16 (param_dtype) keeps them so under every stage, as under single: the
+    update used to add float32 updates to the flat shard, so one step turned every weight float32."""
+    def make():
+        r = nnx.Rngs(0)
+        return nnx.Sequential(nnx.Linear(8, 16, param_dtype=jnp.bfloat16, rngs=r), nnx.relu,
+                              nnx.Linear(16, 2, param_dtype=jnp.bfloat16, rngs=r))
+
+    tx = optax.sgd(0.1)
+    loss = OutputLoss(lambda out, b: (jnp.sum((out.astype(jnp.float32) - b["y"]) ** 2), b["y"].size))
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(8, 8)).astype(np.float32), "y": rng.normal(size=(8, 2)).astype(np.float32)}
+    single = jaxpar.SingleDevice(make(), tx, loss_fn=loss)
+    want, _ = single.step(single.init(jaxpar.init_state(make(), tx)), single.put_batch(batch))
+    start = jaxpar.init_state(make(), tx).params
+    assert max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+               for a, b in zip(jax.tree.leaves(want.params), jax.tree.leaves(start))) > 0.05  # the step moved them
+    for stage in (1, 2, 3):
+        z = jaxpar.ZeroRedundancy(make(), tx, loss_fn=loss, stage=stage, mesh=jaxpar.make_mesh(2))
+        placed, _ = z.step(z.init(jaxpar.init_state(make(), tx)), z.put_batch(batch))
+        got = z.unplace(placed).params
+        assert {a.dtype for a in jax.tree.leaves(got)} == {jnp.dtype(jnp.bfloat16)}, stage
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want.params)):  # bfloat16: a rounding apart at most
+            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=2e-3)
+
+
+def test_freezing_with_multi_transform_is_refused_in_a_short_line_that_names_wrt():
+    """optax.multi_transform (a part frozen) keeps a masked state per label, which ZeRO's flat shards and the
+    pipeline's stages cannot split: one short line naming the state's type and wrt=, which does freeze (the
+    message used to print the state's whole 3,400-character tree)."""
+    from jaxpar.strategies.pipeline import pipeline_mesh
+
+    model, objective, _, _, _ = problem("mlp")
+    labels = lambda p: jax.tree.map(lambda a: "frozen" if a.ndim == 1 else "train", p)  # noqa: E731  (biases)
+    tx = optax.multi_transform({"train": optax.adam(1e-2), "frozen": optax.set_to_zero()}, labels)
+    for make in (lambda: jaxpar.ZeroRedundancy(objective, tx, stage=1, mesh=jaxpar.make_mesh(2)),
+                 lambda: jaxpar.Pipeline(model, tx, num_stages=2, micro_batches=2, mesh=pipeline_mesh(2, 2))):
+        with pytest.raises(ValueError, match="the optimizer's state PartitionState does not split .*pass the "
+                                             "strategy wrt=") as e:
+            make().init(jaxpar.init_state(model, tx))
+        assert len(str(e.value)) < 700 and "PyTreeDef" not in str(e.value)
+
+
 def test_an_optimizer_option_given_as_a_tree_of_the_model_is_refused_in_one_line():
     model, objective, _, _, _ = problem("mlp")
     mask = jax.tree.map(lambda a: a.ndim > 1, nnx.state(model, nnx.Param))  # a tree that no flat shard matches

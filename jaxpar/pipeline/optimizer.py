@@ -149,10 +149,12 @@ def check_layout(tx: optax.GradientTransformation, module) -> None:
                      [x.shape for x in jax.tree.leaves(a)] == [x.shape for x in jax.tree.leaves(b)])
             for kind, a, b in zip(kinds, leaves, ls))
         if not same:
-            raise ValueError(f"the optimizer's state {jax.tree.structure(jax.tree.unflatten(outer, leaves))} does not "
+            raise ValueError(f"the optimizer's state {optim.state_kind(jax.tree.unflatten(outer, leaves))} does not "
                              "split by parameter (leaves shaped like the parameters, or shared scalars such as a step "
                              "count); the pipeline updates each stage on its own: use an elementwise optimizer "
-                             "(sgd, adam, adamw, adadelta) chained with jaxpar.optim.clip_by_global_norm if needed.")
+                             "(sgd, adam, adamw, adadelta) chained with jaxpar.optim.clip_by_global_norm if needed; to "
+                             "freeze part of the model, pass the strategy wrt= (an NNX filter of what is trained) "
+                             "instead of optax.multi_transform or optax.masked.")
 
 
 def to_stage(tx, module, stage: int, opt_state: Any) -> Any:

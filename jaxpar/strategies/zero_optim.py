@@ -27,7 +27,9 @@ from jaxpar.comm import shards as shard_lib
 
 KEY = "shard"
 FIX = ("use an elementwise optimizer (sgd, adam, adamw, adadelta), chained after jaxpar.optim.clip_by_global_norm "
-       "for clipping, with jaxpar.optim.add_decayed_weights_to_matrices for a decay on the matrices only")
+       "for clipping, with jaxpar.optim.add_decayed_weights_to_matrices for a decay on the matrices only; to "
+       "freeze part of the model, pass the strategy wrt= (an NNX filter of what is trained) instead of "
+       "optax.multi_transform or optax.masked")
 
 
 def flat_tree(vector: Any) -> dict:
@@ -63,8 +65,9 @@ def layouts(tx: optax.GradientTransformation, params) -> tuple[Any, list[bool], 
                  [x.shape for x in jax.tree.leaves(a)] == [x.shape for x in jax.tree.leaves(b)])
         for kind, a, b in zip(kinds, c_leaves, f_leaves))
     if not same:
-        raise ValueError(f"the optimizer's state {c_outer} does not split element by element (leaves shaped like the "
-                         f"parameters, or shared scalars such as a step count), so ZeRO cannot partition it; {FIX}.")
+        raise ValueError(f"the optimizer's state {optim.state_kind(canonical)} does not split element by element (leaves shaped "
+                         "like the parameters, or shared scalars such as a step count), so ZeRO cannot partition it; "
+                         f"{FIX}.")
     return c_outer, kinds, f_outer
 
 

@@ -39,7 +39,7 @@ from jaxpar.pipeline import schedule
 from jaxpar.run import memory
 from jaxpar.run.hostmem import tune_host_allocator
 from jaxpar.step import TrainState, apply_updates, init_state, make_eval_step, make_train_step, train_step
-from jaxpar.strategies.base import STRATEGIES, Strategy, get_builder
+from jaxpar.strategies.base import STRATEGIES, Strategy, evaluate, get_builder
 from jaxpar.strategies.data_parallel import DataParallel, chunk_sizes
 from jaxpar.strategies.ddp import DistributedDataParallel, make_ddp_step
 from jaxpar.strategies.pipeline import LayerSpec, Pipeline, PipelineModule, TiedLayerSpec
@@ -61,7 +61,7 @@ __all__ = [
     # fp16's loss scaler (DeepSpeed's), wrapped around any optimizer
     "loss_scaling", "LossScaleConfig", "loss_scale",
     # strategies
-    "Strategy", "STRATEGIES", "get_builder", "SingleDevice",
+    "Strategy", "STRATEGIES", "get_builder", "evaluate", "SingleDevice",
     "DataParallel", "chunk_sizes",
     "DistributedDataParallel", "make_ddp_step", "sync_batch_norm", "TensorParallel",
     "ZeroRedundancy",

@@ -486,6 +486,32 @@ def test_bad_batches_are_named_before_any_work():
         jaxpar.make_eval_step(objective)(*jaxpar.init_state(model, TX)[::2], {"x": x, "y": y})
 
 
+def test_evaluate_adds_the_sums_over_every_batch_under_every_strategy():
+    """jaxpar.evaluate(strategy, placed, batches): eval mode, the loss and metrics summed over all the batches and
+    divided by the total weight -- train.py's numbers -- from every strategy's placed state (the pipeline's own
+    forward-only schedule included), after a training step; a whole batch and one of 3 rows, so a mean of the
+    batches' means would differ."""
+    _, loss, batches, objective, _ = problem("regression")
+    model = regression.make_model(8, 16, 2, 0.3, rngs=nnx.Rngs(0))
+    rows = [batches[0], jax.tree.map(lambda a: a[:3], batches[1])]
+    for strategy in (jaxpar.SingleDevice(objective, TX), jaxpar.DistributedDataParallel(objective, TX),
+                     jaxpar.ZeroRedundancy(objective, TX, stage=3, mesh=jaxpar.make_mesh(2)),
+                     jaxpar.DataParallel(objective, TX, device_ids=[0, 1]),
+                     jaxpar.Pipeline(model, TX, loss_fn=loss, num_stages=2)):
+        placed, _ = strategy.step(strategy.init(jaxpar.init_state(model, TX)), strategy.put_batch(batches[0]))
+        state = strategy.unplace(placed)
+        sums = [jaxpar.make_eval_step(objective)(state.params, state.model_state, r) for r in rows]
+        want = jaxpar.objective.metrics_of(jax.tree.map(lambda a, b: a + b, *sums))
+        got = jaxpar.evaluate(strategy, placed, [r.data for r in rows])
+        assert set(got) == set(want) and got["samples"] == float(want["samples"]) > 3, got
+        for k in want:
+            np.testing.assert_allclose(got[k], float(want[k]), rtol=1e-5, err_msg=k)
+        means = np.mean([float(x.loss / x.weight) for x in sums])
+        assert abs(means - got["loss"]) > 1e-4  # the mean of the batches' means is another number
+    with pytest.raises(ValueError, match="evaluate\\(\\) got no batches"):
+        jaxpar.evaluate(strategy, placed, [])
+
+
 class Scored(nnx.Module):
     """Per-row outputs and a per-batch one (an auxiliary loss as a scalar output)."""
 

@@ -11,14 +11,17 @@ strategy runs:
 """
 from __future__ import annotations
 
+import functools
 import importlib
-from typing import Any, Protocol
+import weakref
+from typing import Any, Iterable, Protocol
 
 import jax
 import numpy as np
 from flax import nnx
 
-from jaxpar.objective import Objective
+from jaxpar.batch import as_rows
+from jaxpar.objective import Objective, metrics_of
 from jaxpar.step import TrainState
 from jaxpar.types import Batch, Metrics
 
@@ -55,6 +58,33 @@ class Strategy(Protocol):
 
     def report(self, placed: Any) -> dict:
         """Extras for --report (communication, memory, schedule)."""
+
+
+_EVAL_STEPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # strategy -> its jitted eval step
+
+
+def evaluate(strategy: Any, placed: Any, batches: Iterable) -> dict[str, float]:
+    """The metrics of the placed state over `batches` (batch pytrees or Rows, as put_batch takes them) in eval
+    mode (no dropout, BatchNorm's running statistics), as train.py reports them: the loss and every metric summed
+    over all the batches, then divided by the total weight (not a mean of per-batch means). A strategy with its
+    own evaluate (the pipeline: the forward-only schedule, the weights where they are) runs it; the others
+    evaluate the canonical state (`unplace`) on one device."""
+    from jaxpar.step import make_eval_step
+
+    own = getattr(strategy, "evaluate", None)
+    if own is None:
+        state = strategy.unplace(placed)
+        if strategy not in _EVAL_STEPS:
+            _EVAL_STEPS[strategy] = make_eval_step(strategy.objective)
+        step = functools.partial(_EVAL_STEPS[strategy], state.params, state.model_state)
+    totals = None
+    for batch in batches:
+        rows = as_rows(batch)
+        sums = jax.device_get(own(placed, rows) if own is not None else step(rows))
+        totals = sums if totals is None else jax.tree.map(np.add, totals, sums)
+    if totals is None:
+        raise ValueError("evaluate() got no batches; pass an iterable of at least one batch.")
+    return {k: float(v) for k, v in metrics_of(totals).items()}
 
 
 def check_state(state: TrainState, tx, objective: Objective | None = None) -> None:

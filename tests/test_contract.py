@@ -532,8 +532,8 @@ def test_outputs_are_gathered_by_rows_or_refused():
         model = Scored(nnx.Rngs(0))
         dp = jaxpar.DataParallel(model, TX, loss_fn=loss, device_ids=[0, 1], per_sample=per_sample)
         placed = dp.init(jaxpar.init_state(model, TX))
-        with pytest.raises(ValueError, match="the model's output\\['aux'\\] is shaped \\(\\) on [12] row\\(s\\), but outputs "
-                                             "are cut and gathered by rows"):
+        with pytest.raises(ValueError, match="the model's output\\['aux'\\] is shaped \\(\\) on [12] row\\(s\\), but "
+                                             "outputs are cut and gathered by rows"):
             dp.step(placed, dp.put_batch(batch))
 
 

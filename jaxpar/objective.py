@@ -317,8 +317,8 @@ class Objective:
              shard: Any = 0) -> tuple[Sums, nnx.State]:
         """(Sums over the real rows of `rows`, the model state after them). `shard` keys batch-mode draws."""
         if not isinstance(rows, Rows):  # a raw batch failed deep inside ('dict' object has no attribute 'mask')
-            raise TypeError(f"the objective takes Rows (the batch, its mask and sample ids), not a "
-                            f"{type(rows).__name__}; pass jaxpar.as_rows(batch), or a strategy's put_batch(batch).")
+            raise TypeError(f"the objective takes Rows (the batch, its mask and sample ids), not {_kind(rows)}; "
+                            "pass jaxpar.as_rows(batch), or a strategy's put_batch(batch).")
         params = cast_floating(params, self.compute_dtype)
         if not self.per_sample:
             return self._batch_sums(params, model_state, rows, train, shard)

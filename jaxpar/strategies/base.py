@@ -22,7 +22,7 @@ from flax import nnx
 
 from jaxpar.batch import as_rows
 from jaxpar.objective import Objective, metrics_of
-from jaxpar.step import TrainState
+from jaxpar.step import TrainState, make_eval_step
 from jaxpar.types import Batch, Metrics
 
 # name -> "module:function" building it; imported lazily so a strategy's deps load only when used
@@ -69,8 +69,6 @@ def evaluate(strategy: Any, placed: Any, batches: Iterable) -> dict[str, float]:
     over all the batches, then divided by the total weight (not a mean of per-batch means). A strategy with its
     own evaluate (the pipeline: the forward-only schedule, the weights where they are) runs it; the others
     evaluate the canonical state (`unplace`) on one device."""
-    from jaxpar.step import make_eval_step
-
     own = getattr(strategy, "evaluate", None)
     if own is None:
         state = strategy.unplace(placed)

@@ -37,6 +37,7 @@ from jaxpar.loss_scale import LossScaleConfig, loss_scaling
 from jaxpar.optim import OPTIMIZERS, make_optimizer
 from jaxpar.pipeline import schedule
 from jaxpar.run import memory
+from jaxpar.run.checkpoint import restore_checkpoint, save_checkpoint
 from jaxpar.run.hostmem import tune_host_allocator
 from jaxpar.step import TrainState, apply_updates, init_state, make_eval_step, make_train_step, train_step
 from jaxpar.strategies.base import STRATEGIES, Strategy, evaluate, get_builder
@@ -62,6 +63,8 @@ __all__ = [
     "loss_scaling", "LossScaleConfig", "loss_scale",
     # strategies
     "Strategy", "STRATEGIES", "get_builder", "evaluate", "SingleDevice",
+    # orbax checkpoints of the canonical state (strategy.unplace(placed)), atomic; train.py's --checkpoint-dir
+    "save_checkpoint", "restore_checkpoint",
     "DataParallel", "chunk_sizes",
     "DistributedDataParallel", "make_ddp_step", "sync_batch_norm", "TensorParallel",
     "ZeroRedundancy",

@@ -380,3 +380,73 @@ def test_two_processes_kill_9_restart_then_sigterm_then_resume(npz, paced, tmp_p
     b, _ = checkpoint.Checkpointer(ckpt, info, resume=True).restore(template)
     assert checkpoint.latest_step(ref) == checkpoint.latest_step(ckpt) == N_STEPS
     assert_bit_identical(b, a, f"2 processes: kill -9 at {k}, resumed at {resumed}, SIGTERM at {stop}")
+
+
+def _tiny_gpt():
+    from flax import nnx
+
+    import jaxpar
+    return jaxpar.GPT(jaxpar.GPTConfig(vocab_size=24, block_size=6, n_layer=2, n_head=2, n_embd=16, dropout=0.2),
+                      rngs=nnx.Rngs(params=0, dropout=1))
+
+
+def test_library_save_and_restore_resume_bit_identically_under_any_strategy(tmp_path, capsys):
+    """`jaxpar.save_checkpoint(dir, strategy.unplace(placed))` in research code, then `restore_checkpoint` into a
+    fresh template: DDP resumed from step 2 ends bit-identical to the run that went on (the dropout stream's key
+    included), and the same checkpoint resumed under ZeRO-2 equals it to rounding. The data record comes back;
+    bad input (a placed or mismatched state, a step that exists, a non-finite state) is refused in one line."""
+    import optax
+
+    import jaxpar
+    tx = optax.adamw(1e-2)
+    rng = np.random.default_rng(0)
+    tokens = [rng.integers(0, 24, (8, 7)).astype(np.int32) for _ in range(4)]
+    batches = [jaxpar.as_rows({"x": t[:, :-1], "y": t[:, 1:]}, np.arange(8 * i, 8 * i + 8)) for i, t in
+               enumerate(tokens)]
+    ddp = jaxpar.DistributedDataParallel(_tiny_gpt(), tx, mesh=jaxpar.make_mesh(4))
+    placed = ddp.init(jaxpar.init_state(_tiny_gpt(), tx))
+    for b in batches[:2]:
+        placed = ddp.step(placed, ddp.put_batch(b))[0]
+    at2 = ddp.unplace(placed)
+    d = str(tmp_path / "ck")
+    assert jaxpar.save_checkpoint(d, at2, data={"epoch": 0, "next": 2}) == 2
+    for b in batches[2:]:
+        placed = ddp.step(placed, ddp.put_batch(b))[0]
+    straight = ddp.unplace(placed)
+    assert max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in
+               zip(jax.tree.leaves(straight.params), jax.tree.leaves(at2.params))) > 1e-3  # the steps moved it
+
+    template = jaxpar.init_state(_tiny_gpt(), tx)
+    state, data = jaxpar.restore_checkpoint(d, template)
+    assert data == {"epoch": 0, "next": 2} and int(state.step) == 2
+    for name, strategy in (("ddp", jaxpar.DistributedDataParallel(_tiny_gpt(), tx, mesh=jaxpar.make_mesh(4))),
+                           ("zero2", jaxpar.ZeroRedundancy(_tiny_gpt(), tx, stage=2, mesh=jaxpar.make_mesh(4)))):
+        resumed = strategy.init(state)
+        for b in batches[data["next"]:]:
+            resumed = strategy.step(resumed, strategy.put_batch(b))[0]
+        out = strategy.unplace(resumed)
+        for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(straight)):
+            a, b = (jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+                    for x in (a, b))
+            if name == "ddp":
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            else:  # atol 1e-5: AdamW magnifies the key bias's rounding-noise gradient (README, "Why they match")
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+    with pytest.raises(ValueError, match=r"already holds step 2; pass another step"):
+        jaxpar.save_checkpoint(d, at2)
+    assert jaxpar.save_checkpoint(d, straight, keep=1) == 4 and checkpoint.all_steps(d) == [4]  # keep: the newest
+    with pytest.raises(ValueError, match=r"has no complete step 2 \(it has \[4\]\)"):
+        jaxpar.restore_checkpoint(d, template, step=2)
+    with pytest.raises(TypeError, match=r"not a jaxpar.TrainState; pass strategy.unplace\(placed\)"):
+        jaxpar.save_checkpoint(d, placed._asdict() if hasattr(placed, "_asdict") else {"params": 1})
+    other = jaxpar.init_state(_tiny_gpt(), optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"holds .*opt_state.* but the template has absent; build the template"):
+        jaxpar.restore_checkpoint(d, other)
+    nan = straight._replace(params=jax.tree.map(lambda a: a * np.nan, straight.params))
+    with pytest.raises(ValueError, match=r"is not finite .* step 9 is not saved"):
+        jaxpar.save_checkpoint(d, nan, step=9)
+    assert checkpoint.all_steps(d) == [4]
+    info = {"model": "gpt-micro", "n_head": None, "leaves": {}, "config": {}, "decay_steps": None}
+    with pytest.raises(ValueError, match="a state that jaxpar.save_checkpoint wrote, not a train.py run"):
+        checkpoint.check_compatible(checkpoint.read_meta(d, 4), info, d)

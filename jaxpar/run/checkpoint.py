@@ -12,7 +12,8 @@ saving leaves the previous checkpoints intact; only renamed (complete) steps are
 Every process calls `save` (orbax's save is collective); the arrays are replicated host copies, which orbax writes
 from process 0 only.
 
-Roughly:
+In research code: `save_checkpoint(dir, strategy.unplace(placed), data=...)` and
+`state, data = restore_checkpoint(dir, jaxpar.init_state(model, tx))`. train.py's loop, roughly:
     ckpt = Checkpointer(dir, run_info(cfg, state), resume=cfg.resume)   # checks only: writes nothing
     state, position = ckpt.restore(state)                                # when resuming
     ckpt.save(step, strategy.unplace(placed), position); ...; ckpt.close()
@@ -20,6 +21,7 @@ Roughly:
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import tempfile
@@ -167,6 +169,9 @@ def check_compatible(meta: dict, info: dict, directory: str) -> list[str]:
     if meta.get("format") != FORMAT:
         raise ValueError(f"{where} format {meta.get('format')!r}, but this jaxpar reads format {FORMAT}; "
                          "pass another --checkpoint-dir.")
+    if meta["model"] is None:
+        raise ValueError(f"{where} a state that jaxpar.save_checkpoint wrote, not a train.py run; restore it with "
+                         "jaxpar.restore_checkpoint, or pass another --checkpoint-dir.")
     if meta["model"] != info["model"]:
         raise ValueError(f"{where} model {meta['model']!r} ({meta['param_count']:,} params), not "
                          f"--model {info['model']!r}; pass --model {meta['model']} or another --checkpoint-dir.")
@@ -197,6 +202,29 @@ def all_steps(directory: str) -> list[int]:
     if not os.path.isdir(directory):
         return []
     return sorted(_manager(directory, read_only=True).all_steps(), reverse=True)
+
+
+def _restore_newest(directory: str, steps: list[int], specs: dict, template: TrainState, verb: str):
+    """((step, state, meta) of the newest of `steps` that reads in full with leaves `specs`, or None; the damaged
+    steps met before it as (step, why)). Each damaged step skipped for a readable one is named on stderr."""
+    import sys
+
+    import orbax.checkpoint as ocp
+
+    abstract = {"leaves": [np.zeros(shape, jax.numpy.dtype(dtype)) for shape, dtype in specs.values()]}
+    damaged = []
+    for step in steps:
+        try:
+            out = _manager(directory, read_only=True).restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+        except Exception as e:  # orbax raises many kinds for missing or truncated files
+            damaged.append((step, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e) else ''}"))
+            continue
+        for bad, why in damaged:
+            print(f"jaxpar: warning: checkpoint step {bad} in {directory} is damaged ({why}); {verb} step "
+                  f"{step}, the newest readable one.", file=sys.stderr)
+        return (step, from_host(template, out["state"]["leaves"]), out["meta"]), damaged
+    return None, damaged
 
 
 class Checkpointer:
@@ -235,27 +263,12 @@ class Checkpointer:
     def restore(self, template: TrainState) -> tuple[TrainState, dict]:
         """(state, data position) of the newest readable checkpoint, the state shaped like `template`; each
         damaged newer step is reported on stderr and skipped."""
-        import sys
-
-        import orbax.checkpoint as ocp
-
-        specs = list(self.info["leaves"].values())
-        abstract = {"leaves": [np.zeros(shape, jax.numpy.dtype(dtype)) for shape, dtype in specs]}
-        damaged = []
-        for step in self.steps:
-            try:
-                out = _manager(self.directory, read_only=True).restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
-            except Exception as e:  # orbax raises many kinds for missing or truncated files
-                damaged.append((step, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e) else ''}"))
-                continue
-            for bad, why in damaged:
-                print(f"jaxpar: warning: checkpoint step {bad} in {self.directory} is damaged ({why}); resuming "
-                      f"from step {step}, the newest readable one.", file=sys.stderr)
-            self.latest = self.saved_step = step
-            return from_host(template, out["state"]["leaves"]), out["meta"]["data"]
-        raise ValueError(f"--resume: every checkpoint in --checkpoint-dir {self.directory!r} is damaged (step "
-                         f"{damaged[0][0]}: {damaged[0][1]}); pass the folder of an intact run, or drop --resume.")
+        found, damaged = _restore_newest(self.directory, self.steps, self.info["leaves"], template, "resuming from")
+        if found is None:
+            raise ValueError(f"--resume: every checkpoint in --checkpoint-dir {self.directory!r} is damaged (step "
+                             f"{damaged[0][0]}: {damaged[0][1]}); pass the folder of an intact run, or drop --resume.")
+        self.latest = self.saved_step = found[0]
+        return found[1], found[2]["data"]
 
     def save(self, step: int, state: TrainState, data: dict) -> bool:
         """Save `state` (canonical layout) and the data position as checkpoint `step`; every process calls it.
@@ -279,6 +292,90 @@ class Checkpointer:
             self._mgr.wait_until_finished()
             self._mgr.close()
             self._mgr = None
+
+
+def save_checkpoint(directory: str, state: TrainState, *, step: int | None = None, data: Any = None,
+                    keep: int | None = None) -> int:
+    """Save `state` as checkpoint `step` (default: `state.step`) in `directory`, atomically, and return the step
+    once it is on disk. `state` is the canonical TrainState, `strategy.unplace(placed)`: any strategy and process
+    count restores it. `data`: anything JSON can hold (a data position, a config), given back by
+    `restore_checkpoint`. `keep`: how many of the newest steps to keep (None: all). Every process calls it."""
+    import orbax.checkpoint as ocp
+
+    from jaxpar.optim import state_kind
+
+    if not isinstance(state, TrainState):
+        raise TypeError(f"save_checkpoint: state is a {type(state).__name__}, not a jaxpar.TrainState; pass "
+                        "strategy.unplace(placed), the canonical state every strategy restores.")
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"save_checkpoint: keep={keep!r}, but it must be a whole number >= 1 (the newest steps "
+                         "kept) or None (keep all); pass e.g. keep=2.")
+    step = int(state.step) if step is None else step
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+        raise ValueError(f"save_checkpoint: step={step!r}, but it must be a whole number >= 0; pass step=N or "
+                         "leave it out (state.step).")
+    writable_dir(directory, "save_checkpoint: directory")
+    if int(step) in all_steps(directory):
+        raise ValueError(f"save_checkpoint: {directory!r} already holds step {step}; pass another step, or remove "
+                         f"{os.path.join(directory, str(step))!r} first.")
+    leaves = to_host(state)
+    bad = next((jax.tree_util.keystr(p) for p, a in jax.tree_util.tree_flatten_with_path(state.params)[0]
+                if jax.numpy.issubdtype(a.dtype, jax.numpy.floating) and not np.isfinite(np.asarray(a)).all()), None)
+    if bad is not None:
+        raise ValueError(f"save_checkpoint: params{bad} is not finite (a diverged step), so step {step} is not "
+                         "saved and the last good checkpoint stays the newest; save an earlier state.")
+    params = jax.tree.leaves(state.params)
+    meta = {"format": FORMAT, "model": None, "optimizer": state_kind(state.opt_state),
+            "param_count": int(sum(np.size(a) for a in params)), "leaves": leaf_specs(state), "config": {},
+            "n_head": None, "decay_steps": None, "step": int(step), "data": data, "processes": jax.process_count()}
+    try:
+        json.dumps(meta)
+    except TypeError as e:
+        raise TypeError(f"save_checkpoint: data={data!r:.80} is not JSON ({e}); pass dicts, lists, strings, numbers "
+                        "and None (numpy scalars as int() or float()).") from None
+    manager = _manager(directory, keep=keep)
+    manager.save(int(step), args=ocp.args.Composite(state=ocp.args.StandardSave({"leaves": leaves}),
+                                                    meta=ocp.args.JsonSave(meta)))
+    manager.wait_until_finished()
+    manager.close()
+    return int(step)
+
+
+def restore_checkpoint(directory: str, template: TrainState, *, step: int | None = None) -> tuple[TrainState, Any]:
+    """(state, data) of checkpoint `step` in `directory` (default: the newest readable one; a damaged newer one is
+    named on stderr and skipped), shaped like `template` (e.g. `jaxpar.init_state(model, tx)`): leaf for leaf the
+    same paths, shapes and dtypes, or a ValueError names the first that differs. Then `strategy.init(state)`."""
+    if not isinstance(template, TrainState):
+        raise TypeError(f"restore_checkpoint: template is a {type(template).__name__}, not a jaxpar.TrainState; "
+                        "pass jaxpar.init_state(model, tx) for the model and optimizer that were saved.")
+    steps = all_steps(directory)
+    if not steps:
+        raise ValueError(f"restore_checkpoint: {directory!r} holds no complete checkpoint; pass the directory "
+                         "save_checkpoint (or train.py's --checkpoint-dir) wrote.")
+    if step is not None:
+        if step not in steps:
+            raise ValueError(f"restore_checkpoint: {directory!r} has no complete step {step!r} (it has "
+                             f"{sorted(steps)}); pass one of those, or leave step out for the newest.")
+        steps = [step]
+    now = leaf_specs(template)
+    for s in steps:  # the newest whose metadata reads decides what the leaves must be
+        try:
+            saved = read_meta(directory, s)["leaves"]
+            break
+        except ValueError:
+            continue
+    else:
+        saved = now  # no metadata readable: _restore_newest names the damage below
+    if saved != now:
+        diff = next((k for k in now if saved.get(k) != now[k]), None) or next(k for k in saved if k not in now)
+        raise ValueError(f"restore_checkpoint: {directory!r} holds {diff} = {saved.get(diff, 'absent')} (shape, "
+                         f"dtype), but the template has {now.get(diff, 'absent')}; build the template from the model "
+                         "and optimizer that were saved.")
+    found, damaged = _restore_newest(directory, steps, now, template, "restoring")
+    if found is None:
+        raise ValueError(f"restore_checkpoint: every checkpoint in {directory!r} is damaged (step {damaged[0][0]}: "
+                         f"{damaged[0][1]}); pass the directory of an intact run.")
+    return found[1], found[2]["data"]
 
 
 class StopSignals:

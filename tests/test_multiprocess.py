@@ -22,11 +22,16 @@ ROOT = Path(__file__).resolve().parents[1]
 SPMD = ("shard_map", "pmap")
 
 
-def run_ddp(mesh, rank: int = 0, nproc: int = 1, spmd: str = "shard_map", scaled: bool = False):
+def run_ddp(mesh, rank: int = 0, nproc: int = 1, spmd: str = "shard_map", scaled: bool = False,
+            checkpoint: str | None = None):
     """Parameter leaves after the DDP steps, this process feeding rows rank::nproc (DistributedSampler's);
-    `scaled`: behind a loss scaler (2**12), whose seed averages the loss weight over both processes' devices."""
+    `scaled`: behind a loss scaler (2**12), whose seed averages the loss weight over both processes' devices;
+    `checkpoint`: saved there by jaxpar.save_checkpoint after 2 batches (every process calls it; a placed state
+    spread over the processes is refused), restored into a fresh template and resumed."""
     import jax
+    import pytest
 
+    import jaxpar
     from jaxpar import loss_scaling
     from jaxpar.strategies.ddp import DistributedDataParallel
 
@@ -37,7 +42,15 @@ def run_ddp(mesh, rank: int = 0, nproc: int = 1, spmd: str = "shard_map", scaled
     ddp = DistributedDataParallel(objective, tx, mesh=mesh, allreduce="ring", bucket_cap_mb=0, spmd=spmd,
                                   batch_size=max(SIZES))
     placed = ddp.init(state)
-    for b in batches:
+    for i, b in enumerate(batches):
+        if checkpoint and i == 2:
+            if nproc > 1:
+                with pytest.raises(TypeError, match="is spread over processes .* pass strategy.unplace"):
+                    jaxpar.save_checkpoint(checkpoint, placed)
+            jaxpar.save_checkpoint(checkpoint, ddp.unplace(placed), data={"batch": i})
+            restored, data = jaxpar.restore_checkpoint(checkpoint, problem()[2])
+            assert data == {"batch": 2} and int(restored.step) == 2
+            placed = ddp.init(restored)
         placed, _ = ddp.step(placed, ddp.put_batch(take(b, slice(rank, None, nproc))))
     return [np.asarray(a) for a in jax.tree.leaves(ddp.unplace(placed).params)]
 
@@ -62,6 +75,7 @@ def worker(mode: str, out: str | None = None) -> None:
     for spmd in SPMD:
         np.savez(f"{out}.{spmd}.rank{rank}.npz", *run_ddp(make_mesh(), rank, nproc, spmd))
     np.savez(f"{out}.scaled.rank{rank}.npz", *run_ddp(make_mesh(), rank, nproc, scaled=True))
+    np.savez(f"{out}.resumed.rank{rank}.npz", *run_ddp(make_mesh(), rank, nproc, checkpoint=f"{out}.checkpoints"))
     for name in CONTRACT:  # a user's models (examples/), this process feeding rows rank::nproc
         np.savez(f"{out}.{name}.rank{rank}.npz", *run_contract(name, make_mesh(), rank, nproc))
     for stage in ZERO_STAGES:
@@ -178,6 +192,11 @@ def test_two_processes_equal_one_process_and_one_device(tmp_path, monkeypatch):
             np.testing.assert_array_equal(ranks[0][f"arr_{i}"], ranks[1][f"arr_{i}"])
             np.testing.assert_array_equal(ranks[0][f"arr_{i}"], here[i], err_msg=f"stage {stage}")
             np.testing.assert_allclose(ranks[0][f"arr_{i}"], w, rtol=1e-5, atol=2e-6, err_msg=f"stage {stage}")
+    resumed = [np.load(tmp_path / f"params.resumed.rank{r}.npz") for r in range(2)]  # jaxpar.save_checkpoint
+    straight = np.load(tmp_path / "params.shard_map.rank0.npz")  # across the processes, restored and resumed:
+    for i in range(len(ref)):  # bit for bit the run that went on
+        for r in range(2):
+            np.testing.assert_array_equal(resumed[r][f"arr_{i}"], straight[f"arr_{i}"])
     for spmd in (*SPMD, "scaled"):  # "scaled": a loss scaler's seed, one for the 4 devices of both processes
         four = run_ddp(make_mesh(4), scaled=True) if spmd == "scaled" else run_ddp(make_mesh(4), spmd=spmd)
         ranks = [np.load(tmp_path / f"params.{spmd}.rank{r}.npz") for r in range(2)]

@@ -310,6 +310,11 @@ def save_checkpoint(directory: str, state: TrainState, *, step: int | None = Non
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"save_checkpoint: keep={keep!r}, but it must be a whole number >= 1 (the newest steps "
                          "kept) or None (keep all); pass e.g. keep=2.")
+    spread = next((jax.tree_util.keystr(p) for p, a in jax.tree_util.tree_flatten_with_path(state)[0]
+                   if isinstance(a, jax.Array) and not a.is_fully_addressable), None)
+    if spread is not None:  # a placed state across processes: no process holds it whole
+        raise TypeError(f"save_checkpoint: state{spread} is spread over processes (a placed state); pass "
+                        "strategy.unplace(placed), the canonical state every process holds whole.")
     step = int(state.step) if step is None else step
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
         raise ValueError(f"save_checkpoint: step={step!r}, but it must be a whole number >= 0; pass step=N or "

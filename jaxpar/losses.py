@@ -58,8 +58,9 @@ def cross_entropy(logits, batch, *, key: str = "y", ignore_index: int = IGNORE_I
     split = isinstance(logits, megatron.VocabParallelLogits)
     local = logits.local if split else logits.astype(jnp.float32)
     if local.shape[:-1] != y.shape:
-        raise ValueError(f"logits {local.shape} do not match targets {y.shape}: expected logits of shape "
-                         f"{tuple(y.shape)} + (classes,).")
+        raise ValueError(f"cross_entropy: logits {local.shape} do not match targets {y.shape}: expected logits of "
+                         f"shape {tuple(y.shape)} + (classes,). It is the strategies' loss when none is given; for "
+                         "other targets pass loss_fn=jaxpar.OutputLoss(jaxpar.mse) or a loss of your own.")
     w = _mask(batch, y.shape) * (y != ignore_index)
     safe = jnp.where(y == ignore_index, 0, y)
     if split:

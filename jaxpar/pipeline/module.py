@@ -37,8 +37,11 @@ class LayerSpec:
     and its position."""
 
     def __init__(self, typename: type, *args, **kwargs):
-        if not callable(typename):
-            raise TypeError(f"LayerSpec({typename!r}): pass a layer class (or a function building a layer).")
+        if isinstance(typename, nnx.Module) or not callable(typename):
+            what = f"a built {type(typename).__name__}" if isinstance(typename, nnx.Module) else repr(typename)
+            raise TypeError(f"LayerSpec({what}): pass a layer class and its arguments, e.g. "
+                            "LayerSpec(nnx.Linear, 4, 8) (or a function building a layer); a layer already built "
+                            "goes into the list itself.")
         self.typename, self.args, self.kwargs = typename, args, kwargs
 
     def build(self, seed: int = 0, index: int = 0) -> Any:
@@ -135,7 +138,8 @@ class PipelineModule:
     (needs ``example_input``, one sample: the compiler's flop estimate per layer).
     activation_checkpoint_interval N > 0: layers run in segments of N under jax.checkpoint, so a micro-batch
     keeps only each segment's input until its backward, which recomputes the rest (0: keep every residual).
-    ``loss_fn(outputs, batch)`` (DeepSpeed's) is the loss on the last stage when the strategy is given none.
+    ``loss_fn(outputs, batch)`` is the loss on the last stage when the strategy is given none (DeepSpeed's takes
+    (outputs, labels); here the whole batch, so that a loss can read its mask or inputs: labels are batch["y"]).
     """
 
     def __init__(self, layers: Sequence[Any], num_stages: int, loss_fn: Callable | None = None,
@@ -157,6 +161,7 @@ class PipelineModule:
         self.num_stages, self.virtual_stages, self.placement = num_stages, virtual_stages, placement
         self.partition_method, self.interval, self.example_input = partition_method, activation_checkpoint_interval, \
             example_input
+        self.seed = seed
         self.names = [getattr(type(l), "__name__", "layer") if isinstance(l, nnx.Module)
                       else getattr(l, "__name__", type(l).__name__) for l in self.layers]
         partition_lib.check_parts(len(self.layers), self.num_parts)
@@ -256,10 +261,14 @@ class PipelineModule:
                 params_of[s] |= set(seg.param_index)
                 for j in seg.state_index:
                     if seen_state.setdefault(j, (v, k)) != (v, k):
-                        raise ValueError(f"model state {self.state_paths[j]} is used by layers in two segments "
-                                         f"(parts {seen_state[j][0]} and {v}); give each layer its own RNG stream "
-                                         "and variables (nnx.Dropout(rate, rngs=rngs) forks its own), or put the "
-                                         "layers in one segment.")
+                        (v0, k0), where = seen_state[j], lambda v, k: ", ".join(  # noqa: E731
+                            self.names[i] for i in self.parts[v][k].layers)
+                        raise ValueError(f"model state {self.state_paths[j]} (not a trained parameter: an RNG "
+                                         f"stream or a variable) is used by layers {where(v0, k0)} (part {v0}) and "
+                                         f"{where(v, k)} (part {v}), which run apart; give each layer its own RNG "
+                                         "stream and variables (nnx.Dropout(rate, rngs=rngs) forks its own; a "
+                                         "module shared by TiedLayerSpec may not hold any), or put those layers in "
+                                         "one segment (activation_checkpoint_interval).")
                 state_of[s] |= set(seg.state_index)
         orphans = [self.param_paths[j] for j in range(len(self.param_paths)) if not any(j in p for p in params_of)]
         if orphans:

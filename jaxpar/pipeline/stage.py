@@ -239,7 +239,9 @@ class PartFns:
             model = nnx.merge(graphdef, p, st)
             if train:
                 reseed(model, sid)
-            return jax.tree.map(lambda a: a[0], run(model, jax.tree.map(lambda a: a[None], xr)))
+            y = run(model, jax.tree.map(lambda a: a[None], xr))
+            self._check_rows(y, seg.layers.stop - 1)
+            return jax.tree.map(lambda a: a[0], y)
 
         n = rows.mask.shape[0]
         step = obj.rows_per_call or n
@@ -248,6 +250,19 @@ class PartFns:
                  for lo in range(0, n, step)]  # unrolled: XLA:CPU runs convolutions in a loop slower
         y = parts[0] if len(parts) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *parts)
         return y, st
+
+    def _check_rows(self, y, last: int) -> None:
+        """ValueError unless every leaf of layer `last`'s output on one row (a batch of 1) has that row as its
+        leading axis: the pipeline takes the row back out of each (a time-major [T, 1, D] would keep time step 0)."""
+        for path, a in jax.tree_util.tree_flatten_with_path(y)[0]:
+            shape = jnp.shape(a)
+            if not shape or shape[0] != 1:
+                raise ValueError(
+                    f"layer {last} ({self.module.names[last]}) returns output{jax.tree_util.keystr(path)} shaped "
+                    f"{shape} for one row (a batch of 1), whose leading axis is not that row "
+                    f"({'a scalar has none' if not shape else f'dimension 0 is {shape[0]}'}); the pipeline passes "
+                    "activations between layers by rows: return batch-first outputs (transpose a time-major one "
+                    "back inside the layer), and keep batch-level values inside one layer.")
 
     def _seg_params(self, k, params):
         seg = self.segments[k]

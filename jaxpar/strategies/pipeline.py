@@ -104,6 +104,38 @@ def _used(fn, *specs) -> set[int]:
     return {i for i, u in enumerate(used) if u}
 
 
+DEFAULT_CUT = {"num_stages": 2, "virtual_stages": 1, "partition_method": "parameters",
+               "activation_checkpoint_interval": 0, "seed": 0}
+
+
+def check_state_tx(tx) -> None:
+    """TypeError unless `tx` is an optax transformation (before anything calls tx.init)."""
+    if not callable(getattr(tx, "init", None)) or not callable(getattr(tx, "update", None)):
+        raise TypeError(f"tx={tx!r} is not an optax GradientTransformation; pass one, e.g. optax.adam(1e-3).")
+
+
+def check_module_args(module: PipelineModule, cut: dict, example_input, options: dict) -> None:
+    """ValueError where the strategy is given partition arguments or a `wrt` other than the PipelineModule's own:
+    the module was cut (and its stages' parameters chosen) when it was built, so they would be ignored."""
+    have = {"num_stages": module.num_stages, "virtual_stages": module.virtual_stages,
+            "partition_method": module.partition_method, "activation_checkpoint_interval": module.interval,
+            "seed": module.seed}
+    for name, value in cut.items():
+        if value is not None and value != have[name]:
+            raise ValueError(f"Pipeline({name}={value!r}), but the PipelineModule was built with {name}="
+                             f"{have[name]!r}, and it fixes that when it is built; pass {name}={value!r} to "
+                             f"PipelineModule(...), or leave it out of Pipeline(...).")
+    if example_input is not None and example_input is not module.example_input:
+        raise ValueError("Pipeline(example_input=...), but a PipelineModule was cut when it was built; pass "
+                         "example_input (with partition_method='profile') to PipelineModule(...).")
+    wrt = options.get("wrt", module.wrt)
+    if wrt is not module.wrt and wrt != module.wrt:  # the stages' parameters are the module's selection
+        name = lambda f: getattr(f, "__name__", repr(f))  # noqa: E731
+        raise ValueError(f"Pipeline(wrt={name(wrt)}), but the PipelineModule trains wrt={name(module.wrt)} (its "
+                         f"stages own what that selects); pass wrt={name(wrt)} to PipelineModule(...) and leave it "
+                         "out of Pipeline(...).")
+
+
 class Pipeline:
     """The pipeline strategy: `model` (an NNX module with flat ``layers``, or a PipelineModule) cut into
     `num_stages` stages on `mesh` (default: the first num_stages devices, one per stage), trained on `schedule`
@@ -119,11 +151,20 @@ class Pipeline:
     name = "pipeline"
 
     def __init__(self, model: nnx.Module | PipelineModule, tx: optax.GradientTransformation, *, loss_fn=None,
-                 num_stages: int = 2, micro_batches: int = 4, schedule: str = "1f1b", virtual_stages: int = 1,
-                 partition_method: str = "parameters", activation_checkpoint_interval: int = 0, mesh=None,
-                 batch_size: int | None = None, example_input=None, seed: int = 0, compiler_options: dict | None = None,
+                 num_stages: int | None = None, micro_batches: int = 4, schedule: str = "1f1b",
+                 virtual_stages: int | None = None, partition_method: str | None = None,
+                 activation_checkpoint_interval: int | None = None, mesh=None, batch_size: int | None = None,
+                 example_input=None, seed: int | None = None, compiler_options: dict | None = None,
                  tensor_parallel: int = 1, sequence_parallel: bool = False, parallel_output: bool | None = None,
                  zero_stage: int = 0, zero_reduce: str = "reduce_scatter", **objective_options):
+        # the partition's arguments (None: 2 stages, 1 chunk, by parameters, no recompute, seed 0) cut `model`; a
+        # PipelineModule was cut already, and one that disagrees with it is refused (it would be ignored)
+        cut = {"num_stages": num_stages, "virtual_stages": virtual_stages, "partition_method": partition_method,
+               "activation_checkpoint_interval": activation_checkpoint_interval, "seed": seed}
+        if isinstance(model, PipelineModule):
+            check_module_args(model, cut, example_input, objective_options)
+            objective_options.setdefault("wrt", model.wrt)
+        check_state_tx(tx)
         if not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"micro_batches={micro_batches!r} must be an int >= 1; pass --micro-batches 1 or more.")
         T = tensor_parallel
@@ -144,11 +185,10 @@ class Pipeline:
         if isinstance(model, PipelineModule):
             module = model
         else:
+            defaults = {k: DEFAULT_CUT[k] if v is None else v for k, v in cut.items()}
             module = PipelineModule.from_model(
-                model, num_stages, partition_method=partition_method, virtual_stages=virtual_stages,
-                placement=placement,
-                activation_checkpoint_interval=activation_checkpoint_interval, example_input=example_input,
-                wrt=objective_options.get("wrt", nnx.Param), seed=seed)
+                model, defaults.pop("num_stages"), placement=placement, example_input=example_input,
+                wrt=objective_options.get("wrt", nnx.Param), **defaults)
         if loss_fn is None and module.loss_fn is not None:
             loss_fn = module.loss_fn if isinstance(module.loss_fn, OutputLoss) else OutputLoss(module.loss_fn)
         self.module, self.tx, self.batch_size = module, tx, batch_size
@@ -178,8 +218,9 @@ class Pipeline:
             raise ValueError("schedule='forward' has no backward and cannot train; use gpipe, 1f1b, interleaved, "
                              "zbh1 or zbv (the strategy evaluates with the forward schedule by itself).")
         if schedule == "zbv" and V != 2:
-            raise ValueError(f"schedule='zbv' runs two model chunks per stage in a V; got virtual_stages={V}; pass "
-                             "virtual_stages=2 (--virtual-stages 2).")
+            fix = ("build the PipelineModule with virtual_stages=2, placement='v'" if model is module else
+                   "pass virtual_stages=2 (--virtual-stages 2)")
+            raise ValueError(f"schedule='zbv' runs two model chunks per stage in a V; got virtual_stages={V}; {fix}.")
         if V > 1 and schedule not in ("interleaved", "zbv"):
             raise ValueError(f"virtual_stages={V} needs schedule='interleaved' or 'zbv' (model chunks); got "
                              f"{schedule!r}.")

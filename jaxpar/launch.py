@@ -9,12 +9,18 @@ nproc_per_node + local_rank, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (= NODE_RA
 jaxpar.run.distributed.initialize() reads. Every output line is prefixed with `[rank r]`. When a process fails,
 the others get SIGTERM, then SIGKILL after --term-timeout seconds, and the launcher exits with the failing
 status (128 + signal for a killed one) within seconds: a rank stuck in a collective never hangs the job.
-With --max-restarts R the whole group is restarted (with --resume appended once a checkpoint exists, so train.py continues from its
-last checkpoint) up to R times. SIGINT / SIGTERM to the launcher stop every process the same way.
+With --max-restarts R the whole group is restarted up to R times; a restart appends --resume (train.py continues from
+its last checkpoint) only when the script's --checkpoint-dir got a newer checkpoint during this launch, so a folder
+that held an earlier run's checkpoints is never continued unasked. Exit status 2 (a usage error: argparse's, or
+train.py's one-line refusals) is not restarted, since every attempt would repeat it. SIGINT / SIGTERM to the launcher
+stop every process the same way; on Linux the processes also get SIGTERM when the launcher dies (even of SIGKILL).
+A --master-port already in use on this node is refused in one line before any process starts.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import os
 import signal
 import socket
@@ -22,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from typing import Sequence
 
 
@@ -50,6 +57,31 @@ def check(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-restarts {args.max_restarts} must be >= 0.")
 
 
+def is_local(addr: str) -> bool:
+    """Whether `addr` names this machine (a socket can bind to it)."""
+    try:
+        with socket.socket() as s:
+            s.bind((addr, 0))
+        return True
+    except OSError:
+        return False
+
+
+def check_port(args: argparse.Namespace) -> None:
+    """Refuse a --master-port that something on this node already listens on, when the coordinator runs here."""
+    if args.nnodes > 1 and not (args.node_rank == 0 and is_local(args.master_addr)):
+        return
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free for the coordinator
+        try:
+            s.bind(("", args.master_port))
+        except OSError:
+            fix = ("leave --master-port out (a free one is chosen)" if args.nnodes == 1 else
+                   "pass the same one to every node")
+            raise ValueError(f"--master-port {args.master_port} is in use on {args.master_addr}; pick another port "
+                             f"or {fix}.") from None
+
+
 def free_port() -> int:
     """A TCP port nobody listens on right now (the coordinator binds it a moment later)."""
     with socket.socket() as s:
@@ -76,23 +108,51 @@ def checkpoint_dir(script_args: Sequence[str]) -> str | None:
     return None
 
 
-def can_resume(script_args: Sequence[str]) -> bool:
-    """Whether the run's --checkpoint-dir holds a complete checkpoint to resume from."""
+def newest_checkpoint(script_args: Sequence[str]) -> int | None:
+    """The step of the newest complete checkpoint in the run's --checkpoint-dir (None: no flag, or none there)."""
     directory = checkpoint_dir(script_args)
     if directory is None:
-        return False
+        return None
     from jaxpar.run.checkpoint import latest_step
 
-    return latest_step(directory) is not None
+    return latest_step(directory)
 
 
-def command(args: argparse.Namespace, restart: int) -> list[str]:
-    """A restart resumes from the last complete checkpoint, or starts over when none was written yet."""
+def can_resume(script_args: Sequence[str], at_start: int | None = None) -> bool:
+    """Whether the run's --checkpoint-dir holds a complete checkpoint newer than `at_start` (the newest when this
+    launch started): one this launch wrote, not an earlier run's."""
+    newest = newest_checkpoint(script_args)
+    return newest is not None and newest != at_start
+
+
+def command(args: argparse.Namespace, restart: int, at_start: int | None = None) -> list[str]:
+    """A restart resumes from the last complete checkpoint this launch wrote (`at_start`: the newest step when it
+    started), or starts over when it wrote none; --resume passed by the user is kept as is."""
     script_args = list(args.script_args)
-    if restart and "--resume" not in script_args and can_resume(script_args):
+    if restart and "--resume" not in script_args and can_resume(script_args, at_start):
         script_args.append("--resume")
     head = [sys.executable, "-u", "-m", args.script] if args.module else [sys.executable, "-u", args.script]
     return head + script_args
+
+
+def _parent_death_signal():
+    """A preexec_fn that has the child get SIGTERM when the launcher dies, even of SIGKILL (Linux's
+    PR_SET_PDEATHSIG); None elsewhere. The signal follows the THREAD that starts the child, not the process: run()
+    starts every child from the main thread (it must be there for its signal handlers), which ends with the launcher."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent, sigterm = os.getpid(), int(signal.SIGTERM)
+
+    def set_signal():  # in the child, between fork and exec
+        prctl(1, sigterm, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the launcher died before prctl: no signal would come
+            os._exit(128 + signal.SIGTERM)
+
+    return set_signal
 
 
 def _relay(stream, out, prefix: bytes, lock: threading.Lock) -> None:
@@ -107,13 +167,14 @@ def _relay(stream, out, prefix: bytes, lock: threading.Lock) -> None:
 class Group:
     """The local processes of one attempt: started together, stopped together."""
 
-    def __init__(self, args: argparse.Namespace, restart: int):
+    def __init__(self, args: argparse.Namespace, restart: int, at_start: int | None = None):
         self.procs: list[subprocess.Popen] = []
         self.threads: list[threading.Thread] = []
         lock = threading.Lock()
+        cmd, on_start = command(args, restart, at_start), _parent_death_signal()
         for local_rank in range(args.nproc_per_node):
             env = {**os.environ, **rank_env(args, local_rank, restart)}
-            proc = subprocess.Popen(command(args, restart), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=on_start,
                                     start_new_session=True)  # its own process group: stopped as one
             prefix = f"[rank {env['RANK']}] ".encode()
             for stream, out in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
@@ -163,6 +224,13 @@ def run(args: argparse.Namespace) -> int:
     check(args)
     if args.master_port is None:
         args.master_port = free_port() if args.nnodes == 1 else 29500
+    check_port(args)
+    if checkpoint_dir(args.script_args) is not None:  # orbax reads it through JAX, whose backend starts here
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")  # the launcher's own: never the GPUs its ranks are to use
+        warnings.filterwarnings("ignore", r"os\.fork\(\) was called", RuntimeWarning)  # each child execs at once
+    at_start = newest_checkpoint(args.script_args)  # an earlier run's, which a restart must not resume
     stopping: list[int] = []
 
     def on_signal(sig, frame):
@@ -172,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for restart in range(args.max_restarts + 1):
-            group = Group(args, restart)
+            group = Group(args, restart, at_start)
             try:
                 code = group.wait()
             except KeyboardInterrupt:
@@ -181,6 +249,10 @@ def run(args: argparse.Namespace) -> int:
             group.stop(args.term_timeout)
             if code == 0:
                 return 0
+            if code == 2:
+                print("jaxpar.launch: a process failed with status 2, a usage error that every restart would repeat; "
+                      "stopped all, not restarting", file=sys.stderr, flush=True)
+                return 2
             left = args.max_restarts - restart
             print(f"jaxpar.launch: a process failed with status {code}; "
                   + (f"restarting all {args.nproc_per_node} ({left} restarts left)" if left else "stopped all"),

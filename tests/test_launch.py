@@ -1,0 +1,124 @@
+"""jaxpar.launch on tiny scripts (no JAX in the ranks, seconds each): a restart resumes only a checkpoint this launch
+wrote, a usage error (exit status 2) is not restarted, the ranks die with a SIGKILLed launcher, and a --master-port
+in use is refused in one line before anything starts. Launches that train: tests/test_multiprocess.py."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCH = [sys.executable, "-m", "jaxpar.launch", "--term-timeout", "2"]
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+
+def launch(*args: str) -> subprocess.CompletedProcess:
+    """python -m jaxpar.launch --nproc-per-node 1 args..., to its end."""
+    return subprocess.run(LAUNCH + ["--nproc-per-node", "1", *args], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_command_resumes_only_a_checkpoint_written_since_the_launch_started(tmp_path, monkeypatch):
+    import jaxpar.run.checkpoint
+    from jaxpar.launch import command, parser
+
+    newest = {"step": 8}
+    monkeypatch.setattr(jaxpar.run.checkpoint, "latest_step", lambda d: newest["step"])
+    args = parser().parse_args(["train.py", "--checkpoint-dir", str(tmp_path)])
+    assert "--resume" not in command(args, restart=1, at_start=8)  # an earlier run's step 8: start over
+    newest["step"] = 10
+    assert command(args, restart=1, at_start=8)[-1] == "--resume"  # this launch wrote step 10
+    assert "--resume" not in command(args, restart=0, at_start=8)
+    newest["step"] = 8
+    args = parser().parse_args(["train.py", "--checkpoint-dir", str(tmp_path), "--resume"])
+    assert command(args, restart=1, at_start=8).count("--resume") == 1  # the user's own --resume is kept
+
+
+def test_restart_does_not_resume_an_earlier_runs_checkpoints(tmp_path):
+    """The folder held step 8 before the launch: the restart starts over (train.py would refuse it without --resume,
+    and with --resume appended would silently continue that other run). A step written by the first attempt is
+    resumed."""
+    ck = tmp_path / "ck"
+    (ck / "8").mkdir(parents=True)  # orbax counts a finished step folder as a complete checkpoint
+    script = tmp_path / "flaky.py"
+    script.write_text("import os, sys\n"
+                      "if os.environ['RESTART_COUNT'] == '0':\n"
+                      "    if len(sys.argv) > 3:\n"
+                      "        os.mkdir(os.path.join(sys.argv[2], sys.argv[3]))  # a checkpoint of this launch\n"
+                      "    sys.exit(3)\n"
+                      "print('args', sys.argv[1:])\n")
+    old = launch("--max-restarts", "1", str(script), "--checkpoint-dir", str(ck))
+    assert old.returncode == 0, old.stdout + old.stderr
+    assert f"[rank 0] args ['--checkpoint-dir', '{ck}']\n" in old.stdout, old.stdout + old.stderr
+    new = launch("--max-restarts", "1", str(script), "--checkpoint-dir", str(ck), "9")
+    assert new.returncode == 0, new.stdout + new.stderr
+    assert f"[rank 0] args ['--checkpoint-dir', '{ck}', '9', '--resume']\n" in new.stdout, new.stdout + new.stderr
+
+
+def test_usage_error_is_not_restarted(tmp_path):
+    script = tmp_path / "refuse.py"
+    script.write_text("import sys\nprint('attempt')\nsys.exit(2)\n")
+    out = launch("--max-restarts", "2", str(script))
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stdout.count("attempt") == 1, out.stdout + out.stderr  # one attempt, no restart
+    lines = [line for line in out.stderr.splitlines() if line.startswith("jaxpar.launch")]
+    assert lines == ["jaxpar.launch: a process failed with status 2, a usage error that every restart would repeat; "
+                     "stopped all, not restarting"], out.stderr
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie waiting for its reaper does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_ranks_die_with_a_sigkilled_launcher(tmp_path):
+    script = tmp_path / "sleep.py"
+    script.write_text("import os, time\nprint('pid', os.getpid(), flush=True)\ntime.sleep(120)\n")
+    proc = subprocess.Popen(LAUNCH + ["--nproc-per-node", "2", str(script)], cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    pids: list[int] = []
+    try:
+        while len(pids) < 2:
+            line = proc.stdout.readline()
+            assert line, "the launcher ended before its ranks started"
+            if " pid " in line:
+                pids.append(int(line.split()[-1]))
+        proc.kill()  # SIGKILL: no handler of the launcher's runs
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 5
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(p) for p in pids), f"ranks {pids} outlived the killed launcher"
+    finally:
+        proc.kill()
+        for p in pids:
+            if _alive(p):
+                os.kill(p, 9)
+
+
+def test_master_port_in_use_is_refused_in_one_line(tmp_path):
+    ran = tmp_path / "ran"
+    script = tmp_path / "touch.py"
+    script.write_text(f"open({str(ran)!r}, 'w').close()\n")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = launch("--master-port", str(port), str(script))
+        multi = launch("--nnodes", "2", "--master-port", str(port), str(script))  # node 0 on this machine
+    assert out.returncode == 2 and not ran.exists(), out.stdout + out.stderr
+    assert out.stderr == (f"jaxpar.launch: error: --master-port {port} is in use on 127.0.0.1; pick another port or "
+                          "leave --master-port out (a free one is chosen).\n")
+    assert multi.returncode == 2 and not ran.exists(), multi.stdout + multi.stderr
+    assert multi.stderr == (f"jaxpar.launch: error: --master-port {port} is in use on 127.0.0.1; pick another port or "
+                            "pass the same one to every node.\n")

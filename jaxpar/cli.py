@@ -70,6 +70,7 @@ def main(argv=None) -> dict:
     from jaxpar.run import trainer  # importing JAX does not start its backend yet
 
     try:
+        trainer.validate(cfg)  # the flags alone, before joining a group that a refusal here would leave waiting
         devices.setup(cfg)  # simulated CPU devices and jax.distributed, before JAX's backend starts
         return trainer.run(cfg)
     except ValueError as e:  # user errors: one line, exit status 2 (as argparse does)

@@ -7,6 +7,7 @@ steps on this process's rows, parameters to OUT.rank<r>.npz) or `... hang` (join
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,11 +24,12 @@ SPMD = ("shard_map", "pmap")
 
 
 def run_ddp(mesh, rank: int = 0, nproc: int = 1, spmd: str = "shard_map", scaled: bool = False,
-            checkpoint: str | None = None):
+            checkpoint: str | None = None, skew: bool = False):
     """Parameter leaves after the DDP steps, this process feeding rows rank::nproc (DistributedSampler's);
     `scaled`: behind a loss scaler (2**12), whose seed averages the loss weight over both processes' devices;
     `checkpoint`: saved there by jaxpar.save_checkpoint after 2 batches (every process calls it; a placed state
-    spread over the processes is refused), restored into a fresh template and resumed."""
+    spread over the processes is refused), restored into a fresh template and resumed; `skew`: every process but
+    0 starts from other weights (an unseeded init), which DDP replaces with process 0's, as torch DDP does."""
     import jax
     import pytest
 
@@ -41,6 +43,8 @@ def run_ddp(mesh, rank: int = 0, nproc: int = 1, spmd: str = "shard_map", scaled
         state = state._replace(opt_state=tx.init(state.params))
     ddp = DistributedDataParallel(objective, tx, mesh=mesh, allreduce="ring", bucket_cap_mb=0, spmd=spmd,
                                   batch_size=max(SIZES))
+    if skew and rank:
+        state = state._replace(params=jax.tree.map(lambda a: a + 1.0, state.params))
     placed = ddp.init(state)
     for i, b in enumerate(batches):
         if checkpoint and i == 2:
@@ -75,7 +79,8 @@ def worker(mode: str, out: str | None = None) -> None:
     for spmd in SPMD:
         np.savez(f"{out}.{spmd}.rank{rank}.npz", *run_ddp(make_mesh(), rank, nproc, spmd))
     np.savez(f"{out}.scaled.rank{rank}.npz", *run_ddp(make_mesh(), rank, nproc, scaled=True))
-    np.savez(f"{out}.resumed.rank{rank}.npz", *run_ddp(make_mesh(), rank, nproc, checkpoint=f"{out}.checkpoints"))
+    np.savez(f"{out}.resumed.rank{rank}.npz", *run_ddp(make_mesh(), rank, nproc, checkpoint=f"{out}.checkpoints",
+                                                                   skew=True))
     for name in CONTRACT:  # a user's models (examples/), this process feeding rows rank::nproc
         np.savez(f"{out}.{name}.rank{rank}.npz", *run_contract(name, make_mesh(), rank, nproc))
     for stage in ZERO_STAGES:
@@ -192,9 +197,13 @@ def test_two_processes_equal_one_process_and_one_device(tmp_path, monkeypatch):
             np.testing.assert_array_equal(ranks[0][f"arr_{i}"], ranks[1][f"arr_{i}"])
             np.testing.assert_array_equal(ranks[0][f"arr_{i}"], here[i], err_msg=f"stage {stage}")
             np.testing.assert_allclose(ranks[0][f"arr_{i}"], w, rtol=1e-5, atol=2e-6, err_msg=f"stage {stage}")
-    resumed = [np.load(tmp_path / f"params.resumed.rank{r}.npz") for r in range(2)]  # jaxpar.save_checkpoint
-    straight = np.load(tmp_path / "params.shard_map.rank0.npz")  # across the processes, restored and resumed:
-    for i in range(len(ref)):  # bit for bit the run that went on
+    # jaxpar.save_checkpoint across the processes, restored and resumed, and process 1 started from other weights
+    # (replaced by process 0's, with a line saying so): bit for bit the run that went on
+    assert "[rank 1] jaxpar: process 1's initial state differs from process 0's" in out, out
+    assert "[rank 0] jaxpar: process 0's initial" not in out
+    resumed = [np.load(tmp_path / f"params.resumed.rank{r}.npz") for r in range(2)]
+    straight = np.load(tmp_path / "params.shard_map.rank0.npz")
+    for i in range(len(ref)):
         for r in range(2):
             np.testing.assert_array_equal(resumed[r][f"arr_{i}"], straight[f"arr_{i}"])
     for spmd in (*SPMD, "scaled"):  # "scaled": a loss scaler's seed, one for the 4 devices of both processes
@@ -228,6 +237,33 @@ def test_train_py_two_processes_equal_one_process_and_one_device(tmp_path):
     for k in one:
         np.testing.assert_allclose(two[k], four[k], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(two[k], one[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("flags,match", [
+    ((["--seed", "0"], ["--seed", "1"]), r"the processes were started with different flags: --seed \(this is process "
+                                         r"[01], with seed=[01]\); start every process with the same command"),
+    ((["--cpu-devices", "1"], ["--cpu-devices", "2"]),
+     r"every process must have the same number of devices, but process 0 has 1, process 1 has 2; pass the same "
+     r"--cpu-devices")])
+def test_processes_started_apart_are_refused_in_one_line(flags, match):
+    """Two processes started by hand (torchrun's variables) with a different --seed, or a different device count:
+    each says so in one line (exit 2) before any training; they would have trained apart, or failed deep in JAX."""
+    from jaxpar.launch import free_port
+
+    port = str(free_port())
+    common = ["--strategy", "ddp", "--model", "mlp", "--steps", "1", "--train-split", "train[:16]", "--batch-size",
+              "8", "--eval-split", "", "--quiet"]
+    procs = [subprocess.Popen([sys.executable, "train.py", *(["--cpu-devices", "1"] if "--seed" in flags[r] else []),
+                               *flags[r], *common], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT,
+                              env={**os.environ, "JAX_PLATFORMS": "cpu", "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": port, "WORLD_SIZE": "2", "RANK": str(r), "XLA_FLAGS": ""})
+             for r in range(2)]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 2, out
+        assert re.search(r"train.py: error: " + match, out), out
+        assert "summary:" not in out and "Traceback" not in out, out
 
 
 def test_killing_one_rank_stops_the_launcher(tmp_path):

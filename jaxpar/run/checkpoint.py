@@ -320,7 +320,8 @@ def save_checkpoint(directory: str, state: TrainState, *, step: int | None = Non
         raise ValueError(f"save_checkpoint: step={step!r}, but it must be a whole number >= 0; pass step=N or "
                          "leave it out (state.step).")
     writable_dir(directory, "save_checkpoint: directory")
-    if int(step) in all_steps(directory):
+    if os.path.isdir(os.path.join(directory, str(int(step)))):  # orbax's step folder; no manager here: whether a
+        # process builds one (with its barriers) must not depend on when another created the folder
         raise ValueError(f"save_checkpoint: {directory!r} already holds step {step}; pass another step, or remove "
                          f"{os.path.join(directory, str(step))!r} first.")
     leaves = to_host(state)

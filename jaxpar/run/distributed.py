@@ -12,10 +12,17 @@ collectives are XLA's: gloo or MPI on CPU (set before the backend starts), NCCL 
 """
 from __future__ import annotations
 
+import collections
+import dataclasses
 import os
+import sys
+import zlib
 from typing import Mapping, NamedTuple
 
+import numpy as np
+
 CPU_COLLECTIVES = ("gloo", "mpi")
+JOIN_TIMEOUT = 300  # seconds every process waits for the others to join (JAX's default); JAXPAR_JOIN_TIMEOUT
 
 
 class Rendezvous(NamedTuple):
@@ -81,6 +88,47 @@ def initialize(cfg=None, env: Mapping[str, str] | None = None) -> Rendezvous | N
     if collectives not in CPU_COLLECTIVES:
         raise ValueError(f"cpu_collectives={collectives!r} is not known; use one of {', '.join(CPU_COLLECTIVES)}.")
     jax.config.update("jax_cpu_collectives_implementation", collectives)
-    jax.distributed.initialize(coordinator_address=rdv.coordinator, num_processes=rdv.num_processes,
-                               process_id=rdv.process_id)
+    where = f" at {rdv.coordinator}" if rdv.coordinator else ""
+    timeout = _int(os.environ, "JAXPAR_JOIN_TIMEOUT") if os.environ.get("JAXPAR_JOIN_TIMEOUT") else JOIN_TIMEOUT
+    print(f"jaxpar: process {rdv.process_id if rdv.process_id is not None else '?'} of "
+          f"{rdv.num_processes or '?'} joining the group{where} ({rdv.source}); JAX waits up to {timeout} s "
+          "for every process to join", file=sys.stderr, flush=True)
+    try:
+        jax.distributed.initialize(coordinator_address=rdv.coordinator, num_processes=rdv.num_processes,
+                                   process_id=rdv.process_id, initialization_timeout=timeout)
+    except Exception as e:  # JAX's gRPC errors: one line that says which setting to fix
+        text = str(e)
+        if "Failed to start RPC server" in text or "Failed to add port" in text:
+            raise ValueError(f"the coordinator could not listen on {rdv.coordinator} (the port is in use); pick "
+                             "another --master-port (MASTER_PORT), or leave it out of jaxpar.launch.") from None
+        if "DEADLINE_EXCEEDED" in text or "timed out" in text.lower():
+            raise ValueError(f"not every one of the {rdv.num_processes or 'expected'} processes joined{where} "
+                             f"within {timeout} s (JAXPAR_JOIN_TIMEOUT); start every node (--nnodes, each --node-rank "
+                             "once) with the same --master-addr and --master-port.") from None
+        raise
+    per = collections.Counter(d.process_index for d in jax.devices())
+    if len(set(per.values())) > 1:  # a global batch split by process would not line up with the devices
+        counts = ", ".join(f"process {p} has {n}" for p, n in sorted(per.items()))
+        raise ValueError(f"every process must have the same number of devices, but {counts}; pass the same "
+                         "--cpu-devices (or make as many accelerators visible) on every node.")
     return rdv
+
+
+def check_same_config(cfg) -> None:
+    """ValueError naming the flags whose values differ between the processes: every process must run the same
+    command (a different --seed or --lr on one node trains another model without a word). No-op alone."""
+    import jax
+
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    fields = dataclasses.asdict(cfg)
+    mine = np.array([zlib.crc32(repr(v).encode()) & 0x7FFFFFFF for v in fields.values()], np.int32)
+    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), len(fields))
+    differ = [name for i, name in enumerate(fields) if len(set(every[:, i].tolist())) > 1]
+    if differ:
+        flags = ", ".join("--" + n.replace("_", "-") for n in differ)
+        here = ", ".join(f"{n}={fields[n]!r}" for n in differ[:3])
+        raise ValueError(f"the processes were started with different flags: {flags} (this is process "
+                         f"{jax.process_index()}, with {here}); start every process with the same command.")

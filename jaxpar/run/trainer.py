@@ -600,6 +600,9 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
     from jaxpar.data.sampler import DistributedSampler
 
     validate(cfg)
+    from jaxpar.run.distributed import check_same_config
+
+    check_same_config(cfg)  # every process runs the same command
     nproc, rank = jax.process_count(), jax.process_index()
     main_process = rank == 0
     if cfg.batch_size % nproc:

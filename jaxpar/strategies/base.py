@@ -106,6 +106,30 @@ def check_state(state: TrainState, tx, objective: Objective | None = None) -> No
                 "build the state with jaxpar.init_state(model, tx) from the optimizer given to the strategy")
 
 
+def from_process_0(state: TrainState) -> TrainState:
+    """Process 0's state on every process, as torch DDP broadcasts rank 0's parameters and buffers when it is
+    built: processes whose models were initialised apart (an unseeded init) start alike. A process whose own
+    state differed says so in one line. No-op in one process."""
+    if jax.process_count() == 1:
+        return state
+    import sys
+
+    from jax.experimental import multihost_utils
+
+    leaves, treedef = jax.tree.flatten(state)
+    keys = [jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key) for a in leaves]
+    mine = [np.asarray(jax.random.key_data(a) if k else a) for a, k in zip(leaves, keys)]
+    got = [np.asarray(a) for a in multihost_utils.broadcast_one_to_all(mine)]
+    differ = [i for i, (a, b) in enumerate(zip(mine, got)) if not np.array_equal(a, b, equal_nan=True)]
+    if differ:
+        path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(state)[0][differ[0]][0])
+        print(f"jaxpar: process {jax.process_index()}'s initial state differs from process 0's ({len(differ)} "
+              f"leaves, first {path}); every process starts from process 0's, as torch DDP does.", file=sys.stderr)
+    out = [jax.random.wrap_key_data(b, impl=jax.random.key_impl(a)) if k else jax.numpy.array(b)  # writable
+           for a, b, k in zip(leaves, got, keys)]
+    return jax.tree.unflatten(treedef, out)
+
+
 def check_placed(batch: Any, kind: type, who: str) -> None:
     """TypeError unless step() got the batch `who`.put_batch returns (a raw dict or array failed deep inside)."""
     if not isinstance(batch, kind):

@@ -40,7 +40,8 @@ from jaxpar.pipeline.module import LayerSpec, PipelineModule, TiedLayerSpec
 from jaxpar.pipeline.stage import Layout, act_spec
 from jaxpar.pipeline.transfer import Transport
 from jaxpar.step import TrainState
-from jaxpar.strategies.base import LayersCheck, check_placed, check_state, refuse_sync_batch_norm
+from jaxpar.strategies.base import (LayersCheck, check_placed, check_state, from_process_0,
+                                    refuse_sync_batch_norm)
 
 __all__ = ["Batch", "LayerSpec", "Pipeline", "PipelineModule", "PipelineState", "TiedLayerSpec", "build",
            "pipeline_mesh"]
@@ -269,6 +270,7 @@ class Pipeline:
         """The canonical state cut into this process's stages (fresh buffers: the step donates them)."""
         mod, tr = self.module, self.transport
         check_state(state, self.tx, self.objective)  # the model's tree and shapes (module.model's for a PipelineModule)
+        state = from_process_0(state)  # torch DDP's broadcast of rank 0's parameters at construction
         refuse_sync_batch_norm(self.objective.merge(state.params, state.model_state), "the pipeline's stages")
         if self._own_model:
             self._layers_check.arm(self.objective, state, "the pipeline runs the model's",

@@ -51,7 +51,7 @@ from jaxpar.mesh import DATA, TENSOR
 from jaxpar.objective import Objective, advance_rng, metrics_of
 from jaxpar.step import TrainState, apply_updates, squared_norm
 from jaxpar.strategies import zero_optim
-from jaxpar.strategies.base import check_placed, check_state
+from jaxpar.strategies.base import check_placed, check_state, from_process_0
 from jaxpar.strategies.ddp import from_replica_0, local_devices, psum_sums
 
 # split the output dim; the fused q|k|v output dim by heads; the input dim; an embedding table's rows (the
@@ -238,6 +238,7 @@ class TensorParallel:
         """The canonical state onto the mesh: split leaves in tensor order, sharded over TENSOR; the rest replicated
         (ZeRO-1: the optimizer moments flat, each tensor rank's split over DATA)."""
         check_state(state, self.tx, self.objective)
+        state = from_process_0(state)  # torch DDP's broadcast of rank 0's parameters at construction
         host = state._replace(params=map_params(in_tensor_order, state.params, state.params, self.plan),
                               opt_state=map_params(in_tensor_order, state.opt_state, state.params, self.plan))
         if self.zero_stage and self.zero is None:

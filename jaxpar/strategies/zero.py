@@ -47,8 +47,8 @@ from jaxpar.mesh import DATA, check_data_mesh, make_mesh
 from jaxpar.objective import Objective, advance_rng, check_wrt_within, metrics_of
 from jaxpar.step import TrainState
 from jaxpar.strategies import zero_optim
-from jaxpar.strategies.base import (LayersCheck, cfg_objective, check_placed, check_state, objective_of,
-                                    recompute_check)
+from jaxpar.strategies.base import (LayersCheck, cfg_objective, check_placed, check_state, from_process_0,
+                                    objective_of, recompute_check)
 from jaxpar.strategies.ddp import from_replica_0, local_devices, place_rows, psum_sums, replicate
 
 STAGES = (1, 2, 3)
@@ -234,6 +234,7 @@ class ZeroRedundancy:
     def init(self, state: TrainState):
         """The canonical state onto the mesh: sharded leaves as [N S] arrays split over DATA, the rest replicated."""
         check_state(state, self.tx, self.objective)
+        state = from_process_0(state)  # torch DDP's broadcast of rank 0's parameters at construction
         recompute_check(self.objective, state, self._layers_check)  # stage 3 refuses an interval
         if self.plan is None:
             self._setup(state)

@@ -92,11 +92,13 @@ def initialize(cfg=None, env: Mapping[str, str] | None = None) -> Rendezvous | N
     timeout = _int(os.environ, "JAXPAR_JOIN_TIMEOUT") if os.environ.get("JAXPAR_JOIN_TIMEOUT") else JOIN_TIMEOUT
     print(f"jaxpar: process {rdv.process_id if rdv.process_id is not None else '?'} of "
           f"{rdv.num_processes or '?'} joining the group{where} ({rdv.source}); JAX waits up to {timeout} s "
-          "for every process to join", file=sys.stderr, flush=True)
+          "(JAXPAR_JOIN_TIMEOUT) for every process, then aborts with DEADLINE_EXCEEDED if one has not joined",
+          file=sys.stderr, flush=True)
     try:
         jax.distributed.initialize(coordinator_address=rdv.coordinator, num_processes=rdv.num_processes,
                                    process_id=rdv.process_id, initialization_timeout=timeout)
-    except Exception as e:  # JAX's gRPC errors: one line that says which setting to fix
+    except Exception as e:  # JAX's gRPC errors that reach Python (a missing peer aborts in C++ instead: the
+        # line above says what it waits for): one line that says which setting to fix
         text = str(e)
         if "Failed to start RPC server" in text or "Failed to add port" in text:
             raise ValueError(f"the coordinator could not listen on {rdv.coordinator} (the port is in use); pick "

@@ -165,6 +165,7 @@ CASES = [
     ("user model does not fit the data", ["--model", f"{EXAMPLE}:make_model", "--loss", "mse"],
      ["does not fit the data", "(5,)"]),
     ("unknown loss", ["--loss", "hinge"], ["'hinge'", "use one of", "mse"]),
+    ("unknown CPU collectives, alone too", ["--cpu-collectives", "bogus"], ["'bogus'", "use one of", "gloo, mpi"]),
     ("unknown per-sample", ["--per-sample", "maybe"], ["'maybe'", "use on, off"]),
     ("negative momentum", ["--momentum", "-0.5"], ["--momentum -0.5", ">= 0", "torch's default"]),
     ("negative grad clip", ["--grad-clip", "-1"], ["--grad-clip -1.0", ">= 0", "0 for no clipping"]),
@@ -280,3 +281,22 @@ def test_writable_checks_write_nothing(tmp_path):
     checkpoint.writable_dir(str(tmp_path / "a" / "b"), "--checkpoint-dir")
     checkpoint.writable_file(str(tmp_path / "m.jsonl"), "--metrics-out")
     assert os.listdir(tmp_path) == []
+
+
+def test_export_torch_of_a_model_without_torch_names_is_refused_before_training(tmp_path):
+    """--export-torch of a user model with neither torch_state_dict() nor torch_modules() failed only after the
+    whole run; prepare_outputs, which runs before the first step, now refuses it, and accepts the bundled MLP."""
+    import jaxpar
+    from flax import nnx
+
+    from jaxpar.run import trainer
+
+    cfg = Config(export_torch=str(tmp_path / "w.npz"))
+    plain = nnx.Sequential(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+    state = jaxpar.init_state(plain, jaxpar.make_optimizer("sgd", 0.1))
+    with pytest.raises(ValueError, match=r"--export-torch: Sequential has neither torch_state_dict\(\) nor "
+                                         r"torch_modules\(\).* or drop --export-torch"):
+        trainer.prepare_outputs(cfg, state, plain)
+    mlp = jaxpar.get_model("mlp")
+    assert trainer.prepare_outputs(cfg, jaxpar.init_state(mlp, jaxpar.make_optimizer("sgd", 0.1)), mlp) is None
+    assert not os.listdir(tmp_path)  # nothing written

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 import math
 from typing import Any, Callable
 
@@ -57,8 +58,10 @@ def validate(cfg: Config) -> None:
     from jaxpar.losses import LOSSES
     from jaxpar.precision import PRECISIONS
 
+    from jaxpar.run.distributed import CPU_COLLECTIVES
+
     choices = {"strategy": STRATEGIES, "dataset": DATASETS, "optimizer": OPTIMIZERS, "precision": PRECISIONS,
-               "lr_schedule": LR_SCHEDULES, "weight_decay_params": DECAY_PARAMS}
+               "lr_schedule": LR_SCHEDULES, "weight_decay_params": DECAY_PARAMS, "cpu_collectives": CPU_COLLECTIVES}
     for field, valid in choices.items():
         value = getattr(cfg, field)
         if value not in valid:
@@ -583,6 +586,11 @@ def prepare_outputs(cfg: Config, state: TrainState, model: nnx.Module | None = N
         weights.check_writable(cfg.export_torch, "--export-torch", folder_ok=gpt)
         if gpt and weights.is_folder(cfg.export_torch):
             models.gpt.hf_config(model.config)  # refuses a GPT that transformers' GPT2 cannot hold
+        if model is not None and not any(callable(getattr(model, f, None)) for f in ("torch_state_dict",
+                                                                                      "torch_modules")):
+            raise ValueError(f"--export-torch: {type(model).__name__} has neither torch_state_dict() nor "
+                             "torch_modules(), so its weights have no PyTorch names; define one (the README's "
+                             "'Bring your own model'), or drop --export-torch.")
     return ckpt
 
 
@@ -684,7 +692,7 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
                 sampler.set_epoch(epoch)  # a resumed epoch keeps the checkpoint's offset
                 loader = Loader(train_set, local_batch, sampler, drop_last=cfg.drop_last, put=strategy.put_batch)
                 bar = tqdm(total=min(len(loader), total_steps - step), desc=f"epoch {epoch}", leave=False,
-                           disable=cfg.quiet or not main_process)
+                           disable=cfg.quiet or not main_process or not sys.stderr.isatty())  # no bar in logs
                 for batch in loader:
                     placed, metrics = strategy.step(placed, batch)
                     step += 1

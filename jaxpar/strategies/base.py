@@ -106,6 +106,12 @@ def check_state(state: TrainState, tx, objective: Objective | None = None) -> No
                 "build the state with jaxpar.init_state(model, tx) from the optimizer given to the strategy")
 
 
+def processes() -> str:
+    """'1 process' or 'N processes', for the strategies' describe()."""
+    n = jax.process_count()
+    return f"{n} process" if n == 1 else f"{n} processes"
+
+
 def from_process_0(state: TrainState) -> TrainState:
     """Process 0's state on every process, as torch DDP broadcasts rank 0's parameters and buffers when it is
     built: processes whose models were initialised apart (an unseeded init) start alike. A process whose own

@@ -41,7 +41,7 @@ from jaxpar.mesh import DATA, check_data_mesh, make_mesh
 from jaxpar.objective import Objective, Sums, advance_rng, metrics_of
 from jaxpar.step import TrainState, apply_updates, grad_norm
 from jaxpar.strategies.base import (LayersCheck, cfg_objective, check_placed, check_state, from_process_0,
-                                    objective_of, recompute_check)
+                                    objective_of, processes, recompute_check)
 from jaxpar.types import Params
 
 SPMD = ("shard_map", "pmap")
@@ -325,7 +325,7 @@ class DistributedDataParallel:
     def describe(self) -> str:
         buckets = "?" if self.plan is None else len(self.plan)
         comm = self.grad_comm_dtype or "fp32"
-        return (f"{DATA} mesh of {self.mesh.size} devices ({jax.process_count()} processes), {self.spmd}, "
+        return (f"{DATA} mesh of {self.mesh.size} devices ({processes()}), {self.spmd}, "
                 f"allreduce={self.allreduce}, {buckets} buckets (cap {self.bucket_cap_mb:g} MB), "
                 f"overlap={'on' if self.overlap else 'off'}, grad_accum={self.grad_accum}, comm {comm}")
 

@@ -40,7 +40,7 @@ from jaxpar.pipeline.module import LayerSpec, PipelineModule, TiedLayerSpec
 from jaxpar.pipeline.stage import Layout, act_spec
 from jaxpar.pipeline.transfer import Transport
 from jaxpar.step import TrainState
-from jaxpar.strategies.base import (LayersCheck, check_placed, check_state, from_process_0,
+from jaxpar.strategies.base import (LayersCheck, check_placed, check_state, from_process_0, processes,
                                     refuse_sync_batch_norm)
 
 __all__ = ["Batch", "LayerSpec", "Pipeline", "PipelineModule", "PipelineState", "TiedLayerSpec", "build",
@@ -489,7 +489,7 @@ class Pipeline:
         from jaxpar.strategies.tensor import whole_note
 
         sch, mod = self.schedule, self.module
-        return (f"{self.mesh.devices.size} devices ({jax.process_count()} processes), mesh {dict(self.mesh.shape)}: "
+        return (f"{self.mesh.devices.size} devices ({processes()}), mesh {dict(self.mesh.shape)}: "
                 f"D x S x T = {self.D} x {mod.num_stages} x {self.tp} (data x pipeline x tensor): "
                 f"{mod.num_stages} stages x {self.D} data replicas"
                 + (f", Megatron tensor parallelism over {self.tp} devices per stage" if self.tp > 1 else "")

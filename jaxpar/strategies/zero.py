@@ -48,7 +48,7 @@ from jaxpar.objective import Objective, advance_rng, check_wrt_within, metrics_o
 from jaxpar.step import TrainState
 from jaxpar.strategies import zero_optim
 from jaxpar.strategies.base import (LayersCheck, cfg_objective, check_placed, check_state, from_process_0,
-                                    objective_of, recompute_check)
+                                    objective_of, processes, recompute_check)
 from jaxpar.strategies.ddp import from_replica_0, local_devices, place_rows, psum_sums, replicate
 
 STAGES = (1, 2, 3)
@@ -301,7 +301,7 @@ class ZeroRedundancy:
         groups = "?" if self.plan is None else f"{len(self.plan.groups)} groups, {self.plan.shard_size:,} " \
                                                 "elements per device"
         how = f", {self.reduce}" if self.stage == 1 else (", prefetch" if self.stage == 3 and self.prefetch else "")
-        return (f"{DATA} mesh of {self.mesh.size} devices ({jax.process_count()} processes), ZeRO stage "
+        return (f"{DATA} mesh of {self.mesh.size} devices ({processes()}), ZeRO stage "
                 f"{self.stage}{how}, {groups}, grad_accum={self.grad_accum}")
 
     # -- what it holds and sends ---------------------------------------------------------------------------

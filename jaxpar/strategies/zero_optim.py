@@ -65,9 +65,9 @@ def layouts(tx: optax.GradientTransformation, params) -> tuple[Any, list[bool], 
                  [x.shape for x in jax.tree.leaves(a)] == [x.shape for x in jax.tree.leaves(b)])
         for kind, a, b in zip(kinds, c_leaves, f_leaves))
     if not same:
-        raise ValueError(f"the optimizer's state {optim.state_kind(canonical)} does not split element by element (leaves shaped "
-                         "like the parameters, or shared scalars such as a step count), so ZeRO cannot partition it; "
-                         f"{FIX}.")
+        raise ValueError(f"the optimizer's state {optim.state_kind(canonical)} does not split element by element "
+                         "(leaves shaped like the parameters, or shared scalars such as a step count), so ZeRO cannot "
+                         f"partition it; {FIX}.")
     return c_outer, kinds, f_outer
 
 

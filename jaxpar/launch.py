@@ -172,16 +172,18 @@ class Group:
         self.threads: list[threading.Thread] = []
         lock = threading.Lock()
         cmd, on_start = command(args, restart, at_start), _parent_death_signal()
-        for local_rank in range(args.nproc_per_node):
+        prefixes = []
+        for local_rank in range(args.nproc_per_node):  # every child forked before its relays start: no relay
+            # thread holds an output lock while a preexec_fn runs (which only calls prctl and getppid)
             env = {**os.environ, **rank_env(args, local_rank, restart)}
-            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=on_start,
-                                    start_new_session=True)  # its own process group: stopped as one
-            prefix = f"[rank {env['RANK']}] ".encode()
+            self.procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                               preexec_fn=on_start, start_new_session=True))  # its own group
+            prefixes.append(f"[rank {env['RANK']}] ".encode())
+        for proc, prefix in zip(self.procs, prefixes):
             for stream, out in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
                 t = threading.Thread(target=_relay, args=(stream, out, prefix, lock), daemon=True)
                 t.start()
                 self.threads.append(t)
-            self.procs.append(proc)
 
     def wait(self, poll_s: float = 0.1) -> int:
         """0 when every process exits 0; else the first failure's status, the others stopped."""

@@ -116,16 +116,23 @@ def initialize(cfg=None, env: Mapping[str, str] | None = None) -> Rendezvous | N
     return rdv
 
 
+# flags that may differ between processes: paths (each node may mount the same files elsewhere) and what only
+# process 0 writes or prints
+PER_PROCESS = ("data_dir", "data_path", "init_torch", "export_torch", "metrics_out", "checkpoint_dir", "report",
+               "log_every", "quiet", "print_shapes")
+
+
 def check_same_config(cfg) -> None:
     """ValueError naming the flags whose values differ between the processes: every process must run the same
-    command (a different --seed or --lr on one node trains another model without a word). No-op alone."""
+    command (a different --seed or --lr on one node trains another model without a word); paths and process 0's
+    outputs (PER_PROCESS) may differ. No-op alone."""
     import jax
 
     if jax.process_count() == 1:
         return
     from jax.experimental import multihost_utils
 
-    fields = dataclasses.asdict(cfg)
+    fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in PER_PROCESS}
     mine = np.array([zlib.crc32(repr(v).encode()) & 0x7FFFFFFF for v in fields.values()], np.int32)
     every = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), len(fields))
     differ = [name for i, name in enumerate(fields) if len(set(every[:, i].tolist())) > 1]

@@ -152,8 +152,9 @@ def from_torch_state_dict(state_dict: Mapping[str, Any], n_head: int | None = No
         n_layer, heads, n_embd = GPTConfig.named(name).n_layer, GPTConfig.named(name).n_head, CONFIGS[name][2]
         _, _, layers, width = _sizes(normalize_state_dict(state_dict)[0])
         if (layers, width) != (n_layer, n_embd):
-            raise ValueError(f"the state dict holds {layers} layers x {width} wide, but --model {name} is {n_layer} x "
-                             f"{n_embd}; pass the config name of that size ({_name_of(layers, width)}).")
+            raise ValueError(f"the state dict holds {layers} layers x {width} wide, but {name} (--model) is {n_layer} "
+                             f"x {n_embd}; pass the config name of that size ({_name_of(layers, width)}), or no name "
+                             "and the head count: jaxpar.models.gpt.from_torch_state_dict(sd, n_head=H).")
         n_head = heads if n_head is None else n_head
     cfg = config_from_state_dict(state_dict, n_head, **overrides)
     model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(params=0, dropout=0)))  # every weight is overwritten
@@ -201,4 +202,4 @@ def check_hf_config(meta: Mapping[str, Any], where: str) -> None:
 
 def _name_of(layers: int, width: int) -> str:
     names = [n for n, (l, _, c) in CONFIGS.items() if (l, c) == (layers, width)]
-    return " or ".join(names) if names else "none has it: add one to jaxpar.models.gpt.CONFIGS"
+    return " or ".join(names) if names else "none has it"

@@ -154,7 +154,7 @@ def test_bad_state_dict_is_one_line_naming_the_fix(sd, n_head, message):
 
 def test_config_name_must_match_the_state_dict():
     sd = gpt.GPT(gpt.GPTConfig(**TINY), rngs=nnx.Rngs(0)).torch_state_dict("hf")
-    with pytest.raises(ValueError, match="but --model gpt-nano is 3 x 48"):
+    with pytest.raises(ValueError, match=r"but gpt-nano \(--model\) is 3 x 48"):
         jaxpar.models.from_torch_state_dict("gpt-nano", sd)
 
 
@@ -536,7 +536,7 @@ def test_cli_gpt_model_from_init_torch_and_npz_tokens(tmp_path, corpus):
     cfg = Config(model="gpt-nano", dataset="npz", init_torch=str(tmp_path / "sd.npz"))
     loaded = trainer.gpt_model(cfg, data)  # heads from the name, sizes from the state dict
     np.testing.assert_array_equal(logits_of(loaded, tokens()), logits_of(model, tokens()))
-    with pytest.raises(ValueError, match="3 layers x 48 wide, but --model gpt-micro is 4 x 128"):
+    with pytest.raises(ValueError, match=r"3 layers x 48 wide, but gpt-micro \(--model\) is 4 x 128"):
         trainer.gpt_model(cfg.replace(model="gpt-micro"), data)
     long = datasets.load("text", "train", data_path=corpus, seq_len=T + 1)
     with pytest.raises(ValueError, match=f"--seq-len {T + 1} is beyond the block size {T}"):

@@ -420,6 +420,43 @@ def test_bad_sizes_are_named():
         TensorParallel(nnx.Linear(4, 4, rngs=nnx.Rngs(0)), TX, tensor_parallel=2)
 
 
+def test_the_users_model_stays_whole_and_bad_layouts_are_refused():
+    """TensorParallel works on its own copy of the model: the user's model still runs whole after it (a review
+    built SingleDevice on it and got a reshape error deep in JAX), and jaxpar.evaluate, which runs the canonical
+    state on one device, equals the single step's. A tensor_layout() key naming no leaf (a Linear's 'weight' for
+    'kernel': the leaf stayed whole while its module reduced over the ranks, training silently wrong) and a wrt
+    that leaves a split weight out (whole in the model state, sliced by its module) are refused in one line."""
+    m, rows = model(), batches()[0]
+    strategy = TensorParallel(m, TX, tensor_parallel=2, mesh=Mesh(np.array(jax.devices()[:2]).reshape(1, 2),
+                                                                    (DATA, TENSOR)))
+    state = jaxpar.init_state(m, TX)
+    m.eval()
+    assert m(jnp.asarray(rows.data["x"])).shape == (ROWS, CFG["block_size"], CFG["vocab_size"])
+    single = jaxpar.SingleDevice(model(), TX)
+    want = jaxpar.evaluate(single, single.init(state), batches())
+    got = jaxpar.evaluate(strategy, strategy.init(state), batches())
+    assert set(got) == set(want) and want["loss"] > 1.0
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-6, err_msg=k)
+
+    class Misnamed(nnx.Module):
+        def __init__(self):
+            self.up = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+
+        def tensor_layout(self):
+            return {("up", "weight"): ("columns", 1)}
+
+        def __call__(self, x):
+            return self.up(x)
+
+    with pytest.raises(ValueError, match=r"tensor_layout\(\) names up.weight, which is not a variable of Misnamed "
+                                         r"\(there: bias, kernel\); name each leaf as nnx does"):
+        TensorParallel(Misnamed(), TX, tensor_parallel=2)
+    frozen_mlp = nnx.All(nnx.Param, nnx.Not(nnx.PathContains("mlp")))
+    with pytest.raises(ValueError, match=r"wrt leaves out h.0.mlp.c_fc.kernel, which tensor parallelism splits"):
+        TensorParallel(model(), TX, tensor_parallel=2, wrt=frozen_mlp)
+
+
 def test_global_norm_clipping_sees_every_slice():
     """jaxpar.optim.clip_by_global_norm gets the norm over all slices (replicated leaves once): TP equals single
     with clipping active."""

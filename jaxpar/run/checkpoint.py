@@ -72,8 +72,8 @@ def to_host(state: TrainState) -> list[np.ndarray]:
 def from_host(template: TrainState, leaves: list[np.ndarray]) -> TrainState:
     """Rebuild a TrainState shaped like `template` from host leaves (key data rewrapped as typed keys)."""
     flat, treedef = jax.tree.flatten(template)
-    out = [jax.random.wrap_key_data(np.asarray(v), impl=jax.random.key_impl(t)) if _is_key(t) else np.asarray(v)
-           for t, v in zip(flat, leaves)]
+    out = [jax.random.wrap_key_data(np.asarray(v), impl=jax.random.key_impl(t)) if _is_key(t) else
+           jax.numpy.array(v) for t, v in zip(flat, leaves)]  # jax arrays, as init_state gives
     return jax.tree.unflatten(treedef, out)
 
 

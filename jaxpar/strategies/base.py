@@ -73,7 +73,7 @@ def evaluate(strategy: Any, placed: Any, batches: Iterable) -> dict[str, float]:
     if own is None:
         state = strategy.unplace(placed)
         if strategy not in _EVAL_STEPS:
-            _EVAL_STEPS[strategy] = make_eval_step(strategy.objective)
+            _EVAL_STEPS[strategy] = make_eval_step(getattr(strategy, "eval_objective", strategy.objective))
         step = functools.partial(_EVAL_STEPS[strategy], state.params, state.model_state)
     totals = None
     for batch in batches:
@@ -191,7 +191,10 @@ class LayersCheck:
         self.pending: tuple | None = None
 
     def arm(self, objective: Objective, state: TrainState, why: str, fix: str, unpack: bool = False) -> None:
-        self.pending = (objective, state.params, state.model_state, why, fix, unpack)
+        own = lambda tree: jax.tree.map(  # noqa: E731  numpy leaves (a state of the user's making) as jax arrays:
+            lambda a: jax.numpy.array(a) if isinstance(a, np.ndarray) else a, tree)  # the checked models would
+        # share them and advance their RNG counts in place, in the caller's state too
+        self.pending = (objective, own(state.params), own(state.model_state), why, fix, unpack)
 
     def __call__(self, rows) -> None:
         if self.pending is not None:

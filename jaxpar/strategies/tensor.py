@@ -95,6 +95,18 @@ def tensor_plan(model: nnx.Module, tp: int, wrt: Any = nnx.Param) -> list[Layout
     if not wanted:
         raise ValueError(f"{type(model).__name__} has no module that tensor parallelism can split (none defines "
                          "tensor_layout()); use a model built for it, such as jaxpar.models.gpt.GPT.")
+    every = {tuple(p[:-1] if p and p[-1] == "value" else p) for p, _ in nnx.to_flat_state(nnx.state(model))}
+    stray = next((key for key in wanted if key not in every), None)
+    if stray is not None:  # a misspelt leaf would stay whole while its module still reduces over the ranks
+        near = sorted(".".join(map(str, p[len(stray) - 1:])) for p in every if p[:len(stray) - 1] == stray[:-1])
+        raise ValueError(f"tensor_layout() names {'.'.join(map(str, stray))}, which is not a variable of "
+                         f"{type(model).__name__} (there: {', '.join(near) or 'nothing'}); name each leaf as nnx "
+                         "does (a Linear's weight is 'kernel').")
+    left_out = next((key for key in wanted if key not in set(paths)), None)
+    if left_out is not None:  # it would stay whole in the model state while its module computes with a slice
+        raise ValueError(f"wrt leaves out {'.'.join(map(str, left_out))}, which tensor parallelism splits over the "
+                         "ranks; only trained parameters are split: include it in wrt (freezing a split weight "
+                         "under tensor parallelism is not supported), or train without --tensor-parallel.")
     out = []
     for path, (_, leaf) in zip(paths, flat):
         if path not in wanted:
@@ -207,13 +219,16 @@ class TensorParallel:
                              f"({[d.id for d in spans[0]]}); keep each group within one process (Megatron keeps "
                              f"tensor parallelism within a node): use --tensor-parallel at most "
                              f"{len(local_devices(self.mesh))}, dividing it.")
-        self.plan = tensor_plan(model, tensor_parallel)
+        model = nnx.clone(model)  # its own copy, pointed at the tensor axis below: the user's model stays as it is
+        wrt = objective_options.get("wrt", nnx.Param)
+        self.eval_objective = Objective.of(model, loss_fn, **objective_options)  # unsplit: jaxpar.evaluate's
+        self.plan = tensor_plan(model, tensor_parallel, wrt)
         whole = [lay.whole for lay in self.plan if lay.whole]
         if sequence_parallel and whole:  # a whole head's logits and their gradient would be counted T times
             raise ValueError(f"--sequence-parallel needs the embedding split by vocabulary rows, but {whole[0]}; "
                              "pad the vocabulary to a multiple of --tensor-parallel (GPT-2's 50257 to 50304).")
         # each rank updates slices of leaves: the optimizer must be elementwise (or want only the global norm)
-        self.needs_norm = zero_optim.check(tx, nnx.split(model, nnx.Param, ...)[1])
+        self.needs_norm = zero_optim.check(tx, nnx.split(model, wrt, ...)[1])
         self.parallel_output = resolve_parallel_output(parallel_output, loss_fn) and not whole
         set_tensor_axis(model, TENSOR, tensor_parallel, sequence_parallel, self.parallel_output)
         self.sequence_parallel = bool(sequence_parallel)

@@ -162,6 +162,11 @@ def read_meta(directory: str, step: int) -> dict:
                          "pass another --checkpoint-dir or remove that step's folder.") from None
 
 
+def first_gap(saved: dict, now: dict) -> str:
+    """The first leaf whose (shape, dtype) differs between two leaf_specs, or that only one of them has."""
+    return next((k for k in now if saved.get(k) != now[k]), None) or next(k for k in saved if k not in now)
+
+
 def check_compatible(meta: dict, info: dict, directory: str) -> list[str]:
     """Raise a ValueError when checkpoint `meta` belongs to another model or optimizer; return notes on changes
     of the config fields that alter the trajectory (the run goes on, but will not match the original)."""
@@ -186,7 +191,7 @@ def check_compatible(meta: dict, info: dict, directory: str) -> list[str]:
                          f"what its weights compute; pass --n-head {meta['n_head']} or another --checkpoint-dir.")
     saved, now = meta["leaves"], info["leaves"]
     if saved != now:
-        diff = next((k for k in now if saved.get(k) != now[k]), None) or next(k for k in saved if k not in now)
+        diff = first_gap(saved, now)
         flags = f"the flags that differ: {'; '.join(changed)}" if changed else "the data/model flags of that run"
         raise ValueError(f"{where} model {meta['model']!r} with {diff} = {saved.get(diff, 'absent')} (shape, dtype), "
                          f"but this run has {now.get(diff, 'absent')}; pass {flags}, or another --checkpoint-dir.")
@@ -324,9 +329,9 @@ def save_checkpoint(directory: str, state: TrainState, *, step: int | None = Non
         # process builds one (with its barriers) must not depend on when another created the folder
         raise ValueError(f"save_checkpoint: {directory!r} already holds step {step}; pass another step, or remove "
                          f"{os.path.join(directory, str(step))!r} first.")
-    leaves = to_host(state)
-    bad = next((jax.tree_util.keystr(p) for p, a in jax.tree_util.tree_flatten_with_path(state.params)[0]
-                if jax.numpy.issubdtype(a.dtype, jax.numpy.floating) and not np.isfinite(np.asarray(a)).all()), None)
+    leaves = to_host(state)  # params first, in tree order
+    names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state.params)[0]]
+    bad = next((n for n, a in zip(names, leaves) if not finite([a])), None)
     if bad is not None:
         raise ValueError(f"save_checkpoint: params{bad} is not finite (a diverged step), so step {step} is not "
                          "saved and the last good checkpoint stays the newest; save an earlier state.")
@@ -373,7 +378,7 @@ def restore_checkpoint(directory: str, template: TrainState, *, step: int | None
     else:
         saved = now  # no metadata readable: _restore_newest names the damage below
     if saved != now:
-        diff = next((k for k in now if saved.get(k) != now[k]), None) or next(k for k in saved if k not in now)
+        diff = first_gap(saved, now)
         raise ValueError(f"restore_checkpoint: {directory!r} holds {diff} = {saved.get(diff, 'absent')} (shape, "
                          f"dtype), but the template has {now.get(diff, 'absent')}; build the template from the model "
                          "and optimizer that were saved.")

@@ -94,8 +94,7 @@ def check_state(state: TrainState, tx, objective: Objective | None = None) -> No
     if not isinstance(state, TrainState):
         raise TypeError(f"the state is {type(state).__name__}, not a jaxpar.TrainState (params, opt_state, "
                         "model_state, step); build it with jaxpar.init_state(model, tx).")
-    if not callable(getattr(tx, "init", None)) or not callable(getattr(tx, "update", None)):
-        raise TypeError(f"tx={tx!r} is not an optax GradientTransformation; pass one, e.g. optax.adam(1e-3).")
+    check_tx(tx)
     if objective is not None and objective.shapes is not None:
         fix = "build the state with jaxpar.init_state(model, tx) of the model given to the strategy"
         for name, have, want in zip(("params", "model_state"), (state.params, state.model_state), objective.shapes):
@@ -104,6 +103,12 @@ def check_state(state: TrainState, tx, objective: Objective | None = None) -> No
     have, want = state.opt_state, jax.eval_shape(tx.init, state.params)
     _check_tree("state.opt_state", have, want, "the strategy's tx makes",
                 "build the state with jaxpar.init_state(model, tx) from the optimizer given to the strategy")
+
+
+def check_tx(tx) -> None:
+    """TypeError unless `tx` is an optax transformation (before anything calls tx.init)."""
+    if not callable(getattr(tx, "init", None)) or not callable(getattr(tx, "update", None)):
+        raise TypeError(f"tx={tx!r} is not an optax GradientTransformation; pass one, e.g. optax.adam(1e-3).")
 
 
 def processes() -> str:
@@ -122,18 +127,16 @@ def from_process_0(state: TrainState) -> TrainState:
 
     from jax.experimental import multihost_utils
 
-    leaves, treedef = jax.tree.flatten(state)
-    keys = [jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key) for a in leaves]
-    mine = [np.asarray(jax.random.key_data(a) if k else a) for a, k in zip(leaves, keys)]
+    from jaxpar.run.checkpoint import from_host, to_host
+
+    mine = to_host(state)
     got = [np.asarray(a) for a in multihost_utils.broadcast_one_to_all(mine)]
     differ = [i for i, (a, b) in enumerate(zip(mine, got)) if not np.array_equal(a, b, equal_nan=True)]
     if differ:
         path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(state)[0][differ[0]][0])
         print(f"jaxpar: process {jax.process_index()}'s initial state differs from process 0's ({len(differ)} "
               f"leaves, first {path}); every process starts from process 0's, as torch DDP does.", file=sys.stderr)
-    out = [jax.random.wrap_key_data(b, impl=jax.random.key_impl(a)) if k else jax.numpy.array(b)  # writable
-           for a, b, k in zip(leaves, got, keys)]
-    return jax.tree.unflatten(treedef, out)
+    return from_host(state, got)  # jax arrays (writable Variables), typed keys rewrapped
 
 
 def check_placed(batch: Any, kind: type, who: str) -> None:

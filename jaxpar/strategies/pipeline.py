@@ -40,8 +40,8 @@ from jaxpar.pipeline.module import LayerSpec, PipelineModule, TiedLayerSpec
 from jaxpar.pipeline.stage import Layout, act_spec
 from jaxpar.pipeline.transfer import Transport
 from jaxpar.step import TrainState
-from jaxpar.strategies.base import (LayersCheck, check_placed, check_state, from_process_0, processes,
-                                    refuse_sync_batch_norm)
+from jaxpar.strategies.base import (LayersCheck, check_placed, check_state, check_tx, from_process_0,
+                                    processes, refuse_sync_batch_norm)
 
 __all__ = ["Batch", "LayerSpec", "Pipeline", "PipelineModule", "PipelineState", "TiedLayerSpec", "build",
            "pipeline_mesh"]
@@ -109,12 +109,6 @@ DEFAULT_CUT = {"num_stages": 2, "virtual_stages": 1, "partition_method": "parame
                "activation_checkpoint_interval": 0, "seed": 0}
 
 
-def check_state_tx(tx) -> None:
-    """TypeError unless `tx` is an optax transformation (before anything calls tx.init)."""
-    if not callable(getattr(tx, "init", None)) or not callable(getattr(tx, "update", None)):
-        raise TypeError(f"tx={tx!r} is not an optax GradientTransformation; pass one, e.g. optax.adam(1e-3).")
-
-
 def check_module_args(module: PipelineModule, cut: dict, example_input, options: dict) -> None:
     """ValueError where the strategy is given partition arguments or a `wrt` other than the PipelineModule's own:
     the module was cut (and its stages' parameters chosen) when it was built, so they would be ignored."""
@@ -165,7 +159,7 @@ class Pipeline:
         if isinstance(model, PipelineModule):
             check_module_args(model, cut, example_input, objective_options)
             objective_options.setdefault("wrt", model.wrt)
-        check_state_tx(tx)
+        check_tx(tx)  # before loss_scale.wraps calls tx.init
         if not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"micro_batches={micro_batches!r} must be an int >= 1; pass --micro-batches 1 or more.")
         T = tensor_parallel

@@ -102,7 +102,8 @@ def tensor_plan(model: nnx.Module, tp: int, wrt: Any = nnx.Param) -> list[Layout
         raise ValueError(f"tensor_layout() names {'.'.join(map(str, stray))}, which is not a variable of "
                          f"{type(model).__name__} (there: {', '.join(near) or 'nothing'}); name each leaf as nnx "
                          "does (a Linear's weight is 'kernel').")
-    left_out = next((key for key in wanted if key not in set(paths)), None)
+    selected = set(paths)
+    left_out = next((key for key in wanted if key not in selected), None)
     if left_out is not None:  # it would stay whole in the model state while its module computes with a slice
         raise ValueError(f"wrt leaves out {'.'.join(map(str, left_out))}, which tensor parallelism splits over the "
                          "ranks; only trained parameters are split: include it in wrt (freezing a split weight "

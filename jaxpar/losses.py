@@ -50,7 +50,8 @@ def cross_entropy(logits, batch, *, key: str = "y", ignore_index: int = IGNORE_I
     """Summed softmax cross-entropy of `logits` [..., C] against integer targets [...] (torch's CrossEntropyLoss,
     its `label_smoothing` too: (1 - e) x the target's -log p + e x the mean of -log p over the C classes); `logits`
     split by vocabulary over tensor ranks (VocabParallelLogits) go through Megatron's vocab_parallel_cross_entropy,
-    never gathered."""
+    never gathered. A target outside [0, C) other than `ignore_index` makes the loss NaN in every strategy (torch
+    raises; a jitted step cannot), and adds nothing to the gradient."""
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1] (torch's rule; 0 is plain "
                          "cross-entropy); pass e.g. --label-smoothing 0.1.")
@@ -76,6 +77,8 @@ def cross_entropy(logits, batch, *, key: str = "y", ignore_index: int = IGNORE_I
         else:
             nll = losses = optax.softmax_cross_entropy_with_integer_labels(local, safe)
         predicted = jnp.argmax(local, -1)
+    classes = local.shape[-1] * (jax.lax.psum(1, logits.axis) if split else 1)
+    losses = jnp.where((y != ignore_index) & ((y < 0) | (y >= classes)), jnp.nan, losses)
     correct = (predicted == y).astype(jnp.float32)
     metrics = {"accuracy": jnp.sum(w * correct)}
     if label_smoothing:  # the targets' own -log p, which bits per byte and perplexity are made of

@@ -478,3 +478,110 @@ def test_global_norm_clipping_sees_every_slice():
     assert norm > 0.05  # the clip really acts
     for a, b in zip(jax.tree.leaves(strategy.unplace(placed).params), jax.tree.leaves(ref.params)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+class UserMLP(nnx.Module):
+    """A user's Megatron MLP block: `up` split by columns, `down` by rows, joined by f before and g (row_linear)
+    after; `join` drops one of them (declared, never joined: what a user might forget)."""
+
+    tensor_axis, tensor_size = None, 1
+
+    def __init__(self, d: int, join: str, rngs: nnx.Rngs):
+        self.norm = nnx.LayerNorm(d, rngs=rngs)
+        self.up, self.down, self.join = nnx.Linear(d, 4 * d, rngs=rngs), nnx.Linear(4 * d, d, rngs=rngs), join
+
+    def tensor_layout(self):
+        return {("up", "kernel"): ("columns", 1), ("up", "bias"): ("columns", 0), ("down", "kernel"): ("rows", 0)}
+
+    def __call__(self, x):
+        h = self.norm(x)
+        h = megatron.f(h, self.tensor_axis) if self.join != "no f" else h
+        h = nnx.relu(megatron.column_linear(self.up, h))
+        return x + (megatron.row_linear(self.down, h, self.tensor_axis) if self.join != "no g" else self.down(h))
+
+
+class UserNet(nnx.Module):
+    def __init__(self, join: str = "f and g", d: int = 8):
+        rngs = nnx.Rngs(0)
+        self.layers = nnx.List([nnx.Linear(4, d, rngs=rngs), UserMLP(d, join, rngs), UserMLP(d, join, rngs),
+                                nnx.Linear(d, 3, rngs=rngs)])
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_users_split_module_equals_single_and_one_that_never_joins_its_ranks_is_refused():
+    """A user's own module that declares its split (tensor_layout()) and joins its ranks with f and g trains equal
+    to the single step. One that forgets g (its row-split output never summed) or f (the input's gradient never
+    summed, so the LayerNorm and the embedding before it get one rank's share) trained silently wrong; the first
+    batch's first rows now run through one tensor group and the unsplit model before the first step, and such a
+    split is refused in one line, by TensorParallel and by the 3-D pipeline. jaxpar's own modules skip that check
+    (check_split=None): the tests cover them."""
+    from jaxpar.strategies.pipeline import pipeline_mesh
+    rng = np.random.default_rng(0)
+    rows = [jaxpar.as_rows({"x": rng.normal(size=(8, 4)).astype(np.float32), "y": rng.integers(0, 3, 8)},
+                           np.arange(8 * s, 8 * s + 8)) for s in range(STEPS)]
+    tx = optax.sgd(0.1)
+
+    def run(strategy, join):
+        state = jaxpar.init_state(UserNet(join), tx)
+        placed = strategy.init(state)
+        for b in rows:
+            placed, _ = strategy.step(placed, strategy.put_batch(b))
+        return state.params, strategy.unplace(placed).params
+
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), (DATA, TENSOR))
+    first, want = run(jaxpar.SingleDevice(UserNet(), tx), "f and g")
+    tp = TensorParallel(UserNet(), tx, tensor_parallel=2, mesh=mesh)
+    assert tp.check_split and tp.foreign == ["UserMLP"]
+    assert max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(first))) > 1e-3
+    three_d = lambda join: jaxpar.Pipeline(UserNet(join), tx, num_stages=2, tensor_parallel=2,  # noqa: E731
+                                           mesh=pipeline_mesh(4, 2, 2), micro_batches=2, loss_fn=jaxpar.OutputLoss(
+                                               jaxpar.cross_entropy))
+    for strategy in (tp, three_d("f and g")):
+        _, got = run(strategy, "f and g")
+        for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+    for join, loss in (("no g", r"(\S+) against (?!\1\b)\S+"), ("no f", r"(\S+) against \1")):  # f: backward only
+        _, wrong = run(TensorParallel(UserNet(join), tx, tensor_parallel=2, mesh=mesh, check_split=False), join)
+        gap = max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(wrong), jax.tree.leaves(want)))
+        assert gap > 1e-3, (join, gap)  # unchecked, it trains another model without a word
+        with pytest.raises(ValueError, match=r"tensor parallelism over 2 ranks computes another model than the "
+                                             rf"unsplit one on the first batch's first 2 rows \(loss {loss}; the "
+                                             r"gradient of \S+ off by .* \(UserMLP\) must join its ranks"):
+            run(TensorParallel(UserNet(join), tx, tensor_parallel=2, mesh=mesh), join)
+    with pytest.raises(ValueError, match=r"tensor parallelism over 2 ranks computes another model"):
+        run(three_d("no g"), "no g")
+    assert not TensorParallel(model(), TX, tensor_parallel=2, mesh=mesh).check_split  # jaxpar's own GPT
+    with pytest.raises(ValueError, match="check_split='yes'"):
+        TensorParallel(model(), TX, tensor_parallel=2, mesh=mesh, check_split="yes")
+
+
+def test_a_token_or_target_outside_the_vocabulary_is_nan_under_every_split():
+    """One token id or target beyond the vocabulary made the single step's loss NaN, while tensor parallelism's
+    vocabulary-split embedding looked up zeros and its split cross-entropy skipped the target: it trained on. Now
+    every strategy gives NaN, and a negative id counts from the end as nnx.Embed's lookup does."""
+    tx = optax.sgd(0.1)
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), (DATA, TENSOR))
+    make = {"single": lambda: jaxpar.SingleDevice(model(dropout=0.0), tx),
+            "tp": lambda: TensorParallel(model(dropout=0.0), tx, tensor_parallel=2, mesh=mesh),
+            "tp gathered": lambda: TensorParallel(model(dropout=0.0), tx, tensor_parallel=2, mesh=mesh,
+                                                  parallel_output=False)}
+    state = jaxpar.init_state(model(dropout=0.0), tx)
+    good = batches()[0].data
+    v = CFG["vocab_size"]
+
+    built = {name: build() for name, build in make.items()}
+
+    def loss(name, key, value):
+        data = {k: np.array(a) for k, a in good.items()}
+        data[key][0, 0] = value
+        strategy = built[name]
+        return float(strategy.step(strategy.init(state), strategy.put_batch(data))[1]["loss"])
+
+    for name in make:
+        assert np.isfinite(loss(name, "x", v - 1))
+        assert np.isnan(loss(name, "x", v)) and np.isnan(loss(name, "y", v)) and np.isnan(loss(name, "y", -1))
+        np.testing.assert_allclose(loss(name, "x", -1), loss(name, "x", v - 1), rtol=1e-6)

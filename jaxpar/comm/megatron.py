@@ -122,12 +122,16 @@ def my_slice(x: jax.Array, axis: str, dim: int) -> jax.Array:
 def vocab_parallel_embed(table_local: jax.Array, ids: jax.Array, axis: str, sequence_dim: int | None = None):
     """Megatron's VocabParallelEmbedding: this rank holds rows [t V/T, (t+1) V/T) of the table; ids outside its
     range look up zeros, and g sums the ranks' lookups (exactly one is not zero); with `sequence_dim` the sum is
-    reduce-scattered along it (sequence parallelism: this rank's tokens)."""
+    reduce-scattered along it (sequence parallelism: this rank's tokens). Ids index as nnx.Embed's do on the whole
+    table: -V..-1 from the end, and NaN for an id outside the vocabulary, on every rank (zeros would train on)."""
     rows = table_local.shape[0]
+    vocab = rows * lax.psum(1, axis)
+    ids = jnp.where(ids < 0, ids + vocab, ids)
     local = ids - lax.axis_index(axis) * rows
     inside = (local >= 0) & (local < rows)
     out = jnp.take(table_local, jnp.where(inside, local, 0), axis=0)
-    out = jnp.where(inside[..., None], out, jnp.zeros((), out.dtype))
+    outside = ((ids < 0) | (ids >= vocab))[..., None]
+    out = jnp.where(inside[..., None], out, jnp.where(outside, jnp.nan, 0.0).astype(out.dtype))
     return reduce_from_tensor_region(out, axis) if sequence_dim is None else scatter_sequence_sum(out, axis,
                                                                                                    sequence_dim)
 

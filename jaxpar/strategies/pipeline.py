@@ -40,6 +40,7 @@ from jaxpar.pipeline.module import LayerSpec, PipelineModule, TiedLayerSpec
 from jaxpar.pipeline.stage import Layout, act_spec
 from jaxpar.pipeline.transfer import Transport
 from jaxpar.step import TrainState
+from jaxpar.strategies.tensor import TensorParallel, check_split_computes, foreign_split
 from jaxpar.strategies.base import (LayersCheck, check_placed, check_state, check_tx, from_process_0,
                                     processes, refuse_sync_batch_norm)
 
@@ -138,7 +139,8 @@ class Pipeline:
     over T devices as Megatron's (jaxpar.strategies.tensor's plan; the model must define tensor_layout(), as
     jaxpar.models.gpt's blocks do), on a (DATA, PIPE, TENSOR) mesh in Megatron's device order (`pipeline_mesh`;
     default: S x T devices; `sequence_parallel` and `parallel_output` as TensorParallel's, the activations between
-    stages then split by tokens over TENSOR too). ``loss_fn`` must be an OutputLoss (the last
+    stages then split by tokens over TENSOR too; `check_split` as TensorParallel's, on one tensor group of the
+    whole model before the first step). ``loss_fn`` must be an OutputLoss (the last
     stage runs it on the outputs). `batch_size` (global) fixes every batch's padded shape (one compile).
     ``compiler_options`` go to every jit (e.g. {"xla_backend_optimization_level": 0}: a third of the compile time,
     slower code)."""
@@ -151,7 +153,8 @@ class Pipeline:
                  activation_checkpoint_interval: int | None = None, mesh=None, batch_size: int | None = None,
                  example_input=None, seed: int | None = None, compiler_options: dict | None = None,
                  tensor_parallel: int = 1, sequence_parallel: bool = False, parallel_output: bool | None = None,
-                 zero_stage: int = 0, zero_reduce: str = "reduce_scatter", **objective_options):
+                 zero_stage: int = 0, zero_reduce: str = "reduce_scatter", check_split: bool | None = None,
+                 **objective_options):
         # the partition's arguments (None: 2 stages, 1 chunk, by parameters, no recompute, seed 0) cut `model`; a
         # PipelineModule was cut already, and one that disagrees with it is refused (it would be ignored)
         cut = {"num_stages": num_stages, "virtual_stages": virtual_stages, "partition_method": partition_method,
@@ -181,6 +184,8 @@ class Pipeline:
             module = model
         else:
             defaults = {k: DEFAULT_CUT[k] if v is None else v for k, v in cut.items()}
+            if T > 1:  # its own copy, pointed at the tensor axis below: the user's model stays whole
+                model = nnx.clone(model)
             module = PipelineModule.from_model(
                 model, defaults.pop("num_stages"), placement=placement, example_input=example_input,
                 wrt=objective_options.get("wrt", nnx.Param), **defaults)
@@ -200,6 +205,12 @@ class Pipeline:
         if sequence_parallel and T < 2:
             raise ValueError(f"sequence_parallel splits the tokens over the tensor ranks, but tensor_parallel={T}; "
                              "pass tensor_parallel >= 2 (--tensor-parallel 2), or drop --sequence-parallel.")
+        self._split_checker, self._split_check = None, None  # TensorParallel's check of a user's split modules
+        if T > 1 and (any(foreign_split(module.model)) if check_split is None else check_split):
+            group = jax.sharding.Mesh(np.array(jax.local_devices()[:T]).reshape(1, T), (DATA, TENSOR))
+            self._split_checker = TensorParallel(module.model, optax.sgd(1.0), tensor_parallel=T, mesh=group,
+                                                 sequence_parallel=sequence_parallel, loss_fn=loss_fn,
+                                                 check_split=True, **objective_options)
         module.set_tensor_parallel(T, TENSOR, self.parallel_output, sequence_parallel)
         whole = [lay.whole for lay in module.tensor_layouts or () if lay.whole]
         if sequence_parallel and whole:  # a whole head's logits and their gradient would be counted T times
@@ -266,6 +277,8 @@ class Pipeline:
         check_state(state, self.tx, self.objective)  # the model's tree and shapes (module.model's for a PipelineModule)
         state = from_process_0(state)  # torch DDP's broadcast of rank 0's parameters at construction
         refuse_sync_batch_norm(self.objective.merge(state.params, state.model_state), "the pipeline's stages")
+        if self._split_checker is not None:
+            self._split_check = (jax.tree.map(np.asarray, state.params), state.model_state)
         if self._own_model:
             self._layers_check.arm(self.objective, state, "the pipeline runs the model's",
                                    "pass a PipelineModule built from a layer list", self.module.unpack)
@@ -357,6 +370,9 @@ class Pipeline:
             raise ValueError("Pipeline.put_batch() before init(); call placed = pipe.init(state) first.")
         rows = as_rows(batch)
         self._layers_check(rows)  # once: the model's __call__ is its layers in turn (armed by init)
+        if self._split_check is not None:  # once: the split model computes the unsplit one (armed by init)
+            check_split_computes(self._split_checker, *self._split_check, rows)
+            self._split_check = None
         group = self.D * self.micro_batches
         target = round_up(max(rows.size, self.batch_size or 0), group)
         rows = pad_rows(rows, target)

@@ -185,15 +185,19 @@ def leaf_specs(tree, params, plan: Sequence[Layout]):
 
 class TensorParallel:
     """Megatron tensor parallelism (T ranks) x data parallelism on a (DATA, TENSOR) mesh:
-    `TensorParallel(model, tx, tensor_parallel=2, loss_fn=...)`. The model's splittable modules are pointed at
-    the TENSOR axis in place (jaxpar.models.gpt's blocks are)."""
+    `TensorParallel(model, tx, tensor_parallel=2, loss_fn=...)`. A copy of the model has its splittable modules
+    (those with `tensor_layout()`; jaxpar.models.gpt's blocks) pointed at the TENSOR axis. `check_split`: run the
+    first batch's first rows through one tensor group and through the unsplit model before the first step, and
+    refuse a split that computes something else (a module that declares a split but never joins its ranks);
+    None: only when a splitting module comes from outside jaxpar (its own are tested), False: never (a model too
+    big for one device)."""
 
     name = "tp"
 
     def __init__(self, model: nnx.Module, tx: optax.GradientTransformation, *, tensor_parallel: int = 2,
                  sequence_parallel: bool = False, parallel_output: bool | None = None, loss_fn=None,
                  mesh: Mesh | None = None, batch_size: int | None = None, zero_stage: int = 0,
-                 zero_reduce: str = "reduce_scatter", **objective_options):
+                 zero_reduce: str = "reduce_scatter", check_split: bool | None = None, **objective_options):
         n = jax.device_count() if mesh is None else mesh.size
         if zero_stage not in (0, 1) or isinstance(zero_stage, bool):
             raise ValueError(f"zero_stage={zero_stage!r}: tensor parallelism takes ZeRO stage 0 or 1 (the optimizer "
@@ -241,6 +245,12 @@ class TensorParallel:
                                                               self.multiple)
         self._step = self._batch_spec = None
         self.zero_stage, self.zero, self.zero_reduce = zero_stage, None, zero_reduce
+        if check_split not in (None, True, False):
+            raise ValueError(f"check_split={check_split!r}: pass True (check every model's split on the first "
+                             "batch), False (never) or None (only modules from outside jaxpar).")
+        self.foreign = sorted(set(foreign_split(model)))
+        self.check_split = bool(self.foreign) if check_split is None else check_split
+        self._split_check: tuple | None = None  # (params, model_state): armed by init, run by put_batch, once
 
     # -- placement -----------------------------------------------------------------------------------------
 
@@ -255,6 +265,8 @@ class TensorParallel:
         (ZeRO-1: the optimizer moments flat, each tensor rank's split over DATA)."""
         check_state(state, self.tx, self.objective)
         state = from_process_0(state)  # torch DDP's broadcast of rank 0's parameters at construction
+        if self.check_split:
+            self._split_check = (jax.tree.map(np.asarray, state.params), state.model_state)
         host = state._replace(params=map_params(in_tensor_order, state.params, state.params, self.plan),
                               opt_state=map_params(in_tensor_order, state.opt_state, state.params, self.plan))
         if self.zero_stage and self.zero is None:
@@ -292,6 +304,10 @@ class TensorParallel:
         rows = pad_rows(rows, target)
         if not self.objective.per_sample:
             check_unpadded(rows, "per_sample=False")
+        if self._split_check is not None:
+            params, model_state = self._split_check
+            check_split_computes(self, params, model_state, rows)
+            self._split_check = None
         sharding = NamedSharding(self.mesh, P(DATA))
         return jax.tree.map(lambda v: jax.make_array_from_process_local_data(sharding, np.asarray(v)), rows)
 
@@ -401,6 +417,78 @@ class TensorParallel:
             forward, backward = tensor_all_reduces(self.hlo(placed), self.mesh)
             out.update(tensor_all_reduces_forward=forward, tensor_all_reduces_backward=backward)
         return out
+
+
+def foreign_split(model: nnx.Module):
+    """The names of the splitting modules (those with `tensor_layout()`) of `model` defined outside jaxpar."""
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Module) and callable(getattr(node, "tensor_layout", None)) \
+                and not type(node).__module__.startswith("jaxpar."):
+            yield type(node).__name__
+
+
+def split_gradients(strategy: TensorParallel, params, model_state, rows: Rows):
+    """(loss sum, canonical gradients) of `rows` through the split model on one tensor group of this process."""
+    plan, objective, sp = strategy.plan, strategy.objective, strategy.sequence_parallel
+    row = next(r for r in strategy.mesh.devices if all(d.process_index == jax.process_index() for d in r))
+    mesh = Mesh(np.array(row).reshape(1, -1), (DATA, TENSOR))
+    specs = leaf_specs(params, params, plan)
+
+    def body(params, model_state, rows):
+        def loss(params):
+            sums, _ = objective.sums(params, model_state, rows)
+            return sums.loss
+
+        value, grads = jax.value_and_grad(loss)(params)
+        if sp:  # replicated leaves saw only this rank's tokens
+            leaves, treedef = jax.tree.flatten(grads)
+            grads = jax.tree.unflatten(treedef, [g if lay.axis is not None else lax.psum(g, TENSOR)
+                                                 for g, lay in zip(leaves, plan)])
+        return value, grads
+
+    put = lambda tree, spec: jax.tree.map(  # noqa: E731
+        lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), tree, spec, is_leaf=_is_spec)
+    ordered = map_params(in_tensor_order, params, params, plan)
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, P(), P(DATA)), out_specs=(P(), specs),
+                                 check_vma=False))
+    value, grads = step(put(ordered, specs), jax.device_put(model_state, NamedSharding(mesh, P())),
+                        jax.device_put(rows, NamedSharding(mesh, P(DATA))))
+    return float(value), map_params(in_canonical_order, grads, params, plan)
+
+
+def check_split_computes(strategy: TensorParallel, params, model_state, rows: Rows, count: int = 2) -> None:
+    """ValueError unless the split model's loss and gradients on the first `count` rows equal the unsplit model's
+    (to 1e-4 of each leaf's gradient in float32, 0.1 in 16-bit compute; a leaf whose gradient is near zero, such
+    as the key's bias, measured against 1e-3 of the whole gradient): a module that declares a split in
+    `tensor_layout()` but never joins its ranks' partial results computes something else, and would train on
+    without a word."""
+    head = jax.tree.map(lambda a: np.asarray(a)[:count], rows)
+    value, grads = split_gradients(strategy, params, model_state, head)
+
+    def loss(params):
+        sums, _ = strategy.eval_objective.sums(params, model_state, head)
+        return sums.loss
+
+    want, expected = jax.jit(jax.value_and_grad(loss))(params)
+    dtype = strategy.objective.compute_dtype
+    tol = 1e-4 if dtype is None or jnp.finfo(dtype).bits >= 32 else 0.1
+    flat = jax.tree_util.tree_flatten_with_path(expected)[0]
+    norms = [float(np.linalg.norm(np.asarray(e, np.float64))) for _, e in flat]
+    floor = 1e-3 * float(np.sqrt(sum(n * n for n in norms)))
+    worst, name = 0.0, ""
+    for (path, e), n, got in zip(flat, norms, jax.tree.leaves(grads)):
+        gap = float(np.linalg.norm(np.asarray(got, np.float64) - np.asarray(e, np.float64))) / max(n, floor, 1e-30)
+        if gap > worst:
+            worst, name = gap, jax.tree_util.keystr(path, simple=True, separator=".").removesuffix(".value")
+    want = float(want)
+    if worst > tol or abs(value - want) > tol * max(abs(want), 1e-30) or np.isfinite(value) != np.isfinite(want):
+        modules = ", ".join(strategy.foreign) or "its modules"
+        raise ValueError(f"tensor parallelism over {strategy.tp} ranks computes another model than the unsplit one "
+                         f"on the first batch's first {len(np.asarray(head.mask))} rows (loss {value:.6g} against "
+                         f"{want:.6g}; the gradient of {name} off by {worst:.2g} of its size): each module that "
+                         f"declares a split in tensor_layout() ({modules}) must join its ranks, megatron.f before a "
+                         "column split and megatron.g (or row_linear) after a row split; or pass "
+                         "check_split=False.")
 
 
 def resolve_parallel_output(parallel_output: bool | None, loss_fn) -> bool:

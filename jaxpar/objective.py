@@ -20,6 +20,8 @@ user variables): the rest is carried through the step and returned, never differ
   `nnx.Dropout(rate, rngs=rngs)` included). Dropout masks then depend on the sample, never on the device or
   micro-batch holding it, and padding rows drop out exactly: every split gives the single-device numbers.
   The model may not change its other state in the forward (that would differ per row): use per_sample=False.
+  Left at its default, the strategies check on the first batch that the loss does not mix rows
+  (`check_rows_apart`).
 - ``per_sample=False`` (models with BatchStat; losses over the whole batch, such as in-batch negatives): the
   loss sees the whole local shard, as in torch's DDP. BatchNorm uses the shard's statistics and its running
   buffers follow replica 0 (``broadcast_buffers=True``); random draws are keyed by the shard; shards must hold
@@ -35,6 +37,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxpar import loss_scale as scaling
@@ -255,6 +258,7 @@ class Objective:
     compute_dtype: Any = None
     activation_checkpoint_interval: int = 0  # > 0: the training forward recomputes N-layer segments (recompute.py)
     shapes: Any = None  # (params, model_state) of the model it was made from, as ShapeDtypeStructs: init checks states
+    per_sample_default: bool = False  # per_sample=True by default, not chosen: check_rows_apart checks the loss
 
     @classmethod
     def of(cls, model: nnx.Module, loss_fn: LossFn | None = None, *, wrt: Any = nnx.Param,
@@ -275,6 +279,7 @@ class Objective:
             raise TypeError(f"loss_fn={loss_fn!r} is not callable; pass loss_fn(model, batch) -> (loss_sum, "
                             "weight_sum[, metrics]).")
         batch_stats = _has(model, nnx.BatchStat)
+        defaulted = per_sample is None and not batch_stats
         if per_sample is None:
             per_sample = not batch_stats
         elif per_sample and batch_stats:
@@ -289,7 +294,7 @@ class Objective:
         evaluated.eval()
         shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), a.dtype), nnx.split(model, wrt, ...)[1:])
         return cls(graphdef, nnx.split(evaluated, wrt, ...)[0], loss_fn, wrt, bool(per_sample), rows_per_call,
-                   compute_dtype, activation_checkpoint_interval, shapes)
+                   compute_dtype, activation_checkpoint_interval, shapes, defaulted)
 
     def replace(self, **changes) -> "Objective":
         return dataclasses.replace(self, **changes)
@@ -373,6 +378,45 @@ class Objective:
 
         (_, aux), grads, seed = scaling.value_and_grad(f, loss_scale)(params)
         return aux, scaling.unscale(grads, seed)
+
+    def check_rows_apart(self, params: nnx.State, model_state: nnx.State, rows: Rows, count: int = 3) -> None:
+        """ValueError when per_sample=True came by default and the mean loss (loss sum / weight sum) over the first
+        `count` rows, in eval mode, differs run row by row from run on the rows together (to 1e-4 of it; 2e-2 in
+        16-bit compute): a loss or model that mixes rows (in-batch negatives, batch statistics of its own) would see
+        one row at a time and train something else without a word. Not checked: jaxpar's own models under its own
+        losses, and a model that draws random numbers in eval mode (the rows' draws would differ anyway)."""
+        if not (self.per_sample and self.per_sample_default) or self._own():
+            return
+        mask = np.asarray(rows.mask)
+        real = np.flatnonzero(mask > 0)[:count]
+        if len(real) < 2:
+            return
+        head = jax.tree.map(lambda a: np.asarray(a)[real], rows)
+        model = nnx.merge(self.eval_graphdef, cast_floating(params, self.compute_dtype), _fresh(model_state))
+        counts = lambda: [np.asarray(c) for c in jax.tree.leaves(nnx.state(model, nnx.RngCount))]  # noqa: E731
+        before = counts()
+        out = self._call_loss(model, head.data, "loss_fn")  # the rows together, as per_sample=False runs them
+        if any(not np.array_equal(a, b) for a, b in zip(before, counts())):
+            return  # random draws in eval mode: row by row they are other draws, so the two cannot be compared
+        together = float(out.loss) / float(out.weight)  # the mean, what the strategies train
+        apart = self.sums(params, model_state, head, train=False)[0]
+        apart = float(apart.loss) / float(apart.weight)
+        low = self.compute_dtype is not None and jnp.finfo(self.compute_dtype).bits < 32
+        if abs(apart - together) > (2e-2 if low else 1e-4) * max(abs(apart), abs(together), 1e-12):
+            name = self.eval_graphdef.nodes[0].type.__name__
+            raise ValueError(f"the mean loss of {name} over the first batch's first {len(real)} rows is {apart:.6g} "
+                             f"run row by row (per_sample=True, the default) but {together:.6g} on the rows together "
+                             "(eval mode): the loss or the model mixes rows (in-batch negatives, batch statistics of "
+                             "its own), which per_sample=True would train on one row at a time; pass per_sample=False "
+                             "(--per-sample off: each device's shard whole, as torch DDP's replicas see it), or "
+                             "per_sample=True to keep the rows apart.")
+
+    def _own(self) -> bool:
+        """Whether the model is one of jaxpar's and the loss jaxpar's own (or its default)."""
+        fn = self.loss_fn.fn if isinstance(self.loss_fn, OutputLoss) else self.loss_fn
+        fn = getattr(fn, "func", fn)  # functools.partial(cross_entropy, label_smoothing=...)
+        kind = self.eval_graphdef.nodes[0].type  # the model's class
+        return (getattr(fn, "__module__", "") or "").startswith("jaxpar.") and kind.__module__.startswith("jaxpar.")
 
     # -- outputs and losses apart (DataParallel's gather, the pipeline's last stage) ------------------------
 

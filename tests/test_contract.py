@@ -593,3 +593,37 @@ def test_cross_entropy_is_torchs(smoothing):
         assert "nll" not in out.metrics
     with pytest.raises(ValueError, match=r"label_smoothing=1.5 must be in \[0, 1\]"):
         jaxpar.cross_entropy(jnp.asarray(logits), {"y": jnp.asarray(y)}, label_smoothing=1.5)
+
+
+def test_a_loss_that_mixes_rows_is_refused_when_per_sample_was_left_at_its_default():
+    """An in-batch contrastive loss (InfoNCE over the batch's other targets) sees one row at a time under
+    per_sample=True: exactly 0, nothing trains, and a review found no error. Where per_sample was left at its
+    default, every strategy runs the first batch's first rows one by one and together (eval mode) before the
+    first step, and refuses a loss that differs in one line. per_sample=False trains it; per_sample=True, asked
+    for, keeps the rows apart without a word. A loss that does not mix rows passes (the regression's above)."""
+    def info_nce(out, batch):  # row i's positive is target i, the other rows' targets its negatives
+        logits = out @ batch["y"].T
+        n = out.shape[0]
+        return -jnp.sum(jax.nn.log_softmax(logits, axis=-1)[jnp.arange(n), jnp.arange(n)]), jnp.float32(n)
+
+    loss = OutputLoss(info_nce)
+    make = lambda: nnx.Sequential(nnx.Linear(6, 8, rngs=nnx.Rngs(0)), nnx.relu,  # noqa: E731
+                                  nnx.Linear(8, 4, rngs=nnx.Rngs(1)))
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(8, 6)).astype(np.float32), "y": rng.normal(size=(8, 4)).astype(np.float32)}
+    state = jaxpar.init_state(make(), TX)
+
+    def first_loss(strategy):
+        placed = strategy.init(state)
+        return float(strategy.step(placed, strategy.put_batch(batch))[1]["loss"])
+
+    assert first_loss(jaxpar.SingleDevice(make(), TX, loss_fn=loss, per_sample=True)) == 0.0  # what it trained
+    assert first_loss(jaxpar.SingleDevice(make(), TX, loss_fn=loss, per_sample=False)) > 1.0
+    for strategy in (jaxpar.SingleDevice(make(), TX, loss_fn=loss), jaxpar.DataParallel(make(), TX, loss_fn=loss),
+                     jaxpar.DistributedDataParallel(make(), TX, loss_fn=loss),
+                     jaxpar.ZeroRedundancy(make(), TX, loss_fn=loss, stage=3),
+                     jaxpar.Pipeline(make(), TX, loss_fn=loss, num_stages=2, micro_batches=2)):
+        with pytest.raises(ValueError, match=r"the mean loss of Sequential over the first batch's first 3 rows is 0 "
+                                             r"run row by row \(per_sample=True, the default\) but [0-9.]+ on the "
+                                             r"rows together .* pass per_sample=False"):
+            first_loss(strategy)

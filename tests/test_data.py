@@ -273,6 +273,18 @@ def test_tfds_data_source_under_mock_data():
     np.testing.assert_allclose(d.x * std + mean, data.resize(images / 255, 64), atol=1e-5)
 
 
+def test_tfds_under_the_default_mock_data():
+    """tfds.testing.mock_data() as a user would first write it (random examples from the dataset's own metadata):
+    its data source's __getitems__ takes other arguments than a real one's (a review: a TypeError deep in tfds), so
+    the reads fall back to one example at a time."""
+    import tensorflow_datasets as tfds
+
+    with tfds.testing.mock_data(num_examples=12):
+        d = load("mnist", "train[:12]", model="mlp")
+    assert d.x.shape[0] == 12 and d.y.shape == (12,) and set(np.unique(d.y)) <= set(range(10))
+    assert np.std(d.x) > 0  # real (random) pixels, normalised
+
+
 def test_tfds_reads_prepared_array_record(tmp_path):
     """A real ArrayRecord mnist prepared here (a builder with made-up examples, PNG-encoded with PIL):
     tfds.data_source reads and decodes it without TensorFlow."""

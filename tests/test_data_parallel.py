@@ -202,6 +202,8 @@ def test_output_device_other_than_master(mlp):
     assert metrics["loss"].devices() == {jax.devices()[1]}
     for a, b in zip(jax.tree.leaves(placed.params), jax.tree.leaves(ref.params)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    default = DataParallel(objective, TX, device_ids=[2, 3])  # torch's output_device defaults to device_ids[0]
+    assert default.out_device == default.master == jax.devices()[2]
 
 
 # The tutorial: RandomDataset(5, 100), batch 30 -> batches of 30, 30, 30, 10; each replica prints its chunk.

@@ -87,7 +87,11 @@ def test_batches_and_resume_mid_epoch():
     rest = list(resumed.batches(4))
     assert [len(b) for b in rest] == [4, 4, 3]
     assert np.concatenate(seen + rest).tolist() == epoch.tolist()  # nothing repeated, nothing skipped
-    assert list(resumed) == [] and resumed.offset == len(resumed)  # the epoch is consumed
+    assert resumed.offset == len(resumed)  # the epoch is consumed, and a checkpoint now says so
+    finished = DistributedSampler(37, 2, 0)
+    finished.load_state_dict(resumed.state_dict())
+    assert list(finished) == [] and finished.batch_plan(4) == []  # a finished epoch loaded: the run goes on
+    assert list(resumed) == epoch.tolist()  # iterated again after running out: the whole epoch, as torch's
     resumed.set_epoch(4)  # a new epoch starts over
     assert resumed.offset == 0 and len(list(resumed)) == 19
 
@@ -156,3 +160,28 @@ def test_real_ignores_the_offset():
     whole = s.real()
     next(s.batches(8))
     assert s.offset == 8 and np.array_equal(s.real(), whole) and not whole[-1]
+
+
+def test_a_pass_to_the_end_leaves_the_next_pass_the_whole_epoch_as_torch():
+    """torch's sampler (and a DataLoader over it) gives the whole epoch on every pass, with or without
+    set_epoch(same epoch). Here the consumed offset used to persist, so a loop ported from torch without set_epoch
+    trained on the first epoch only (a review: batches per epoch [3, 0, 0] against torch's [3, 3, 3])."""
+    from jaxpar.data.datasets import Dataset
+    from jaxpar.data.loader import Loader
+
+    x, y = np.arange(10, dtype=np.float32)[:, None], np.arange(10, dtype=np.int32)
+    dataset = Dataset(x, y, 10, "toy")
+    want = torch_indices(10, 2, 0, False)
+    for same_epoch in (False, True):
+        s = DistributedSampler(dataset, num_replicas=2, rank=0, shuffle=False)  # torch's (dataset, ...) works
+        passes = []
+        for _ in range(3):
+            if same_epoch:
+                s.set_epoch(0)
+            passes.append(np.concatenate([np.asarray(b.ids) for b in Loader(dataset, 2, s)]).tolist())
+        assert passes == [want] * 3 and list(s) == want and [b.tolist() for b in s.batches(5)] == [want]
+    s = DistributedSampler(10, 2, 0, shuffle=False)
+    it = iter(Loader(dataset, 2, s))
+    next(it)
+    it.close()  # a pass left before the end: the next one resumes after what was consumed
+    assert np.concatenate([np.asarray(b.ids) for b in Loader(dataset, 2, s)]).tolist() == want[2:]

@@ -226,9 +226,18 @@ def _tfds(name: str, split: str, data_dir: str | None) -> tuple[np.ndarray, np.n
         raise DataError(f"split {split!r} of {name} selects no samples; choose a non-empty slice.")
     x, y = np.empty((n, *np.shape(source[0]["image"])), np.uint8), np.empty(n, np.int64)
     many = getattr(source, "__getitems__", None)  # batched reads where the source has them
+
+    def read(keys):
+        if many is not None:
+            try:
+                return many(keys)
+            except TypeError:  # tfds.testing.mock_data's default source: its __getitems__ takes other arguments
+                pass
+        return [source[k] for k in keys]
+
     for s in range(0, n, 1024):
         keys = list(range(s, min(n, s + 1024)))
-        for i, ex in zip(keys, many(keys) if many else [source[k] for k in keys]):
+        for i, ex in zip(keys, read(keys)):
             x[i], y[i] = ex["image"], ex["label"]
     return x, y
 

@@ -53,8 +53,8 @@ class Loader:
         self.drop_last, self.put, self.prefetch = drop_last, put, int(prefetch)
 
     def __len__(self) -> int:
-        """Batches left in this epoch from the sampler's current offset (all of them at offset 0)."""
-        rest = len(self.sampler) - self.sampler.offset
+        """Batches left in this epoch from where the sampler's next pass starts (all of them at 0)."""
+        rest = len(self.sampler) - self.sampler.start
         return rest // self.batch_size if self.drop_last else -(-rest // self.batch_size)
 
     def gather(self, idx: np.ndarray, mask: np.ndarray | None = None) -> Rows:
@@ -70,11 +70,12 @@ class Loader:
         """The rest of the epoch from the sampler's offset: (indices, mask) per batch, the mask 0 where the
         sampler's position is wrap-around padding (sampler.real()). A plan only: nothing advances."""
         batches = self.sampler.batch_plan(self.batch_size, self.drop_last)
-        real = self.sampler.real()[self.sampler.offset:].astype(np.float32)
+        real = self.sampler.real()[self.sampler.start:].astype(np.float32)
         starts = np.cumsum([0] + [len(idx) for idx in batches])
         return [(idx, real[lo:lo + len(idx)]) for idx, lo in zip(batches, starts)]
 
     def __iter__(self) -> Iterator[Any]:
+        self.sampler.begin_pass()
         plan = self.plan()
         if self.put is None or self.prefetch == 0:
             for idx, mask in plan:
@@ -82,8 +83,9 @@ class Loader:
                 batch = batch if self.put is None else self.put(batch)
                 self.sampler.offset += len(idx)
                 yield batch
-            return
-        yield from self._threaded(plan)
+        else:
+            yield from self._threaded(plan)
+        self.sampler.end_pass()  # ran to the epoch's end: iterating again gives the whole epoch, as torch's
 
     def _threaded(self, plan: list[tuple[np.ndarray, np.ndarray]]) -> Iterator[Any]:
         q: queue.Queue = queue.Queue(maxsize=self.prefetch)

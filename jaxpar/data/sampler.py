@@ -26,6 +26,7 @@ def _check_int(name: str, value: Any, low: int, rule: str, fix: str) -> int:
 
 class DistributedSampler:
     """Which samples this rank reads, epoch by epoch, and how far into the epoch it is (`offset`).
+    `num_samples`: the dataset's length, or the dataset itself (torch's first argument).
 
     With shuffle=False the indices equal torch's exactly. With shuffle=True the permutation comes from
     numpy's Generator seeded by (seed, epoch): torch draws randperm from a torch.Generator seeded with
@@ -34,12 +35,16 @@ class DistributedSampler:
 
     Beyond torch: `offset` counts this rank's samples already consumed in the current epoch;
     `batches()` (and jaxpar.data.loader.Loader) advance it, `state_dict()` / `load_state_dict()` carry it, so a
-    run resumes mid-epoch at the next unseen batch. `real()` tells this rank's wrap-around padding from its
+    run resumes mid-epoch at the next unseen batch. A pass that ran to the epoch's end leaves the next pass over
+    the same epoch (no set_epoch, or set_epoch(same)) to start over, as torch re-iterates it; a position loaded
+    from a state_dict is kept. `real()` tells this rank's wrap-around padding from its
     real samples, so padding can be masked out (weight 0) instead of trained twice.
     """
 
     def __init__(self, num_samples: int, num_replicas: int = 1, rank: int = 0, shuffle: bool = True,
                  seed: int = 0, drop_last: bool = False):
+        if hasattr(num_samples, "__len__") and not isinstance(num_samples, (str, bytes, np.ndarray)):
+            num_samples = len(num_samples)  # torch's DistributedSampler(dataset, ...)
         self.num_samples = _check_int("num_samples", num_samples, 1, ">= 1", "the dataset must not be empty.")
         self.num_replicas = _check_int("num_replicas", num_replicas, 1, ">= 1",
                                        "use the number of processes (jax.process_count()).")
@@ -51,6 +56,7 @@ class DistributedSampler:
         self.seed = _check_int("seed", seed, 0, ">= 0", "numpy seeds must be non-negative.")
         self.shuffle, self.drop_last = bool(shuffle), bool(drop_last)
         self.epoch, self.offset = 0, 0
+        self._ran_out = False  # a pass reached the epoch's end: the next pass starts over (torch's re-iteration)
         if self.drop_last and self.num_samples % self.num_replicas:
             self.per_replica = math.ceil((self.num_samples - self.num_replicas) / self.num_replicas)  # torch's
         else:
@@ -66,7 +72,20 @@ class DistributedSampler:
         (so `load_state_dict(s); set_epoch(s["epoch"])` resumes where s left off)."""
         epoch = _check_int("epoch", epoch, 0, ">= 0", "count epochs from 0.")
         if epoch != self.epoch:
-            self.epoch, self.offset = epoch, 0
+            self.epoch, self.offset, self._ran_out = epoch, 0, False
+
+    @property
+    def start(self) -> int:
+        """Where the next pass begins: `offset`, or 0 once a pass ran to the epoch's end."""
+        return 0 if self._ran_out else self.offset
+
+    def begin_pass(self) -> None:
+        """A pass starts (batches(), Loader): from `start`."""
+        self.offset, self._ran_out = self.start, False
+
+    def end_pass(self) -> None:
+        """A pass ran to the epoch's end: the next one over the same epoch starts over."""
+        self._ran_out = True
 
     def indices(self) -> np.ndarray:
         """This rank's whole epoch of indices (int64 [len(self)]), ignoring the offset."""
@@ -87,22 +106,24 @@ class DistributedSampler:
         return np.arange(self.rank, self.total_size, self.num_replicas) < self.num_samples
 
     def __iter__(self) -> Iterator[int]:
-        """The indices not yet consumed this epoch (from `offset`); iterating does not advance it."""
-        return iter(self.indices()[self.offset:].tolist())
+        """The indices not yet consumed this epoch (from `start`); iterating does not advance it."""
+        return iter(self.indices()[self.start:].tolist())
 
     def batch_plan(self, batch_size: int, drop_last: bool = False) -> list[np.ndarray]:
-        """The rest of the epoch from `offset` cut into batches of `batch_size` (the last one shorter,
+        """The rest of the epoch from `start` cut into batches of `batch_size` (the last one shorter,
         or dropped with drop_last). A plan only: nothing advances."""
         batch_size = _check_int("batch_size", batch_size, 1, ">= 1", "use this process's batch size.")
-        rest = self.indices()[self.offset:]
+        rest = self.indices()[self.start:]
         stop = len(rest) - len(rest) % batch_size if drop_last else len(rest)
         return [rest[i:i + batch_size] for i in range(0, stop, batch_size)]
 
     def batches(self, batch_size: int, drop_last: bool = False) -> Iterator[np.ndarray]:
         """batch_plan's batches, advancing `offset` as each one is handed out (i.e. consumed)."""
+        self.begin_pass()
         for batch in self.batch_plan(batch_size, drop_last):
             self.offset += len(batch)
             yield batch
+        self.end_pass()
 
     def state_dict(self) -> dict[str, Any]:
         """Where this rank stands: epoch, offset, seed, and the settings the offset is relative to."""
@@ -121,6 +142,7 @@ class DistributedSampler:
         self.epoch = _check_int("epoch", state["epoch"], 0, ">= 0", "pass a state from state_dict().")
         offset = state["offset"]
         self.offset = _check_int("offset", offset, 0, f"in [0, {len(self)}]", "pass a state from state_dict().")
+        self._ran_out = False  # a finished epoch loaded stays finished: the run goes on with the next
         if self.offset > len(self):
             raise ValueError(f"{offset=} must be in [0, {len(self)}] (samples per rank per epoch); pass a state "
                              f"from state_dict() of a sampler over the same data.")

@@ -187,17 +187,26 @@ def _check_tree(what: str, have: Any, want: Any, whose: str, fix: str, by_path: 
 
 
 class LayersCheck:
-    """Objective.check_layers, once: armed by a strategy's init with the canonical state where the strategy runs the
-    model's `layers` instead of its __call__, run on the first batch's first two rows by put_batch, then dropped."""
+    """The first batch's checks, once: Objective.check_layers, armed by a strategy's init with the canonical state
+    where the strategy runs the model's `layers` instead of its __call__, and Objective.check_rows_apart (armed by
+    `arm_first_batch`), run on the first batch's first rows by put_batch, then dropped."""
 
     def __init__(self):
         self.pending: tuple | None = None
+        self.rows: tuple | None = None
+
+    @staticmethod
+    def _own(tree):  # numpy leaves (a state of the user's making) as jax arrays: the checked models would share
+        # them and advance their RNG counts in place, in the caller's state too
+        return jax.tree.map(lambda a: jax.numpy.array(a) if isinstance(a, np.ndarray) else a, tree)
 
     def arm(self, objective: Objective, state: TrainState, why: str, fix: str, unpack: bool = False) -> None:
-        own = lambda tree: jax.tree.map(  # noqa: E731  numpy leaves (a state of the user's making) as jax arrays:
-            lambda a: jax.numpy.array(a) if isinstance(a, np.ndarray) else a, tree)  # the checked models would
-        # share them and advance their RNG counts in place, in the caller's state too
-        self.pending = (objective, own(state.params), own(state.model_state), why, fix, unpack)
+        self.pending = (objective, self._own(state.params), self._own(state.model_state), why, fix, unpack)
+
+    def arm_rows(self, objective: Objective, state: TrainState) -> None:
+        """Check that a loss left at per_sample=True by default does not mix rows (Objective.check_rows_apart)."""
+        if objective.per_sample and objective.per_sample_default:
+            self.rows = (objective, self._own(state.params), self._own(state.model_state))
 
     def __call__(self, rows) -> None:
         if self.pending is not None:
@@ -205,10 +214,16 @@ class LayersCheck:
             head = jax.tree.map(lambda a: np.asarray(a)[:2], rows.data)
             objective.check_layers(params, model_state, head, why, fix, unpack)
             self.pending = None
+        if self.rows is not None:
+            objective, params, model_state = self.rows
+            objective.check_rows_apart(params, model_state, rows)
+            self.rows = None
 
 
-def recompute_check(objective: Objective, state: TrainState, check: LayersCheck) -> None:
-    """Arm `check` when the objective recomputes N-layer segments (activation checkpointing runs the layers)."""
+def arm_first_batch(objective: Objective, state: TrainState, check: LayersCheck) -> None:
+    """Arm `check`'s rows check, and its layers check when the objective recomputes N-layer segments (activation
+    checkpointing runs the layers)."""
+    check.arm_rows(objective, state)
     n = objective.activation_checkpoint_interval
     if n:
         check.arm(objective, state, f"activation_checkpoint_interval={n} runs the model's",

@@ -23,7 +23,7 @@ statistics and keeps replica 0's running buffers -- torch's DataParallel, whose 
 buffers on device_ids[0].
 
 The master (params, gradients, optimizer state) is `device_ids[0]`; outputs are gathered on `output_device`
-(an index into `jax.local_devices()`, as torch's cuda index); with the defaults both are device 0.
+(an index into `jax.local_devices()`, as torch's cuda index; default `device_ids[0]`, as torch's).
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ from jaxpar.objective import Objective, OutputLoss, check_rows_leading, metrics_
 from jaxpar.run import memory
 from jaxpar.step import TrainState, apply_updates, grad_norm
 from jaxpar.strategies.base import (LayersCheck, cfg_objective, check_placed, check_state, objective_of,
-                                    recompute_check, refuse_sync_batch_norm, to_device)
+                                    arm_first_batch, refuse_sync_batch_norm, to_device)
 
 
 def chunk_sizes(batch_size: int, num_devices: int) -> list[int]:
@@ -149,7 +149,7 @@ class DataParallel:
     name = "dp"
 
     def __init__(self, model: nnx.Module | Objective, tx: optax.GradientTransformation, *, loss_fn=None,
-                 device_ids: Sequence[int] | None = None, output_device: int = 0, loss_on_device: bool = False,
+                 device_ids: Sequence[int] | None = None, output_device: int | None = None, loss_on_device: bool = False,
                  print_shapes: bool = False, **objective_options):
         self._layers_check = LayersCheck()  # armed by init where the layers run instead of __call__
         if jax.process_count() > 1:
@@ -162,6 +162,8 @@ class DataParallel:
             print_shapes
         local = jax.local_devices()
         ids = list(range(len(local))) if device_ids is None else list(device_ids)
+        output_device = ids[0] if output_device is None and ids else output_device  # torch's default
+        self.output_device = output_device
         bad = [i for i in ids + [output_device] if not 0 <= i < len(local)]
         if not ids or bad or len(set(ids)) != len(ids):
             raise ValueError(f"device_ids={ids} and output_device={output_device} must be distinct indices "
@@ -189,7 +191,7 @@ class DataParallel:
     # -- the Strategy protocol --
     def init(self, state: TrainState) -> TrainState:
         check_state(state, self.tx, self.objective)
-        recompute_check(self.objective, state, self._layers_check)
+        arm_first_batch(self.objective, state, self._layers_check)
         refuse_sync_batch_norm(self.objective.merge(state.params, state.model_state),
                                "DataParallel's per-device forwards")
         return to_device(state, self.master)

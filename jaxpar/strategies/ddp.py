@@ -41,7 +41,7 @@ from jaxpar.mesh import DATA, check_data_mesh, make_mesh
 from jaxpar.objective import Objective, Sums, advance_rng, metrics_of
 from jaxpar.step import TrainState, apply_updates, grad_norm
 from jaxpar.strategies.base import (LayersCheck, cfg_objective, check_placed, check_state, from_process_0,
-                                    objective_of, processes, recompute_check)
+                                    objective_of, processes, arm_first_batch)
 from jaxpar.types import Params
 
 SPMD = ("shard_map", "pmap")
@@ -278,7 +278,7 @@ class DistributedDataParallel:
     def init(self, state: TrainState):
         check_state(state, self.tx, self.objective)
         state = from_process_0(state)  # torch DDP's broadcast of rank 0's parameters at construction
-        recompute_check(self.objective, state, self._layers_check)
+        arm_first_batch(self.objective, state, self._layers_check)
         if self.plan is None:
             order = self.leaf_order
             if order is None:

@@ -20,7 +20,7 @@ from jaxpar.mesh import DATA
 from jaxpar.objective import Objective
 from jaxpar.step import TrainState, train_step
 from jaxpar.strategies.base import (LayersCheck, cfg_objective, check_placed, check_state, objective_of,
-                                    recompute_check, to_device)
+                                    arm_first_batch, to_device)
 
 
 class SingleDevice:
@@ -44,7 +44,7 @@ class SingleDevice:
 
     def init(self, state: TrainState) -> TrainState:
         check_state(state, self.tx, self.objective)
-        recompute_check(self.objective, state, self._layers_check)
+        arm_first_batch(self.objective, state, self._layers_check)
         return to_device(state, self.device)
 
     def put_batch(self, batch) -> Rows:

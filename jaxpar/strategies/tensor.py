@@ -51,7 +51,7 @@ from jaxpar.mesh import DATA, TENSOR
 from jaxpar.objective import Objective, advance_rng, metrics_of
 from jaxpar.step import TrainState, apply_updates, squared_norm
 from jaxpar.strategies import zero_optim
-from jaxpar.strategies.base import check_placed, check_state, from_process_0
+from jaxpar.strategies.base import LayersCheck, check_placed, check_state, from_process_0
 from jaxpar.strategies.ddp import from_replica_0, local_devices, psum_sums
 
 # split the output dim; the fused q|k|v output dim by heads; the input dim; an embedding table's rows (the
@@ -79,11 +79,14 @@ def grouped_order(size: int, groups: int, tp: int) -> tuple[int, ...]:
     return tuple(g * per + t * share + i for t in range(tp) for g in range(groups) for i in range(share))
 
 
-def tensor_plan(model: nnx.Module, tp: int, wrt: Any = nnx.Param) -> list[Layout]:
+def tensor_plan(model: nnx.Module, tp: int, wrt: Any = nnx.Param, *, rest: bool = False,
+                split_frozen: bool = False) -> list[Layout]:
     """The Layout of every leaf of ``nnx.split(model, wrt, ...)[1]`` (flatten order), from the modules'
     ``tensor_layout() -> {(attribute, ..., leaf name): (kind, axis[, unit])}`` (unit: entries that stay together,
-    a head's size for qkv); ValueError when a split does not divide."""
-    params = nnx.split(model, wrt, ...)[1]
+    a head's size for qkv); ValueError when a split does not divide. `rest`: the Layouts of
+    ``nnx.split(model, wrt, ...)[2]`` instead (the model state, where a split weight that `wrt` leaves out lives).
+    A split weight that `wrt` leaves out is refused unless `split_frozen`."""
+    params = nnx.split(model, wrt, ...)[2 if rest else 1]
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     paths = [tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in p) for p, _ in flat]
     paths = [p[:-1] if p and p[-1] == "value" else p for p in paths]
@@ -102,12 +105,13 @@ def tensor_plan(model: nnx.Module, tp: int, wrt: Any = nnx.Param) -> list[Layout
         raise ValueError(f"tensor_layout() names {'.'.join(map(str, stray))}, which is not a variable of "
                          f"{type(model).__name__} (there: {', '.join(near) or 'nothing'}); name each leaf as nnx "
                          "does (a Linear's weight is 'kernel').")
-    selected = set(paths)
+    selected = {tuple(p[:-1] if p and p[-1] == "value" else p) for p, _ in
+                nnx.to_flat_state(nnx.split(model, wrt, ...)[1])}
     left_out = next((key for key in wanted if key not in selected), None)
-    if left_out is not None:  # it would stay whole in the model state while its module computes with a slice
+    if left_out is not None and not split_frozen:  # whole in the model state while its module computes a slice
         raise ValueError(f"wrt leaves out {'.'.join(map(str, left_out))}, which tensor parallelism splits over the "
-                         "ranks; only trained parameters are split: include it in wrt (freezing a split weight "
-                         "under tensor parallelism is not supported), or train without --tensor-parallel.")
+                         "ranks; the pipeline splits only trained parameters: include it in wrt (TensorParallel "
+                         "splits frozen weights too), or train without --tensor-parallel.")
     out = []
     for path, (_, leaf) in zip(paths, flat):
         if path not in wanted:
@@ -158,6 +162,12 @@ def map_params(fn, tree, params, plan: Sequence[Layout]):
         return sub
 
     return jax.tree.map(one, tree, is_leaf=is_params)
+
+
+def split_leaves(fn, tree, plan: Sequence[Layout]):
+    """fn(leaf, layout) on the leaves of `tree` that `plan` splits; the others (RNG keys, counts) as they are."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(treedef, [fn(a, lay) if lay.axis is not None else a for a, lay in zip(leaves, plan)])
 
 
 def _is_spec(x) -> bool:
@@ -227,7 +237,8 @@ class TensorParallel:
         model = nnx.clone(model)  # its own copy, pointed at the tensor axis below: the user's model stays as it is
         wrt = objective_options.get("wrt", nnx.Param)
         self.eval_objective = Objective.of(model, loss_fn, **objective_options)  # unsplit: jaxpar.evaluate's
-        self.plan = tensor_plan(model, tensor_parallel, wrt)
+        self.plan = tensor_plan(model, tensor_parallel, wrt, split_frozen=True)
+        self.state_plan = tensor_plan(model, tensor_parallel, wrt, rest=True, split_frozen=True)  # frozen weights
         whole = [lay.whole for lay in self.plan if lay.whole]
         if sequence_parallel and whole:  # a whole head's logits and their gradient would be counted T times
             raise ValueError(f"--sequence-parallel needs the embedding split by vocabulary rows, but {whole[0]}; "
@@ -251,11 +262,12 @@ class TensorParallel:
         self.foreign = sorted(set(foreign_split(model)))
         self.check_split = bool(self.foreign) if check_split is None else check_split
         self._split_check: tuple | None = None  # (params, model_state): armed by init, run by put_batch, once
+        self._rows_check = LayersCheck()
 
     # -- placement -----------------------------------------------------------------------------------------
 
     def _specs(self, state: TrainState) -> TrainState:
-        replicated = jax.tree.map(lambda _: P(), state.model_state)
+        replicated = leaf_specs(state.model_state, state.model_state, self.state_plan)
         opt = self.zero.opt_specs(self.tx, state.params) if self.zero_stage else \
             leaf_specs(state.opt_state, state.params, self.plan)
         return TrainState(leaf_specs(state.params, state.params, self.plan), opt, replicated, P())
@@ -267,8 +279,10 @@ class TensorParallel:
         state = from_process_0(state)  # torch DDP's broadcast of rank 0's parameters at construction
         if self.check_split:
             self._split_check = (jax.tree.map(np.asarray, state.params), state.model_state)
+        self._rows_check.arm_rows(self.eval_objective, state)  # unsplit: runs outside the mesh
         host = state._replace(params=map_params(in_tensor_order, state.params, state.params, self.plan),
-                              opt_state=map_params(in_tensor_order, state.opt_state, state.params, self.plan))
+                              opt_state=map_params(in_tensor_order, state.opt_state, state.params, self.plan),
+                              model_state=split_leaves(in_tensor_order, state.model_state, self.state_plan))
         if self.zero_stage and self.zero is None:
             from jaxpar.strategies import zero1
 
@@ -304,6 +318,7 @@ class TensorParallel:
         rows = pad_rows(rows, target)
         if not self.objective.per_sample:
             check_unpadded(rows, "per_sample=False")
+        self._rows_check(rows)
         if self._split_check is not None:
             params, model_state = self._split_check
             check_split_computes(self, params, model_state, rows)
@@ -329,8 +344,9 @@ class TensorParallel:
         if self.zero_stage:  # the flat moments gathered and cut back into whole leaves (tensor order)
             opt = jax.tree.map(jnp.asarray, self.zero.unplace(self.tx, placed.params, opt))
         opt = map_params(back, opt, placed.params, self.plan)
+        model_state = split_leaves(back, placed.model_state, self.state_plan)  # frozen split weights
         return TrainState(map_params(back, placed.params, placed.params, self.plan), jax.tree.map(first, opt),
-                          jax.tree.map(first, placed.model_state), first(placed.step))
+                          jax.tree.map(first, model_state), first(placed.step))
 
     # -- the step ------------------------------------------------------------------------------------------
 
@@ -449,9 +465,11 @@ def split_gradients(strategy: TensorParallel, params, model_state, rows: Rows):
     put = lambda tree, spec: jax.tree.map(  # noqa: E731
         lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), tree, spec, is_leaf=_is_spec)
     ordered = map_params(in_tensor_order, params, params, plan)
-    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, P(), P(DATA)), out_specs=(P(), specs),
+    state_specs = leaf_specs(model_state, model_state, strategy.state_plan)
+    model_state = split_leaves(in_tensor_order, model_state, strategy.state_plan)
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, state_specs, P(DATA)), out_specs=(P(), specs),
                                  check_vma=False))
-    value, grads = step(put(ordered, specs), jax.device_put(model_state, NamedSharding(mesh, P())),
+    value, grads = step(put(ordered, specs), put(model_state, state_specs),
                         jax.device_put(rows, NamedSharding(mesh, P(DATA))))
     return float(value), map_params(in_canonical_order, grads, params, plan)
 

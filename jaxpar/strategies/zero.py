@@ -48,7 +48,7 @@ from jaxpar.objective import Objective, advance_rng, check_wrt_within, metrics_o
 from jaxpar.step import TrainState
 from jaxpar.strategies import zero_optim
 from jaxpar.strategies.base import (LayersCheck, cfg_objective, check_placed, check_state, from_process_0,
-                                    objective_of, processes, recompute_check)
+                                    objective_of, processes, arm_first_batch)
 from jaxpar.strategies.ddp import from_replica_0, local_devices, place_rows, psum_sums, replicate
 
 STAGES = (1, 2, 3)
@@ -235,7 +235,7 @@ class ZeroRedundancy:
         """The canonical state onto the mesh: sharded leaves as [N S] arrays split over DATA, the rest replicated."""
         check_state(state, self.tx, self.objective)
         state = from_process_0(state)  # torch DDP's broadcast of rank 0's parameters at construction
-        recompute_check(self.objective, state, self._layers_check)  # stage 3 refuses an interval
+        arm_first_batch(self.objective, state, self._layers_check)  # stage 3 refuses an interval
         if self.plan is None:
             self._setup(state)
         if self.stage == 3 and self._fetches_layers:

@@ -8,8 +8,10 @@
 
 Inputs:
 - run files: train.py --metrics-out records (see jaxpar/report.py): "step" records give the loss curve and the
-  gradient norm before clipping (x = step), "epoch" records the eval loss, the "summary" record the throughput. The run's label is its
-  strategy (from the "start" record), or the file name when two runs share a strategy.
+  gradient norm before clipping (x = step), "epoch" records the eval loss, the "summary" record the throughput.
+  The run's label is its strategy (from the "start" record), or the file name when two runs share a strategy.
+  A file holding several runs (several "start" records not written by --resume) is drawn as one line per run,
+  "LABEL run i/n", each with its own throughput bar.
 - all-reduce file: JSON lines {"algorithm": str, "bytes": int (message size per device), "busbw": float
   (GB/s, NCCL-tests' bus bandwidth = algbw * 2(n-1)/n)}; other keys are ignored. Lines without these keys
   (a header, say) are skipped.
@@ -26,6 +28,30 @@ def read_jsonl(path: str) -> list[dict]:
     """The JSON objects of a JSON-lines file (blank lines skipped)."""
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def split_runs(records: list[dict]) -> list[list[dict]]:
+    """The runs of one file, each a list of records: every "start" record of a run not resumed (no --resume in
+    its config) opens a new run; a resumed run's records continue the run before it."""
+    runs: list[list[dict]] = []
+    for r in records:
+        if r.get("event") == "start" and not (runs and (r.get("config") or {}).get("resume")):
+            runs.append([])
+        if not runs:
+            runs.append([])
+        runs[-1].append(r)
+    return runs
+
+
+def load_runs(paths: list[str]) -> dict[str, list[dict]]:
+    """{label: records}, one entry per run: a file holding several runs (fresh starts appended by an older
+    train.py) gives each its own entry, labelled "LABEL run i/n", never one spliced curve."""
+    labels, out = run_labels(paths), {}
+    for p in paths:
+        runs = split_runs(read_jsonl(p))
+        for i, records in enumerate(runs):
+            out[labels[p] if len(runs) == 1 else f"{labels[p]} run {i + 1}/{len(runs)}"] = records
+    return out
 
 
 def run_labels(paths: list[str]) -> dict[str, str]:
@@ -146,8 +172,7 @@ def main(argv=None) -> list[str]:
     os.makedirs(args.out, exist_ok=True)
     written = []
     if args.runs:
-        labels = run_labels(args.runs)
-        runs = {labels[p]: read_jsonl(p) for p in args.runs}
+        runs = load_runs(args.runs)
         written += [plot_loss(runs, os.path.join(args.out, "loss.png")),
                     plot_throughput(runs, os.path.join(args.out, "throughput.png"))]
         if any("grad_norm" in r for rs in runs.values() for r in rs):

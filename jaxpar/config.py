@@ -33,8 +33,8 @@ class Config:
     # how to train
     batch_size: int = 64  # the GLOBAL batch, the same meaning for every strategy
     eval_batch_size: int = 1000  # evaluation batch (reference step, one device)
-    epochs: int = 1  # passes over the training split
-    steps: int | None = None  # stop after this many steps in all (None: run the epochs)
+    epochs: int | None = None  # passes over the training split (None: 1); --steps overrides it, with a note
+    steps: int | None = None  # stop after this many steps in all (None: run the epochs), whatever --epochs says
     optimizer: str = "adadelta"  # sgd | adam | adamw | adadelta (PyTorch defaults)
     lr: float | None = None  # None: the optimizer's default (sgd 0.01, adam/adamw 1e-3, adadelta 1.0)
     momentum: float = 0.0  # sgd only (torch.optim.SGD's default 0)

@@ -194,6 +194,31 @@ CASES = [
      ["--label-smoothing 0.1", "--loss is mse", "drop --label-smoothing"]),
     ("eval split the npz lacks", ["--eval-split", "test"], ["--eval-split 'test'", "'train'",
                                                            "pass --eval-split '' (that skips evaluation)"]),
+    # more flags nothing read: accepted, then ignored
+    ("checkpoint keep without a checkpoint dir", ["--checkpoint-keep", "5", "--checkpoint-dir", ""],
+     ["--checkpoint-keep 5 would be ignored", "no --checkpoint-dir", "drop --checkpoint-keep"]),
+    ("eval batch size without evaluation", ["--eval-batch-size", "10"],
+     ["--eval-batch-size 10 would be ignored", "--eval-split '' skips evaluation"]),
+    ("sample top-k without --sample", ["--sample-top-k", "10"], ["--sample-top-k 10 would be ignored",
+                                                                  "without --sample N", "drop --sample-top-k"]),
+    ("sample temperature without --sample", ["--sample-temperature", "0.5"],
+     ["--sample-temperature 0.5 would be ignored", "drop --sample-temperature"]),
+    ("sample prompt without --sample", ["--sample-prompt", "a\nb"], ["--sample-prompt 'a\\nb' would be ignored"]),
+    ("peak TFLOP/s on a non-GPT", ["--peak-tflops", "100"], ["--peak-tflops 100.0 would be ignored",
+                                                             "--model linear is not one of jaxpar's GPTs"]),
+    ("image size on synthetic vectors", ["--dataset", "synthetic", "--image-size", "14"],
+     ["--image-size 14 would be ignored", "--dataset synthetic holds vectors", "drop --image-size"]),
+    ("image size on npz vectors", ["--image-size", "14"], ["--image-size 14 would be ignored", "--dataset npz"]),
+    ("bucket cap under ZeRO-3", ["--strategy", "zero", "--zero-stage", "3", "--bucket-cap-mb", "1"],
+     ["--bucket-cap-mb 1.0 would be ignored", "--zero-stage 3", "drop --bucket-cap-mb"]),
+    # a loss that sees whole shards takes no padding rows: a batch the devices do not divide, --drop-last or not
+    ("whole-shard loss, batch not a multiple of the devices", ["--strategy", "ddp", "--model", "mlp", "--per-sample",
+                                                               "off", "--num-devices", "4", "--batch-size", "30",
+                                                               "--drop-last"],
+     ["--batch-size 30", "the 4 devices", "--drop-last cannot help", "pass --batch-size 28 or 32"]),
+    ("whole-shard loss, batch not a multiple of devices x accumulation",
+     ["--strategy", "ddp", "--model", "mlp", "--per-sample", "off", "--num-devices", "4", "--grad-accum", "2",
+      "--batch-size", "12", "--drop-last"], ["--batch-size 12", "4 devices x --grad-accum 2 = 8", "8 or 16"]),
 ]
 
 

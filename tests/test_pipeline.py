@@ -568,8 +568,8 @@ def test_a_layer_output_without_the_rows_leading_is_refused(middle, match):
     _, _, batch = mlp()
     rngs = nnx.Rngs(0)
     layers = [nnx.Linear(8, 8, rngs=rngs), *middle, nnx.Linear(8, 2, rngs=rngs)]
-    pipe = pipeline(jaxpar.PipelineModule(layers, 2, partition_method="uniform"), TX,
-                    loss_fn=jaxpar.OutputLoss(jaxpar.mse), micro_batches=2)
+    pipe = pipeline(jaxpar.PipelineModule(layers, 2, partition_method="uniform"), TX,  # per_sample asked for: a
+                    loss_fn=jaxpar.OutputLoss(jaxpar.mse), micro_batches=2, per_sample=True)  # batch scalar mixes rows
     placed = pipe.init(jaxpar.init_state(pipe.module.model, TX))
     with pytest.raises(ValueError, match=match):
         pipe.step(placed, pipe.put_batch(batch))

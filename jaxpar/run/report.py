@@ -10,22 +10,28 @@
     {"event": "summary", ...the run summary's numbers...}
 
 "loss" is that step's mean loss, "train_loss" the mean over the epoch so far, "samples_per_s" and "step_time_s"
-cover the steps since the previous record (compiling steps, evaluation and saves left out: see Clock).
+cover the steps since the previous record (warm-up steps, evaluation and saves left out: see Clock).
 bench/plot.py reads these files.
 """
 from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 import time
 from typing import Any, Iterable
 
 
 class MetricsWriter:
-    """JSON lines appended to `path` (a resumed run continues the same file); a no-op without a path."""
+    """JSON lines written to `path`: a fresh run starts the file anew (a note on stderr when it held records), a
+    resumed run (`append`) continues it; a no-op without a path."""
 
-    def __init__(self, path: str | None):
-        self.f = open(path, "a") if path else None
+    def __init__(self, path: str | None, append: bool = False):
+        if path and not append and os.path.isfile(path) and os.path.getsize(path):
+            print(f"jaxpar: note: --metrics-out {path} held an earlier run's records; this run (no --resume) starts "
+                  "it anew. Pass another file to keep both.", file=sys.stderr)
+        self.f = open(path, "a" if append else "w") if path else None
 
     def write(self, record: dict) -> None:
         if self.f:
@@ -47,24 +53,25 @@ def _plain(x: Any) -> Any:
 
 
 class Clock:
-    """Steps, samples and seconds of training steps only. Not timed: the first step of each batch size (it
-    compiles: a strategy that does not pad compiles the last, smaller batch again) and, after `skip()`, the
-    time spent since the last step (evaluation, checkpoint saves). `window()` covers the steps since its
-    last call, `total()` the whole run."""
+    """Steps, samples and seconds of training steps only. Not timed: the first `warmup` steps of each batch size
+    (the first compiles: a strategy that does not pad compiles the last, smaller batch again; the second ran 2-3x
+    slower than the rest with nothing compiled, in a review's ConvNet runs on CPU) and, after `skip()`, the time
+    spent since the last step (evaluation, checkpoint saves). `window()` covers the steps since its last call,
+    `total()` the whole run."""
 
-    def __init__(self):
-        self.mark, self.sizes = None, set()
+    def __init__(self, warmup: int = 2):
+        self.mark, self.warmup, self.seen = None, warmup, {}
         self.steps = self.samples = self.seconds = 0
         self.w_steps = self.w_samples = self.w_seconds = 0
 
     def tick(self, samples: float) -> None:
         """Call after a step whose results were read back (so its time is really spent)."""
         now = time.perf_counter()
-        if samples in self.sizes and self.mark is not None:
+        if self.seen.get(samples, 0) >= self.warmup and self.mark is not None:
             dt = now - self.mark
             self.steps, self.samples, self.seconds = self.steps + 1, self.samples + samples, self.seconds + dt
             self.w_steps, self.w_samples, self.w_seconds = self.w_steps + 1, self.w_samples + samples, self.w_seconds + dt
-        self.sizes.add(samples)
+        self.seen[samples] = self.seen.get(samples, 0) + 1
         self.mark = now
 
     def skip(self) -> None:

@@ -117,7 +117,7 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"--per-sample {cfg.per_sample!r} is not known; use on, off, or leave it out (on unless "
                          "the model has BatchNorm).")
     for field in ("batch_size", "epochs", "eval_batch_size", "log_every"):
-        if getattr(cfg, field) < 1:
+        if getattr(cfg, field) is not None and getattr(cfg, field) < 1:  # epochs: None is 1
             raise ValueError(f"--{field.replace('_', '-')} {getattr(cfg, field)} must be >= 1; pass a positive count.")
     if cfg.activation_checkpoint_interval < 0:
         raise ValueError(f"--activation-checkpoint-interval {cfg.activation_checkpoint_interval} must be >= 0; pass 0 "
@@ -238,7 +238,8 @@ def check_flags_are_read(cfg: Config) -> None:
     defaults = Config()
     given = lambda f: getattr(cfg, f) != getattr(defaults, f)  # noqa: E731
     flag = lambda f: NEGATED.get(f, f"--{f.replace('_', '-')}")  # noqa: E731  (as typed: --no-overlap)
-    shown = lambda f: flag(f) if isinstance(getattr(cfg, f), bool) else f"{flag(f)} {getattr(cfg, f)}"  # noqa: E731
+    value = lambda f: (v if not isinstance(v := getattr(cfg, f), str) or v.isprintable() else repr(v))  # noqa: E731
+    shown = lambda f: flag(f) if isinstance(getattr(cfg, f), bool) else f"{flag(f)} {value(f)}"  # noqa: E731
     for field, owners in STRATEGY_FLAGS.items():
         if given(field) and cfg.strategy not in owners:
             raise ValueError(f"{shown(field)} is read by --strategy {' and '.join(owners)}, not {cfg.strategy}"
@@ -251,11 +252,31 @@ def check_flags_are_read(cfg: Config) -> None:
                (("data_path",), cfg.dataset in ("npz", "text"), f"--dataset {cfg.dataset} reads no file (npz and "
                                                                  "text do)"),
                (("gamma",), cfg.lr_schedule == "step", f"--lr-schedule {cfg.lr_schedule} is not StepLR's"),
-               (("momentum",), cfg.optimizer == "sgd", f"--optimizer {cfg.optimizer} has no momentum flag (SGD's)")]
+               (("momentum",), cfg.optimizer == "sgd", f"--optimizer {cfg.optimizer} has no momentum flag (SGD's)"),
+               (("checkpoint_keep",), bool(cfg.checkpoint_dir), "no --checkpoint-dir is given (nothing is saved)"),
+               (("eval_batch_size",), cfg.eval_split != "", "--eval-split '' skips evaluation"),
+               (("sample_temperature", "sample_top_k", "sample_prompt"), bool(cfg.sample),
+                "nothing is sampled without --sample N"),
+               (("peak_tflops",), cfg.model not in models.NAMES or cfg.model in models.GPT_NAMES,
+                f"--model {cfg.model} is not one of jaxpar's GPTs, the only models MFU is reported for"),
+               (("image_size",), cfg.dataset != "text" and not (cfg.dataset == "synthetic" and cfg.model == "linear")
+                and not (cfg.dataset == "npz" and _npz_vectors(cfg.data_path)),
+                f"--dataset {cfg.dataset} holds {'text' if cfg.dataset == 'text' else 'vectors'} here, not images"),
+               (("bucket_cap_mb",), not (cfg.strategy == "zero" and cfg.zero_stage == 3),
+                "--zero-stage 3 gathers and reduces each leaf on its own (no buckets)")]
     for fields, read, why in readers:
         for field in fields:
             if given(field) and not read:
                 raise ValueError(f"{shown(field)} would be ignored: {why}; drop {flag(field)}.")
+
+
+def _npz_vectors(path: str | None) -> bool:
+    """Whether the .npz at `path` holds vectors x [N, F] (an unreadable file is left to the loader's error)."""
+    try:
+        with np.load(path) as f:
+            return f["x"].ndim == 2
+    except Exception:  # noqa: BLE001  (missing, corrupt, no x: the loader names it)
+        return False
 
 
 def load_object(ref: str, flag: str) -> Any:
@@ -499,7 +520,7 @@ def learning_rate(cfg: Config, steps_per_epoch: int, total_steps: int | None = N
     to --min-lr at --lr-decay-steps (default: the run's last step, `total_steps`)."""
     lr = DEFAULT_LR[cfg.optimizer] if cfg.lr is None else cfg.lr
     if total_steps is None:
-        total_steps = steps_per_epoch * cfg.epochs if cfg.steps is None else cfg.steps
+        total_steps = steps_per_epoch * (cfg.epochs or 1) if cfg.steps is None else cfg.steps
     if cfg.lr_schedule == "cosine":
         decay = decay_steps(cfg, total_steps)
         if decay <= cfg.warmup_steps:
@@ -629,6 +650,11 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
     except ValueError as e:
         raise ValueError(f"--eval-split {eval_split!r}: {str(e).rstrip('.')}; or pass --eval-split '' (that skips "
                          "evaluation).") from None
+    shared = split_overlap(cfg.train_split, eval_split, cfg.dataset, {s: len(d) for s, d in (
+        (cfg.train_split.strip(), train_set), (eval_split.strip(), eval_set)) if d is not None}, load) \
+        if eval_set is not None else 0
+    if shared and main_process:
+        print(overlap_warning(cfg.train_split, eval_split, shared, cfg.dataset, len(train_set)), file=sys.stderr)
     replicas, shard = (1, 0) if whole_batch(cfg.strategy) else (nproc, rank)  # pipeline: all of it everywhere
     sampler = DistributedSampler(len(train_set), num_replicas=replicas, rank=shard, shuffle=cfg.shuffle,
                                  seed=cfg.seed, drop_last=cfg.drop_last)
@@ -640,7 +666,7 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
 
     model = make_model(cfg, train_set)
     loss_fn = make_loss(cfg)
-    total_steps = steps_per_epoch * cfg.epochs if cfg.steps is None else cfg.steps
+    total_steps = steps_per_epoch * (cfg.epochs or 1) if cfg.steps is None else cfg.steps
     lr_at = learning_rate(cfg, steps_per_epoch, total_steps)
     tx = make_tx(cfg, steps_per_epoch, total_steps)
     objective = cfg_objective(model, loss_fn, cfg)  # the whole model's: evaluation, checks, export
@@ -656,6 +682,8 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
                          f"{sampler.total_size - sampler.num_samples} wrap-around copies, which would reach the batch "
                          "statistics; pass --drop-last.")
     strategy = get_builder(cfg.strategy)(model, tx, cfg, loss_fn)  # validates the strategy's own rules
+    if not objective.per_sample:
+        check_batch_divides(cfg, strategy, local_batch, replicas)
     ckpt = prepare_outputs(cfg, state, model, total_steps)
     position = {"loss_sum": 0.0, "count": 0.0}
     if ckpt is not None and cfg.resume:
@@ -664,12 +692,16 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
     # every check passed: from here on the run writes
     placed = strategy.init(state)
     eval_step = make_eval_step(objective)
-    writer = report.MetricsWriter(cfg.metrics_out if main_process else None)
+    writer = report.MetricsWriter(cfg.metrics_out if main_process else None, append=cfg.resume)
     log = print if main_process and not cfg.quiet else (lambda *a, **k: None)
     step, epoch = int(state.step), sampler.epoch
     log(f"jaxpar: {cfg.strategy} on {strategy.describe()}; model {cfg.model} "
         f"({sum(a.size for a in jax.tree.leaves(state.params)):,} params); {len(train_set)} training samples"
         + (f"; resumed from step {step} (epoch {epoch}) in {cfg.checkpoint_dir}" if cfg.resume else ""))
+    del state  # the strategy holds the weights now; this copy's optimizer state would sit on device 0 all run
+    if cfg.epochs is not None and cfg.steps is not None and main_process:
+        print(f"jaxpar: note: --steps {cfg.steps} sets the run's length, not --epochs {cfg.epochs} (as Hugging Face's "
+              "max_steps overrides num_train_epochs).", file=sys.stderr)
     for note in ckpt.notes if ckpt is not None and main_process else ():
         print(f"jaxpar: note: resuming with a changed setting ({note}); the run will not match the original.")
     writer.write({"event": "start", "strategy": cfg.strategy, "model": cfg.model, "devices": devices_used(strategy),
@@ -738,7 +770,8 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
                         "train_loss": loss_sum / count if count else float("nan")}
                 if stopped:
                     break
-                epoch_done = len(loader) == 0  # else --steps ended the run mid-epoch
+                rest = len(sampler) - sampler.offset  # this rank's samples not yet trained on this epoch
+                epoch_done = (rest // local_batch if cfg.drop_last else rest) == 0  # else --steps ended it mid-epoch
                 if eval_set is not None:  # a strategy with evaluate() runs it where its weights are (pipeline)
                     on = getattr(strategy, "evaluate", None)
                     last.update(evaluate(eval_step, strategy.unplace(placed), eval_set, cfg.eval_batch_size,
@@ -752,6 +785,9 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
                     epoch, loss_sum, count = epoch + 1, 0.0, 0.0
             if ckpt is not None and not stopped and ckpt.saved_step != step:
                 save()  # the end of the run is always saved
+        if cfg.report:  # measured before train.py's own copy of the weights (unplace) is made
+            strategy_report = strategy.report(placed)
+            memory_rows = report.memory_rows(strategy_report, local_devices_used(strategy))
         final = strategy.unplace(placed)
         summary = {"strategy": cfg.strategy, "model": cfg.model, "devices": devices_used(strategy), "processes": nproc,
                    "precision": cfg.precision, "describe": strategy.describe(), "steps": step,
@@ -759,6 +795,8 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
                    **{k: v for k, v in last.items() if k not in ("epoch", "step")}, **clock.total(),
                    "resumed_from": start_step if cfg.resume else None, "stopped": stopped,
                    **({"skipped_steps": skipped} if scaler is not None else {})}
+        if shared:  # evaluation partly measured training samples: the summary line and --metrics-out say so
+            summary["eval_overlaps_train"] = shared
         summary.update(lm_summary(cfg, model, train_set, summary, devices_used(strategy)))
         if cfg.sample and not stopped:
             summary["sample"] = sample_text(cfg, model, final)
@@ -771,8 +809,7 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
                 print(f"jaxpar: {stopped} at step {step}: checkpoint saved in {cfg.checkpoint_dir}; "
                       "continue with the same command plus --resume.")
         if cfg.report:
-            summary["report"] = strategy.report(placed)
-            summary["memory"] = report.memory_rows(summary["report"], local_devices_used(strategy))
+            summary["report"], summary["memory"] = strategy_report, memory_rows
             summary.update(report.memory_fields(summary["report"]))  # held bytes (ZeRO) in the summary record
             if main_process:
                 print(report.table(summary, summary["report"], summary["memory"]))
@@ -788,6 +825,79 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
         print(summary_line(summary))
     summary["state"] = final
     return summary
+
+
+def check_batch_divides(cfg: Config, strategy, local_batch: int, replicas: int) -> None:
+    """A loss that sees whole shards (BatchNorm, --per-sample off) takes no padding rows: refuse a --batch-size
+    whose share per process the strategy's devices (x micro-steps) do not divide, which --drop-last cannot fix."""
+    if getattr(strategy, "D", None) and getattr(strategy, "micro_batches", None):  # the pipeline: replicas x micro
+        multiple = strategy.D * strategy.micro_batches
+        what = f"{strategy.D} data replicas x --micro-batches {strategy.micro_batches} = {multiple}"
+    elif getattr(strategy, "multiple", None):
+        multiple, accum = strategy.multiple, getattr(strategy, "grad_accum", 1)
+        what = f"the {multiple} devices" if accum == 1 else f"{multiple // accum} devices x --grad-accum {accum} = " \
+            f"{multiple}"
+    else:
+        return
+    if local_batch % multiple == 0:
+        return
+    step = multiple * replicas
+    lower, upper = cfg.batch_size // step * step, (cfg.batch_size // step + 1) * step
+    near = f"{lower} or {upper}" if lower else f"{upper}"
+    per = f" ({local_batch} per process)" if replicas > 1 else ""
+    raise ValueError(f"--batch-size {cfg.batch_size}{per} does not divide over {what}: the padding "
+                     "rows would reach a loss that sees whole shards (BatchNorm, or --per-sample off), which "
+                     f"--drop-last cannot help; pass --batch-size {near}.")
+
+
+def split_ranges(spec: str, dataset: str, count: Callable[[str], int], names: set[str]) -> dict[str, set[int]]:
+    """{split name: the sample indices `spec` takes from it}, for the named splits in `names` only."""
+    from tensorflow_datasets.core import splits as tfds_splits
+    from types import SimpleNamespace
+
+    from jaxpar.data import text
+
+    out: dict[str, set[int]] = {}
+    for part in spec.split("+"):
+        name = part.split("[")[0].strip()
+        if name not in names:
+            continue
+        if dataset == "text":
+            _, lo, hi = text.parse_split(part, {s: count(s) for s in ("train", "test")})
+        else:
+            info = {name: SimpleNamespace(num_examples=count(name), shard_lengths=[count(name)])}
+            (a,) = tfds_splits.ReadInstruction.from_spec(part.strip()).to_absolute(info)
+            lo, hi = a.from_ or 0, count(name) if a.to is None else a.to
+        out.setdefault(name, set()).update(range(lo, hi))
+    return out
+
+
+def split_overlap(train: str, evals: str, dataset: str, known: dict[str, int], load: Callable) -> int:
+    """How many samples the eval split `evals` shares with the train split `train` of the same dataset (the same
+    split name with overlapping ranges, e.g. 'test[:8000]' and 'test'). `known`: sizes of splits already loaded,
+    by name; any other named split is loaded to count it."""
+    names = lambda spec: {p.split("[")[0].strip() for p in spec.split("+")}  # noqa: E731
+    shared = names(train) & names(evals)
+    if not shared:
+        return 0
+    count = functools.cache(lambda s: known[s] if s in known else len(load(s)))
+    a, b = split_ranges(train, dataset, count, shared), split_ranges(evals, dataset, count, shared)
+    return sum(len(a[s] & b[s]) for s in shared if s in a and s in b)
+
+
+def overlap_warning(train: str, evals: str, shared: int, dataset: str, n_train: int) -> str:
+    """The one line that says evaluation runs partly on training samples, and how to split them apart."""
+    fix = "a slice disjoint from the training samples"
+    plain = train.strip().split("[")[0]
+    if "+" not in train and plain == evals.strip():  # e.g. train 'test[:8000]', eval 'test'
+        lo_hi = train.strip()[len(plain):].strip("[]").split(":")
+        if len(lo_hi) == 2 and lo_hi[0] in ("", "0") and lo_hi[1]:
+            fix = f"--eval-split '{plain}[{lo_hi[1]}:]'"
+        elif len(lo_hi) == 2 and lo_hi[0] and not lo_hi[1]:
+            fix = f"--eval-split '{plain}[:{lo_hi[0]}]'"
+    return (f"jaxpar: warning: --eval-split {evals!r} shares {shared:,} samples with --train-split {train!r} "
+            f"(--dataset {dataset}, {n_train:,} training samples): evaluation partly measures training data; "
+            f"pass {fix}, or --eval-split '' to skip evaluation.")
 
 
 def sampler_state(saved: dict, sampler) -> dict:

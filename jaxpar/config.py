@@ -38,6 +38,7 @@ class Config:
     optimizer: str = "adadelta"  # sgd | adam | adamw | adadelta (PyTorch defaults)
     lr: float | None = None  # None: the optimizer's default (sgd 0.01, adam/adamw 1e-3, adadelta 1.0)
     momentum: float = 0.0  # sgd only (torch.optim.SGD's default 0)
+    nesterov: bool = False  # sgd only: Nesterov momentum, as torch.optim.SGD(nesterov=True); needs --momentum > 0
     weight_decay: float | None = None  # None: torch's default (0, adamw 0.01)
     weight_decay_params: str = "all"  # all: every parameter (torch.optim) | matrices: 2+ dims only (nanoGPT's, Megatron's)
     gamma: float = 0.7  # StepLR(step_size=1 epoch, gamma) as in PyTorch's MNIST example; 1.0 = constant
@@ -46,7 +47,7 @@ class Config:
     lr_decay_steps: int | None = None  # cosine: the step the decay reaches --min-lr (default: the run's last)
     min_lr: float | None = None  # cosine: the floor (default: --lr / 10, as nanoGPT)
     grad_clip: float = 0.0  # max global gradient norm (torch's clip_grad_norm_, DeepSpeed's gradient_clipping); 0: off
-    seed: int = 0  # parameters, dropout and shuffling all derive from it
+    seed: int = 0  # parameters, dropout, shuffling, the synthetic dataset's samples and the text windows derive from it
     shuffle: bool = True  # DistributedSampler(shuffle=...)
     drop_last: bool = False  # drop the last, smaller batch (otherwise it is padded and masked)
     precision: str = "fp32"  # fp32 | bf16 | fp16: the compute dtype (master weights and optimizer state stay fp32); fp16 scales the loss (DeepSpeed's fp16)

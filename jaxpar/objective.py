@@ -381,10 +381,11 @@ class Objective:
 
     def check_rows_apart(self, params: nnx.State, model_state: nnx.State, rows: Rows, count: int = 3) -> None:
         """ValueError when per_sample=True came by default and the mean loss (loss sum / weight sum) over the first
-        `count` rows, in eval mode, differs run row by row from run on the rows together (to 1e-4 of it; 2e-2 in
-        16-bit compute): a loss or model that mixes rows (in-batch negatives, batch statistics of its own) would see
-        one row at a time and train something else without a word. Not checked: jaxpar's own models under its own
-        losses, and a model that draws random numbers in eval mode (the rows' draws would differ anyway)."""
+        `count` rows differs run row by row from run on the rows together (to 1e-4 of it; 2e-2 in 16-bit compute),
+        in eval mode, then in training mode: a loss or model that mixes rows (in-batch negatives, batch statistics
+        of its own, in training only too) would see one row at a time and train something else without a word.
+        Not checked: jaxpar's own models under its own losses, and a mode in which the model draws random numbers
+        (dropout in training: the rows' draws would differ anyway)."""
         if not (self.per_sample and self.per_sample_default) or self._own():
             return
         mask = np.asarray(rows.mask)
@@ -392,24 +393,36 @@ class Objective:
         if len(real) < 2:
             return
         head = jax.tree.map(lambda a: np.asarray(a)[real], rows)
-        model = nnx.merge(self.eval_graphdef, cast_floating(params, self.compute_dtype), _fresh(model_state))
-        counts = lambda: [np.asarray(c) for c in jax.tree.leaves(nnx.state(model, nnx.RngCount))]  # noqa: E731
-        before = counts()
-        out = self._call_loss(model, head.data, "loss_fn")  # the rows together, as per_sample=False runs them
-        if any(not np.array_equal(a, b) for a, b in zip(before, counts())):
-            return  # random draws in eval mode: row by row they are other draws, so the two cannot be compared
-        together = float(out.loss) / float(out.weight)  # the mean, what the strategies train
-        apart = self.sums(params, model_state, head, train=False)[0]
-        apart = float(apart.loss) / float(apart.weight)
-        low = self.compute_dtype is not None and jnp.finfo(self.compute_dtype).bits < 32
-        if abs(apart - together) > (2e-2 if low else 1e-4) * max(abs(apart), abs(together), 1e-12):
-            name = self.eval_graphdef.nodes[0].type.__name__
-            raise ValueError(f"the mean loss of {name} over the first batch's first {len(real)} rows is {apart:.6g} "
-                             f"run row by row (per_sample=True, the default) but {together:.6g} on the rows together "
-                             "(eval mode): the loss or the model mixes rows (in-batch negatives, batch statistics of "
-                             "its own), which per_sample=True would train on one row at a time; pass per_sample=False "
-                             "(--per-sample off: each device's shard whole, as torch DDP's replicas see it), or "
-                             "per_sample=True to keep the rows apart.")
+
+        def run_together(params, model_state, data, graphdef):  # compiled: eagerly, op by op, it took seconds
+            model = nnx.merge(graphdef, cast_floating(params, self.compute_dtype), _fresh(model_state))
+            counts = lambda: jax.tree.leaves(nnx.state(model, nnx.RngCount))  # noqa: E731
+            before = counts()
+            out = self._call_loss(model, data, "loss_fn")  # the rows together, as per_sample=False runs them
+            return (out.loss, out.weight), before, counts()  # traced only, to see whether the forward draws
+
+        run_apart = jax.jit(lambda params, model_state, rows, train: self.sums(params, model_state, rows,
+                                                                               train=train)[0], static_argnums=3)
+        for graphdef, train in ((self.eval_graphdef, False), (self.graphdef, True)):
+            traced = jax.jit(run_together, static_argnums=3).trace(params, model_state, head.data, graphdef)
+            outs = traced.jaxpr.jaxpr.outvars
+            n = (len(outs) - 2) // 2  # the RNG counts before and after: a count the forward advanced is a new value
+            if any(a is not b for a, b in zip(outs[2:2 + n], outs[2 + n:])):
+                continue  # random draws: row by row they are other draws, so the two cannot be compared
+            sums = traced.lower().compile()(params, model_state, head.data)[0]
+            one_by_one = run_apart(params, model_state, head, train)
+            together = float(sums[0]) / float(sums[1])  # the mean, what the strategies train
+            apart = float(one_by_one.loss) / float(one_by_one.weight)
+            low = self.compute_dtype is not None and jnp.finfo(self.compute_dtype).bits < 32
+            if abs(apart - together) > (2e-2 if low else 1e-4) * max(abs(apart), abs(together), 1e-12):
+                name = self.eval_graphdef.nodes[0].type.__name__
+                mode = "training mode" if train else "eval mode"
+                raise ValueError(f"the mean loss of {name} over the first batch's first {len(real)} rows is "
+                                 f"{apart:.6g} run row by row (per_sample=True, the default) but {together:.6g} on the "
+                                 f"rows together ({mode}): the loss or the model mixes rows (in-batch negatives, batch "
+                                 "statistics of its own), which per_sample=True would train on one row at a time; "
+                                 "pass per_sample=False (--per-sample off: each device's shard whole, as torch DDP's "
+                                 "replicas see it), or per_sample=True to keep the rows apart.")
 
     def _own(self) -> bool:
         """Whether the model is one of jaxpar's and the loss jaxpar's own (or its default)."""

@@ -14,8 +14,10 @@ LR_SCHEDULES = ("step", "cosine")  # torch's StepLR (per epoch, gamma); nanoGPT'
 
 
 def make_optimizer(name: str, lr: float | optax.Schedule, momentum: float = 0.0,
-                   weight_decay: float | None = None, decay_params: str = "all") -> optax.GradientTransformation:
-    """torch.optim's SGD (momentum 0 unless given), Adam, AdamW (weight_decay 0.01) and Adadelta (rho 0.9, eps 1e-6).
+                   weight_decay: float | None = None, decay_params: str = "all",
+                   nesterov: bool = False) -> optax.GradientTransformation:
+    """torch.optim's SGD (momentum 0 unless given; `nesterov` as torch's, which needs a momentum), Adam, AdamW
+    (weight_decay 0.01) and Adadelta (rho 0.9, eps 1e-6).
     `decay_params` "matrices": the decay only on parameters of 2+ dimensions (weights, embeddings), none on biases
     and LayerNorm/BatchNorm scales, as nanoGPT's configure_optimizers and Megatron's param groups do."""
     if decay_params not in DECAY_PARAMS:
@@ -23,8 +25,11 @@ def make_optimizer(name: str, lr: float | optax.Schedule, momentum: float = 0.0,
                          "or 'matrices' (nanoGPT's and Megatron's: no decay on biases and norms).")
     matrices = decay_params == "matrices"
     decay = add_decayed_weights_to_matrices if matrices else optax.add_decayed_weights
-    if name == "sgd":
-        tx = optax.sgd(lr, momentum=momentum or None)
+    if nesterov and not (name == "sgd" and momentum > 0):
+        raise ValueError(f"nesterov=True needs SGD with a momentum > 0 (torch.optim.SGD's rule), not "
+                         f"optimizer={name!r} with momentum={momentum}; pass a momentum, or drop nesterov.")
+    if name == "sgd":  # optax's trace is torch's buffer (dampening 0): b = m b + g; nesterov steps by g + m b
+        tx = optax.sgd(lr, momentum=momentum or None, nesterov=nesterov)
         return optax.chain(decay(weight_decay), tx) if weight_decay else tx
     if name == "adam":
         tx = optax.adam(lr, b1=0.9, b2=0.999, eps=1e-8)

@@ -289,7 +289,7 @@ def worker(out: str) -> None:
                         virtual_stages=2 if schedule == "interleaved" else 1, tensor_parallel=2,
                         sequence_parallel=schedule.endswith("-sp"), mesh=pipeline_mesh(None, 2, 2),
                         compiler_options=FAST, zero_stage=int(schedule.endswith("-sp")))
-        placed = pipe.init(reference()[0])
+        placed = pipe.init(jaxpar.init_state(model(), TX))  # reference()'s initial state, without its steps
         for _ in range(STEPS):
             placed, metrics = pipe.step(placed, pipe.put_batch(batch()))
         print(f"process {rank}/{jax.process_count()} {schedule}: {pipe.describe()}", flush=True)

@@ -167,7 +167,8 @@ def test_resume_under_another_strategy(npz, uninterrupted, tmp_path):
 def test_resume_to_more_steps_keeps_the_cosine_schedule_only_when_told(npz, tmp_path, capsys):
     """The cosine schedule decays to the run's last step unless --lr-decay-steps is given, so a run of 3 steps
     resumed to 5 trained on another schedule: the note says so and how to keep it; with --lr-decay-steps 5 from the
-    start, 3 steps resumed to 5 are bit-identical to 5 uninterrupted steps."""
+    start, 3 steps resumed to 5 are bit-identical to 5 uninterrupted steps. Resumed once more, the finished run
+    says it has nothing left to train."""
     cosine = dict(lr_schedule="cosine", warmup_steps=1, gamma=Config().gamma, log_every=1)
     whole = trainer.run(config(npz, steps=5, lr_decay_steps=5, **cosine))["state"]
     for decay, note in ((None, True), (5, False)):
@@ -180,6 +181,10 @@ def test_resume_to_more_steps_keeps_the_cosine_schedule_only_when_told(npz, tmp_
         assert ("the cosine schedule decayed to step 3, now 5" in printed and "--lr-decay-steps 3" in printed) == note
         same = all(np.array_equal(a, b) for a, b in zip(leaves(resumed), leaves(whole)))
         assert same != note, f"--lr-decay-steps {decay}"  # the note's run trained another schedule
+    again = trainer.run(config(npz, steps=5, lr_decay_steps=5, checkpoint_dir=ckpt, resume=True, **cosine))
+    assert "the checkpoint is at step 5, and this run ends at step 5: nothing is left to train; raise --steps" in \
+        capsys.readouterr().err  # a finished run resumed said nothing
+    assert again["steps"] == 5 and all(np.array_equal(a, b) for a, b in zip(leaves(again["state"]), leaves(whole)))
 
 
 def test_resume_refuses_another_head_count_and_names_the_flags_that_change_the_state(npz, tmp_path):

@@ -627,3 +627,40 @@ def test_a_loss_that_mixes_rows_is_refused_when_per_sample_was_left_at_its_defau
                                              r"run row by row \(per_sample=True, the default\) but [0-9.]+ on the "
                                              r"rows together .* pass per_sample=False"):
             first_loss(strategy)
+
+
+class TrainCentering(nnx.Module):
+    """Centres its features by the batch's mean in training mode only (a batch statistic of its own, no BatchNorm):
+    one row at a time it outputs zeros."""
+
+    def __init__(self):
+        self.linear = nnx.Linear(6, 4, rngs=nnx.Rngs(0))
+        self.deterministic = False  # nnx's eval() sets it, as on Dropout
+
+    def __call__(self, x):
+        h = self.linear(x)
+        return h if self.deterministic else h - h.mean(0)
+
+
+def test_a_model_that_mixes_rows_in_training_mode_only_is_refused_too():
+    """The rows check runs in training mode too where the model draws nothing random there: a model centring by
+    the batch mean in training only passed the eval-mode check and trained on zeros under per_sample=True."""
+    loss = OutputLoss(lambda out, batch: (jnp.sum((out - batch["y"]) ** 2), jnp.float32(out.shape[0])))
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(8, 6)).astype(np.float32), "y": rng.normal(size=(8, 4)).astype(np.float32)}
+    state = jaxpar.init_state(TrainCentering(), TX)
+
+    def first_step(strategy):
+        placed = strategy.init(state)
+        placed, metrics = strategy.step(placed, strategy.put_batch(batch))
+        return float(metrics["loss"]), strategy.unplace(placed)
+
+    loss_apart, after = first_step(jaxpar.SingleDevice(TrainCentering(), TX, loss_fn=loss, per_sample=True))
+    assert loss_apart == pytest.approx(float(np.sum(batch["y"] ** 2)) / 8, rel=1e-6)  # the outputs were zeros
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(after.params), jax.tree.leaves(state.params)))
+    assert first_step(jaxpar.SingleDevice(TrainCentering(), TX, loss_fn=loss, per_sample=False))[0] != loss_apart
+    for strategy in (jaxpar.SingleDevice(TrainCentering(), TX, loss_fn=loss),
+                     jaxpar.DistributedDataParallel(TrainCentering(), TX, loss_fn=loss)):
+        with pytest.raises(ValueError, match=r"the mean loss of TrainCentering .* but [0-9.]+ on the rows together "
+                                             r"\(training mode\)"):
+            first_step(strategy)

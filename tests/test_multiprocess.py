@@ -170,29 +170,34 @@ def test_two_processes_equal_one_process_and_one_device(tmp_path, monkeypatch):
     from jaxpar.mesh import make_mesh
 
     proc = launch(__file__, "train", str(tmp_path / "params"))  # both front ends, one launch
-    ref = reference_leaves()  # meanwhile, in this process
+    # meanwhile, in this process: every single-process result the two processes' are compared with
+    ref = reference_leaves()
     init = [np.asarray(a) for a in jax.tree.leaves(problem()[2].params)]
     assert max(np.abs(a - b).max() for a, b in zip(ref, init)) > 1e-2  # training moves the parameters
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out
-    assert "[rank 0] " in out and "[rank 1] " in out and "process 1/2 devices=4" in out, out
     from test_contract import reference
 
-    for name in CONTRACT:  # the user's models: 2 processes x 2 devices == the single step (test_contract's)
-        ref_params = [np.asarray(a) for a in jax.tree.leaves(reference(name)[0].params)]
-        ranks = [np.load(tmp_path / f"params.{name}.rank{r}.npz") for r in range(2)]
-        for i, want in enumerate(ref_params):
-            np.testing.assert_array_equal(ranks[0][f"arr_{i}"], ranks[1][f"arr_{i}"])
-            np.testing.assert_allclose(ranks[0][f"arr_{i}"], want, rtol=1e-5, atol=1e-6, err_msg=name)
+    contract = {name: [np.asarray(a) for a in jax.tree.leaves(reference(name)[0].params)] for name in CONTRACT}
     from jaxpar.comm import collectives
     from test_zero import reference as zero_reference
 
     ref_state = zero_reference("gpt")[0]  # the single step (its own asserts: dropout on, the weights move)
     want = [np.asarray(a) for a in jax.tree.leaves(ref_state.params) + jax.tree.leaves(ref_state.opt_state)]
     monkeypatch.setattr(collectives, "native_reduce_scatter_is_safe", lambda *a: False)
+    # ZeRO on this process's 4 devices fed the same rows on the ring as the two processes
+    zero_here = {stage: run_zero(stage, make_mesh(4), 0, 1, rows=np.r_[0:11:2, 1:11:2]) for stage in ZERO_STAGES}
+    four = {spmd: run_ddp(make_mesh(4), scaled=True) if spmd == "scaled" else run_ddp(make_mesh(4), spmd=spmd)
+            for spmd in (*SPMD, "scaled")}  # "scaled": a loss scaler's seed, one for the 4 devices of both processes
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    assert "[rank 0] " in out and "[rank 1] " in out and "process 1/2 devices=4" in out, out
+    for name in CONTRACT:  # the user's models: 2 processes x 2 devices == the single step (test_contract's)
+        ranks = [np.load(tmp_path / f"params.{name}.rank{r}.npz") for r in range(2)]
+        for i, w in enumerate(contract[name]):
+            np.testing.assert_array_equal(ranks[0][f"arr_{i}"], ranks[1][f"arr_{i}"])
+            np.testing.assert_allclose(ranks[0][f"arr_{i}"], w, rtol=1e-5, atol=1e-6, err_msg=name)
     for stage in ZERO_STAGES:  # ZeRO across 2 processes x 2 devices: bit for bit this process's 4 devices fed the
         ranks = [np.load(tmp_path / f"params.zero{stage}.rank{r}.npz") for r in range(2)]  # same rows on the ring
-        here = run_zero(stage, make_mesh(4), 0, 1, rows=np.r_[0:11:2, 1:11:2])
+        here = zero_here[stage]
         for i, w in enumerate(want):  # and the single step, to Adam's rounding of another summation order
             np.testing.assert_array_equal(ranks[0][f"arr_{i}"], ranks[1][f"arr_{i}"])
             np.testing.assert_array_equal(ranks[0][f"arr_{i}"], here[i], err_msg=f"stage {stage}")
@@ -206,13 +211,12 @@ def test_two_processes_equal_one_process_and_one_device(tmp_path, monkeypatch):
     for i in range(len(ref)):
         for r in range(2):
             np.testing.assert_array_equal(resumed[r][f"arr_{i}"], straight[f"arr_{i}"])
-    for spmd in (*SPMD, "scaled"):  # "scaled": a loss scaler's seed, one for the 4 devices of both processes
-        four = run_ddp(make_mesh(4), scaled=True) if spmd == "scaled" else run_ddp(make_mesh(4), spmd=spmd)
+    for spmd in (*SPMD, "scaled"):
         ranks = [np.load(tmp_path / f"params.{spmd}.rank{r}.npz") for r in range(2)]
         two = [ranks[0][f"arr_{i}"] for i in range(len(ref))]
         for a, b in zip(two, [ranks[1][f"arr_{i}"] for i in range(len(ref))]):
             np.testing.assert_array_equal(a, b)  # both processes hold the same replica, bit for bit
-        for a, b, c in zip(two, four, ref):
+        for a, b, c in zip(two, four[spmd], ref):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
             np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-6)
 

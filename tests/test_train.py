@@ -123,6 +123,38 @@ def test_weight_decay_on_the_matrices_only_is_optaxs_masked_decay(name):
         make_optimizer(name, 1e-2, decay_params="some")
 
 
+def test_sgd_nesterov_is_torchs():
+    """make_optimizer("sgd", nesterov=True) against torch.optim.SGD's update, written out here from its documented
+    algorithm (weight decay into the gradient, buffer b = m b + g, the step along g + m b), and apart from plain
+    momentum; nesterov without a momentum is refused, as torch refuses it."""
+    import optax
+
+    from jaxpar.optim import make_optimizer
+
+    rng = np.random.default_rng(0)
+    p0 = {"w": rng.standard_normal((3, 4)).astype(np.float32), "b": rng.standard_normal(4).astype(np.float32)}
+    lr, m, wd = 0.1, 0.9, 0.01
+    grad = lambda p, k: jax.tree.map(lambda a: np.cos(a * (k + 1)).astype(np.float32), p)  # noqa: E731
+    runs = {}
+    for nesterov in (True, False):
+        tx, p = make_optimizer("sgd", lr, momentum=m, weight_decay=wd, nesterov=nesterov), p0
+        state = tx.init(p)
+        for k in range(4):
+            updates, state = tx.update(grad(p, k), state, p)
+            p = optax.apply_updates(p, updates)
+        runs[nesterov] = p
+    p, buf = {k: v.astype(np.float64) for k, v in p0.items()}, None  # torch's SGD, by its documented algorithm
+    for k in range(4):
+        g = {n: np.cos(p[n].astype(np.float32) * (k + 1)).astype(np.float64) + wd * p[n] for n in p}
+        buf = g if buf is None else {n: m * buf[n] + g[n] for n in p}
+        p = {n: p[n] - lr * (g[n] + m * buf[n]) for n in p}
+    for n in p:
+        np.testing.assert_allclose(runs[True][n], p[n], rtol=1e-5, atol=1e-6, err_msg=n)
+        assert np.abs(runs[False][n] - p[n]).max() > 1e-3, n  # plain momentum takes another path
+    with pytest.raises(ValueError, match="nesterov=True needs SGD with a momentum > 0.*momentum=0"):
+        make_optimizer("sgd", lr, nesterov=True)
+
+
 def test_warmup_cosine_is_nanogpts_get_lr():
     """jaxpar.optim.warmup_cosine against nanoGPT's get_lr (train.py), written out here from its definition."""
     import math

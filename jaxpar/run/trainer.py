@@ -108,6 +108,11 @@ def validate(cfg: Config) -> None:
             if heads % tp:
                 raise ValueError(f"--model {cfg.model} has {heads} heads, which --tensor-parallel {tp} does not split "
                                  f"evenly; use a --tensor-parallel dividing {heads} (or --n-head a multiple of {tp}).")
+    splits = cfg.strategy == "tp" or (cfg.strategy == "pipeline" and cfg.tensor_parallel > 1)
+    if splits and cfg.model in models.NAMES and cfg.model not in models.GPT_NAMES:  # before the data loads
+        raise ValueError(f"--model {cfg.model} has no module that tensor parallelism can split (none defines "
+                         f"tensor_layout()); use a GPT ({', '.join(models.GPT_NAMES[:3])}, ...) or a model of your own "
+                         f"built for it, or {'--strategy ddp' if cfg.strategy == 'tp' else '--tensor-parallel 1'}.")
     if cfg.torch_layout not in models.gpt.LAYOUTS:
         raise ValueError(f"--torch-layout {cfg.torch_layout!r} is not known; use hf (transformers' GPT2LMHeadModel) "
                          "or nanogpt.")
@@ -190,6 +195,9 @@ def validate(cfg: Config) -> None:
                          "or drop --weight-decay-params.")
     if not cfg.momentum >= 0:
         raise ValueError(f"--momentum {cfg.momentum} must be >= 0; pass 0 (torch's default) or a positive value.")
+    if cfg.nesterov and cfg.optimizer == "sgd" and not cfg.momentum > 0:
+        raise ValueError("--nesterov needs a momentum (torch.optim.SGD's rule), but --momentum is 0; pass e.g. "
+                         "--momentum 0.9, or drop --nesterov.")
     if cfg.weight_decay is not None and not cfg.weight_decay >= 0:
         raise ValueError(f"--weight-decay {cfg.weight_decay} must be >= 0 (torch.optim's rule); pass e.g. 0.1, or "
                          "leave it out for the optimizer's default.")
@@ -252,7 +260,8 @@ def check_flags_are_read(cfg: Config) -> None:
                (("data_path",), cfg.dataset in ("npz", "text"), f"--dataset {cfg.dataset} reads no file (npz and "
                                                                  "text do)"),
                (("gamma",), cfg.lr_schedule == "step", f"--lr-schedule {cfg.lr_schedule} is not StepLR's"),
-               (("momentum",), cfg.optimizer == "sgd", f"--optimizer {cfg.optimizer} has no momentum flag (SGD's)"),
+               (("momentum", "nesterov"), cfg.optimizer == "sgd",
+                f"--optimizer {cfg.optimizer} has no momentum flag (SGD's)"),
                (("checkpoint_keep",), bool(cfg.checkpoint_dir), "no --checkpoint-dir is given (nothing is saved)"),
                (("eval_batch_size",), cfg.eval_split != "", "--eval-split '' skips evaluation"),
                (("sample_temperature", "sample_top_k", "sample_prompt"), bool(cfg.sample),
@@ -556,8 +565,8 @@ def make_tx(cfg: Config, steps_per_epoch: int, total_steps: int | None = None) -
     from jaxpar.loss_scale import loss_scaling
 
     lr = learning_rate(cfg, steps_per_epoch, total_steps)
-    tx = make_optimizer(cfg.optimizer, lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
-                        decay_params=cfg.weight_decay_params)
+    tx = make_optimizer(cfg.optimizer, lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
+                        weight_decay=cfg.weight_decay, decay_params=cfg.weight_decay_params)
     tx = optax.chain(clip_by_global_norm(cfg.grad_clip), tx) if cfg.grad_clip else tx
     scaler = loss_scale_config(cfg)
     return tx if scaler is None else loss_scaling(tx, scaler)
@@ -704,6 +713,10 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
               "max_steps overrides num_train_epochs).", file=sys.stderr)
     for note in ckpt.notes if ckpt is not None and main_process else ():
         print(f"jaxpar: note: resuming with a changed setting ({note}); the run will not match the original.")
+    if cfg.resume and step >= total_steps and main_process:
+        print(f"jaxpar: note: the checkpoint is at step {step}, and this run ends at step {total_steps}: nothing is "
+              f"left to train; raise --steps or --epochs to train on.",
+              file=sys.stderr)
     writer.write({"event": "start", "strategy": cfg.strategy, "model": cfg.model, "devices": devices_used(strategy),
                   "processes": nproc, "describe": strategy.describe(), "step": step,
                   "config": dataclasses.asdict(cfg)})

@@ -394,21 +394,24 @@ class Objective:
             return
         head = jax.tree.map(lambda a: np.asarray(a)[real], rows)
 
-        def run_together(params, model_state, data, graphdef):  # compiled: eagerly, op by op, it took seconds
-            model = nnx.merge(graphdef, cast_floating(params, self.compute_dtype), _fresh(model_state))
-            counts = lambda: jax.tree.leaves(nnx.state(model, nnx.RngCount))  # noqa: E731
-            before = counts()
-            out = self._call_loss(model, data, "loss_fn")  # the rows together, as per_sample=False runs them
-            return (out.loss, out.weight), before, counts()  # traced only, to see whether the forward draws
-
         run_apart = jax.jit(lambda params, model_state, rows, train: self.sums(params, model_state, rows,
                                                                                train=train)[0], static_argnums=3)
         for graphdef, train in ((self.eval_graphdef, False), (self.graphdef, True)):
-            traced = jax.jit(run_together, static_argnums=3).trace(params, model_state, head.data, graphdef)
+            def run_together(params, model_state, data, graphdef=graphdef):  # compiled: op by op it took seconds
+                model = nnx.merge(graphdef, cast_floating(params, self.compute_dtype), _fresh(model_state))
+                counts = lambda: jax.tree.leaves(nnx.state(model, nnx.RngCount))  # noqa: E731
+                before = counts()
+                out = self._call_loss(model, data, "loss_fn")  # the rows together, as per_sample=False runs them
+                return (out.loss, out.weight), before, counts()
+
+            traced = jax.jit(run_together).trace(params, model_state, head.data)
             outs = traced.jaxpr.jaxpr.outvars
-            n = (len(outs) - 2) // 2  # the RNG counts before and after: a count the forward advanced is a new value
-            if any(a is not b for a, b in zip(outs[2:2 + n], outs[2 + n:])):
-                continue  # random draws: row by row they are other draws, so the two cannot be compared
+            n = (len(outs) - 2) // 2  # the RNG counts before and after: untouched, a count is its input as it came
+            if any(a is not b for a, b in zip(outs[2:2 + n], outs[2 + n:])):  # touched (drawn, or passed through
+                # nnx.remat or scan): their values decide, from a program that computes only them
+                before, after = jax.jit(lambda *a: run_together(*a)[1:])(params, model_state, head.data)
+                if any(not np.array_equal(a, b) for a, b in zip(before, after)):
+                    continue  # random draws: row by row they are other draws, so the two cannot be compared
             sums = traced.lower().compile()(params, model_state, head.data)[0]
             one_by_one = run_apart(params, model_state, head, train)
             together = float(sums[0]) / float(sums[1])  # the mean, what the strategies train
@@ -543,8 +546,10 @@ class Objective:
 
 
 def _fixed_leaves(model: nnx.Module) -> list:
-    """The raw values of every non-RNG variable (identity tells whether the forward replaced one)."""
-    state = nnx.state(model, nnx.Not(nnx.RngState))
+    """The raw values of every variable but the RNG state and the parameters (identity tells whether the forward
+    replaced one: a statistic or buffer of the model's own). Parameters are left out: nnx.remat and nnx.scan write
+    every variable they pass back as a new value, and no forward updates a weight."""
+    state = nnx.state(model, nnx.Not(nnx.Any(nnx.RngState, nnx.Param)))
     return [v.get_value() for v in jax.tree.leaves(state, is_leaf=_is_variable)]
 
 

@@ -664,3 +664,52 @@ def test_a_model_that_mixes_rows_in_training_mode_only_is_refused_too():
         with pytest.raises(ValueError, match=r"the mean loss of TrainCentering .* but [0-9.]+ on the rows together "
                                              r"\(training mode\)"):
             first_step(strategy)
+
+
+class DropBlock(nnx.Module):
+    def __init__(self, rate: float):
+        self.linear = nnx.Linear(6, 4, rngs=nnx.Rngs(0))
+        self.drop = nnx.Dropout(rate, rngs=nnx.Rngs(dropout=1))
+
+    def __call__(self, x):
+        return self.drop(self.linear(x))
+
+
+class Checkpointed(nnx.Module):
+    """A block called through nnx.remat (NNX's activation checkpointing), which passes back every variable it
+    carries (the weights, the dropout's RNG count) as a new value; `center` mixes rows by the batch mean. Its list
+    attribute makes its graphdef unhashable."""
+
+    def __init__(self, rate: float = 0.2, remat: bool = True, center: bool = False):
+        self.block, self.remat, self.center = DropBlock(rate), remat, center
+        self.sizes = [6, 4]  # a list attribute: the model's graphdef cannot be hashed (a jit static argument)
+
+    def __call__(self, x):
+        h = nnx.remat(lambda m, x: m(x))(self.block, x) if self.remat else self.block(x)
+        return h - h.mean(0) if self.center else h
+
+
+def test_a_model_using_nnx_remat_trains_per_sample_as_without_it():
+    """nnx.remat writes the weights it carries back as new values, which the per-sample step took for a forward
+    changing the model's state and refused; a remat'ed model now trains as its twin without remat (dropout on,
+    single and ddp), and one that mixes rows behind remat is still refused (its RNG count passes through remat
+    undrawn: the check reads the count's value, not that a new one came out)."""
+    loss = OutputLoss(lambda out, batch: (jnp.sum((out - batch["y"]) ** 2), jnp.float32(out.shape[0])))
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(8, 6)).astype(np.float32), "y": rng.normal(size=(8, 4)).astype(np.float32)}
+
+    def trained(strategy, model):
+        placed = strategy.init(jaxpar.init_state(model, TX))
+        for _ in range(2):
+            placed, _ = strategy.step(placed, strategy.put_batch(batch))
+        return leaves(strategy.unplace(placed).params)
+
+    want = trained(jaxpar.SingleDevice(Checkpointed(remat=False), TX, loss_fn=loss), Checkpointed(remat=False))
+    no_dropout = trained(jaxpar.SingleDevice(Checkpointed(0.0), TX, loss_fn=loss), Checkpointed(0.0))
+    assert max(np.abs(a - b).max() for a, b in zip(want, no_dropout)) > 1e-3  # the dropout draws
+    for make in (jaxpar.SingleDevice, jaxpar.DistributedDataParallel):
+        got = trained(make(Checkpointed(), TX, loss_fn=loss), Checkpointed())
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match=r"the mean loss of Checkpointed .* on the rows together \(eval mode\)"):
+        trained(jaxpar.SingleDevice(Checkpointed(0.0, center=True), TX, loss_fn=loss), Checkpointed(0.0, center=True))

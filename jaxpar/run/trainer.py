@@ -280,10 +280,16 @@ def check_flags_are_read(cfg: Config) -> None:
 
 
 def _npz_vectors(path: str | None) -> bool:
-    """Whether the .npz at `path` holds vectors x [N, F] (an unreadable file is left to the loader's error)."""
+    """Whether the .npz at `path` holds vectors x [N, F], read from x's header alone (an unreadable file is left to
+    the loader's error)."""
+    import zipfile
+
     try:
-        with np.load(path) as f:
-            return f["x"].ndim == 2
+        with zipfile.ZipFile(path) as z, z.open("x.npy") as f:
+            version = np.lib.format.read_magic(f)
+            shape = (np.lib.format.read_array_header_1_0 if version == (1, 0) else
+                     np.lib.format.read_array_header_2_0)(f)[0]
+            return len(shape) == 2
     except Exception:  # noqa: BLE001  (missing, corrupt, no x: the loader names it)
         return False
 
@@ -715,8 +721,7 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
         print(f"jaxpar: note: resuming with a changed setting ({note}); the run will not match the original.")
     if cfg.resume and step >= total_steps and main_process:
         print(f"jaxpar: note: the checkpoint is at step {step}, and this run ends at step {total_steps}: nothing is "
-              f"left to train; raise --steps or --epochs to train on.",
-              file=sys.stderr)
+              "left to train; raise --steps or --epochs to train on.", file=sys.stderr)
     writer.write({"event": "start", "strategy": cfg.strategy, "model": cfg.model, "devices": devices_used(strategy),
                   "processes": nproc, "describe": strategy.describe(), "step": step,
                   "config": dataclasses.asdict(cfg)})
@@ -863,14 +868,15 @@ def check_batch_divides(cfg: Config, strategy, local_batch: int, replicas: int) 
                      f"--drop-last cannot help; pass --batch-size {near}.")
 
 
-def split_ranges(spec: str, dataset: str, count: Callable[[str], int], names: set[str]) -> dict[str, set[int]]:
-    """{split name: the sample indices `spec` takes from it}, for the named splits in `names` only."""
+def split_ranges(spec: str, dataset: str, count: Callable[[str], int], names: set[str]) -> dict[str, list]:
+    """{split name: the sample index ranges [lo, hi) `spec` takes from it, merged and sorted}, for the named splits
+    in `names` only (ranges, not index sets: a text corpus has as many windows as bytes / --seq-len)."""
     from tensorflow_datasets.core import splits as tfds_splits
     from types import SimpleNamespace
 
     from jaxpar.data import text
 
-    out: dict[str, set[int]] = {}
+    out: dict[str, list] = {}
     for part in spec.split("+"):
         name = part.split("[")[0].strip()
         if name not in names:
@@ -881,7 +887,15 @@ def split_ranges(spec: str, dataset: str, count: Callable[[str], int], names: se
             info = {name: SimpleNamespace(num_examples=count(name), shard_lengths=[count(name)])}
             (a,) = tfds_splits.ReadInstruction.from_spec(part.strip()).to_absolute(info)
             lo, hi = a.from_ or 0, count(name) if a.to is None else a.to
-        out.setdefault(name, set()).update(range(lo, hi))
+        out.setdefault(name, []).append((lo, hi))
+    for name, ranges in out.items():  # merged: parts of one spec may overlap ('test[:8]+test[4:]')
+        merged: list = []
+        for lo, hi in sorted(r for r in ranges if r[1] > r[0]):
+            if merged and lo <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+            else:
+                merged.append((lo, hi))
+        out[name] = merged
     return out
 
 
@@ -895,7 +909,8 @@ def split_overlap(train: str, evals: str, dataset: str, known: dict[str, int], l
         return 0
     count = functools.cache(lambda s: known[s] if s in known else len(load(s)))
     a, b = split_ranges(train, dataset, count, shared), split_ranges(evals, dataset, count, shared)
-    return sum(len(a[s] & b[s]) for s in shared if s in a and s in b)
+    return sum(max(0, min(hi, bhi) - max(lo, blo)) for s in shared for lo, hi in a.get(s, ())
+               for blo, bhi in b.get(s, ()))
 
 
 def overlap_warning(train: str, evals: str, shared: int, dataset: str, n_train: int) -> str:

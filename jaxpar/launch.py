@@ -14,7 +14,9 @@ its last checkpoint) only when the script's --checkpoint-dir got a newer checkpo
 that held an earlier run's checkpoints is never continued unasked. Exit status 2 (a usage error: argparse's, or
 train.py's one-line refusals) is not restarted, since every attempt would repeat it. SIGINT / SIGTERM to the launcher
 stop every process the same way; on Linux the processes also get SIGTERM when the launcher dies (even of SIGKILL).
-A --master-port already in use on this node is refused in one line before any process starts.
+A --master-port already in use on this node is refused in one line before any process starts. A rank that JAX
+aborts because not every process joined in time (its C++ fatal log, DEADLINE_EXCEEDED on RegisterTask) gets one line
+at the end that says which nodes to start.
 """
 from __future__ import annotations
 
@@ -155,9 +157,16 @@ def _parent_death_signal():
     return set_signal
 
 
-def _relay(stream, out, prefix: bytes, lock: threading.Lock) -> None:
-    """Copy `stream` to `out` line by line, each line prefixed (the rank)."""
+# JAX's fatal log when a process gives up waiting for the others at jax.distributed.initialize (C++ aborts the
+# process, so jaxpar.run.distributed cannot turn it into a Python error): both markers, on two lines
+JOIN_TIMED_OUT = (b"DEADLINE_EXCEEDED", b"CoordinationService/RegisterTask")
+
+
+def _relay(stream, out, prefix: bytes, lock: threading.Lock, seen: set[bytes]) -> None:
+    """Copy `stream` to `out` line by line, each line prefixed (the rank); `seen` collects the JOIN_TIMED_OUT
+    markers met."""
     for line in iter(stream.readline, b""):
+        seen.update(m for m in JOIN_TIMED_OUT if m in line)
         with lock:
             out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
             out.flush()
@@ -170,6 +179,7 @@ class Group:
     def __init__(self, args: argparse.Namespace, restart: int, at_start: int | None = None):
         self.procs: list[subprocess.Popen] = []
         self.threads: list[threading.Thread] = []
+        self.seen: list[set[bytes]] = [set() for _ in range(args.nproc_per_node)]  # per local rank, JOIN_TIMED_OUT's
         lock = threading.Lock()
         cmd, on_start = command(args, restart, at_start), _parent_death_signal()
         prefixes = []
@@ -179,9 +189,9 @@ class Group:
             self.procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                                preexec_fn=on_start, start_new_session=True))  # its own group
             prefixes.append(f"[rank {env['RANK']}] ".encode())
-        for proc, prefix in zip(self.procs, prefixes):
+        for proc, prefix, seen in zip(self.procs, prefixes, self.seen):
             for stream, out in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
-                t = threading.Thread(target=_relay, args=(stream, out, prefix, lock), daemon=True)
+                t = threading.Thread(target=_relay, args=(stream, out, prefix, lock, seen), daemon=True)
                 t.start()
                 self.threads.append(t)
 
@@ -208,6 +218,10 @@ class Group:
         for t in self.threads:
             t.join(timeout=1.0)
 
+    def join_timed_out(self) -> bool:
+        """Whether a process was aborted by JAX for waiting too long for the others to join (after stop())."""
+        return any(seen == set(JOIN_TIMED_OUT) for seen in self.seen)
+
     def _signal(self, sig: int) -> None:
         for p in self.procs:
             if p.poll() is None:
@@ -219,6 +233,18 @@ class Group:
 
 def _status(code: int) -> int:
     return 128 - code if code < 0 else code  # killed by signal s: 128 + s, as a shell reports it
+
+
+def join_timeout_message(args: argparse.Namespace) -> str:
+    """The one line for a group JAX aborted because not every process joined in time."""
+    from jaxpar.run.distributed import JOIN_TIMEOUT
+
+    timeout = os.environ.get("JAXPAR_JOIN_TIMEOUT") or JOIN_TIMEOUT
+    world = args.nnodes * args.nproc_per_node
+    return (f"jaxpar.launch: not every one of the {world} processes joined at {args.master_addr}:{args.master_port} "
+            f"within {timeout} s (JAXPAR_JOIN_TIMEOUT), so JAX aborted this node's; start every node (--nnodes "
+            f"{args.nnodes}, each --node-rank once) with the same --master-addr and --master-port, or raise "
+            "JAXPAR_JOIN_TIMEOUT.")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -259,6 +285,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"jaxpar.launch: a process failed with status {code}; "
                   + (f"restarting all {args.nproc_per_node} ({left} restarts left)" if left else "stopped all"),
                   file=sys.stderr, flush=True)
+            if group.join_timed_out():
+                print(join_timeout_message(args), file=sys.stderr, flush=True)
         return code
     finally:
         for s, h in previous.items():

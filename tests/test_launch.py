@@ -1,6 +1,7 @@
 """jaxpar.launch on tiny scripts (no JAX in the ranks, seconds each): a restart resumes only a checkpoint this launch
-wrote, a usage error (exit status 2) is not restarted, the ranks die with a SIGKILLed launcher, and a --master-port
-in use is refused in one line before anything starts. Launches that train: tests/test_multiprocess.py."""
+wrote, a usage error (exit status 2) is not restarted, the ranks die with a SIGKILLed launcher, a --master-port
+in use is refused in one line before anything starts, and a node left waiting for one that never comes is told so
+in one line (the one test whose ranks import JAX). Launches that train: tests/test_multiprocess.py."""
 from __future__ import annotations
 
 import os
@@ -122,3 +123,21 @@ def test_master_port_in_use_is_refused_in_one_line(tmp_path):
     assert multi.returncode == 2 and not ran.exists(), multi.stdout + multi.stderr
     assert multi.stderr == (f"jaxpar.launch: error: --master-port {port} is in use on 127.0.0.1; pick another port or "
                             "pass the same one to every node.\n")
+
+
+def test_a_node_whose_peers_never_join_ends_with_one_line_that_says_so(tmp_path):
+    """Node 0 of 2, the other never started: JAX aborts the rank in C++ after JAXPAR_JOIN_TIMEOUT (no Python error
+    can be raised), and the launcher's last line names the wait, the address and what to start."""
+    script = tmp_path / "join.py"
+    script.write_text("from jaxpar.run.distributed import initialize\ninitialize()\nprint('joined')\n")
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    out = subprocess.run(LAUNCH + ["--nnodes", "2", "--master-port", str(port), str(script)], cwd=ROOT,
+                         env={**ENV, "JAXPAR_JOIN_TIMEOUT": "2"}, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 128 + 6 and "joined" not in out.stdout, out.stdout + out.stderr  # SIGABRT
+    assert "[rank 0] " in out.stderr and "DEADLINE_EXCEEDED" in out.stderr  # JAX's own log, relayed
+    assert out.stderr.splitlines()[-1] == (
+        f"jaxpar.launch: not every one of the 2 processes joined at 127.0.0.1:{port} within 2 s (JAXPAR_JOIN_TIMEOUT), "
+        "so JAX aborted this node's; start every node (--nnodes 2, each --node-rank once) with the same --master-addr "
+        "and --master-port, or raise JAXPAR_JOIN_TIMEOUT."), out.stderr[-2000:]

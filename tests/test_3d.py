@@ -197,6 +197,53 @@ def test_3d_with_zero_1_equals_the_single_step(sequence_parallel, reduce):
     assert_equal(pipe.unplace(pipe.init(ref)).opt_state, ref.opt_state)  # the canonical state round trips
 
 
+@pytest.mark.parametrize("frozen,zero_stage", [("attn wte", 1)])
+def test_3d_frozen_split_weights_stay_split_and_the_rest_equals_single(frozen, zero_stage):
+    """A fine-tune freezing split weights (wrt= leaving out the attention: qkv columns re-ordered per rank, the
+    output projection by rows; and the tied wte, split by vocabulary rows on the first and last stage) under
+    D x S x T = 2 x 2 x 2 with ZeRO-1: each stage holds its frozen weights split over its tensor ranks, as the
+    trained ones, before and after the steps (ZeRO-1's update passes them through split); the rest equals the
+    single step after 3 steps, dropout on; the frozen ones come back whole, in canonical order, unchanged;
+    --report counts a device's slices. (A review found them refused, and a frozen tied weight was refused too.)"""
+    from jaxpar.pipeline import memory
+
+    wrt = nnx.All(nnx.Param, nnx.Not(nnx.Any(*[nnx.PathContains(p) for p in frozen.split()])))
+    state = jaxpar.init_state(model(), TX, wrt)
+    objective = jaxpar.Objective.of(model(), LOSS, wrt=wrt)
+    step = jax.jit(lambda s, rows: jaxpar.train_step(objective, TX, s, rows), compiler_options=FAST)
+    ref = state
+    for _ in range(STEPS):
+        ref, single = step(ref, jaxpar.as_rows(batch()))
+    assert max_diff(ref.params, state.params) > 1e-3
+    pipe = Pipeline(model(), TX, loss_fn=LOSS, num_stages=2, micro_batches=2, tensor_parallel=2, wrt=wrt,
+                    mesh=pipeline_mesh(8, 2, 2), compiler_options=FAST, zero_stage=zero_stage)
+    placed = pipe.init(state)
+    wte = pipe.module.state_paths.index(("wte", "embedding"))
+    assert [wte in idx for idx in pipe.module.stage_state] == [True, True]  # a copy on each stage
+
+    def split(placed):  # every stage's 2-D frozen weights, each device holding half
+        leaves = [a for s in placed.model_state for a in placed.model_state[s] if np.ndim(a) == 2]
+        return leaves and all(2 * sh.data.size == a.size for a in leaves for sh in a.addressable_shards)
+
+    assert split(placed)
+    for _ in range(STEPS):
+        placed, metrics = pipe.step(placed, pipe.put_batch(batch()))
+    assert split(placed)
+    out = pipe.unplace(placed)
+    assert_equal(out.params, ref.params)
+    assert_equal(out.opt_state, ref.opt_state)
+    np.testing.assert_allclose(metrics["loss"], single["loss"], rtol=RTOL)
+    floats = lambda s: [a for a in jax.tree.leaves(s) if jnp.issubdtype(a.dtype, jnp.floating)]  # noqa: E731
+    assert floats(out.model_state)
+    for a, b in zip(floats(out.model_state), floats(state.model_state)):
+        np.testing.assert_array_equal(a, b)
+    for s, row in enumerate(memory.table(pipe, pipe._last[0])):
+        held = sum(a.addressable_shards[0].data.nbytes for a in placed.model_state[s]
+                   if jnp.issubdtype(a.dtype, jnp.floating))
+        assert held > 0 and row["model_state_mib"] * 2 ** 20 == pytest.approx(held)
+    assert "model state" in pipe.report(placed)["stage_memory_mib"]
+
+
 def test_report_estimates_each_stage_per_device():
     """--report's memory per stage under 3-D: a device's weights are its slices (equal to the placed shards'
     bytes), and sequence parallelism shrinks the activations a micro-batch keeps."""

@@ -1,7 +1,7 @@
 """The pipeline's memory per stage under both activation policies, from the compiled functions' shapes.
 
 Per stage (per device of it; 3-D: a tensor-split weight's slice): weights, optimizer state (ZeRO-1: its block),
-the gradient accumulator, and the activations one micro-batch keeps between its forward and its backward -- the
+the gradient accumulator, the floating model state (frozen weights, statistics; shown where there is some), and the activations one micro-batch keeps between its forward and its backward -- the
 stage input plus what the forward's vjp saved -- once with every residual kept (activation_checkpoint_interval 0,
 DeepSpeed's and torch's default) and once recomputing from each segment's input (the configured interval, or the
 whole stage when none is set), times the micro-batches the schedule holds at once (analysis.peak_inflight).
@@ -10,6 +10,7 @@ Nothing is allocated: jax.eval_shape of each part's forward.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.mesh import TENSOR
@@ -33,6 +34,14 @@ def device_params(pipe, s: int) -> list:
         return specs
     return device_leaves(specs, [mod.tensor_layouts[j].spec(len(a.shape)) for j, a in zip(mod.stage_params[s], specs)],
                          pipe.transport.meshes[s])
+
+
+def device_state(pipe, s: int) -> list:
+    """Stage s's model-state leaves (frozen weights, statistics, RNG streams) as one of its devices holds them:
+    3-D, a frozen split weight's slice."""
+    mod, specs = pipe.module, pipe.engine.state_specs
+    shapes = [specs[j] for j in mod.stage_state[s]]
+    return device_leaves(shapes, [mod.state_spec(j) for j in mod.stage_state[s]], pipe.transport.meshes[s])
 
 
 def activation_bytes(pipe, module: PipelineModule, layout) -> list[int]:
@@ -79,8 +88,9 @@ def table(pipe, layout) -> list[dict]:
             size = pipe.engine.zero[s].plan.shard_size
             opt = jax.eval_shape(pipe.tx.init, {"shard": jax.ShapeDtypeStruct((size,), params[0].dtype)})
         parts = [v for v in range(mod.num_parts) if mod.stage_of(v) == s]
+        frozen = [a for a in device_state(pipe, s) if jnp.issubdtype(a.dtype, jnp.floating)]
         row = {"stage": s, "params_mib": _bytes(params) / MiB, "opt_state_mib": _bytes(opt) / MiB,
-               "grads_mib": _bytes(params) / MiB, "in_flight": held[s]}
+               "grads_mib": _bytes(params) / MiB, "model_state_mib": _bytes(frozen) / MiB, "in_flight": held[s]}
         for name, per_part in variants.items():
             per_mb = max(per_part[v] for v in parts)  # a (micro-batch, chunk) pair holds one chunk's
             row[f"act_{name}_mib_per_microbatch"] = per_mb / MiB
@@ -92,7 +102,9 @@ def table(pipe, layout) -> list[dict]:
 def text(rows: list[dict]) -> str:
     """The table as text, one line per stage."""
     return "; ".join(f"stage {r['stage']}: weights {r['params_mib']:.2f}, optimizer {r['opt_state_mib']:.2f}, "
-                     f"grads {r['grads_mib']:.2f}, activations {r['in_flight']} x {r['act_store_mib_per_microbatch']:.2f}"
+                     f"grads {r['grads_mib']:.2f}, "
+                     + (f"model state {r['model_state_mib']:.2f}, " if r["model_state_mib"] > 0 else "")
+                     + f"activations {r['in_flight']} x {r['act_store_mib_per_microbatch']:.2f}"
                      f" = {r['act_store_mib']:.2f} stored / {r['in_flight']} x "
                      f"{r['act_recompute_mib_per_microbatch']:.2f} = {r['act_recompute_mib']:.2f} recomputed MiB"
                      for r in rows)

@@ -24,7 +24,9 @@ import math
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxpar.objective import check_wrt_within
 from jaxpar.pipeline import partition as partition_lib
@@ -172,6 +174,7 @@ class PipelineModule:
         self.parts = [self._segments(v) for v in range(self.num_parts)]
         self._ownership()
         self.tensor_parallel, self.tensor_layouts = 1, None  # set_tensor_parallel: Megatron splits per parameter
+        self.state_layouts = None  # ... and per model-state leaf (frozen weights: a fine-tune's wrt leaves them out)
         self.sequence_parallel = False
 
     def set_tensor_parallel(self, tp: int, axis: str, parallel_output: bool = False,
@@ -181,12 +184,14 @@ class PipelineModule:
         at `axis` in place (a vocabulary-split head's logits left split for the loss with `parallel_output`;
         Megatron's sequence parallelism with `sequence_parallel`: between the split regions, and across stage
         boundaries, each tensor rank holds its tokens), and the segments rebuilt so their graphdefs carry it.
-        ValueError (from the plan) when a split does not divide."""
+        ValueError (from the plan) when a split does not divide. Weights `wrt` leaves out (frozen) are split as
+        the trained ones, in the model state (`state_layouts`, canonical leaf order), as TensorParallel splits them."""
         from jaxpar.strategies.tensor import set_tensor_axis, tensor_plan
 
         if tp == 1:
             return
         self.tensor_layouts = tensor_plan(self.model, tp, self.wrt)
+        self.state_layouts = tensor_plan(self.model, tp, self.wrt, rest=True)
         set_tensor_axis(self.model, axis, tp, sequence_parallel, parallel_output)
         for layer in self.layers:  # layers that are views of the model (GPT-2's Embedding, LMHead) too
             if isinstance(layer, nnx.Module):
@@ -211,6 +216,7 @@ class PipelineModule:
         self.param_treedef, self.state_treedef = jax.tree.structure(params), jax.tree.structure(rest)
         self.param_specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in jax.tree.leaves(params)]
         self.state_kinds = [type(v) for _, v in nnx.to_flat_state(rest)]
+        self.state_ndims = [jnp.ndim(a) for a in jax.tree.leaves(rest)]
         where = _variables(self.model)
         self._param_of = {id(where[p]): j for j, p in enumerate(self.param_paths)}
         self._model_vars = {id(v) for v in where.values()}
@@ -260,6 +266,8 @@ class PipelineModule:
             for k, seg in enumerate(segs):
                 params_of[s] |= set(seg.param_index)
                 for j in seg.state_index:
+                    if issubclass(self.state_kinds[j], nnx.Param):  # a frozen weight (wrt leaves it out): every
+                        continue  # stage using it holds a copy, which no step changes (a tied wte a fine-tune freezes)
                     if seen_state.setdefault(j, (v, k)) != (v, k):
                         (v0, k0), where = seen_state[j], lambda v, k: ", ".join(  # noqa: E731
                             self.names[i] for i in self.parts[v][k].layers)
@@ -283,8 +291,17 @@ class PipelineModule:
                 owners.setdefault(j, []).append(s)
         self.tied = {j: stages for j, stages in owners.items() if len(stages) > 1}
         self.owner = {j: stages[0] for j, stages in owners.items()}  # the copy unplace reads
+        self.state_owner = {}
+        for s, idx in enumerate(self.stage_state):
+            for j in idx:
+                self.state_owner.setdefault(j, s)  # a frozen weight several stages hold: the first's copy
 
     # -- the partition -------------------------------------------------------------------------------------
+
+    def state_spec(self, j: int) -> P:
+        """How model-state leaf j lies on a stage's devices: split over the tensor ranks (a frozen split weight,
+        3-D), else replicated."""
+        return P() if self.state_layouts is None else self.state_layouts[j].spec(self.state_ndims[j])
 
     @property
     def num_parts(self) -> int:

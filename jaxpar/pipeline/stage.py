@@ -148,6 +148,8 @@ class PartFns:
         layouts = getattr(module, "tensor_layouts", None)
         self.param_specs = P() if layouts is None else \
             [layouts[j].spec(len(module.param_specs[j].shape)) for j in self.pidx]
+        self.state_specs = P() if getattr(module, "state_layouts", None) is None else \
+            [module.state_spec(j) for j in self.sidx]  # 3-D: frozen split weights lie split
         self.loss = objective.output_loss() if (self.first or self.last) else None
         self.scaled = scaled and self.last  # only the last part seeds the backward
         obj = objective
@@ -156,31 +158,35 @@ class PartFns:
                                                                                 self.seg_spos)),
                     tuple(module.param_specs[j] for j in self.pidx), self.first, self.last, module.unpack,
                     obj.loss_fn, obj.wrt, obj.per_sample, obj.rows_per_call, obj.compute_dtype, layout,
-                    tuple(mesh.devices.flat), tuple(mesh.shape.items()), str(self.param_specs), micro_batches,
+                    tuple(mesh.devices.flat), tuple(mesh.shape.items()), str(self.param_specs),
+                    str(self.state_specs), micro_batches,
                     act_spec(module), self.scaled,
                     tuple(sorted((compiler_options or {}).items())))
         self.options = compiler_options
         # "act": what crosses a stage boundary (x, y, dx, dy), by rows -- and under sequence parallelism also by
         # tokens over TENSOR (act_spec); "rows": the micro-batch's data
+        # "state": the model-state leaves (3-D: a frozen split weight split as a trained one); the new state a
+        # forward returns is () under per_sample
         replicated_out = "rep" if self.last else "act"
         sv = ("rep",) if self.scaled else ()  # the loss scaler's [S, seed], in and out
         dy = "rep" if self.scaled else "act"  # the last part's backward: sv (else None, the seed 1)
-        self.forward = self._compile(self._forward, ("params", "rep", "act", "rows", "rep", *sv),
-                                     (replicated_out, "local", "rep", *sv))
-        self.backward = self._compile(self._backward, ("local", "params", "rep", "act", "rows", "local", dy),
+        new = "rep" if objective.per_sample else "state"
+        self.forward = self._compile(self._forward, ("params", "state", "act", "rows", "rep", *sv),
+                                     (replicated_out, "local", new, *sv))
+        self.backward = self._compile(self._backward, ("local", "params", "state", "act", "rows", "local", dy),
                                       ("local", "act"), donate=(0,))
-        self.input_grad = self._compile(self._input_grad, ("params", "rep", "act", "rows", "local", dy),
+        self.input_grad = self._compile(self._input_grad, ("params", "state", "act", "rows", "local", dy),
                                         ("act", "local"))
         self.weight_grad = self._compile(self._weight_grad,
-                                         ("local", "params", "rep", "act", "rows", "local", "local"), "local",
+                                         ("local", "params", "state", "act", "rows", "local", "local"), "local",
                                          donate=(0,))
         self.forward_backward = self._compile(self._forward_backward,
-                                              ("local", "params", "rep", "act", "rows", "rep", *sv),
-                                              ("local", "act", "rep", "rep", *sv), donate=(0,))
+                                              ("local", "params", "state", "act", "rows", "rep", *sv),
+                                              ("local", "act", "rep", new, *sv), donate=(0,))
         self.forward_input_grad = self._compile(self._forward_input_grad,
-                                                ("params", "rep", "act", "rows", "rep", *sv),
-                                                ("act", "local", "local", "rep", "rep", *sv))
-        self.evaluate = self._compile(self._evaluate, ("params", "rep", "act", "rows"), replicated_out)
+                                                ("params", "state", "act", "rows", "rep", *sv),
+                                                ("act", "local", "local", "rep", new, *sv))
+        self.evaluate = self._compile(self._evaluate, ("params", "state", "act", "rows"), replicated_out)
 
     # -- compiling: one device, or shard_map over the stage's replicas ---------------------------------------
 
@@ -188,7 +194,8 @@ class PartFns:
         if self.mesh.size == 1:
             return jax.jit(fn, donate_argnums=donate, compiler_options=self.options)
         local = P(DATA) if len(self.mesh.axis_names) == 1 else P(tuple(self.mesh.axis_names))  # one slice a device
-        spec = {"rep": P(), "rows": P(DATA), "act": act_spec(self.module), "local": local, "params": self.param_specs}
+        spec = {"rep": P(), "rows": P(DATA), "act": act_spec(self.module), "local": local, "params": self.param_specs,
+                "state": self.state_specs}
         expand = lambda kinds, xs: jax.tree.map(lambda a: a[None], xs) if kinds == "local" else xs  # noqa: E731
         squeeze = lambda kinds, xs: jax.tree.map(lambda a: a[0], xs) if kinds == "local" else xs  # noqa: E731
 

@@ -309,8 +309,9 @@ class Pipeline:
         return jax.tree.unflatten(opt_lib.stage_treedef(mod, s), [leaves[j] for j in mod.stage_params[s]])
 
     def _init_slices(self, state: TrainState, rest: list, out: PipelineState) -> PipelineState:
-        """3-D: split leaves in tensor order (qkv columns per rank, as TensorParallel.init), each stage's weights
-        and optimizer moments sharded over its TENSOR axis by the plan, the rest replicated."""
+        """3-D: split leaves in tensor order (qkv columns per rank, as TensorParallel.init), each stage's weights,
+        optimizer moments and frozen weights (model state) sharded over its TENSOR axis by the plan, the rest
+        replicated."""
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
 
@@ -337,8 +338,9 @@ class Pipeline:
                 out.opt_state[s] = self.engine.zero[s].place(self.tx, stage_params, stage_opt)
             else:
                 out.opt_state[s] = place(stage_opt, leaf_specs(stage_opt, stage_params, mine), s)
-            out.model_state[s] = jax.device_put([jnp.array(rest[j], copy=True) for j in mod.stage_state[s]],
-                                                tr.kinds[s]["rep"])
+            stage_rest = [in_tensor_order(rest[j], mod.state_layouts[j]) if mod.state_layouts[j].axis is not None
+                          else rest[j] for j in mod.stage_state[s]]  # frozen split weights: split as trained ones
+            out.model_state[s] = place(stage_rest, [mod.state_spec(j) for j in mod.stage_state[s]], s)
         return out
 
     def layout(self, rows: Rows) -> Layout:
@@ -455,7 +457,8 @@ class Pipeline:
                 if mod.owner[j] == s:
                     params[j] = first(a)
             for j, a in zip(mod.stage_state[s], placed.model_state[s]):
-                rest[j] = first(a)
+                if mod.state_owner[j] == s:
+                    rest[j] = first(a)
         if self.zero_stage:  # the flat moments gathered and cut back into the stage's (whole) leaves
             stage_opt = {s: jax.tree.map(lambda a: jax.device_put(a, home), self.engine.zero[s].unplace(
                 self.tx, self._stage_params(s), placed.opt_state[s])) for s in tr.local_stages}
@@ -475,6 +478,7 @@ class Pipeline:
 
             opt_state = map_params(back, opt_state, params, mod.tensor_layouts)
             params = map_params(back, params, params, mod.tensor_layouts)
+            rest = [back(a, lay) for a, lay in zip(rest, mod.state_layouts)]  # frozen split weights
         return TrainState(params, opt_state, jax.tree.unflatten(mod.state_treedef, rest),
                           jnp.asarray(placed.step, jnp.int32))
 

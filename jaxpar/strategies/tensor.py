@@ -79,13 +79,12 @@ def grouped_order(size: int, groups: int, tp: int) -> tuple[int, ...]:
     return tuple(g * per + t * share + i for t in range(tp) for g in range(groups) for i in range(share))
 
 
-def tensor_plan(model: nnx.Module, tp: int, wrt: Any = nnx.Param, *, rest: bool = False,
-                split_frozen: bool = False) -> list[Layout]:
+def tensor_plan(model: nnx.Module, tp: int, wrt: Any = nnx.Param, *, rest: bool = False) -> list[Layout]:
     """The Layout of every leaf of ``nnx.split(model, wrt, ...)[1]`` (flatten order), from the modules'
     ``tensor_layout() -> {(attribute, ..., leaf name): (kind, axis[, unit])}`` (unit: entries that stay together,
     a head's size for qkv); ValueError when a split does not divide. `rest`: the Layouts of
-    ``nnx.split(model, wrt, ...)[2]`` instead (the model state, where a split weight that `wrt` leaves out lives).
-    A split weight that `wrt` leaves out is refused unless `split_frozen`."""
+    ``nnx.split(model, wrt, ...)[2]`` instead (the model state, where a split weight that `wrt` leaves out, a
+    frozen one, lives: split as it would be trained)."""
     params = nnx.split(model, wrt, ...)[2 if rest else 1]
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     paths = [tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in p) for p, _ in flat]
@@ -105,13 +104,6 @@ def tensor_plan(model: nnx.Module, tp: int, wrt: Any = nnx.Param, *, rest: bool 
         raise ValueError(f"tensor_layout() names {'.'.join(map(str, stray))}, which is not a variable of "
                          f"{type(model).__name__} (there: {', '.join(near) or 'nothing'}); name each leaf as nnx "
                          "does (a Linear's weight is 'kernel').")
-    selected = {tuple(p[:-1] if p and p[-1] == "value" else p) for p, _ in
-                nnx.to_flat_state(nnx.split(model, wrt, ...)[1])}
-    left_out = next((key for key in wanted if key not in selected), None)
-    if left_out is not None and not split_frozen:  # whole in the model state while its module computes a slice
-        raise ValueError(f"wrt leaves out {'.'.join(map(str, left_out))}, which tensor parallelism splits over the "
-                         "ranks; the pipeline splits only trained parameters: include it in wrt (TensorParallel "
-                         "splits frozen weights too), or train without --tensor-parallel.")
     out = []
     for path, (_, leaf) in zip(paths, flat):
         if path not in wanted:
@@ -237,8 +229,8 @@ class TensorParallel:
         model = nnx.clone(model)  # its own copy, pointed at the tensor axis below: the user's model stays as it is
         wrt = objective_options.get("wrt", nnx.Param)
         self.eval_objective = Objective.of(model, loss_fn, **objective_options)  # unsplit: jaxpar.evaluate's
-        self.plan = tensor_plan(model, tensor_parallel, wrt, split_frozen=True)
-        self.state_plan = tensor_plan(model, tensor_parallel, wrt, rest=True, split_frozen=True)  # frozen weights
+        self.plan = tensor_plan(model, tensor_parallel, wrt)
+        self.state_plan = tensor_plan(model, tensor_parallel, wrt, rest=True)  # frozen weights
         whole = [lay.whole for lay in self.plan if lay.whole]
         if sequence_parallel and whole:  # a whole head's logits and their gradient would be counted T times
             raise ValueError(f"--sequence-parallel needs the embedding split by vocabulary rows, but {whole[0]}; "

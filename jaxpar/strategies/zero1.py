@@ -133,10 +133,11 @@ class StageZero(NamedTuple):
         return sh.unpack(plan, sh.all_gather_shards(p, DATA)), squeeze(opt_state, True)
 
     def update_fn(self, tx, params_tree, pspecs: list, *, needs_norm: bool, counts: list[int], jit,
-                  scatter: bool = False):
+                  scatter: bool = False, sspecs=P()):
         """The pipeline stage's update(params, opt_state, grads, state, vec) -> (params, opt_state, state), jitted
         over the stage's mesh (vec: [Sums..., squared norm, seed], its weight at 1). `grads`: the stage's reduced
-        leaves, or with `scatter` the replicas' blocks [T, D S] of its reduce-scattered flat gradient."""
+        leaves, or with `scatter` the replicas' blocks [T, D S] of its reduce-scattered flat gradient. `sspecs`:
+        how the model-state leaves lie (3-D: frozen split weights over TENSOR)."""
         tx = optax.with_extra_args_support(tx)
 
         def update(params, opt_state, grads, state, vec):
@@ -151,8 +152,8 @@ class StageZero(NamedTuple):
 
         opt_specs = self.opt_specs(tx, params_tree)
         gspecs = self.spec if scatter else pspecs
-        mapped = jax.shard_map(update, mesh=self.mesh, in_specs=(pspecs, opt_specs, gspecs, P(), P()),
-                               out_specs=(pspecs, opt_specs, P()), check_vma=False)
+        mapped = jax.shard_map(update, mesh=self.mesh, in_specs=(pspecs, opt_specs, gspecs, sspecs, P()),
+                               out_specs=(pspecs, opt_specs, sspecs), check_vma=False)
         return jit(mapped, donate_argnums=(0, 1, 3))
 
 

@@ -259,6 +259,7 @@ class Objective:
     activation_checkpoint_interval: int = 0  # > 0: the training forward recomputes N-layer segments (recompute.py)
     shapes: Any = None  # (params, model_state) of the model it was made from, as ShapeDtypeStructs: init checks states
     per_sample_default: bool = False  # per_sample=True by default, not chosen: check_rows_apart checks the loss
+    cast_params: bool = True  # False: the parameters reach the model as given (ZeRO-3 casts each gathered weight)
 
     @classmethod
     def of(cls, model: nnx.Module, loss_fn: LossFn | None = None, *, wrt: Any = nnx.Param,
@@ -324,7 +325,7 @@ class Objective:
         if not isinstance(rows, Rows):  # a raw batch failed deep inside ('dict' object has no attribute 'mask')
             raise TypeError(f"the objective takes Rows (the batch, its mask and sample ids), not {_kind(rows)}; "
                             "pass jaxpar.as_rows(batch), or a strategy's put_batch(batch).")
-        params = cast_floating(params, self.compute_dtype)
+        params = cast_floating(params, self.compute_dtype) if self.cast_params else params
         if not self.per_sample:
             return self._batch_sums(params, model_state, rows, train, shard)
         return self._chunked(lambda r: self._sample_sums(params, model_state, r, train), rows), \
@@ -483,7 +484,12 @@ class Objective:
         if _same_trace(lambda a: run(plain, a), lambda a: run(layered, a), arg):
             return None
         plain, layered = models()  # fresh: tracing may have left tracers in the copies
-        want, got = run(plain, arg), run(layered, arg)
+        want = run(plain, arg)
+        try:  # the layers in turn may not even run on the model's input (an embedding before them, a head after)
+            got = run(layered, arg)
+        except Exception as e:  # noqa: BLE001 -- any error of the user's layers: the two are not the same function
+            first = (str(e).strip().splitlines() or [""])[0]
+            return name, f"the layers in turn fail on the model's input: {type(e).__name__}: {first[:200]}"
         w, g = jax.tree.leaves(want), jax.tree.leaves(got)
         shapes = [jnp.shape(a) for a in w], [jnp.shape(a) for a in g]
         if jax.tree.structure(want) != jax.tree.structure(got) or shapes[0] != shapes[1]:
@@ -506,7 +512,7 @@ class Objective:
         """(the model's outputs on every row, the model state after them), in training mode: per sample
         (per_sample) or on the whole shard. Padding rows get outputs too; `output_sums` drops them."""
         loss = self.output_loss()
-        params = cast_floating(params, self.compute_dtype)
+        params = cast_floating(params, self.compute_dtype) if self.cast_params else params
 
         def run(model, batch):
             return model(cast_floating(loss.inputs(batch), self.compute_dtype))

@@ -97,13 +97,15 @@ def state_kind(state) -> str:
 
 def probe_gradients(shapes: list[tuple], rng: np.random.Generator) -> list[list[np.ndarray]]:
     """The gradients ZeRO's and the pipeline's optimizer probes step on, one list of leaves per step: standard
-    normals, then normals x 1e12 with an inf in the largest leaf. A clipping threshold below ~1e12 clips the whole
-    tree and a part of it differently, and a transform that skips the update on a non-finite gradient anywhere (as
-    optax.apply_if_finite does) updates the parts without the inf: neither is per-parameter."""
+    normals at three scales, then normals x 1e12 with an inf in the largest leaf. A clipping threshold below ~1e12
+    clips the whole tree and a part of it differently, and a transform that skips the update on a non-finite
+    gradient anywhere (as optax.apply_if_finite does) updates the parts without the inf: neither is per-parameter.
+    The scales change from step to step because Adam's update is blind to a constant one: a clip measuring
+    something else than the parts are told (the decayed gradient, Adam's updates) shows only when it varies."""
     draw = lambda scale: [np.asarray(scale * rng.standard_normal(s), np.float32) for s in shapes]  # noqa: E731
-    unit, large = draw(1.0), draw(1e12)
+    steps, large = [draw(1.0), draw(8.0), draw(0.125)], draw(1e12)
     large[int(np.argmax([int(np.prod(s)) for s in shapes]))].flat[0] = np.inf
-    return [unit, large]
+    return [*steps, large]
 
 
 def warmup_cosine(lr: float, warmup_steps: int, decay_steps: int, min_lr: float) -> optax.Schedule:

@@ -164,7 +164,7 @@ class CausalSelfAttention(nnx.Module):
         att_BxNxTxT = jnp.einsum("bqnh,bknh->bnqk", q_BxTxNxH, k_BxTxNxH) / math.sqrt(h)
         att_BxNxTxT = jnp.where(jnp.tril(jnp.ones((t, t), bool)), att_BxNxTxT, -jnp.inf)
         att_BxNxTxT = jax.nn.softmax(att_BxNxTxT.astype(jnp.float32), axis=-1).astype(q_BxTxNxH.dtype)
-        dropped_BxNxTxT = drop(att_BxNxTxT) if self.tensor_axis is None else self._head_dropout(drop, att_BxNxTxT)
+        dropped_BxNxTxT = megatron.split_dropout(drop, att_BxNxTxT, self.tensor_axis, 1)  # all heads' mask, ours
         return jnp.einsum("bnqk,bknh->bqnh", dropped_BxNxTxT, v_BxTxNxH)
 
     def _tensor_parallel(self, x_BxTxC: jax.Array) -> jax.Array:
@@ -182,15 +182,6 @@ class CausalSelfAttention(nnx.Module):
         y_BxTxC = megatron.row_linear(self.c_proj, y_BxTxNxH.reshape(b, t, n * h), self.tensor_axis,
                                       1 if sp else None)
         return sequence_dropout(self.resid_dropout, y_BxTxC, self.tensor_axis, sp)
-
-    def _head_dropout(self, drop: nnx.Dropout, att_BxNxTxT: jax.Array) -> jax.Array:
-        """nnx.Dropout's mask for ALL heads (the same draw as the single-device model), this rank's heads kept:
-        the numbers equal the unsplit model's (Megatron draws per-rank masks instead; they differ from it)."""
-        n, keep = att_BxNxTxT.shape[1], 1.0 - drop.rate
-        whole = (att_BxNxTxT.shape[0], self.n_head) + att_BxNxTxT.shape[2:]
-        mask = jax.random.bernoulli(drop.rngs(), p=keep, shape=whole)
-        mask = jax.lax.dynamic_slice_in_dim(mask, megatron.rank(self.tensor_axis) * n, n, axis=1)
-        return jax.lax.select(mask, att_BxNxTxT / keep, jnp.zeros_like(att_BxNxTxT))
 
 
 class MLP(nnx.Module):
@@ -314,12 +305,7 @@ class LMHead(nnx.Module):
 def sequence_dropout(drop: nnx.Dropout, x_BxTxC: jax.Array, axis: str | None, sequence_parallel: bool) -> jax.Array:
     """`drop(x)`; under sequence parallelism, where x holds this rank's tokens, the single-device model's mask for
     every token (the same draw) with this rank's tokens kept: the numbers equal the unsplit model's."""
-    if not sequence_parallel or drop.rate == 0.0 or drop.deterministic:
-        return drop(x_BxTxC)
-    keep = 1.0 - drop.rate
-    whole = (x_BxTxC.shape[0], x_BxTxC.shape[1] * jax.lax.psum(1, axis)) + x_BxTxC.shape[2:]
-    mask = megatron.my_slice(jax.random.bernoulli(drop.rngs(), p=keep, shape=whole), axis, 1)
-    return jax.lax.select(mask, x_BxTxC / keep, jnp.zeros_like(x_BxTxC))
+    return megatron.split_dropout(drop, x_BxTxC, axis if sequence_parallel else None, 1)
 
 
 def _check_sequence(t: int, tp: int) -> None:

@@ -332,6 +332,21 @@ class Residual(nnx.Module):
         return self.layers[-1](x)
 
 
+class EmbedLayersHead(nnx.Module):
+    """The transformer layout: an input projection, `layers` (blocks of another width), a head after them."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.embed = nnx.Linear(8, 6, rngs=rngs)
+        self.layers = nnx.List([nnx.Linear(6, 6, rngs=rngs) for _ in range(2)])
+        self.head = nnx.Linear(6, 2, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.embed(x)
+        for layer in self.layers:
+            x = x + jnp.tanh(layer(x))
+        return self.head(x)
+
+
 class Glue(nnx.Module):
     """`layers` with no dropout, and a __call__ that puts one between them: the same function in eval mode only."""
 
@@ -406,6 +421,18 @@ def test_strategies_that_run_the_layers_check_they_are_the_model():
                                                  r"to .* training mode\)"):
                 strategy.put_batch(batch)
         else:
+            strategy.put_batch(batch)
+    for name, make in runs_layers.items():  # embed -> layers -> head, the common layout: the layers alone cannot
+        # even run on the input (they raised a bare TypeError from inside the user's layer)
+        model = EmbedLayersHead(nnx.Rngs(0))
+        if name.startswith("pipeline"):  # cut by its layers: the embedding and head belong to none
+            with pytest.raises(ValueError, match=r"parameters \[\('embed', 'bias'\).* belong to no layer of `layers`"):
+                make(model)
+            continue
+        strategy = make(model)
+        strategy.init(jaxpar.init_state(model, TX))
+        with pytest.raises(ValueError, match=r"instead of EmbedLayersHead.__call__, but the two differ \(the layers in "
+                                             r"turn fail on the model's input: TypeError: "):
             strategy.put_batch(batch)
     r = nnx.Rngs(params=0, noise=5)  # a stream drawn in eval mode: the check leaves the user's state as it was
     noisy = nnx.Sequential(nnx.Linear(8, 8, rngs=r), Noise(r), nnx.Linear(8, 2, rngs=r))

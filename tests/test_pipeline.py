@@ -298,6 +298,9 @@ def test_clip_by_global_norm_sees_the_norm_over_all_stages():
             Pipeline(mlp()[0], tx, loss_fn=mlp()[1])
     with pytest.raises(ValueError, match="couples parameters across stages .*apply_if_finite"):  # one stage's inf
         Pipeline(mlp()[0], optax.apply_if_finite(optax.sgd(0.1), 3), loss_fn=mlp()[1])
+    after = optax.chain(optax.scale_by_adam(), jaxpar.optim.clip_by_global_norm(0.5), optax.scale(-0.1))
+    with pytest.raises(ValueError, match="couples parameters .*clip_by_global_norm\\(max_norm\\) first in the chain"):
+        Pipeline(mlp()[0], after, loss_fn=mlp()[1])  # one device clips Adam's updates by their own norm
 
 
 def tied_model():

@@ -516,6 +516,7 @@ class UserMLP(nnx.Module):
     def __init__(self, d: int, join: str, rngs: nnx.Rngs):
         self.norm = nnx.LayerNorm(d, rngs=rngs)
         self.up, self.down, self.join = nnx.Linear(d, 4 * d, rngs=rngs), nnx.Linear(4 * d, d, rngs=rngs), join
+        self.drop = nnx.Dropout(0.5, rngs=rngs) if "dropout" in join else None  # on the column-split hidden units
 
     def tensor_layout(self):
         return {("up", "kernel"): ("columns", 1), ("up", "bias"): ("columns", 0), ("down", "kernel"): ("rows", 0)}
@@ -524,6 +525,10 @@ class UserMLP(nnx.Module):
         h = self.norm(x)
         h = megatron.f(h, self.tensor_axis) if self.join != "no f" else h
         h = nnx.relu(megatron.column_linear(self.up, h))
+        if self.join == "split dropout":  # the whole hidden layer's mask, this rank's columns of it
+            h = megatron.split_dropout(self.drop, h, self.tensor_axis, -1)
+        elif self.join == "slice dropout":  # every rank draws the same mask for its own columns
+            h = self.drop(h)
         return x + (megatron.row_linear(self.down, h, self.tensor_axis) if self.join != "no g" else self.down(h))
 
 
@@ -581,6 +586,17 @@ def test_a_users_split_module_equals_single_and_one_that_never_joins_its_ranks_i
             run(TensorParallel(UserNet(join), tx, tensor_parallel=2, mesh=mesh), join)
     with pytest.raises(ValueError, match=r"tensor parallelism over 2 ranks computes another model"):
         run(three_d("no g"), "no g")
+    # dropout on the split hidden units: megatron.split_dropout draws the unsplit model's mask, each rank keeping its
+    # columns, and trains as single; drop(h) on each rank's slice drew one mask for all ranks (a review found it)
+    first, want = run(jaxpar.SingleDevice(UserNet("split dropout"), tx), "split dropout")
+    _, no_dropout = run(jaxpar.SingleDevice(UserNet(), tx), "f and g")
+    assert max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(no_dropout))) > 1e-3
+    _, got = run(TensorParallel(UserNet("split dropout"), tx, tensor_parallel=2, mesh=mesh), "split dropout")
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+    with pytest.raises(ValueError, match=r"computes another model .* a dropout on a split tensor must draw the whole "
+                                         r"tensor's mask \(jaxpar.comm.megatron.split_dropout\)"):
+        run(TensorParallel(UserNet("slice dropout"), tx, tensor_parallel=2, mesh=mesh), "slice dropout")
     assert not TensorParallel(model(), TX, tensor_parallel=2, mesh=mesh).check_split  # jaxpar's own GPT
     with pytest.raises(ValueError, match="check_split='yes'"):
         TensorParallel(model(), TX, tensor_parallel=2, mesh=mesh, check_split="yes")

@@ -445,6 +445,7 @@ def test_memory_per_device_is_the_papers_formula():
             assert abs(mem[part] / mem["paper"][part] - 1) < 0.05, (stage, part, mem)
         assert zero_lib.held_bytes(abstract.params, z.mesh.devices.flat[0]) == mem["params"]  # abstract == live
         totals[stage] = mem["total"]
+        assert mem["model_state"] == sum(a.nbytes for a in jax.tree.leaves(state.model_state)) > 0  # whole
     assert totals[1] > totals[2] > totals[3]
 
 
@@ -454,6 +455,8 @@ def test_bad_options_name_the_fix():
     _, objective, _, _, state = problem("mlp")
     with pytest.raises(ValueError, match="zero_stage=4 is not a ZeRO stage; use 1"):
         jaxpar.ZeroRedundancy(objective, TX, stage=4)
+    with pytest.raises(ValueError, match="zero_stage=True is not a ZeRO stage; use 1"):  # ran as stage 1
+        jaxpar.ZeroRedundancy(objective, TX, stage=True)
     with pytest.raises(ValueError, match="zero_reduce='ring' is not known"):
         jaxpar.ZeroRedundancy(objective, TX, reduce="ring")
     with pytest.raises(ValueError, match="applies to stage 1 only"):
@@ -475,6 +478,12 @@ def test_bad_options_name_the_fix():
     (optax.chain(optax.clip_by_global_norm(1e9), optax.adam(1e-2)), "not elementwise"),  # above a unit-normal norm
     (optax.apply_if_finite(optax.adam(1e-2), 3), "not elementwise"),  # skips when any shard has an inf
     (optax.adamw(1e-2, mask=lambda p: jax.tree.map(lambda a: a.ndim >= 2, p)), "not elementwise"),  # ndim of a shard
+    # jaxpar's clip after Adam: one device clips Adam's updates by THEIR norm, which no device's slice knows (it
+    # was given the gradient's norm and trained another model; a review found it)
+    (optax.chain(optax.scale_by_adam(), jaxpar.optim.clip_by_global_norm(0.5), optax.scale(-1e-2)),
+     "not elementwise.*anywhere but first in the chain"),
+    (optax.chain(optax.add_decayed_weights(0.1), jaxpar.optim.clip_by_global_norm(0.5), optax.adam(1e-2)),
+     "not elementwise"),  # the decayed gradient's norm on one device
 ])
 def test_non_elementwise_optimizers_are_refused_before_training(tx, message):
     model, objective, _, _, _ = problem("mlp")
@@ -545,3 +554,40 @@ def test_build_from_config_and_cli_errors():
     assert (z.stage, z.mesh.size, z.share) == (3, 2, 6)
     with pytest.raises(ValueError, match="shard_map only"):
         get_builder("zero")(model, TX, Config(strategy="zero", spmd="pmap"))
+
+
+def test_float16_stage_3_reduces_gradients_in_float32_as_stages_1_and_2():
+    """fp16 compute with DeepSpeed's dynamic loss scaler (starting at 2**16): every stage reduce-scatters the
+    gradients in float32, the master weights' dtype, so stage 3 skips the same steps and ends with the same weights
+    as stage 1. (A review found stage 3 gathering each weight's float16 copy, so that the gathers' transposes summed
+    the gradients in float16: overflowing on 3 steps of 4 where stages 1-2 and DDP did on 2.)"""
+    import re
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.l1, self.l2 = nnx.Linear(7, 13, rngs=rngs), nnx.Linear(13, 5, rngs=rngs)
+            self.scale = nnx.Param(jnp.full((5,), 1.3))
+
+        def __call__(self, x):
+            return self.l2(jnp.tanh(self.l1(x))) * self.scale
+
+    rng = np.random.default_rng(0)
+    data = [{"x": rng.normal(size=(16, 7)).astype(np.float32), "y": rng.normal(size=(16, 5)).astype(np.float32)}
+            for _ in range(4)]
+    tx = jaxpar.loss_scaling(optax.adam(1e-2))
+    loss = OutputLoss(lambda out, b: (jnp.sum((out.astype(jnp.float32) - b["y"]) ** 2), b["y"].size))
+    runs = {}
+    for stage in (1, 3):
+        z = jaxpar.ZeroRedundancy(Net(nnx.Rngs(0)), tx, loss_fn=loss, stage=stage, compute_dtype=jnp.float16)
+        placed, scales = z.init(jaxpar.init_state(Net(nnx.Rngs(0)), tx)), []
+        for b in data:
+            placed, metrics = z.step(placed, z.put_batch(b))
+            scales.append(float(metrics["loss_scale"]))
+        reduced = re.findall(r"= (\w+)\[[^\]]*\][^=]*? reduce-scatter(?:-start)?\(", z.hlo(placed))
+        assert reduced and set(reduced) == {"f32"}, (stage, reduced)
+        runs[stage] = (jax.tree.leaves(z.unplace(placed).params), scales)
+    assert runs[1][1] == runs[3][1] and len(set(runs[1][1])) > 1  # the same steps skipped, and some were
+    start = jax.tree.leaves(jaxpar.init_state(Net(nnx.Rngs(0)), tx).params)
+    assert max(float(jnp.abs(a - b).max()) for a, b in zip(runs[1][0], start)) > 1e-3
+    for a, b in zip(runs[3][0], runs[1][0]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

@@ -55,6 +55,7 @@ class Settings(NamedTuple):
     per_sample: bool  # the objective vmaps the loss over rows: fetch through custom_vmap
     prefetch: bool = True  # gather layer k+1 once layer k's input exists (backward: once layer k+1's began)
     base: type | None = None  # the model's own class (a model without `layers` is called through it)
+    compute_dtype: Any = None  # each gathered weight cast to it (mixed precision): gathered and reduced in its own
 
 
 def _is_var(x) -> bool:
@@ -76,14 +77,18 @@ def tagged(treedef, plan: ShardPlan, shard: jax.Array) -> nnx.State:
     return jax.tree.unflatten(treedef, by_leaf)
 
 
-def gather(variables: list, axis_name) -> list[jax.Array]:
+def gather(variables: list, axis_name, compute_dtype=None) -> list[jax.Array]:
     """The full weights of tagged Variables from their pieces: one all-gather per leaf, so each leaf has a buffer
     of its own (a bias that a backward fusion re-reads pins only itself); its transpose reduce-scatters each
-    leaf's gradient."""
+    leaf's gradient. With `compute_dtype` (mixed precision) a floating weight is cast after its gather, so its
+    gradient is reduce-scattered in the pieces' dtype (float32), as ZeRO stages 1-2 and DDP reduce: summed in
+    float16 it overflowed where theirs did not."""
     out = []
     for v in variables:
         shape = v.get_metadata()[META]
         full = all_gather_shards(v.get_value(), axis_name).reshape(-1)[:math.prod(shape)].reshape(shape)
+        if compute_dtype is not None and jnp.issubdtype(full.dtype, jnp.floating):
+            full = full.astype(compute_dtype)
         out.append(checkpoint_name(full, NAME))
     return out
 
@@ -99,7 +104,7 @@ def _unit(graphdef, call: Callable, s: Settings, axes, last: bool):
     def region(lp, x, rest):
         vs = jax.tree.leaves(lp, is_leaf=_is_var)
         full = jax.tree.unflatten(jax.tree.structure(lp, is_leaf=_is_var),
-                                  [v.replace(w) for v, w in zip(vs, gather(vs, s.axis_name))])
+                                  [v.replace(w) for v, w in zip(vs, gather(vs, s.axis_name, s.compute_dtype))])
 
         def apply(x, rest):
             model = nnx.merge(graphdef, full, rest)

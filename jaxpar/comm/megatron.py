@@ -251,3 +251,19 @@ def row_linear(linear, x: jax.Array, axis: str | None, sequence_dim: int | None 
 def rank(axis: str | None) -> jax.Array | int:
     """This device's index on `axis` (0 without one)."""
     return 0 if axis is None else lax.axis_index(axis)
+
+
+def split_dropout(drop, x_local: jax.Array, axis: str | None, dim: int) -> jax.Array:
+    """`drop` (an nnx.Dropout holding its rngs) on this rank's slice `x_local` of a tensor split along `dim` over
+    the ranks of `axis`: one mask for the whole tensor, drawn from the same key on every rank (the unsplit model's
+    draw), this rank's slice of it kept, so the numbers equal the single-device model's. Calling `drop(x_local)`
+    inside a split region instead draws the same slice-shaped mask on every rank (correlated across ranks; the split
+    check refuses it). Megatron forks the RNG per rank instead (independent masks, other numbers than unsplit).
+    Without an axis, or in eval mode / at rate 0: drop(x_local)."""
+    if axis is None or drop.deterministic or drop.rate == 0:
+        return drop(x_local)
+    dim = dim % x_local.ndim
+    keep, n = 1.0 - drop.rate, x_local.shape[dim]
+    whole = x_local.shape[:dim] + (n * lax.axis_size(axis),) + x_local.shape[dim + 1:]
+    mask = lax.dynamic_slice_in_dim(jax.random.bernoulli(drop.rngs(), p=keep, shape=whole), rank(axis) * n, n, dim)
+    return lax.select(mask, x_local / keep, jnp.zeros_like(x_local))

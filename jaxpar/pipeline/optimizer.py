@@ -217,7 +217,7 @@ def probe(tx: optax.GradientTransformation, module, rtol: float = 1e-5) -> bool:
         return out
 
     def coupled(norm: bool) -> str | None:
-        whole = run(None, norm)
+        whole = run(None, False)  # as the single-device step runs it (a clip after Adam measures Adam's updates)
         for s in range(module.num_stages):
             for step, (w, u) in enumerate(zip(whole, run(s, norm))):
                 for j, a in zip(module.stage_params[s], u):
@@ -233,5 +233,5 @@ def probe(tx: optax.GradientTransformation, module, rtol: float = 1e-5) -> bool:
     raise ValueError(f"the optimizer couples parameters across stages ({where} differs from the whole model's), "
                      "e.g. optax.clip_by_global_norm clips by the norm over all stages and optax.apply_if_finite skips "
                      "on a non-finite gradient in any stage; the pipeline updates each "
-                     "stage on its own: use jaxpar.optim.clip_by_global_norm(max_norm) (given the norm over all "
-                     "stages) or a per-parameter optimizer.")
+                     "stage on its own: use jaxpar.optim.clip_by_global_norm(max_norm) first in the chain (given the "
+                     "norm over all stages' gradients) or a per-parameter optimizer.")

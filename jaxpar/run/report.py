@@ -153,6 +153,9 @@ def _held_memory(r: dict) -> list[tuple[str, Any]]:
              f"{_mib(m['optimizer'])} = {_mib(m['total'])} (live arrays; gradients: compiled outputs)"),
             ("memory/device, ZeRO paper", f"{_mib(paper['total'])} = {paper['formula']} (Psi={m['num_params']:,}, "
              f"N={r.get('devices', '?')}); held / paper = {m['total'] / paper['total']:.4f}")]
+    if m.get("model_state"):
+        rows.append(("memory/device, model state", f"{_mib(m['model_state'])} (frozen weights, statistics, RNG "
+                     "streams: whole on every device, at every stage)"))
     if m.get("step_temp") is not None:
         rows.append(("memory/device, step temps", f"{_mib(m['step_temp'])} (the compiled step's temporaries)"))
     return rows
@@ -165,6 +168,7 @@ def memory_fields(strategy_report: dict) -> dict:
         return {}
     return {"memory_params_bytes": m["params"], "memory_gradients_bytes": m["gradients"],
             "memory_optimizer_bytes": m["optimizer"], "memory_held_bytes": m["total"],
+            "memory_model_state_bytes": m.get("model_state"),
             "memory_paper_bytes": m["paper"]["total"], "memory_paper_formula": m["paper"]["formula"]}
 
 

@@ -497,8 +497,9 @@ def check_split_computes(strategy: TensorParallel, params, model_state, rows: Ro
                          f"on the first batch's first {len(np.asarray(head.mask))} rows (loss {value:.6g} against "
                          f"{want:.6g}; the gradient of {name} off by {worst:.2g} of its size): each module that "
                          f"declares a split in tensor_layout() ({modules}) must join its ranks, megatron.f before a "
-                         "column split and megatron.g (or row_linear) after a row split; or pass "
-                         "check_split=False.")
+                         "column split and megatron.g (or row_linear) after a row split, and a dropout on a split "
+                         "tensor must draw the whole tensor's mask (jaxpar.comm.megatron.split_dropout), not its "
+                         "slice's on every rank; or pass check_split=False.")
 
 
 def resolve_parallel_output(parallel_output: bool | None, loss_fn) -> bool:

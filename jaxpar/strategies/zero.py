@@ -140,7 +140,7 @@ def zero_body(objective: Objective, tx, plan: sh.ShardPlan, stage: int, *, reduc
 
 
 def check_options(*, stage: int, reduce: str, grad_accum: int, bucket_cap_mb: float) -> None:
-    if stage not in STAGES:
+    if isinstance(stage, bool) or stage not in STAGES:  # True == 1 in Python: it ran as stage 1, printed "True"
         raise ValueError(f"zero_stage={stage!r} is not a ZeRO stage; use 1 (optimizer state), 2 (+ gradients) or "
                          "3 (+ parameters), as DeepSpeed numbers them.")
     if reduce not in REDUCES:
@@ -209,9 +209,11 @@ class ZeroRedundancy:
             for i, layer in enumerate(model.layers if self._fetches_layers else ()):
                 if isinstance(layer, nnx.Module):
                     check_wrt_within(layer, objective.wrt, trained, "ZeRO stage 3", f"layer {i}")
-            settings = fetch.Settings(objective.wrt, DATA, objective.per_sample, self.prefetch)
+            settings = fetch.Settings(objective.wrt, DATA, objective.per_sample, self.prefetch,
+                                      compute_dtype=objective.compute_dtype)
             graphdef, eval_graphdef = fetch.fetching_graphdefs(objective, params, state.model_state, settings)
-            objective = objective.replace(graphdef=graphdef, eval_graphdef=eval_graphdef)
+            objective = objective.replace(graphdef=graphdef, eval_graphdef=eval_graphdef,
+                                          cast_params=objective.compute_dtype is None)  # cast after each gather
             treedef = fetch.tagged_treedef(params)
             self._units = fetch.units(model, objective.wrt)
         self.state_specs = TrainState(P(DATA) if self.stage == 3 else P(), self._opt_specs(params), P(), P())
@@ -315,8 +317,9 @@ class ZeroRedundancy:
     def memory(self, placed, rows=None, step: bool = True) -> dict:
         """Per-device bytes of parameters and optimizer state (the placed arrays on the mesh's first device) and of
         gradients (the outputs of the compiled gradient function: what the backward leaves behind), beside the
-        ZeRO paper's formula for the same optimizer. `placed` and `rows` may be abstract (jax.ShapeDtypeStruct
-        with shardings: see `abstract`); rows default to the last batch's shapes."""
+        ZeRO paper's formula for the same optimizer; and of the model state apart (not in `total`). `placed` and
+        `rows` may be abstract (jax.ShapeDtypeStruct with shardings: see `abstract`); rows default to the last
+        batch's shapes."""
         rows = self._batch_spec if rows is None else rows
         if rows is None:
             raise ValueError("memory() needs a batch shape: take one step first or pass rows (ShapeDtypeStructs).")
@@ -326,7 +329,10 @@ class ZeroRedundancy:
         held = {"params": held_bytes(placed.params, device), "gradients": compiled.output_size_in_bytes,
                 "optimizer": held_bytes(placed.opt_state, device)}
         opt_bytes = sum(zero_optim.layouts(self.tx, self._abstract_params())[1]) * self.plan.itemsize
-        return {**held, "total": sum(held.values()), "step_temp": temp,
+        # beside the paper's terms: the model state (frozen weights, statistics, RNG streams), whole on every device
+        # at every stage (a frozen weight is not partitioned: DeepSpeed's zero.Init and FSDP do partition those)
+        return {**held, "total": sum(held.values()), "model_state": held_bytes(placed.model_state, device),
+                "step_temp": temp,
                 "paper": paper_bytes(self.stage, self.plan.num_elements, self.mesh.size, opt_bytes),
                 "num_params": self.plan.num_elements, "padding": self.plan.padding}
 

@@ -108,8 +108,9 @@ def check(tx: optax.GradientTransformation, params, rtol: float = 1e-5) -> bool:
             out.append(ravel(jax.tree.leaves(u)))
         return out
 
-    def agrees(norm: bool) -> bool:
-        whole = run(lambda xs: jax.tree.unflatten(treedef, [jnp.asarray(x) for x in xs]), norm)
+    def agrees(norm: bool) -> bool:  # the whole tree as the single-device step runs it: no norm given (a clip
+        # after Adam measures Adam's updates there, not the gradient: handed the gradient's norm, it would differ)
+        whole = run(lambda xs: jax.tree.unflatten(treedef, [jnp.asarray(x) for x in xs]), False)
         parts = [run(lambda xs, a=a, b=b: flat_tree(jnp.asarray(ravel(xs)[a:b])), norm,
                      flat_tree(jnp.asarray(decays[a:b]))) for a, b in zip(cuts[:-1], cuts[1:])]
         return all(np.allclose(np.concatenate([p[step] for p in parts]), w, rtol=rtol, atol=1e-7,
@@ -123,9 +124,10 @@ def check(tx: optax.GradientTransformation, params, rtol: float = 1e-5) -> bool:
             return True
     except (TypeError, ValueError, KeyError) as e:  # a transform that looks into the parameter tree
         raise ValueError(f"the optimizer fails on a flat parameter vector ({type(e).__name__}: {e}); {FIX}.") from e
-    raise ValueError(f"the optimizer is not elementwise (e.g. optax.clip_by_global_norm, optax.apply_if_finite): its "
-                     f"update of a slice of the parameters differs from its update of the whole tree, so "
-                     f"ZeRO's 1/N slices would not equal the single-device step; {FIX}.")
+    raise ValueError(f"the optimizer is not elementwise (e.g. optax.clip_by_global_norm, optax.apply_if_finite, or "
+                     f"jaxpar.optim.clip_by_global_norm anywhere but first in the chain): its update of a slice of "
+                     f"the parameters differs from its update of the whole tree, so each device's slice would not "
+                     f"equal the single-device step; {FIX}.")
 
 
 def decay_values(shapes) -> list[float]:

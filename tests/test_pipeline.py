@@ -383,6 +383,55 @@ def test_a_weight_tied_over_three_stages(monkeypatch):
         assert_equal_states(pipe.unplace(placed), ref)
 
 
+class Buffered(nnx.Module):
+    """A layer reading a frozen nnx.Param `buf` it may share with another layer; `mutate`: its forward updates it
+    (a running mean kept as a Param)."""
+
+    def __init__(self, buf, mutate: bool, rngs):
+        self.lin, self.buf, self.mutate = nnx.Linear(6, 6, rngs=rngs), buf, mutate
+
+    def __call__(self, x):
+        if self.mutate:
+            self.buf.set_value(0.5 * self.buf.get_value() + 0.5 * jnp.mean(x, axis=0))
+        return jnp.tanh(self.lin(x) + self.buf.get_value())
+
+
+def test_a_frozen_weight_two_stages_share_is_held_by_both_and_must_not_change():
+    """A frozen weight (an nnx.Param that wrt leaves out) used by layers on both stages: each stage holds a copy, and
+    the pipeline equals single. A forward that changes it is refused when the step is traced: each stage kept its
+    own change, and the run trained another model without a word (a review found it)."""
+    wrt = nnx.All(nnx.Param, nnx.Not(nnx.PathContains("buf")))
+    loss = jaxpar.OutputLoss(lambda out, b: (jnp.sum((out - b["y"]) ** 2), b["y"].size))
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(8, 6)).astype(np.float32), "y": rng.normal(size=(8, 6)).astype(np.float32)}
+
+    def net(mutate: bool):
+        rngs, buf = nnx.Rngs(0), nnx.Param(jnp.full((6,), 0.1))
+        return nnx.Sequential(Buffered(buf, mutate, rngs), nnx.Linear(6, 6, rngs=rngs), nnx.Linear(6, 6, rngs=rngs),
+                              Buffered(buf, mutate, rngs))
+
+    state = jaxpar.init_state(net(False), TX, wrt)
+    step, ref = reference_step(jaxpar.Objective.of(net(False), loss, wrt=wrt, per_sample=False), TX), state
+    for _ in range(STEPS):
+        ref, _ = step(ref, jaxpar.as_rows(batch))
+    assert max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(ref.params),
+                                                           jax.tree.leaves(state.params))) > 1e-3
+    pipe = pipeline(net(False), TX, loss_fn=loss, wrt=wrt, num_stages=2, micro_batches=2, partition_method="uniform",
+                    per_sample=False)
+    j = pipe.module.state_paths.index(("layers", 0, "buf"))
+    assert [j in idx for idx in pipe.module.stage_state] == [True, True]
+    placed = pipe.init(state)
+    for _ in range(STEPS):
+        placed, _ = pipe.step(placed, pipe.put_batch(batch))
+    assert_equal_states(pipe.unplace(placed), ref)
+    pipe = pipeline(net(True), TX, loss_fn=loss, wrt=wrt, num_stages=2, micro_batches=2, partition_method="uniform",
+                    per_sample=False)
+    placed = pipe.init(jaxpar.init_state(net(True), TX, wrt))
+    with pytest.raises(ValueError, match=r"frozen weight layers/0/buf \(an nnx.Param that wrt leaves out\) is used by "
+                                         r"layers on several pipeline parts, .* Buffered \(part 0\) change it"):
+        pipe.step(placed, pipe.put_batch(batch))
+
+
 @pytest.mark.parametrize("schedule,data,kw", [("1f1b", 1, {}), ("zbv", 2, dict(virtual_stages=2, zero_stage=1))],
                          ids=["1f1b", "zbv-D2-zero-1"])
 def test_gpt2_with_its_lm_head_tied_to_wte_equals_single(schedule, data, kw):

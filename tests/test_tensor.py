@@ -628,3 +628,29 @@ def test_a_token_or_target_outside_the_vocabulary_is_nan_under_every_split():
         assert np.isfinite(loss(name, "x", v - 1))
         assert np.isnan(loss(name, "x", v)) and np.isnan(loss(name, "y", v)) and np.isnan(loss(name, "y", -1))
         np.testing.assert_allclose(loss(name, "x", -1), loss(name, "x", v - 1), rtol=1e-6)
+
+
+@pytest.mark.parametrize("broadcast_dims", [(), (0,), (-1,), (0, 1)])
+def test_split_dropout_is_the_unsplit_dropout_cut_by_rank(broadcast_dims):
+    """megatron.split_dropout on each rank's slice (split along the last axis over 2 ranks), put back together, is
+    nnx.Dropout on the whole tensor from the same stream: the same mask, broadcast_dims included, and rate 1 gives
+    zeros as nnx does. Each rank dropping its slice on its own draws another mask (the same on both ranks), unless
+    the split axis is one the mask is broadcast along."""
+    mesh = Mesh(np.array(jax.devices()[:2]), (TENSOR,))
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(4, 6, 8)).astype(np.float32))
+
+    def split(rate, call):
+        graphdef, state = nnx.split(nnx.Dropout(rate, broadcast_dims=broadcast_dims, rngs=nnx.Rngs(dropout=3)))
+        body = lambda xl, st: call(nnx.merge(graphdef, st), xl)  # noqa: E731
+        return jax.shard_map(body, mesh=mesh, in_specs=(P(None, None, TENSOR), P()), out_specs=P(None, None, TENSOR),
+                             check_vma=False)(x, state)
+
+    for rate in (0.5, 1.0):
+        want = nnx.Dropout(rate, broadcast_dims=broadcast_dims, rngs=nnx.Rngs(dropout=3))(x)
+        np.testing.assert_array_equal(split(rate, lambda d, xl: megatron.split_dropout(d, xl, TENSOR, -1)), want)
+    sliced = split(0.5, lambda d, xl: d(xl))  # the same as the whole's only where the split axis is broadcast
+    assert np.array_equal(sliced, nnx.Dropout(0.5, broadcast_dims=broadcast_dims, rngs=nnx.Rngs(dropout=3))(x)) \
+        == (-1 in broadcast_dims)
+    with pytest.raises(ValueError, match="split_dropout: the nnx.Dropout holds no rngs and none were passed"):
+        jax.shard_map(lambda xl: megatron.split_dropout(nnx.Dropout(0.5), xl, TENSOR, -1), mesh=mesh,
+                      in_specs=P(None, None, TENSOR), out_specs=P(None, None, TENSOR), check_vma=False)(x)

@@ -455,8 +455,10 @@ def test_bad_options_name_the_fix():
     _, objective, _, _, state = problem("mlp")
     with pytest.raises(ValueError, match="zero_stage=4 is not a ZeRO stage; use 1"):
         jaxpar.ZeroRedundancy(objective, TX, stage=4)
-    with pytest.raises(ValueError, match="zero_stage=True is not a ZeRO stage; use 1"):  # ran as stage 1
-        jaxpar.ZeroRedundancy(objective, TX, stage=True)
+    for stage in (True, np.True_, 3.0):  # each ran (as stage 1, 1 and 3), printed as given
+        with pytest.raises(ValueError, match=f"zero_stage={stage!r} is not a ZeRO stage; use 1"):
+            jaxpar.ZeroRedundancy(objective, TX, stage=stage)
+    assert jaxpar.ZeroRedundancy(objective, TX, stage=np.int64(2)).stage == 2
     with pytest.raises(ValueError, match="zero_reduce='ring' is not known"):
         jaxpar.ZeroRedundancy(objective, TX, reduce="ring")
     with pytest.raises(ValueError, match="applies to stage 1 only"):

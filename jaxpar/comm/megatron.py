@@ -253,17 +253,33 @@ def rank(axis: str | None) -> jax.Array | int:
     return 0 if axis is None else lax.axis_index(axis)
 
 
-def split_dropout(drop, x_local: jax.Array, axis: str | None, dim: int) -> jax.Array:
-    """`drop` (an nnx.Dropout holding its rngs) on this rank's slice `x_local` of a tensor split along `dim` over
-    the ranks of `axis`: one mask for the whole tensor, drawn from the same key on every rank (the unsplit model's
-    draw), this rank's slice of it kept, so the numbers equal the single-device model's. Calling `drop(x_local)`
-    inside a split region instead draws the same slice-shaped mask on every rank (correlated across ranks; the split
-    check refuses it). Megatron forks the RNG per rank instead (independent masks, other numbers than unsplit).
-    Without an axis, or in eval mode / at rate 0: drop(x_local)."""
-    if axis is None or drop.deterministic or drop.rate == 0:
-        return drop(x_local)
+def split_dropout(drop, x_local: jax.Array, axis: str | None, dim: int, *, rngs=None) -> jax.Array:
+    """`drop` (an nnx.Dropout) on this rank's slice `x_local` of a tensor split along `dim` over the ranks of
+    `axis`: one mask for the whole tensor, drawn from the same key on every rank (the unsplit model's draw, its
+    `broadcast_dims` included), this rank's slice of it kept, so the numbers equal the single-device model's.
+    Calling `drop(x_local)` inside a split region instead draws the same slice-shaped mask on every rank (correlated
+    across ranks; the split check refuses it). Megatron forks the RNG per rank instead (independent masks, other
+    numbers than unsplit). `rngs`: as nnx.Dropout's call takes it, when the module holds none. Without an axis:
+    drop(x_local)."""
+    if axis is None:
+        return drop(x_local, rngs=rngs)
+    if drop.rate == 0.0 or drop.deterministic:
+        return x_local
+    if drop.rate == 1.0:  # as nnx.Dropout: no NaN gradients
+        return jnp.zeros_like(x_local)
+    source = rngs if rngs is not None else drop.rngs
+    if source is None:
+        raise ValueError("split_dropout: the nnx.Dropout holds no rngs and none were passed; build it with "
+                         "nnx.Dropout(rate, rngs=rngs) or pass rngs= as to its call.")
+    key = source if isinstance(source, jax.Array) else \
+        source[drop.rng_collection]() if hasattr(source, "__getitem__") else source()
     dim = dim % x_local.ndim
     keep, n = 1.0 - drop.rate, x_local.shape[dim]
-    whole = x_local.shape[:dim] + (n * lax.axis_size(axis),) + x_local.shape[dim + 1:]
-    mask = lax.dynamic_slice_in_dim(jax.random.bernoulli(drop.rngs(), p=keep, shape=whole), rank(axis) * n, n, dim)
-    return lax.select(mask, x_local / keep, jnp.zeros_like(x_local))
+    whole = list(x_local.shape)
+    whole[dim] = n * lax.axis_size(axis)
+    for d in drop.broadcast_dims:
+        whole[d] = 1
+    mask = jax.random.bernoulli(key, p=keep, shape=tuple(whole))
+    if whole[dim] > 1:
+        mask = lax.dynamic_slice_in_dim(mask, rank(axis) * n, n, dim)
+    return lax.select(jnp.broadcast_to(mask, x_local.shape), x_local / keep, jnp.zeros_like(x_local))

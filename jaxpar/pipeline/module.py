@@ -261,13 +261,15 @@ class PipelineModule:
         params_of: list[set] = [set() for _ in range(S)]
         state_of: list[set] = [set() for _ in range(S)]
         seen_state: dict[int, int] = {}
+        frozen_in: dict[int, set] = {}
         for v, segs in enumerate(self.parts):
             s = self.stage_of(v)
             for k, seg in enumerate(segs):
                 params_of[s] |= set(seg.param_index)
                 for j in seg.state_index:
                     if issubclass(self.state_kinds[j], nnx.Param):  # a frozen weight (wrt leaves it out): every
-                        continue  # stage using it holds a copy, which no step changes (a tied wte a fine-tune freezes)
+                        frozen_in.setdefault(j, set()).add((v, k))  # stage using it holds a copy (a tied wte a
+                        continue  # fine-tune freezes); the stage functions refuse a forward that changes it
                     if seen_state.setdefault(j, (v, k)) != (v, k):
                         (v0, k0), where = seen_state[j], lambda v, k: ", ".join(  # noqa: E731
                             self.names[i] for i in self.parts[v][k].layers)
@@ -291,6 +293,7 @@ class PipelineModule:
                 owners.setdefault(j, []).append(s)
         self.tied = {j: stages for j, stages in owners.items() if len(stages) > 1}
         self.owner = {j: stages[0] for j, stages in owners.items()}  # the copy unplace reads
+        self.shared_frozen = {j for j, where in frozen_in.items() if len(where) > 1}  # copies must never change
         self.state_owner = {}
         for s, idx in enumerate(self.stage_state):
             for j in idx:

@@ -144,6 +144,7 @@ class PartFns:
         ppos, spos = {j: k for k, j in enumerate(self.pidx)}, {j: k for k, j in enumerate(self.sidx)}
         self.seg_ppos = [tuple(ppos[j] for j in seg.param_index) for seg in self.segments]
         self.seg_spos = [tuple(spos[j] for j in seg.state_index) for seg in self.segments]
+        self.frozen_pos = {spos[j]: j for j in self.sidx if j in getattr(module, "shared_frozen", ())}
         self.D, self.M = mesh.shape[DATA], micro_batches  # data replicas of the stage (x T tensor ranks: mesh.size)
         layouts = getattr(module, "tensor_layouts", None)
         self.param_specs = P() if layouts is None else \
@@ -258,6 +259,17 @@ class PartFns:
         y = parts[0] if len(parts) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *parts)
         return y, st
 
+    def _refuse_frozen_change(self, k: int, j: int) -> None:
+        """ValueError (at trace time): segment k's forward assigned frozen weight j, which several segments hold a
+        copy of each (the copies would drift apart, each stage keeping its own change)."""
+        mod = self.module
+        layers = ", ".join(mod.names[i] for i in self.segments[k].layers)
+        raise ValueError(f"frozen weight {'/'.join(map(str, mod.state_paths[j]))} (an nnx.Param that wrt leaves out) "
+                         f"is used by layers on several pipeline parts, which each hold a copy, and layers {layers} "
+                         f"(part {self.part}) change it in their forward; the copies would drift apart: keep a "
+                         "value the forward updates in a variable of its own layer (not an nnx.Param), or train it "
+                         "(include it in wrt).")
+
     def _check_rows(self, y, last: int) -> None:
         """ValueError unless every leaf of layer `last`'s output on one row (a batch of 1) has that row as its
         leading axis: the pipeline takes the row back out of each (a time-major [T, 1, D] would keep time step 0)."""
@@ -304,6 +316,8 @@ class PartFns:
                 x = join_float(yf, yo, *box)
                 vjps.append(vjp)
             for pos, leaf in zip(self.seg_spos[k], jax.tree.leaves(st)):
+                if pos in self.frozen_pos and leaf is not state[pos]:
+                    self._refuse_frozen_change(k, self.frozen_pos[pos])
                 state[pos] = leaf
         if not self.last:
             return x, vjps, None, state

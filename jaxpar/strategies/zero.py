@@ -25,6 +25,7 @@ backward does not read (biases, the first layer), which DeepSpeed issues.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Sequence
 
 import jax
@@ -140,7 +141,8 @@ def zero_body(objective: Objective, tx, plan: sh.ShardPlan, stage: int, *, reduc
 
 
 def check_options(*, stage: int, reduce: str, grad_accum: int, bucket_cap_mb: float) -> None:
-    if isinstance(stage, bool) or stage not in STAGES:  # True == 1 in Python: it ran as stage 1, printed "True"
+    if isinstance(stage, (bool, np.bool_)) or not isinstance(stage, numbers.Integral) or stage not in STAGES:
+        # True == 1.0 == 1 in Python: each ran as stage 1, and printed as given
         raise ValueError(f"zero_stage={stage!r} is not a ZeRO stage; use 1 (optimizer state), 2 (+ gradients) or "
                          "3 (+ parameters), as DeepSpeed numbers them.")
     if reduce not in REDUCES:

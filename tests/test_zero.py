@@ -593,3 +593,49 @@ def test_float16_stage_3_reduces_gradients_in_float32_as_stages_1_and_2():
     assert max(float(jnp.abs(a - b).max()) for a, b in zip(runs[1][0], start)) > 1e-3
     for a, b in zip(runs[3][0], runs[1][0]):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_stage_3_fetch_model_trains_an_embedding_and_head_around_layers():
+    """The transformer layout: an input projection, `layers`, a head, with __call__ adding residuals. Stage 3's
+    default gathers each of `layers` as it runs them in place of __call__, which this model is not: refused on the
+    first batch, naming fetch='model', which gathers every weight at once and runs the model's own __call__,
+    equal to single after 3 Adam steps. (A review found the layout failing with a bare TypeError.)"""
+    class EmbedLayersHead(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Linear(7, 6, rngs=rngs)
+            self.layers = nnx.List([nnx.Linear(6, 6, rngs=rngs) for _ in range(2)])
+            self.head = nnx.Linear(6, 3, rngs=rngs)
+
+        def __call__(self, x):
+            x = self.embed(x)
+            for layer in self.layers:
+                x = x + jnp.tanh(layer(x))
+            return self.head(x)
+
+    tx = optax.adam(1e-2)
+    loss = OutputLoss(lambda out, b: (jnp.sum((out - b["y"]) ** 2), b["y"].size))
+    rng = np.random.default_rng(0)
+    data = [{"x": rng.normal(size=(8, 7)).astype(np.float32), "y": rng.normal(size=(8, 3)).astype(np.float32)}
+            for _ in range(3)]
+    state = jaxpar.init_state(EmbedLayersHead(nnx.Rngs(0)), tx)
+    single = jaxpar.SingleDevice(EmbedLayersHead(nnx.Rngs(0)), tx, loss_fn=loss)
+    want = single.init(state)
+    for b in data:
+        want, _ = single.step(want, single.put_batch(b))
+    want = single.unplace(want)
+    assert max(float(jnp.abs(a - b).max()) for a, b in zip(leaves(want.params), leaves(state.params))) > 1e-3
+    z = jaxpar.ZeroRedundancy(EmbedLayersHead(nnx.Rngs(0)), tx, loss_fn=loss, stage=3, mesh=jaxpar.make_mesh(4))
+    z.init(state)
+    with pytest.raises(ValueError, match=r"the layers in turn fail on the model's input.*or pass "
+                                         r"ZeroRedundancy\(\.\.\., fetch='model'\)"):
+        z.put_batch(data[0])
+    z = jaxpar.ZeroRedundancy(EmbedLayersHead(nnx.Rngs(0)), tx, loss_fn=loss, stage=3, mesh=jaxpar.make_mesh(4),
+                              fetch="model")
+    placed = z.init(state)
+    for b in data:
+        placed, _ = z.step(placed, z.put_batch(b))
+    assert "every weight in one fetch" in z.describe()
+    for a, b in zip(leaves(z.unplace(placed).params), leaves(want.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="fetch='layers' is not known; use 'layer'"):
+        jaxpar.ZeroRedundancy(EmbedLayersHead(nnx.Rngs(0)), tx, loss_fn=loss, stage=3, fetch="layers")

@@ -56,6 +56,7 @@ class Settings(NamedTuple):
     prefetch: bool = True  # gather layer k+1 once layer k's input exists (backward: once layer k+1's began)
     base: type | None = None  # the model's own class (a model without `layers` is called through it)
     compute_dtype: Any = None  # each gathered weight cast to it (mixed precision): gathered and reduced in its own
+    whole: bool = False  # one unit even with `layers`: every weight at once, through the model's own __call__
 
 
 def _is_var(x) -> bool:
@@ -177,7 +178,7 @@ def _has_params(layer, wrt) -> bool:
 
 def _fetching_call(self, *args, **kwargs):
     s: Settings = type(self)._zero3
-    layers = getattr(self, "layers", None)
+    layers = None if s.whole else getattr(self, "layers", None)
     link = jnp.zeros((), jnp.float32)
     if not layers or len(args) != 1 or kwargs:  # one unit: the whole model, through its own __call__
         whole = lambda m, inputs: s.base.__call__(m, *inputs[0], **inputs[1])  # noqa: E731
@@ -215,15 +216,15 @@ def fetching_graphdefs(objective, params: nnx.State, model_state: nnx.State, set
     return tuple(out)
 
 
-def units(model: nnx.Module, wrt: Any = nnx.Param) -> list[list[int]]:
+def units(model: nnx.Module, wrt: Any = nnx.Param, whole: bool = False) -> list[list[int]]:
     """The leaf indices (of `nnx.split(model, wrt, ...)[1]`) each parameter-holding layer fetches, in forward
-    order; one unit of every leaf for a model without `layers`. Outside jit: plans and cost models."""
+    order; one unit of every leaf for a model without `layers`, or `whole`. Outside jit: plans and cost models."""
     from jaxpar.comm.overlap import _path_of
 
     params = nnx.split(model, wrt, ...)[1]
     index = {_path_of(p): i for i, (p, _) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0])}
     where = {id(node): tuple(path) for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Variable)}
-    layers = getattr(model, "layers", None)
+    layers = None if whole else getattr(model, "layers", None)
     if not layers:
         return [sorted(index.values())]
     out = []

@@ -54,6 +54,7 @@ from jaxpar.strategies.ddp import from_replica_0, local_devices, place_rows, psu
 
 STAGES = (1, 2, 3)
 REDUCES = ("reduce_scatter", "all_reduce")
+FETCHES = ("layer", "model")  # stage 3: a gather per layer of `layers`, or one of every weight
 FORMULAS = {0: "(4+4+K) Psi", 1: "4 Psi + 4 Psi + K Psi/N", 2: "4 Psi + (4+K) Psi/N", 3: "(4+4+K) Psi/N"}
 
 
@@ -160,16 +161,21 @@ class ZeroRedundancy:
     """DeepSpeed ZeRO on a 1-D DATA mesh: `ZeroRedundancy(model, tx, stage=2, loss_fn=..., mesh=...)` or
     `ZeroRedundancy(objective, tx, ...)`. `batch_size` (global) fixes every batch's padded shape (one compile);
     `bucket_cap_mb` sizes the reduction groups of stages 1-2 (DDP's buckets); `prefetch` gathers stage 3's next
-    layer one layer ahead."""
+    layer one layer ahead. `fetch` (stage 3): "layer" gathers each of the model's `layers` as it runs them, in
+    place of its __call__ (checked on the first batch to compute the same); "model" gathers every weight at once
+    and runs the model's own __call__ (an embedding and head around `layers`, any model)."""
 
     name = "zero"
 
     def __init__(self, model: nnx.Module | Objective, tx: optax.GradientTransformation, *, stage: int = 1,
                  loss_fn=None, mesh: Mesh | None = None, reduce: str = "reduce_scatter", bucket_cap_mb: float = 25.0,
                  grad_accum: int = 1, batch_size: int | None = None, leaf_order: Sequence[int] | None = None,
-                 prefetch: bool = True, **objective_options):
+                 prefetch: bool = True, fetch: str = "layer", **objective_options):
         self._layers_check = LayersCheck()  # armed by init where the layers run instead of __call__
         check_options(stage=stage, reduce=reduce, grad_accum=grad_accum, bucket_cap_mb=bucket_cap_mb)
+        if fetch not in FETCHES:
+            raise ValueError(f"fetch={fetch!r} is not known; use 'layer' (stage 3 gathers each of the model's `layers` "
+                             "as it runs them) or 'model' (every weight at once, the model's own __call__).")
         self.objective = objective_of(model, loss_fn, **objective_options)
         if stage == 3 and self.objective.activation_checkpoint_interval:
             raise ValueError(f"ZeRO stage 3 runs each layer under its own fetching recomputation, so "
@@ -180,7 +186,7 @@ class ZeroRedundancy:
         self.tx, self.mesh, self.stage, self.reduce = tx, mesh or make_mesh(), stage, reduce
         check_data_mesh(self.mesh, "ZeroRedundancy")
         self.bucket_cap_mb, self.grad_accum, self.batch_size = bucket_cap_mb, grad_accum, batch_size
-        self.leaf_order, self.prefetch = leaf_order, prefetch
+        self.leaf_order, self.prefetch, self.fetch = leaf_order, prefetch, fetch
         self.plan: sh.ShardPlan | None = None
         self._step = self._grads = self._batch_spec = None
         n_local, nproc = len(local_devices(self.mesh)), jax.process_count()
@@ -207,17 +213,17 @@ class ZeroRedundancy:
             model = self.objective.merge(params, state.model_state)
             paths = {tuple(p) for p, _ in nnx.to_flat_state(params)}
             trained = {id(v) for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable) and tuple(p) in paths}
-            self._fetches_layers = bool(getattr(model, "layers", None))  # fetched layer by layer (fetch.py)
+            self._fetches_layers = self.fetch == "layer" and bool(getattr(model, "layers", None))  # (fetch.py)
             for i, layer in enumerate(model.layers if self._fetches_layers else ()):
                 if isinstance(layer, nnx.Module):
                     check_wrt_within(layer, objective.wrt, trained, "ZeRO stage 3", f"layer {i}")
             settings = fetch.Settings(objective.wrt, DATA, objective.per_sample, self.prefetch,
-                                      compute_dtype=objective.compute_dtype)
+                                      compute_dtype=objective.compute_dtype, whole=not self._fetches_layers)
             graphdef, eval_graphdef = fetch.fetching_graphdefs(objective, params, state.model_state, settings)
             objective = objective.replace(graphdef=graphdef, eval_graphdef=eval_graphdef,
                                           cast_params=objective.compute_dtype is None)  # cast after each gather
             treedef = fetch.tagged_treedef(params)
-            self._units = fetch.units(model, objective.wrt)
+            self._units = fetch.units(model, objective.wrt, whole=not self._fetches_layers)
         self.state_specs = TrainState(P(DATA) if self.stage == 3 else P(), self._opt_specs(params), P(), P())
         kw = dict(reduce=self.reduce, grad_accum=self.grad_accum, needs_norm=self.needs_norm, treedef=treedef)
         body = zero_body(objective, self.tx, self.plan, self.stage, **kw)
@@ -244,7 +250,8 @@ class ZeroRedundancy:
             self._setup(state)
         if self.stage == 3 and self._fetches_layers:
             self._layers_check.arm(self.objective, state, "ZeRO stage 3 fetches each layer's weights as it runs the "
-                                   "model's", "give the model no `layers` attribute (one fetch of every weight)")
+                                   "model's", "pass ZeroRedundancy(..., fetch='model') (one fetch of every weight; "
+                                   "from train.py, name the list other than `layers`)")
         _, kinds, outer = zero_optim.layouts(self.tx, state.params)
         opt = [zero_optim.flat_tree(self._place_flat(x)) if kind else replicate(x, self.mesh)
                for x, kind in zip(zero_optim.to_flat(self.tx, self.plan, state.params, state.opt_state), kinds)]
@@ -304,7 +311,9 @@ class ZeroRedundancy:
     def describe(self) -> str:
         groups = "?" if self.plan is None else f"{len(self.plan.groups)} groups, {self.plan.shard_size:,} " \
                                                 "elements per device"
-        how = f", {self.reduce}" if self.stage == 1 else (", prefetch" if self.stage == 3 and self.prefetch else "")
+        how = f", {self.reduce}" if self.stage == 1 else ""
+        if self.stage == 3:
+            how = ", every weight in one fetch" if self.fetch == "model" else ", prefetch" if self.prefetch else ""
         return (f"{DATA} mesh of {self.mesh.size} devices ({processes()}), ZeRO stage "
                 f"{self.stage}{how}, {groups}, grad_accum={self.grad_accum}")
 

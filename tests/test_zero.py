@@ -600,22 +600,12 @@ def test_stage_3_fetch_model_trains_an_embedding_and_head_around_layers():
     default gathers each of `layers` as it runs them in place of __call__, which this model is not: refused on the
     first batch, naming fetch='model', which gathers every weight at once and runs the model's own __call__,
     equal to single after 3 Adam steps. (A review found the layout failing with a bare TypeError.)"""
-    class EmbedLayersHead(nnx.Module):
-        def __init__(self, rngs):
-            self.embed = nnx.Linear(7, 6, rngs=rngs)
-            self.layers = nnx.List([nnx.Linear(6, 6, rngs=rngs) for _ in range(2)])
-            self.head = nnx.Linear(6, 3, rngs=rngs)
-
-        def __call__(self, x):
-            x = self.embed(x)
-            for layer in self.layers:
-                x = x + jnp.tanh(layer(x))
-            return self.head(x)
+    from test_contract import EmbedLayersHead  # 8 inputs, 2 outputs
 
     tx = optax.adam(1e-2)
     loss = OutputLoss(lambda out, b: (jnp.sum((out - b["y"]) ** 2), b["y"].size))
     rng = np.random.default_rng(0)
-    data = [{"x": rng.normal(size=(8, 7)).astype(np.float32), "y": rng.normal(size=(8, 3)).astype(np.float32)}
+    data = [{"x": rng.normal(size=(8, 8)).astype(np.float32), "y": rng.normal(size=(8, 2)).astype(np.float32)}
             for _ in range(3)]
     state = jaxpar.init_state(EmbedLayersHead(nnx.Rngs(0)), tx)
     single = jaxpar.SingleDevice(EmbedLayersHead(nnx.Rngs(0)), tx, loss_fn=loss)

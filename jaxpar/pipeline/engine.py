@@ -516,7 +516,7 @@ class Engine:
                 lays = mod.tensor_layouts
                 pspecs = [P() if lays is None else lays[j].spec(len(mod.param_specs[j].shape))
                           for j in mod.stage_params[s]]
-                sspecs = P() if mod.state_layouts is None else [mod.state_spec(j) for j in mod.stage_state[s]]
+                sspecs = mod.state_specs(mod.stage_state[s])
                 self._updates[("update", s)] = self.zero[s].update_fn(tx, params, pspecs, needs_norm=needs_norm,
                                                                       counts=counts, jit=self.jit,
                                                                       scatter=self.scatter, sspecs=sspecs)

@@ -2,9 +2,10 @@
 
 Per stage (per device of it; 3-D: a tensor-split weight's slice): weights, optimizer state (ZeRO-1: its block),
 the gradient accumulator, the floating model state (frozen weights, statistics; shown where there is some), and
-the activations one micro-batch keeps between its forward and its backward -- the stage input plus what the forward's vjp saved -- once with every residual kept (activation_checkpoint_interval 0,
-DeepSpeed's and torch's default) and once recomputing from each segment's input (the configured interval, or the
-whole stage when none is set), times the micro-batches the schedule holds at once (analysis.peak_inflight).
+the activations one micro-batch keeps between its forward and its backward -- the stage input plus what the
+forward's vjp saved -- once with every residual kept (activation_checkpoint_interval 0, DeepSpeed's and torch's
+default) and once recomputing from each segment's input (the configured interval, or the whole stage when none is
+set), times the micro-batches the schedule holds at once (analysis.peak_inflight).
 Nothing is allocated: jax.eval_shape of each part's forward.
 """
 from __future__ import annotations

@@ -306,6 +306,10 @@ class PipelineModule:
         3-D), else replicated."""
         return P() if self.state_layouts is None else self.state_layouts[j].spec(self.state_ndims[j])
 
+    def state_specs(self, idx) -> P | list[P]:
+        """The specs of model-state leaves `idx` (a shard_map spec prefix): P() for all when nothing is split."""
+        return P() if self.state_layouts is None else [self.state_spec(j) for j in idx]
+
     @property
     def num_parts(self) -> int:
         return self.num_stages * self.virtual_stages

@@ -149,8 +149,7 @@ class PartFns:
         layouts = getattr(module, "tensor_layouts", None)
         self.param_specs = P() if layouts is None else \
             [layouts[j].spec(len(module.param_specs[j].shape)) for j in self.pidx]
-        self.state_specs = P() if getattr(module, "state_layouts", None) is None else \
-            [module.state_spec(j) for j in self.sidx]  # 3-D: frozen split weights lie split
+        self.state_specs = module.state_specs(self.sidx)  # 3-D: frozen split weights lie split
         self.loss = objective.output_loss() if (self.first or self.last) else None
         self.scaled = scaled and self.last  # only the last part seeds the backward
         obj = objective

@@ -315,7 +315,7 @@ class Pipeline:
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
 
-        from jaxpar.strategies.tensor import in_tensor_order, leaf_specs, map_params
+        from jaxpar.strategies.tensor import in_tensor_order, leaf_specs, map_params, split_leaves
 
         mod, tr, lays = self.module, self.transport, self.module.tensor_layouts
         params = jax.tree.leaves(map_params(in_tensor_order, state.params, state.params, lays))
@@ -338,9 +338,9 @@ class Pipeline:
                 out.opt_state[s] = self.engine.zero[s].place(self.tx, stage_params, stage_opt)
             else:
                 out.opt_state[s] = place(stage_opt, leaf_specs(stage_opt, stage_params, mine), s)
-            stage_rest = [in_tensor_order(rest[j], mod.state_layouts[j]) if mod.state_layouts[j].axis is not None
-                          else rest[j] for j in mod.stage_state[s]]  # frozen split weights: split as trained ones
-            out.model_state[s] = place(stage_rest, [mod.state_spec(j) for j in mod.stage_state[s]], s)
+            held = mod.stage_state[s]  # frozen split weights: split as trained ones
+            stage_rest = split_leaves(in_tensor_order, [rest[j] for j in held], [mod.state_layouts[j] for j in held])
+            out.model_state[s] = place(stage_rest, mod.state_specs(held), s)
         return out
 
     def layout(self, rows: Rows) -> Layout:

@@ -72,6 +72,7 @@ class Config:
     # ZeRO (DeepSpeed; also takes --bucket-cap-mb and --grad-accum)
     zero_stage: int | None = None  # zero: 1 (default) | 2 | 3: partition the optimizer state, + gradients (FSDP SHARD_GRAD_OP), + parameters (FULL_SHARD); pipeline and tp: 0 (default) | 1
     zero_reduce: str | None = None  # reduce_scatter (default) | all_reduce: ZeRO-1's gradient reduction (zero, tp, pipeline)
+    zero_fetch: str | None = None  # layer (default) | model: ZeRO-3 gathers each of `layers` as it runs them, or every weight at once through the model's __call__
     # DataParallel
     loss_on_device: bool = False  # each device computes its own loss; only scalars are gathered
     print_shapes: bool = False  # print the tutorial's "In Model" / "Outside" lines

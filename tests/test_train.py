@@ -24,6 +24,7 @@ STRATEGY_ARGS = {
     "pipeline-zero1": ["--num-stages", "2", "--micro-batches", "4", "--num-devices", "4", "--schedule", "1f1b",
                        "--zero-stage", "1"],
     "zero": ["--zero-stage", "3", "--num-devices", "4"],
+    "zero-fetch-model": ["--zero-stage", "3", "--num-devices", "3", "--zero-fetch", "model"],
 }
 
 

@@ -629,3 +629,58 @@ def test_stage_3_fetch_model_trains_an_embedding_and_head_around_layers():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="fetch='layers' is not known; use 'layer'"):
         jaxpar.ZeroRedundancy(EmbedLayersHead(nnx.Rngs(0)), tx, loss_fn=loss, stage=3, fetch="layers")
+
+
+def test_stage_3_partitions_frozen_weights_and_equals_single():
+    """A fine-tune whose wrt leaves out the attention and the tied token embedding (used by the first layer and the
+    head): stage 3 holds each frozen weight as 1/N pieces, as DeepSpeed's zero.Init partitions every parameter,
+    gathered for each layer's forward and backward without a gradient. N=5 pads every frozen weight. Equal to single
+    after 3 Adam steps with dropout on; the frozen weights come back whole and unchanged; the model state held per
+    device is the pieces'. A forward that assigns a frozen weight is refused when the step is traced."""
+    wrt = nnx.All(nnx.Param, nnx.Not(nnx.Any(nnx.PathContains("attn"), nnx.PathContains("wte"))))
+    model, _, batches, size = gpt_problem()
+    objective = Objective.of(model, wrt=wrt)
+    state = jaxpar.init_state(model, TX, objective)
+    frozen = nnx.to_flat_state(nnx.state(state.model_state, nnx.Param))
+    assert {p[-2] if p[-1] == "embedding" else p[-3] for p, _ in frozen} == {"wte", "attn"}
+    want, step = state, jaxpar.make_train_step(objective, TX)
+    for b in batches:
+        want, metrics = step(want, b)
+    assert max(np.abs(a - b).max() for a, b in zip(leaves(want.params), leaves(state.params))) > 1e-3
+    n = 5
+    z = jaxpar.ZeroRedundancy(objective, TX, stage=3, mesh=jaxpar.make_mesh(n), batch_size=size)
+    placed = z.init(state)
+    pieces = [a for a in jax.tree.leaves(placed.model_state) if a.sharding.spec == jax.sharding.PartitionSpec("data")]
+    sizes = sorted(v.get_value().size for _, v in frozen)
+    assert sorted(a.shape[0] for a in pieces) == [n * -(-s // n) for s in sizes] and all(s % n for s in sizes)
+    assert all(a.addressable_shards[0].data.shape == (a.shape[0] // n,) for a in pieces)
+    for b in batches:
+        placed, got = z.step(placed, z.put_batch(b))
+    out = z.unplace(placed)
+    for a, b in zip(leaves(out.params) + leaves(out.opt_state), leaves(want.params) + leaves(want.opt_state)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["loss"], metrics["loss"], rtol=1e-5)
+    assert jax.tree.structure(out.model_state) == jax.tree.structure(state.model_state)
+    for a, b in zip(leaves(nnx.state(out.model_state, nnx.Param)), leaves(nnx.state(state.model_state, nnx.Param))):
+        np.testing.assert_array_equal(a, b)
+    rest = sum((jax.random.key_data(a) if jnp.issubdtype(a.dtype, jax.dtypes.prng_key) else a).nbytes
+               for a in jax.tree.leaves(nnx.state(state.model_state, nnx.Not(nnx.Param))))  # streams, whole
+    assert z.memory(placed)["model_state"] == rest + sum(4 * -(-s // n) for s in sizes)
+
+    class Running(nnx.Module):  # a running mean kept as a (frozen) nnx.Param, assigned in the forward
+        def __init__(self, rngs):
+            self.lin, self.mean = nnx.Linear(8, 2, rngs=rngs), nnx.Param(jnp.zeros(2))
+
+        def __call__(self, x):
+            y = self.lin(x)
+            self.mean[...] = 0.9 * self.mean[...] + 0.1 * y.mean(0)
+            return y
+
+    m = Running(nnx.Rngs(0))
+    loss = OutputLoss(lambda out, b: (jnp.sum((out - b["y"]) ** 2), b["y"].size))
+    only_lin = nnx.All(nnx.Param, nnx.PathContains("lin"))
+    z = jaxpar.ZeroRedundancy(m, TX, loss_fn=loss, stage=3, mesh=jaxpar.make_mesh(2), wrt=only_lin, per_sample=False)
+    placed = z.init(jaxpar.init_state(m, TX, wrt=only_lin))
+    rows = z.put_batch({"x": np.ones((4, 8), np.float32), "y": np.ones((4, 2), np.float32)})
+    with pytest.raises(ValueError, match="the forward changes frozen weight mean .* ZeRO stage 3 partitions"):
+        z.step(placed, rows)

@@ -216,10 +216,11 @@ def ring_bytes(kind: str, group: int, nbytes: float) -> float:
 
 
 def zero_traffic(stage: int, num_devices: int, group_bytes: list, unit_bytes: list | None = None,
-                 reduce: str = "reduce_scatter") -> dict[str, float]:
+                 reduce: str = "reduce_scatter", frozen_bytes: list = ()) -> dict[str, float]:
     """ZeRO's gradient and parameter traffic per step and device, by collective kind (the metrics' small psum
     left out). `group_bytes`: each shard group's padded bytes (N x chunk x itemsize); `unit_bytes`: stage 3's
-    gathered bytes per layer fetch. With Psi the padded parameter bytes, per device:
+    gathered bytes per layer fetch; `frozen_bytes`: its gathered frozen bytes per layer fetch (gathered for the
+    forward and the backward, never reduced). With Psi the padded parameter bytes, per device:
 
         DDP (stage 0)     all-reduce 2(N-1)/N Psi
         stage 1, 2        reduce-scatter (N-1)/N Psi + all-gather (N-1)/N Psi = DDP's volume
@@ -231,7 +232,7 @@ def zero_traffic(stage: int, num_devices: int, group_bytes: list, unit_bytes: li
         return {"all-reduce": sum(ring_bytes("all-reduce", n, b) for b in group_bytes)}
     if stage == 3:
         units = group_bytes if unit_bytes is None else unit_bytes
-        return {"all-gather": 2 * sum(ring_bytes("all-gather", n, b) for b in units),
+        return {"all-gather": 2 * sum(ring_bytes("all-gather", n, b) for b in [*units, *frozen_bytes]),
                 "reduce-scatter": sum(ring_bytes("reduce-scatter", n, b / n) for b in units)}
     if reduce == "all_reduce":
         out = {"all-reduce": sum(ring_bytes("all-reduce", n, b) for b in group_bytes)}

@@ -11,7 +11,8 @@ and this device's pieces of every parameter (one group per leaf, jaxpar.comm.sha
 
 Each leaf is its own all-gather (XLA may combine them; DeepSpeed coalesces a module's): with one buffer per
 leaf, a bias that an XLA fusion of the backward re-reads keeps only itself alive, where a shared buffer kept the
-layer's whole forward copy. A weight shared by two layers (GPT-2's tied wte) is fetched by both. "Issued once X
+layer's whole forward copy. A weight shared by two layers (GPT-2's tied wte) is fetched by both. A frozen
+weight (an nnx.Param that wrt leaves out: model state) is pieces too, gathered with its layer without a gradient. "Issued once X
 exists" is an exact 0.0 computed from X and added to the pieces (XLA:CPU drops optimization barriers; an
 arithmetic dependency it keeps). Each layer is a custom_vjp whose forward runs `jax.checkpoint`
 with a policy that saves everything but the gathered weights and layout ops on them (transposes, casts), so
@@ -63,11 +64,26 @@ def _is_var(x) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def tagged_treedef(params: nnx.State) -> Any:
-    """The treedef of `params` with every Variable marked with its leaf's full shape (values: the pieces)."""
-    vs, treedef = jax.tree.flatten(params, is_leaf=_is_var)
-    return jax.tree.structure(jax.tree.unflatten(treedef, [v.replace(0, **{META: tuple(v.shape)}) for v in vs]),
-                              is_leaf=lambda x: False)
+def tagged_treedef(state: nnx.State, which: Any = None) -> Any:
+    """The treedef of `state` with its Variables (those at indices `which`, default all) marked with their leaf's
+    full shape: its values are then the pieces, which the fetch gathers."""
+    vs, treedef = jax.tree.flatten(state, is_leaf=_is_var)
+    which = range(len(vs)) if which is None else set(which)
+    return jax.tree.structure(jax.tree.unflatten(treedef, [v.replace(0, **{META: tuple(v.shape)}) if i in which
+                                                           else v for i, v in enumerate(vs)]), is_leaf=lambda x: False)
+
+
+def is_tagged(path, v) -> bool:
+    """nnx filter: a Variable that holds this device's pieces (a trained or a partitioned frozen weight)."""
+    return isinstance(v, nnx.Variable) and META in v.get_metadata()
+
+
+def frozen_leaves(model_state: nnx.State) -> list[int]:
+    """Indices (among `jax.tree.leaves(model_state, is_leaf=Variable)`) of the frozen weights stage 3 partitions:
+    every nnx.Param that wrt leaves out, as DeepSpeed's zero.Init partitions every parameter, trained or not. Buffers
+    (BatchNorm statistics, RNG streams) stay whole on every device, as DeepSpeed keeps module buffers."""
+    return [i for i, v in enumerate(jax.tree.leaves(model_state, is_leaf=_is_var))
+            if isinstance(v, nnx.Param) and v.get_value().size]
 
 
 def tagged(treedef, plan: ShardPlan, shard: jax.Array) -> nnx.State:
@@ -78,16 +94,20 @@ def tagged(treedef, plan: ShardPlan, shard: jax.Array) -> nnx.State:
     return jax.tree.unflatten(treedef, by_leaf)
 
 
-def gather(variables: list, axis_name, compute_dtype=None) -> list[jax.Array]:
+def gather(variables: list, axis_name, compute_dtype=None, frozen: bool = False) -> list[jax.Array]:
     """The full weights of tagged Variables from their pieces: one all-gather per leaf, so each leaf has a buffer
     of its own (a bias that a backward fusion re-reads pins only itself); its transpose reduce-scatters each
     leaf's gradient. With `compute_dtype` (mixed precision) a floating weight is cast after its gather, so its
     gradient is reduce-scattered in the pieces' dtype (float32), as ZeRO stages 1-2 and DDP reduce: summed in
-    float16 it overflowed where theirs did not."""
+    float16 it overflowed where theirs did not. A `frozen` weight is gathered without a gradient (no
+    reduce-scatter in the backward) and not cast, as the single step leaves the model state uncast."""
     out = []
     for v in variables:
         shape = v.get_metadata()[META]
         full = all_gather_shards(v.get_value(), axis_name).reshape(-1)[:math.prod(shape)].reshape(shape)
+        if frozen:
+            out.append(checkpoint_name(jax.lax.stop_gradient(full), NAME))
+            continue
         if compute_dtype is not None and jnp.issubdtype(full.dtype, jnp.floating):
             full = full.astype(compute_dtype)
         out.append(checkpoint_name(full, NAME))
@@ -99,18 +119,39 @@ def _token(tree: Any) -> jax.Array:
     return zero_after(arrays[0]) if arrays else jnp.zeros((), jnp.float32)
 
 
+def _full(tree, s: Settings, frozen: bool):
+    """`tree` (an nnx.State of tagged Variables) with each Variable's pieces replaced by the gathered weight."""
+    vs = jax.tree.leaves(tree, is_leaf=_is_var)
+    dtype = None if frozen else s.compute_dtype
+    return jax.tree.unflatten(jax.tree.structure(tree, is_leaf=_is_var),
+                              [v.replace(w) for v, w in zip(vs, gather(vs, s.axis_name, dtype, frozen))])
+
+
+def _refuse_changed(before: list, after) -> None:
+    """ValueError (at trace time) if the forward assigned a partitioned frozen weight (`before`: the values it was
+    given, `after`: the State after the forward): its pieces cannot keep the change."""
+    for a, (path, v) in zip(before, nnx.to_flat_state(after)):
+        if a is not v.get_value():
+            raise ValueError(f"the forward changes frozen weight {'/'.join(map(str, path))} (an nnx.Param that wrt "
+                             "leaves out), which ZeRO stage 3 partitions over the devices as DeepSpeed does every "
+                             "parameter, so the change would be lost: keep a value the forward updates in a variable "
+                             "that is not an nnx.Param (nnx.BatchStat or your own nnx.Variable type), or train it "
+                             "(include it in wrt).")
+
+
 def _unit(graphdef, call: Callable, s: Settings, axes, last: bool):
-    """The custom_vjp of one layer `(pieces, x, rest, after, link) -> ((y, rest'), link)`; `axes`: vmap in_axes
-    of (x, rest) when the call runs over a batch of samples, None when it runs once."""
-    def region(lp, x, rest):
-        vs = jax.tree.leaves(lp, is_leaf=_is_var)
-        full = jax.tree.unflatten(jax.tree.structure(lp, is_leaf=_is_var),
-                                  [v.replace(w) for v, w in zip(vs, gather(vs, s.axis_name, s.compute_dtype))])
+    """The custom_vjp of one layer `(pieces, frozen pieces, x, rest, after, link) -> ((y, rest'), link)`; `axes`:
+    vmap in_axes of (x, rest) when the call runs over a batch of samples, None when it runs once."""
+    def region(lp, fz, x, rest):
+        full, frozen = _full(lp, s, False), _full(fz, s, True)
 
         def apply(x, rest):
-            model = nnx.merge(graphdef, full, rest)
+            model = nnx.merge(graphdef, full, frozen, rest)
+            given = [v.get_value() for _, v in nnx.to_flat_state(frozen)]  # merge shares the Variables
             y = call(model, x)
-            return y, nnx.split(model, s.wrt, ...)[2]
+            _, _, frozen_after, rest_after = nnx.split(model, s.wrt, is_tagged, ...)
+            _refuse_changed(given, frozen_after)
+            return y, rest_after
 
         return apply(x, rest) if axes is None else jax.vmap(apply, in_axes=axes)(x, rest)
 
@@ -118,13 +159,13 @@ def _unit(graphdef, call: Callable, s: Settings, axes, last: bool):
     slots: list = []  # positions of the pieces among the backward's residuals (found at trace time)
 
     @jax.custom_vjp
-    def unit(lp, x, rest, after, link):
-        return region(lp, x, rest), link
+    def unit(lp, fz, x, rest, after, link):
+        return region(lp, fz, x, rest), link
 
-    def fwd(lp, x, rest, after, link):
-        lp = tie(lp, _token(after))  # gather once `after` exists
-        out, vjp = jax.vjp(region, lp, x, rest)
-        ids = {id(a) for a in jax.tree.leaves(lp)}
+    def fwd(lp, fz, x, rest, after, link):
+        lp, fz = tie((lp, fz), _token(after))  # gather once `after` exists
+        out, vjp = jax.vjp(region, lp, fz, x, rest)
+        ids = {id(a) for a in jax.tree.leaves((lp, fz))}
         slots[:] = [i for i, r in enumerate(jax.tree.leaves(vjp)) if id(r) in ids]
         return (out, link), vjp
 
@@ -134,8 +175,8 @@ def _unit(graphdef, call: Callable, s: Settings, axes, last: bool):
         res, treedef = jax.tree.flatten(vjp)
         for i in slots or range(len(res)):
             res[i] = tie(res[i], token)
-        d_lp, d_x, _ = jax.tree.unflatten(treedef, res)((ct_y, ct_rest))
-        return d_lp, d_x, None, None, _token(ct_y)
+        d_lp, _, d_x, _ = jax.tree.unflatten(treedef, res)((ct_y, ct_rest))
+        return d_lp, None, d_x, None, None, _token(ct_y)
 
     unit.defvjp(fwd, bwd)
     return unit
@@ -143,37 +184,38 @@ def _unit(graphdef, call: Callable, s: Settings, axes, last: bool):
 
 def fetch_call(layer: nnx.Module, x: Any, after: Any, link: jax.Array, s: Settings, call: Callable,
                last: bool) -> tuple[Any, jax.Array]:
-    """`call(layer, x)` with the layer's weights gathered from their pieces (forward and backward)."""
-    graphdef, lp, rest = nnx.split(layer, s.wrt, ...)
+    """`call(layer, x)` with the layer's weights gathered from their pieces (forward and backward); its frozen
+    weights (partitioned model state) are gathered too, without a gradient."""
+    graphdef, lp, fz, rest = nnx.split(layer, s.wrt, is_tagged, ...)
     if not s.per_sample:
-        (y, new_rest), link = _unit(graphdef, call, s, None, last)(lp, x, rest, after, link)
+        (y, new_rest), link = _unit(graphdef, call, s, None, last)(lp, fz, x, rest, after, link)
         nnx.update(layer, new_rest)
         return y, link
 
     @custom_batching.custom_vmap
-    def batched(lp, x, rest, after, link):
-        return _unit(graphdef, call, s, None, last)(lp, x, rest, after, link)
+    def batched(lp, fz, x, rest, after, link):
+        return _unit(graphdef, call, s, None, last)(lp, fz, x, rest, after, link)
 
     @batched.def_vmap
-    def rule(axis_size, in_batched, lp, x, rest, after, link):
-        if any(jax.tree.leaves(in_batched[0])) or in_batched[4]:
-            raise ValueError("ZeRO stage 3 fetches weights that vary by sample; the trained parameters must be the "
+    def rule(axis_size, in_batched, lp, fz, x, rest, after, link):
+        if any(jax.tree.leaves(in_batched[:2])) or in_batched[5]:
+            raise ValueError("ZeRO stage 3 fetches weights that vary by sample; the parameters must be the "
                              "same for every row (do not vmap over them).")
-        axes = jax.tree.map(lambda b: 0 if b else None, (in_batched[1], in_batched[2]))
-        if not any(jax.tree.leaves((in_batched[1], in_batched[2]))):
-            out = _unit(graphdef, call, s, None, last)(lp, x, rest, after, link)
+        axes = jax.tree.map(lambda b: 0 if b else None, (in_batched[2], in_batched[3]))
+        if not any(jax.tree.leaves((in_batched[2], in_batched[3]))):
+            out = _unit(graphdef, call, s, None, last)(lp, fz, x, rest, after, link)
             return out, jax.tree.map(lambda _: False, out)
-        (y, new_rest), link = _unit(graphdef, call, s, axes, last)(lp, x, rest, after, link)
+        (y, new_rest), link = _unit(graphdef, call, s, axes, last)(lp, fz, x, rest, after, link)
         return ((y, new_rest), link), ((jax.tree.map(lambda _: True, y), jax.tree.map(lambda _: True, new_rest)),
                                        False)
 
-    (y, new_rest), link = batched(lp, x, rest, after, link)
+    (y, new_rest), link = batched(lp, fz, x, rest, after, link)
     nnx.update(layer, nnx.filter_state(new_rest, nnx.RngState))  # per sample: only draws may change
     return y, link
 
 
-def _has_params(layer, wrt) -> bool:
-    return isinstance(layer, nnx.Module) and bool(jax.tree.leaves(nnx.state(layer, wrt)))
+def _has_pieces(layer) -> bool:
+    return isinstance(layer, nnx.Module) and bool(jax.tree.leaves(nnx.state(layer, is_tagged)))
 
 
 def _fetching_call(self, *args, **kwargs):
@@ -184,7 +226,7 @@ def _fetching_call(self, *args, **kwargs):
         whole = lambda m, inputs: s.base.__call__(m, *inputs[0], **inputs[1])  # noqa: E731
         return fetch_call(self, (args, kwargs), args, link, s, whole, True)[0]
     x = prev = args[0]
-    with_params = [i for i, layer in enumerate(layers) if _has_params(layer, s.wrt)]
+    with_params = [i for i, layer in enumerate(layers) if _has_pieces(layer)]
     for i, layer in enumerate(layers):
         if i in with_params:
             y, link = fetch_call(layer, x, prev, link, s, lambda m, v: m(v), i == with_params[-1])
@@ -216,12 +258,13 @@ def fetching_graphdefs(objective, params: nnx.State, model_state: nnx.State, set
     return tuple(out)
 
 
-def units(model: nnx.Module, wrt: Any = nnx.Param, whole: bool = False) -> list[list[int]]:
-    """The leaf indices (of `nnx.split(model, wrt, ...)[1]`) each parameter-holding layer fetches, in forward
-    order; one unit of every leaf for a model without `layers`, or `whole`. Outside jit: plans and cost models."""
+def units(model: nnx.Module, wrt: Any = nnx.Param, whole: bool = False, rest: bool = False) -> list[list[int]]:
+    """The leaf indices (of `nnx.split(model, wrt, ...)[1]`, or [2], the model state, with `rest`) each layer
+    fetches, in forward order; one unit of every leaf for a model without `layers`, or `whole`; layers holding
+    none are left out. Outside jit: plans and cost models."""
     from jaxpar.comm.overlap import _path_of
 
-    params = nnx.split(model, wrt, ...)[1]
+    params = nnx.split(model, wrt, ...)[2 if rest else 1]
     index = {_path_of(p): i for i, (p, _) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0])}
     where = {id(node): tuple(path) for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Variable)}
     layers = None if whole else getattr(model, "layers", None)

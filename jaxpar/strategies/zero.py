@@ -5,7 +5,8 @@ partitioned over the replicas (Rajbhandari et al. 2020). One step, on every devi
               g_mine = reduce_scatter(g)  or  my slice of all_reduce(g)     after the backward (zero_reduce)
     stage 2:  g_mine = reduce_scatter(bucket) from inside the backward, bucket by bucket (DDP's hooks)
     stage 3:  params are pieces too: each layer all-gathered before its forward and its backward, its
-              gradient reduce-scattered in the backward (jaxpar.comm.fetch)
+              gradient reduce-scattered in the backward (jaxpar.comm.fetch); frozen weights (nnx.Params that
+              wrt leaves out) are pieces as well, gathered with their layer, without a gradient
     then:     g_mine /= psum(weight);  p_mine, opt_mine = tx(g_mine, opt_mine, p_mine)    1/N of the optimizer
               params = all_gather(p_mine)                  stages 1-2; stage 3 keeps its pieces
 
@@ -68,9 +69,12 @@ def paper_bytes(stage: int, num_params: int, num_devices: int, opt_bytes: int = 
 
 
 def zero_body(objective: Objective, tx, plan: sh.ShardPlan, stage: int, *, reduce: str = "reduce_scatter",
-              grad_accum: int = 1, needs_norm: bool = False, treedef=None, axis_name=DATA, gradients_only=False):
+              grad_accum: int = 1, needs_norm: bool = False, treedef=None, axis_name=DATA, gradients_only=False,
+              frozen: tuple = (), state_treedef=None):
     """The per-device step `(state, local_rows) -> (state, metrics)` (or, with gradients_only, the gradient as
-    the stage holds it after its backward: stage 1 every leaf, stages 2-3 this device's shard)."""
+    the stage holds it after its backward: stage 1 every leaf, stages 2-3 this device's shard). Stage 3:
+    `frozen` are the model-state leaves held as pieces (partitioned frozen weights), `state_treedef` the model
+    state's treedef with those marked for the fetch."""
     K, n = grad_accum, plan.num_devices
 
     def grads_of(state: TrainState, rows: Rows):
@@ -116,7 +120,13 @@ def zero_body(objective: Objective, tx, plan: sh.ShardPlan, stage: int, *, reduc
         return jnp.concatenate(out)
 
     def body(state: TrainState, rows: Rows):
+        held, plain = jax.tree.flatten(state.model_state)
+        if frozen:  # the fetch gathers the marked pieces; they leave the step as they came (never changed)
+            state = state._replace(model_state=jax.tree.unflatten(state_treedef, held))
         grads, total, model_state = grads_of(state, rows)
+        if frozen:
+            model_state = jax.tree.unflatten(plain, [held[i] if i in frozen else a for i, a in
+                                                     enumerate(jax.tree.leaves(model_state))])
         if stage == 2:
             grads = jnp.concatenate(grads)  # this device's pieces of the groups: its shard of the gradient
         if gradients_only:
@@ -174,8 +184,9 @@ class ZeroRedundancy:
         self._layers_check = LayersCheck()  # armed by init where the layers run instead of __call__
         check_options(stage=stage, reduce=reduce, grad_accum=grad_accum, bucket_cap_mb=bucket_cap_mb)
         if fetch not in FETCHES:
-            raise ValueError(f"fetch={fetch!r} is not known; use 'layer' (stage 3 gathers each of the model's `layers` "
-                             "as it runs them) or 'model' (every weight at once, the model's own __call__).")
+            raise ValueError(f"fetch={fetch!r} (--zero-fetch) is not known; use 'layer' (stage 3 gathers each of the "
+                             "model's `layers` as it runs them) or 'model' (every weight at once, the model's own "
+                             "__call__).")
         self.objective = objective_of(model, loss_fn, **objective_options)
         if stage == 3 and self.objective.activation_checkpoint_interval:
             raise ValueError(f"ZeRO stage 3 runs each layer under its own fetching recomputation, so "
@@ -209,6 +220,8 @@ class ZeroRedundancy:
         self.needs_norm = zero_optim.check(self.tx, params)
         self.param_treedef = jax.tree.structure(params)
         objective, treedef = self.objective, self.param_treedef
+        self.frozen, state_treedef = (), None  # the model-state leaves held as pieces (stage 3's frozen weights)
+        self._model_state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state.model_state)
         if self.stage == 3:
             model = self.objective.merge(params, state.model_state)
             paths = {tuple(p) for p, _ in nnx.to_flat_state(params)}
@@ -224,8 +237,14 @@ class ZeroRedundancy:
                                           cast_params=objective.compute_dtype is None)  # cast after each gather
             treedef = fetch.tagged_treedef(params)
             self._units = fetch.units(model, objective.wrt, whole=not self._fetches_layers)
-        self.state_specs = TrainState(P(DATA) if self.stage == 3 else P(), self._opt_specs(params), P(), P())
-        kw = dict(reduce=self.reduce, grad_accum=self.grad_accum, needs_norm=self.needs_norm, treedef=treedef)
+            self.frozen = tuple(fetch.frozen_leaves(state.model_state))
+            self._frozen_units = [[i for i in u if i in self.frozen] for u in
+                                  fetch.units(model, objective.wrt, whole=not self._fetches_layers, rest=True)]
+            state_treedef = fetch.tagged_treedef(state.model_state, self.frozen)
+        self.state_specs = TrainState(P(DATA) if self.stage == 3 else P(), self._opt_specs(params),
+                                      self._model_state_map(lambda a, frozen: P(DATA) if frozen else P()), P())
+        kw = dict(reduce=self.reduce, grad_accum=self.grad_accum, needs_norm=self.needs_norm, treedef=treedef,
+                  frozen=self.frozen, state_treedef=state_treedef)
         body = zero_body(objective, self.tx, self.plan, self.stage, **kw)
         grads = zero_body(objective, self.tx, self.plan, self.stage, gradients_only=True, **kw)
         specs = (self.state_specs, P(DATA))
@@ -233,6 +252,14 @@ class ZeroRedundancy:
                                            check_vma=False), donate_argnums=0)
         self._grads = jax.jit(jax.shard_map(grads, mesh=self.mesh, in_specs=specs, out_specs=P(DATA),
                                             check_vma=False))
+
+    def _model_state_map(self, fn, model_state=None):
+        """fn(leaf, partitioned?) over the model state's leaves (default: its shapes), as a model-state tree."""
+        leaves, treedef = jax.tree.flatten(self._model_state if model_state is None else model_state)
+        return jax.tree.unflatten(treedef, [fn(a, i in self.frozen) for i, a in enumerate(leaves)])
+
+    def _frozen_chunk(self, a) -> int:
+        return -(-math.prod(a.shape) // self.mesh.size)
 
     def _opt_specs(self, params):
         outer, kinds, leaves = zero_optim.flat_state_shapes(self.tx, params, 7, jnp.float32)
@@ -250,15 +277,23 @@ class ZeroRedundancy:
             self._setup(state)
         if self.stage == 3 and self._fetches_layers:
             self._layers_check.arm(self.objective, state, "ZeRO stage 3 fetches each layer's weights as it runs the "
-                                   "model's", "pass ZeroRedundancy(..., fetch='model') (one fetch of every weight; "
-                                   "from train.py, name the list other than `layers`)")
+                                   "model's", "pass ZeroRedundancy(..., fetch='model') (--zero-fetch model: one fetch of "
+                                   "every weight)")
         _, kinds, outer = zero_optim.layouts(self.tx, state.params)
         opt = [zero_optim.flat_tree(self._place_flat(x)) if kind else replicate(x, self.mesh)
                for x, kind in zip(zero_optim.to_flat(self.tx, self.plan, state.params, state.opt_state), kinds)]
         params = self._place_flat(sh.pack(self.plan, [np.asarray(a) for a in jax.tree.leaves(state.params)], xp=np)) \
             if self.stage == 3 else replicate(state.params, self.mesh)
-        rest = replicate((state.model_state, state.step), self.mesh)
-        return TrainState(params, jax.tree.unflatten(outer, opt), *rest)
+        model_state = self._model_state_map(lambda a, frozen: self._place_flat(self._pieces(a)) if frozen else
+                                            replicate(a, self.mesh), state.model_state)
+        return TrainState(params, jax.tree.unflatten(outer, opt), model_state, replicate(state.step, self.mesh))
+
+    def _pieces(self, a) -> np.ndarray:
+        """A frozen weight as the host [N, chunk] array of its pieces (zero-padded), device r holding row r."""
+        a = np.asarray(a).reshape(-1)
+        out = np.zeros((self.mesh.size, self._frozen_chunk(a)), a.dtype)
+        out.reshape(-1)[:a.size] = a
+        return out
 
     def _place_flat(self, flat_NxS: np.ndarray) -> jax.Array:
         """A host [N, S] array as one global [N S] array, device r holding row r."""
@@ -301,8 +336,11 @@ class ZeroRedundancy:
                                         [jnp.asarray(a) for a in sh.unpack(self.plan, flat(placed.params))])
         else:
             params = jax.tree.map(_first, placed.params)
-        return TrainState(params, zero_optim.from_flat(self.tx, self.plan, abstract, opt),
-                          jax.tree.map(_first, placed.model_state), _first(placed.step))
+        whole = lambda a, s: jnp.asarray(zero_optim.gather_to_host(a)[:math.prod(s.shape)].reshape(s.shape))  # noqa
+        model_state = jax.tree.map(lambda a, s, f: whole(a, s) if f else _first(a), placed.model_state,
+                                   self._model_state, self._model_state_map(lambda _, frozen: frozen))
+        return TrainState(params, zero_optim.from_flat(self.tx, self.plan, abstract, opt), model_state,
+                          _first(placed.step))
 
     def _abstract_params(self):
         return jax.tree.unflatten(self.param_treedef, [jax.ShapeDtypeStruct(i.shape, np.dtype(i.dtype))
@@ -341,7 +379,7 @@ class ZeroRedundancy:
                 "optimizer": held_bytes(placed.opt_state, device)}
         opt_bytes = sum(zero_optim.layouts(self.tx, self._abstract_params())[1]) * self.plan.itemsize
         # beside the paper's terms: the model state (frozen weights, statistics, RNG streams), whole on every device
-        # at every stage (a frozen weight is not partitioned: DeepSpeed's zero.Init and FSDP do partition those)
+        # at stages 1-2; at stage 3 its frozen weights are 1/N, as DeepSpeed's zero.Init partitions them
         return {**held, "total": sum(held.values()), "model_state": held_bytes(placed.model_state, device),
                 "step_temp": temp,
                 "paper": paper_bytes(self.stage, self.plan.num_elements, self.mesh.size, opt_bytes),
@@ -357,18 +395,22 @@ class ZeroRedundancy:
         outer, kinds, leaves = zero_optim.flat_state_shapes(self.tx, state.params, flat.shape[0], flat.dtype)
         opt = [jax.tree.map(lambda a, k=kind: spec(P(DATA) if k else P(), a), x) for x, kind in zip(leaves, kinds)]
         params = spec(P(DATA), flat) if self.stage == 3 else jax.tree.map(lambda a: spec(P(), a), state.params)
-        rest = jax.tree.map(lambda a: spec(P(), a), (state.model_state, state.step))
-        placed = TrainState(params, jax.tree.unflatten(outer, opt), *rest)
+        model_state = self._model_state_map(lambda a, frozen: spec(P(DATA), jax.ShapeDtypeStruct(
+            (self.mesh.size * self._frozen_chunk(a),), a.dtype)) if frozen else spec(P(), a), state.model_state)
+        placed = TrainState(params, jax.tree.unflatten(outer, opt), model_state, spec(P(), state.step))
         return placed, jax.tree.map(lambda a: spec(P(DATA), a), rows)
 
     def comm_model(self) -> dict:
         """Bytes each device sends per step by collective kind (ring costs, jaxpar.comm.cost.zero_traffic)."""
-        n, itemsize, units = self.mesh.size, self.plan.itemsize, None
-        if self.stage == 3:  # one group per leaf: a layer gathers its leaves' groups
+        n, itemsize, units, frozen = self.mesh.size, self.plan.itemsize, None, []
+        if self.stage == 3:  # one group per leaf: a layer gathers its leaves' groups (and its frozen pieces)
             chunk = {g.leaves[0]: g.chunk for g in self.plan.groups}
             units = [n * sum(chunk[i] for i in u) * itemsize for u in self._units]
+            held = jax.tree.leaves(self._model_state)
+            frozen = [n * sum(self._frozen_chunk(held[i]) * np.dtype(held[i].dtype).itemsize for i in u)
+                      for u in self._frozen_units if u]
         return comm_cost.zero_traffic(self.stage, n, [n * g.chunk * itemsize for g in self.plan.groups], units,
-                                      self.reduce)
+                                      self.reduce, frozen)
 
     def report(self, placed) -> dict:
         """The partition, the modelled traffic per step, what the compiled step really sends, and the memory."""
@@ -416,4 +458,5 @@ def build(model: nnx.Module, tx: optax.GradientTransformation, cfg: Config, loss
     reduce = cfg.zero_reduce or "reduce_scatter"  # DeepSpeed's stage 1 default: reduce_scatter: true
     return ZeroRedundancy(cfg_objective(model, loss_fn, cfg), tx, stage=stage, reduce=reduce,
                           mesh=make_mesh(cfg.num_devices), bucket_cap_mb=cfg.bucket_cap_mb, grad_accum=cfg.grad_accum,
-                          batch_size=cfg.batch_size, leaf_order=overlap.forward_leaf_order(model))
+                          batch_size=cfg.batch_size, leaf_order=overlap.forward_leaf_order(model),
+                          fetch=cfg.zero_fetch or "layer")

@@ -12,9 +12,9 @@ and this device's pieces of every parameter (one group per leaf, jaxpar.comm.sha
 Each leaf is its own all-gather (XLA may combine them; DeepSpeed coalesces a module's): with one buffer per
 leaf, a bias that an XLA fusion of the backward re-reads keeps only itself alive, where a shared buffer kept the
 layer's whole forward copy. A weight shared by two layers (GPT-2's tied wte) is fetched by both. A frozen
-weight (an nnx.Param that wrt leaves out: model state) is pieces too, gathered with its layer without a gradient. "Issued once X
-exists" is an exact 0.0 computed from X and added to the pieces (XLA:CPU drops optimization barriers; an
-arithmetic dependency it keeps). Each layer is a custom_vjp whose forward runs `jax.checkpoint`
+weight (an nnx.Param that wrt leaves out: model state) is pieces too, gathered with its layer without a
+gradient. "Issued once X exists" is an exact 0.0 computed from X and added to the pieces (XLA:CPU drops
+optimization barriers; an arithmetic dependency it keeps). Each layer is a custom_vjp whose forward runs `jax.checkpoint`
 with a policy that saves everything but the gathered weights and layout ops on them (transposes, casts), so
 the backward re-gathers; its backward ties the re-gather to the incoming cotangent. The objective's per-sample
 vmap (dropout keyed by sample) would batch that custom_vjp and reduce-scatter per sample, so under vmap the

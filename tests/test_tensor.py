@@ -418,6 +418,9 @@ def test_bad_sizes_are_named():
         TensorParallel(model(), optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1)), tensor_parallel=2)
     with pytest.raises(ValueError, match="no module that tensor parallelism can split"):
         TensorParallel(nnx.Linear(4, 4, rngs=nnx.Rngs(0)), TX, tensor_parallel=2)
+    for stage in (2, True, np.True_, 1.0):  # True == 1.0 == 1 in Python: each ran as stage 1, printed as given
+        with pytest.raises(ValueError, match=f"zero_stage={stage!r}: tensor parallelism takes ZeRO stage 0 or 1"):
+            TensorParallel(model(), TX, tensor_parallel=2, zero_stage=stage)
 
 
 def test_the_users_model_stays_whole_and_bad_layouts_are_refused():

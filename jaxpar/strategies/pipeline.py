@@ -41,6 +41,7 @@ from jaxpar.pipeline.stage import Layout, act_spec
 from jaxpar.pipeline.transfer import Transport
 from jaxpar.step import TrainState
 from jaxpar.strategies.tensor import TensorParallel, check_split_computes, foreign_split
+from jaxpar.strategies.zero1 import is_stage
 from jaxpar.strategies.base import (LayersCheck, check_placed, check_state, check_tx, from_process_0,
                                     processes, refuse_sync_batch_norm)
 
@@ -168,7 +169,7 @@ class Pipeline:
         T = tensor_parallel
         if not isinstance(T, int) or isinstance(T, bool) or T < 1:
             raise ValueError(f"tensor_parallel={T!r} must be an int >= 1; pass --tensor-parallel 1 or more.")
-        if zero_stage not in (0, 1) or isinstance(zero_stage, bool):
+        if not is_stage(zero_stage, (0, 1)):
             raise ValueError(f"zero_stage={zero_stage!r}: the pipeline takes ZeRO stage 0 or 1 (each stage's optimizer "
                              "state partitioned over its data replicas); DeepSpeed refuses stages 2 and 3 with "
                              "pipeline parallelism (their gradient and weight partitions would be reduced and gathered "

@@ -53,6 +53,7 @@ from jaxpar.step import TrainState, apply_updates, squared_norm
 from jaxpar.strategies import zero_optim
 from jaxpar.strategies.base import LayersCheck, check_placed, check_state, from_process_0
 from jaxpar.strategies.ddp import from_replica_0, local_devices, psum_sums
+from jaxpar.strategies.zero1 import is_stage
 
 # split the output dim; the fused q|k|v output dim by heads; the input dim; an embedding table's rows (the
 # vocabulary), only when T divides them (else replicated: Megatron pads the vocabulary instead, which would change
@@ -201,7 +202,7 @@ class TensorParallel:
                  mesh: Mesh | None = None, batch_size: int | None = None, zero_stage: int = 0,
                  zero_reduce: str = "reduce_scatter", check_split: bool | None = None, **objective_options):
         n = jax.device_count() if mesh is None else mesh.size
-        if zero_stage not in (0, 1) or isinstance(zero_stage, bool):
+        if not is_stage(zero_stage, (0, 1)):
             raise ValueError(f"zero_stage={zero_stage!r}: tensor parallelism takes ZeRO stage 0 or 1 (the optimizer "
                              "state of each tensor rank's slices partitioned over the data replicas: Megatron's "
                              "distributed optimizer); pass 0 or 1.")

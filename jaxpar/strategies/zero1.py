@@ -157,6 +157,13 @@ class StageZero(NamedTuple):
         return jit(mapped, donate_argnums=(0, 1, 3))
 
 
+def is_stage(zero_stage: Any, stages: tuple) -> bool:
+    """`zero_stage` is one of `stages` as an integer: True, np.True_ and 1.0 equal 1 in Python, and each ran as
+    stage 1 while printed as given."""
+    return isinstance(zero_stage, (int, np.integer)) and not isinstance(zero_stage, (bool, np.bool_)) and \
+        zero_stage in stages
+
+
 def _as_tree(plan: sh.ShardPlan) -> list:
     """The plan's leaves as ShapeDtypeStructs: a parameter tree's stand-in for the optimizer's state layout."""
     return [jax.ShapeDtypeStruct(info.shape, info.dtype) for info in plan.leaves]

@@ -177,7 +177,7 @@ def test_resume_to_more_steps_keeps_the_cosine_schedule_only_when_told(npz, tmp_
         capsys.readouterr()
         resumed = trainer.run(config(npz, steps=5, lr_decay_steps=decay, checkpoint_dir=ckpt, resume=True,
                                      **cosine))["state"]
-        printed = capsys.readouterr().out
+        printed = capsys.readouterr().err  # with the other notes, apart from the run's log
         assert ("the cosine schedule decayed to step 3, now 5" in printed and "--lr-decay-steps 3" in printed) == note
         same = all(np.array_equal(a, b) for a, b in zip(leaves(resumed), leaves(whole)))
         assert same != note, f"--lr-decay-steps {decay}"  # the note's run trained another schedule

@@ -722,7 +722,8 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
         print(f"jaxpar: note: --steps {cfg.steps} sets the run's length, not --epochs {cfg.epochs} (as Hugging Face's "
               "max_steps overrides num_train_epochs).", file=sys.stderr)
     for note in ckpt.notes if ckpt is not None and main_process else ():
-        print(f"jaxpar: note: resuming with a changed setting ({note}); the run will not match the original.")
+        print(f"jaxpar: note: resuming with a changed setting ({note}); the run will not match the original.",
+              file=sys.stderr)
     if cfg.resume and step >= total_steps and main_process:
         print(f"jaxpar: note: the checkpoint is at step {step}, and this run ends at step {total_steps}: nothing is "
               "left to train; raise --steps or --epochs to train on.", file=sys.stderr)

@@ -146,3 +146,31 @@ def test_batch_mode_refuses_padding_and_sync_bn_refuses_dp_and_the_pipeline():
     pipe = jaxpar.Pipeline(bn_model(True), TX, num_stages=2, micro_batches=2)  # it failed inside flax's BatchNorm
     with pytest.raises(ValueError, match="which the pipeline's stages cannot bind.*SyncBatchNorm needs Distributed"):
         pipe.init(jaxpar.init_state(bn_model(True), TX))
+
+
+def test_ddp_broadcasts_the_buffers_not_the_frozen_weights():
+    """torch's broadcast_buffers=True sends replica 0's buffers (BatchNorm's running statistics) every step, not
+    the parameters: a frozen weight (left out of wrt) starts equal on every replica and stays so. The compiled
+    step all-reduces the trained weights' gradients, the statistics and the metrics, and nothing of the frozen
+    Linear and BatchNorm scale (6 x 16 + 16 + 2 x 16 floats), which it all-reduced every step before."""
+    from jaxpar.comm import cost
+
+    wrt = nnx.All(nnx.Param, nnx.PathContains(3))  # only the head: the first Linear and BatchNorm's scale frozen
+    rng = np.random.default_rng(3)
+    batches = [{"x": rng.standard_normal((16, 6)).astype(np.float32), "y": rng.integers(0, 3, 16)} for _ in range(2)]
+    state = jaxpar.init_state(bn_model(), TX, wrt=wrt)
+    ddp = jaxpar.DistributedDataParallel(bn_model(), TX, mesh=jaxpar.make_mesh(2), wrt=wrt)
+    single = jaxpar.DistributedDataParallel(bn_model(), TX, mesh=jaxpar.make_mesh(1), wrt=wrt)
+    placed, alone = ddp.init(state), single.init(state)
+    for b in batches:
+        placed, _ = ddp.step(placed, ddp.put_batch(b))
+        alone, _ = single.step(alone, single.put_batch(b))
+    frozen = jax.tree.leaves(nnx.state(state.model_state, nnx.Param))
+    assert sum(a.size for a in frozen) == 6 * 16 + 16 + 2 * 16
+    for a, b in zip(jax.tree.leaves(nnx.state(placed.model_state, nnx.Param)), frozen):
+        assert all(np.array_equal(s.data, b) for s in a.addressable_shards)  # on both replicas, unchanged
+    stats = [a for a in jax.tree.leaves(nnx.state(ddp.unplace(placed).model_state, nnx.BatchStat))]
+    moved = [a for a in jax.tree.leaves(nnx.state(single.unplace(alone).model_state, nnx.BatchStat))]
+    assert max(float(np.abs(a - b).max()) for a, b in zip(stats, moved)) > 1e-3  # replica 0's rows only
+    sent = sum(c.nbytes for c in cost.hlo_collectives(ddp.hlo(placed)) if c.kind == "all-reduce")
+    assert 4 * (3 * 16 + 3 + 2 * 16) <= sent < 4 * (3 * 16 + 3 + 2 * 16 + 16)  # gradients, statistics, metrics

@@ -627,7 +627,7 @@ def test_stage_3_fetch_model_trains_an_embedding_and_head_around_layers():
     assert "every weight in one fetch" in z.describe()
     for a, b in zip(leaves(z.unplace(placed).params), leaves(want.params)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
-    with pytest.raises(ValueError, match="fetch='layers' is not known; use 'layer'"):
+    with pytest.raises(ValueError, match=r"fetch='layers' \(--zero-fetch\) is not known; use 'layer'"):
         jaxpar.ZeroRedundancy(EmbedLayersHead(nnx.Rngs(0)), tx, loss_fn=loss, stage=3, fetch="layers")
 
 
@@ -636,7 +636,8 @@ def test_stage_3_partitions_frozen_weights_and_equals_single():
     head): stage 3 holds each frozen weight as 1/N pieces, as DeepSpeed's zero.Init partitions every parameter,
     gathered for each layer's forward and backward without a gradient. N=5 pads every frozen weight. Equal to single
     after 3 Adam steps with dropout on; the frozen weights come back whole and unchanged; the model state held per
-    device is the pieces'. A forward that assigns a frozen weight is refused when the step is traced."""
+    device is the pieces'. A forward that assigns a frozen weight is refused when the step is traced in batch mode,
+    where the single step keeps the change; per sample the single step drops it, and so does stage 3."""
     wrt = nnx.All(nnx.Param, nnx.Not(nnx.Any(nnx.PathContains("attn"), nnx.PathContains("wte"))))
     model, _, batches, size = gpt_problem()
     objective = Objective.of(model, wrt=wrt)
@@ -679,8 +680,21 @@ def test_stage_3_partitions_frozen_weights_and_equals_single():
     m = Running(nnx.Rngs(0))
     loss = OutputLoss(lambda out, b: (jnp.sum((out - b["y"]) ** 2), b["y"].size))
     only_lin = nnx.All(nnx.Param, nnx.PathContains("lin"))
-    z = jaxpar.ZeroRedundancy(m, TX, loss_fn=loss, stage=3, mesh=jaxpar.make_mesh(2), wrt=only_lin, per_sample=False)
-    placed = z.init(jaxpar.init_state(m, TX, wrt=only_lin))
-    rows = z.put_batch({"x": np.ones((4, 8), np.float32), "y": np.ones((4, 2), np.float32)})
-    with pytest.raises(ValueError, match="the forward changes frozen weight mean .* ZeRO stage 3 partitions"):
-        z.step(placed, rows)
+    state = jaxpar.init_state(m, TX, wrt=only_lin)
+    batch = {"x": np.arange(32, dtype=np.float32).reshape(4, 8) / 8, "y": np.ones((4, 2), np.float32)}
+    for per_sample in (True, False):
+        single = jaxpar.SingleDevice(m, TX, loss_fn=loss, wrt=only_lin, per_sample=per_sample)
+        want = single.unplace(single.step(single.init(state), single.put_batch(batch))[0])
+        z = jaxpar.ZeroRedundancy(m, TX, loss_fn=loss, stage=3, mesh=jaxpar.make_mesh(2), wrt=only_lin,
+                                  per_sample=per_sample)
+        placed, rows = z.init(state), z.put_batch(batch)
+        if per_sample:
+            got = z.unplace(z.step(placed, rows)[0])
+            for a, b in zip(leaves(got.params) + leaves(got.model_state), leaves(want.params) +
+                            leaves(want.model_state)):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+            assert not leaves(want.model_state)[0].any()  # dropped
+            continue
+        assert np.abs(leaves(want.model_state)[0]).max() > 1e-2  # kept
+        with pytest.raises(ValueError, match="the forward changes frozen weight mean .* ZeRO stage 3 partitions"):
+            z.step(placed, rows)

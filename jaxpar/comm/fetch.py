@@ -136,24 +136,28 @@ def _refuse_changed(before: list, after) -> None:
                              "leaves out), which ZeRO stage 3 partitions over the devices as DeepSpeed does every "
                              "parameter, so the change would be lost: keep a value the forward updates in a variable "
                              "that is not an nnx.Param (nnx.BatchStat or your own nnx.Variable type), or train it "
-                             "(include it in wrt).")
+                             "(include it in wrt); nnx.remat inside a layer also writes its weights back as new "
+                             "values: use jax.checkpoint on a pure function there, or ZeRO stage 1 or 2.")
 
 
 def _unit(graphdef, call: Callable, s: Settings, axes, last: bool):
     """The custom_vjp of one layer `(pieces, frozen pieces, x, rest, after, link) -> ((y, rest'), link)`; `axes`:
-    vmap in_axes of (x, rest) when the call runs over a batch of samples, None when it runs once."""
+    vmap in_axes of (x, rest) when the call runs over a batch of samples, None when it runs once. A forward that
+    assigns a frozen weight is refused in batch mode, where the single step keeps the change; per sample, the
+    single step drops every change but the RNG streams' (jaxpar.objective), and so does the fetch."""
     def region(lp, fz, x, rest):
         full, frozen = _full(lp, s, False), _full(fz, s, True)
 
-        def apply(x, rest):
+        def apply(x, rest, frozen):  # frozen passed in: under vmap, Variables of this trace (the forward may assign)
             model = nnx.merge(graphdef, full, frozen, rest)
             given = [v.get_value() for _, v in nnx.to_flat_state(frozen)]  # merge shares the Variables
             y = call(model, x)
             _, _, frozen_after, rest_after = nnx.split(model, s.wrt, is_tagged, ...)
-            _refuse_changed(given, frozen_after)
+            if not s.per_sample:
+                _refuse_changed(given, frozen_after)
             return y, rest_after
 
-        return apply(x, rest) if axes is None else jax.vmap(apply, in_axes=axes)(x, rest)
+        return apply(x, rest, frozen) if axes is None else jax.vmap(apply, in_axes=(*axes, None))(x, rest, frozen)
 
     region = jax.checkpoint(region, policy=save_policy)
     slots: list = []  # positions of the pieces among the backward's residuals (found at trace time)

@@ -74,11 +74,13 @@ def psum_sums(sums: Sums, axis_name, after: jax.Array | None = None, *extra: jax
 
 
 def from_replica_0(tree: Any, axis_name) -> Any:
-    """Every numeric leaf replaced by replica 0's value (torch DDP's broadcast_buffers), RNG streams as they are."""
+    """Every buffer replaced by replica 0's value (torch DDP's broadcast_buffers); RNG streams as they are, and
+    frozen weights (nnx.Params that wrt leaves out) too: torch broadcasts buffers, not parameters, which start
+    equal on every replica and stay so (an all-reduce of a frozen backbone every step was most of the traffic)."""
     first = lax.axis_index(axis_name) == 0
 
     def one(v):
-        if isinstance(v, nnx.RngState):
+        if isinstance(v, (nnx.RngState, nnx.Param)):
             return v
         a = v.get_value()
         return v.replace(lax.psum(jnp.where(first, a, jnp.zeros_like(a)), axis_name))

@@ -53,6 +53,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence of the timed steps")
     p.add_argument("--steps", type=int, default=5, help="timed steps per round")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds per strategy, alternating; the best counts")
+    p.add_argument("--frozen", default="gpt2", help="GPT configs for the fine-tune table: every block's attention "
+                   "and MLP frozen (left out of wrt), held per device under stages 2 and 3 ('' for none)")
     p.add_argument("--png", default="docs/img/zero_memory.png", help="the plot ('' for none)")
     p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
                    help="also the TP step's temporaries without and with Megatron's sequence parallelism")
@@ -125,6 +127,38 @@ def memory_rows(names: list[str], devices: int) -> list[dict]:
             out.append({"model": name, "strategy": s, **mem, "seconds": time.perf_counter() - start})
             print(f"  {name:<12} {s:<7} held {mem['total'] / 2**20:10.2f} MiB, paper {mem['paper']['total'] / 2**20:10.2f}"
                   f" MiB ({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
+    return out
+
+
+def frozen_rows(names: list[str], devices: int) -> list[dict]:
+    """A fine-tune: every block's attention and MLP weights frozen (left out of wrt), the embeddings and LayerNorms
+    trained. Held per device under ZeRO stages 2 and 3: the trained state as in the paper's table, and the model
+    state (the frozen weights), whole on every device at stage 2 and 1/N at stage 3 (DeepSpeed's zero.Init)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    import jaxpar
+    from jaxpar.models import gpt
+
+    tx, out = optax.adam(1e-3), []
+    wrt = nnx.All(nnx.Param, nnx.Not(nnx.Any(nnx.PathContains("attn"), nnx.PathContains("mlp"))))
+    for name in names:
+        cfg = gpt.GPTConfig.named(name)
+        model = nnx.eval_shape(lambda: gpt.GPT(cfg, rngs=nnx.Rngs(0)))
+        objective = jaxpar.Objective.of(model, per_sample=False, wrt=wrt)
+        state = jax.eval_shape(lambda: jaxpar.init_state(gpt.GPT(cfg, rngs=nnx.Rngs(0)), tx, objective))
+        rows = jaxpar.Rows({"x": jax.ShapeDtypeStruct((devices, 16), jnp.int32),
+                            "y": jax.ShapeDtypeStruct((devices, 16), jnp.int32)},
+                           jax.ShapeDtypeStruct((devices,), jnp.float32), jax.ShapeDtypeStruct((devices,), jnp.int32))
+        frozen = sum(a.size for a in jax.tree.leaves(nnx.state(state.model_state, nnx.Param)))
+        for s in ("zero-2", "zero-3"):
+            z = strategy(s, objective, tx, devices)
+            placed, spec = z.abstract(state, rows)
+            mem = z.memory(placed, spec, step=False)
+            out.append({"model": name, "strategy": s, "trained": mem["num_params"], "frozen": frozen, **mem})
+            print(f"  {name:<12} {s:<7} frozen {mem['model_state'] / 2**20:10.2f} MiB", file=sys.stderr, flush=True)
     return out
 
 
@@ -463,10 +497,18 @@ def main(argv=None) -> dict:
     print(f"load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} ({os.cpu_count()} CPUs)", flush=True)
     split = lambda s: [x for x in s.split(",") if x]  # noqa: E731
     mem = memory_rows(split(args.memory), args.devices)
+    frozen = frozen_rows(split(args.frozen), args.devices)
     tp = tp_rows(split(args.memory), args.devices)
     times = time_rows(split(args.time), args.devices, args.batch, args.seq_len, args.steps, args.repeats)
     load = os.getloadavg()
     print(table(mem, times))
+    if frozen:
+        print(f"\nA fine-tune, every block's attention and MLP frozen: held per device, N={args.devices}\n"
+              "| model | trained | frozen | strategy | params + grads + optimizer MiB | frozen weights MiB | total MiB |\n"
+              "|---|---:|---:|---|---:|---:|---:|")
+        for r in frozen:
+            print(f"| {r['model']} | {r['trained']:,} | {r['frozen']:,} | {r['strategy']} | {_mib(r['total'])} | "
+                  f"{_mib(r['model_state'])} | {_mib(r['total'] + r['model_state'])} |")
     if tp:
         print("\nMegatron tensor parallelism, the same devices (T x data): held per device\n" + tp_table(tp))
     tp_times = tp_time_rows(split(args.tp_time), args.devices, args.batch, args.seq_len, args.steps, args.repeats)
@@ -502,7 +544,7 @@ def main(argv=None) -> dict:
     if args.png and mem:
         plot(mem, times, args.png, args.devices)
         print(f"wrote {args.png}")
-    return {"memory": mem, "tp": tp, "time": times, "tp_time": tp_times, "pipe_time": pipe_times}
+    return {"memory": mem, "frozen": frozen, "tp": tp, "time": times, "tp_time": tp_times, "pipe_time": pipe_times}
 
 
 if __name__ == "__main__":

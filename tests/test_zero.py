@@ -444,6 +444,7 @@ def test_memory_per_device_is_the_papers_formula():
         for part in ("params", "gradients", "optimizer", "total"):
             assert abs(mem[part] / mem["paper"][part] - 1) < 0.05, (stage, part, mem)
         assert zero_lib.held_bytes(abstract.params, z.mesh.devices.flat[0]) == mem["params"]  # abstract == live
+        assert zero_lib.held_bytes(abstract.model_state, z.mesh.devices.flat[0]) == mem["model_state"]  # RNG keys
         totals[stage] = mem["total"]
         assert mem["model_state"] == sum(a.nbytes for a in jax.tree.leaves(state.model_state)) > 0  # whole
     assert totals[1] > totals[2] > totals[3]

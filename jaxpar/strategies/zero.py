@@ -439,7 +439,7 @@ def held_bytes(tree, device) -> int:
         if isinstance(a, jax.Array):
             total += sum(s.data.nbytes for s in a.addressable_shards if s.device == device)
         elif device in a.sharding.device_set:
-            total += math.prod(a.sharding.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize
+            total += math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize  # key dtypes too
     return total
 
 

@@ -152,7 +152,8 @@ def test_ddp_broadcasts_the_buffers_not_the_frozen_weights():
     """torch's broadcast_buffers=True sends replica 0's buffers (BatchNorm's running statistics) every step, not
     the parameters: a frozen weight (left out of wrt) starts equal on every replica and stays so. The compiled
     step all-reduces the trained weights' gradients, the statistics and the metrics, and nothing of the frozen
-    Linear and BatchNorm scale (6 x 16 + 16 + 2 x 16 floats), which it all-reduced every step before."""
+    Linear and BatchNorm scale (6 x 16 + 16 + 2 x 16 floats), which it all-reduced every step before. A frozen
+    weight that the forward assigns is still replica 0's on every replica (never drifting apart)."""
     from jaxpar.comm import cost
 
     wrt = nnx.All(nnx.Param, nnx.PathContains(3))  # only the head: the first Linear and BatchNorm's scale frozen
@@ -174,3 +175,23 @@ def test_ddp_broadcasts_the_buffers_not_the_frozen_weights():
     assert max(float(np.abs(a - b).max()) for a, b in zip(stats, moved)) > 1e-3  # replica 0's rows only
     sent = sum(c.nbytes for c in cost.hlo_collectives(ddp.hlo(placed)) if c.kind == "all-reduce")
     assert 4 * (3 * 16 + 3 + 2 * 16) <= sent < 4 * (3 * 16 + 3 + 2 * 16 + 16)  # gradients, statistics, metrics
+
+    class Running(nnx.Module):  # a frozen nnx.Param that the forward assigns: still replica 0's on every replica
+        def __init__(self):
+            self.lin, self.mean = nnx.Linear(6, 3, rngs=nnx.Rngs(0)), nnx.Param(jnp.zeros(3))
+
+        def __call__(self, x):
+            y = self.lin(x)
+            self.mean[...] = y.mean(0)
+            return y
+
+    only_lin = nnx.All(nnx.Param, nnx.PathContains("lin"))
+    state = jaxpar.init_state(Running(), TX, wrt=only_lin)
+    means = []
+    for n, batch in ((2, batches[0]), (1, jax.tree.map(lambda a: a[:8], batches[0]))):  # replica 0's 8 rows alone
+        ddp = jaxpar.DistributedDataParallel(Running(), TX, mesh=jaxpar.make_mesh(n), wrt=only_lin, per_sample=False)
+        placed, _ = ddp.step(ddp.init(state), ddp.put_batch(batch))
+        means.append([np.asarray(s.data) for s in placed.model_state["mean"].get_value().addressable_shards])
+    assert np.abs(means[1][0]).max() > 1e-3
+    for m in means[0]:
+        np.testing.assert_array_equal(m, means[1][0])

@@ -73,19 +73,21 @@ def psum_sums(sums: Sums, axis_name, after: jax.Array | None = None, *extra: jax
     return (total, *out[len(leaves):]) if extra else total
 
 
-def from_replica_0(tree: Any, axis_name) -> Any:
-    """Every buffer replaced by replica 0's value (torch DDP's broadcast_buffers); RNG streams as they are, and
-    frozen weights (nnx.Params that wrt leaves out) too: torch broadcasts buffers, not parameters, which start
-    equal on every replica and stay so (an all-reduce of a frozen backbone every step was most of the traffic)."""
+def from_replica_0(tree: Any, axis_name, previous: Any) -> Any:
+    """Every buffer replaced by replica 0's value (torch DDP's broadcast_buffers); RNG streams as they are, and a
+    frozen weight (an nnx.Param that wrt leaves out) that the step did not assign (its value is the one in
+    `previous`, the model state the step began with): the replicas hold it equal already. An all-reduce of every
+    frozen weight each step was most of a frozen-backbone fine-tune's traffic; one the forward assigns (or that
+    nnx.remat writes back) is still taken from replica 0, so the replicas never drift apart."""
     first = lax.axis_index(axis_name) == 0
 
-    def one(v):
-        if isinstance(v, (nnx.RngState, nnx.Param)):
+    def one(v, old):
+        if isinstance(v, nnx.RngState) or (isinstance(v, nnx.Param) and v.get_value() is old.get_value()):
             return v
         a = v.get_value()
         return v.replace(lax.psum(jnp.where(first, a, jnp.zeros_like(a)), axis_name))
 
-    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return jax.tree.map(one, tree, previous, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def sync_batch_norm(model: nnx.Module, axis_name: str = DATA) -> nnx.Module:
@@ -149,7 +151,7 @@ def ddp_body(objective: Objective, tx: optax.GradientTransformation, plan, reduc
         total = sums if total is None else total + sums
         model_state = advance_rng(new_state, state.model_state)
         if not objective.per_sample:  # buffers (BatchNorm running stats) of replica 0, as broadcast_buffers=True
-            model_state = from_replica_0(model_state, axis_name)
+            model_state = from_replica_0(model_state, axis_name, state.model_state)
         # the metrics' sum (one small psum), chained after the last bucket so it stays a collective of its own
         total = psum_sums(total, axis_name, ddp_overlap.zero_after(*[grads[i] for i in buckets[-1]]))
         grads = [g / total.weight for g in grads]

@@ -383,7 +383,7 @@ class TensorParallel:
             extra = {"global_norm": norm} if needs_norm else {}
             model_state = advance_rng(new_state, state.model_state)
             if not objective.per_sample:
-                model_state = from_replica_0(model_state, DATA)
+                model_state = from_replica_0(model_state, DATA, state.model_state)
             if zero1 is not None:  # ZeRO-1: this replica's block of its slices, then one all-gather over DATA
                 leaves, treedef = jax.tree.flatten(state.params)
                 grad_block = block / total.weight if scatter else None

@@ -105,7 +105,7 @@ def zero_body(objective: Objective, tx, plan: sh.ShardPlan, stage: int, *, reduc
             total = sums if total is None else total + sums
         model_state = advance_rng(new_state, state.model_state)
         if not objective.per_sample:  # buffers (BatchNorm running stats) of replica 0, as DDP
-            model_state = from_replica_0(model_state, axis_name)
+            model_state = from_replica_0(model_state, axis_name, state.model_state)
         return loss_scale.unscale(acc, seed), total, model_state
 
     def reduce_after_backward(grads: list) -> jax.Array:

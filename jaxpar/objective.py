@@ -400,20 +400,13 @@ class Objective:
         for graphdef, train in ((self.eval_graphdef, False), (self.graphdef, True)):
             def run_together(params, model_state, data, graphdef=graphdef):  # compiled: op by op it took seconds
                 model = nnx.merge(graphdef, cast_floating(params, self.compute_dtype), _fresh(model_state))
-                counts = lambda: jax.tree.leaves(nnx.state(model, nnx.RngCount))  # noqa: E731
-                before = counts()
                 out = self._call_loss(model, data, "loss_fn")  # the rows together, as per_sample=False runs them
-                return (out.loss, out.weight), before, counts()
+                return out.loss, out.weight
 
             traced = jax.jit(run_together).trace(params, model_state, head.data)
-            outs = traced.jaxpr.jaxpr.outvars
-            n = (len(outs) - 2) // 2  # the RNG counts before and after: untouched, a count is its input as it came
-            if any(a is not b for a, b in zip(outs[2:2 + n], outs[2 + n:])):  # touched (drawn, or passed through
-                # nnx.remat or scan): their values decide, from a program that computes only them
-                before, after = jax.jit(lambda *a: run_together(*a)[1:])(params, model_state, head.data)
-                if any(not np.array_equal(a, b) for a, b in zip(before, after)):
-                    continue  # random draws: row by row they are other draws, so the two cannot be compared
-            sums = traced.lower().compile()(params, model_state, head.data)[0]
+            if _draws_random_bits(traced.jaxpr.jaxpr):  # row by row they are other draws: the two cannot be compared
+                continue  # (from an RNG stream, or from a key the model keeps without advancing a count)
+            sums = traced.lower().compile()(params, model_state, head.data)
             one_by_one = run_apart(params, model_state, head, train)
             together = float(sums[0]) / float(sums[1])  # the mean, what the strategies train
             apart = float(one_by_one.loss) / float(one_by_one.weight)
@@ -549,6 +542,19 @@ class Objective:
         real = rows.mask > 0
         keep = lambda v: jnp.sum(jnp.where(real, v, 0.0))  # noqa: E731
         return Sums(keep(out.loss), keep(out.weight), jnp.sum(rows.mask), {k: keep(v) for k, v in out.metrics.items()})
+
+
+def _draws_random_bits(jaxpr) -> bool:
+    """Whether a jaxpr (or one nested in it: jit, remat, scan, cond, custom_vjp) draws random bits."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("random_bits", "threefry2x32"):
+            return True
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's, or a Jaxpr itself
+                if hasattr(inner, "eqns") and _draws_random_bits(inner):
+                    return True
+    return False
 
 
 def _fixed_leaves(model: nnx.Module) -> list:

@@ -740,3 +740,36 @@ def test_a_model_using_nnx_remat_trains_per_sample_as_without_it():
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     with pytest.raises(ValueError, match=r"the mean loss of Checkpointed .* on the rows together \(eval mode\)"):
         trained(jaxpar.SingleDevice(Checkpointed(0.0, center=True), TX, loss_fn=loss), Checkpointed(0.0, center=True))
+
+
+class OwnKeyNoise(nnx.Module):
+    """Adds noise drawn from a key of its own, never advanced (no RNG stream, no count)."""
+
+    def __init__(self):
+        self.linear = nnx.Linear(6, 4, rngs=nnx.Rngs(0))
+        self.key = nnx.Variable(jax.random.key(3))
+
+    def __call__(self, x):
+        h = self.linear(x)
+        return h + 0.5 * jax.random.normal(self.key[...], h.shape)
+
+
+def test_a_model_drawing_from_a_key_of_its_own_is_not_taken_for_one_that_mixes_rows():
+    """The rows check compares the rows run apart and together only where the program draws no random bits: the
+    rows' draws differ between the two anyway. It read the RNG streams' counts, so a model drawing from a key it
+    keeps without a count was refused as mixing rows; it trains now, as with per_sample=True given."""
+    loss = OutputLoss(lambda out, batch: (jnp.sum((out - batch["y"]) ** 2), jnp.float32(out.shape[0])))
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(8, 6)).astype(np.float32), "y": rng.normal(size=(8, 4)).astype(np.float32)}
+    state = jaxpar.init_state(OwnKeyNoise(), TX)
+    obj = jaxpar.Objective.of(OwnKeyNoise(), loss)
+    apart = obj.sums(state.params, state.model_state, jaxpar.as_rows(batch))[0]
+    together = jaxpar.Objective.of(OwnKeyNoise(), loss, per_sample=False).sums(
+        state.params, state.model_state, jaxpar.as_rows(batch))[0]
+    assert abs(float(apart.loss) - float(together.loss)) > 1e-2  # apart, every row draws the same noise
+    losses = []
+    for per_sample in (None, True):
+        kw = {} if per_sample is None else {"per_sample": per_sample}
+        single = jaxpar.SingleDevice(OwnKeyNoise(), TX, loss_fn=loss, **kw)
+        losses.append(float(single.step(single.init(state), single.put_batch(batch))[1]["loss"]))
+    assert losses[0] == losses[1]

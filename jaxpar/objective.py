@@ -293,6 +293,11 @@ class Objective:
         graphdef = nnx.split(checkpointed(model, activation_checkpoint_interval), wrt, ...)[0]
         evaluated = nnx.clone(model)
         evaluated.eval()
+        for path, v in nnx.to_flat_state(nnx.state(model)):
+            if v.get_value() is not None and not hasattr(v.get_value(), "dtype"):  # jax.grad and placement need arrays
+                raise ValueError(f"{type(model).__name__}'s variable {'/'.join(map(str, path))} holds a "
+                                 f"{type(v.get_value()).__name__} ({v.get_value()!r}), not an array; give it an array: "
+                                 f"{type(v).__name__}(jnp.asarray({v.get_value()!r})).")
         shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), a.dtype), nnx.split(model, wrt, ...)[1:])
         return cls(graphdef, nnx.split(evaluated, wrt, ...)[0], loss_fn, wrt, bool(per_sample), rows_per_call,
                    compute_dtype, activation_checkpoint_interval, shapes, defaulted)

@@ -566,6 +566,11 @@ def test_outputs_are_gathered_by_rows_or_refused():
 
 def test_bad_contract_use_is_named():
     _, _, batches, objective, state = problem("regression")
+    model = regression.make_model(rngs=nnx.Rngs(0))
+    model.layers[0].scale = nnx.Param(3.0)  # a Python float: AttributeError ('float' has no dtype) before
+    with pytest.raises(ValueError, match=r"Sequential's variable layers/0/scale holds a float \(3.0\), not an array; "
+                                         r"give it an array: Param\(jnp.asarray\(3.0\)\)"):
+        Objective.of(model)
     with pytest.raises(TypeError, match="return \\(loss_sum, weight_sum\\)"):
         Objective.of(regression.make_model(rngs=nnx.Rngs(0)), lambda m, b: 1.0).sums(
             state.params, state.model_state, batches[0])

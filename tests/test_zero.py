@@ -699,3 +699,89 @@ def test_stage_3_partitions_frozen_weights_and_equals_single():
         assert np.abs(leaves(want.model_state)[0]).max() > 1e-2  # kept
         with pytest.raises(ValueError, match="the forward changes frozen weight mean .* ZeRO stage 3 partitions"):
             z.step(placed, rows)
+
+
+class Fixed(nnx.Param):
+    pass
+
+
+class Scaled(nnx.Module):
+    """Two layers; `temp` a 0-d weight the loss reads outside __call__ (its piece broadcasts: no shape error)."""
+
+    def __init__(self, rngs):
+        self.layers = nnx.List([nnx.Linear(8, 4, rngs=rngs), nnx.Linear(4, 2, rngs=rngs)])
+        self.temp = Fixed(jnp.array(3.0))
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class Assigns(nnx.Module):
+    """Assigns (or replaces) the frozen `shared` that the next layer reads too."""
+
+    def __init__(self, shared, rngs, replace=False):
+        self.lin, self.shared, self.replace = nnx.Linear(8, 4, rngs=rngs), shared, replace
+
+    def __call__(self, x):
+        y = self.lin(x)
+        if self.replace:
+            self.shared = nnx.Param(self.shared[...] + 1.0)
+        else:
+            self.shared[...] = self.shared[...] + 1.0
+        return y
+
+
+class Reads(nnx.Module):
+    def __init__(self, shared, rngs):
+        self.lin, self.shared = nnx.Linear(4, 2, rngs=rngs), shared
+
+    def __call__(self, x):
+        return self.lin(x) * self.shared[...]
+
+
+class Shares(nnx.Module):
+    def __init__(self, rngs, replace=False):
+        shared = nnx.Param(jnp.ones(2))
+        self.layers = nnx.List([Assigns(shared, rngs, replace), Reads(shared, rngs)])
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_stage_3_refuses_what_the_pieces_cannot_compute():
+    """Silent wrong numbers a review found, each now one line when the step is traced: a loss reading a weight
+    (frozen or trained) outside the model's __call__ saw this device's padded piece (temp 3.0 on device 0, 0.0 on
+    the others); a forward replacing a frozen weight by a new nnx.Param escaped the check on assignment, and the
+    change was dropped; per sample, a layer assigning a frozen weight the next layer reads (the single step shows
+    the next layer the new value) while that layer gathered the old one."""
+    rows = {"x": np.ones((4, 8), np.float32), "y": np.ones((4, 2), np.float32)}
+
+    def loss(model, b):
+        out = model(b["x"]) * model.temp[...]
+        return jnp.sum((out - b["y"]) ** 2), b["y"].size
+
+    for wrt in (nnx.All(nnx.Param, nnx.Not(Fixed)), nnx.Param):  # temp frozen, then trained
+        z = jaxpar.ZeroRedundancy(Scaled(nnx.Rngs(0)), TX, loss_fn=loss, stage=3, mesh=jaxpar.make_mesh(2), wrt=wrt)
+        placed = z.init(jaxpar.init_state(Scaled(nnx.Rngs(0)), TX, wrt=wrt))
+        with pytest.raises(ValueError, match="ZeRO stage 3 holds weight temp as 1/N pieces, .* but the loss reads "
+                                             "it elsewhere .* read it inside the model's __call__"):
+            z.step(placed, z.put_batch(rows))
+    out = OutputLoss(lambda out, b: (jnp.sum((out - b["y"]) ** 2), b["y"].size))
+    lins = nnx.All(nnx.Param, nnx.PathContains("lin"))
+    for replace, per_sample, fetch in ((True, False, "layer"), (True, False, "model"), (False, True, "layer")):
+        z = jaxpar.ZeroRedundancy(Shares(nnx.Rngs(0), replace), TX, loss_fn=out, stage=3, wrt=lins, fetch=fetch,
+                                  mesh=jaxpar.make_mesh(2), per_sample=per_sample)
+        placed = z.init(jaxpar.init_state(Shares(nnx.Rngs(0), replace), TX, wrt=lins))
+        with pytest.raises(ValueError, match="the forward changes frozen weight (layers/0/)?shared"):
+            z.step(placed, z.put_batch(rows))
+    z = jaxpar.ZeroRedundancy(Shares(nnx.Rngs(0)), TX, loss_fn=out, stage=3, wrt=lins, fetch="model",
+                              mesh=jaxpar.make_mesh(2), per_sample=True)  # one unit: as the single step
+    placed = z.init(jaxpar.init_state(Shares(nnx.Rngs(0)), TX, wrt=lins))
+    single = jaxpar.SingleDevice(Shares(nnx.Rngs(0)), TX, loss_fn=out, wrt=lins, per_sample=True)
+    want = single.step(single.init(jaxpar.init_state(Shares(nnx.Rngs(0)), TX, wrt=lins)), single.put_batch(rows))
+    np.testing.assert_allclose(float(z.step(placed, z.put_batch(rows))[1]["loss"]), float(want[1]["loss"]),
+                               rtol=1e-6)

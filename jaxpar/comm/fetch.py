@@ -27,6 +27,7 @@ Objective, its per-sample RNG and the user's loss run unchanged. A model without
 """
 from __future__ import annotations
 
+import collections
 import math
 from typing import Any, Callable, NamedTuple
 
@@ -127,34 +128,38 @@ def _full(tree, s: Settings, frozen: bool):
                               [v.replace(w) for v, w in zip(vs, gather(vs, s.axis_name, dtype, frozen))])
 
 
-def _refuse_changed(before: list, after) -> None:
-    """ValueError (at trace time) if the forward assigned a partitioned frozen weight (`before`: the values it was
-    given, `after`: the State after the forward): its pieces cannot keep the change."""
-    for a, (path, v) in zip(before, nnx.to_flat_state(after)):
-        if a is not v.get_value():
+def _refuse_changed(given: list, after, shared: frozenset | None) -> None:
+    """ValueError (at trace time) if the forward assigned or replaced a partitioned frozen weight (`given`: (path,
+    value) as the unit gave them, `after`: the frozen State after the forward): its pieces cannot keep the change.
+    `shared`: refuse only for these paths (per sample: the weights another unit holds too); None: for every one."""
+    now = {tuple(path): v.get_value() for path, v in nnx.to_flat_state(after)}
+    for path, a in given:
+        if (shared is None or path in shared) and now.get(path) is not a:
             raise ValueError(f"the forward changes frozen weight {'/'.join(map(str, path))} (an nnx.Param that wrt "
                              "leaves out), which ZeRO stage 3 partitions over the devices as DeepSpeed does every "
-                             "parameter, so the change would be lost: keep a value the forward updates in a variable "
+                             "parameter, so the change would be lost (per sample: not seen by the other layer that "
+                             "holds it): keep a value the forward updates in a variable "
                              "that is not an nnx.Param (nnx.BatchStat or your own nnx.Variable type), or train it "
                              "(include it in wrt); nnx.remat inside a layer also writes its weights back as new "
                              "values: use jax.checkpoint on a pure function there, or ZeRO stage 1 or 2.")
 
 
-def _unit(graphdef, call: Callable, s: Settings, axes, last: bool):
+def _unit(graphdef, call: Callable, s: Settings, axes, last: bool, shared: frozenset = frozenset()):
     """The custom_vjp of one layer `(pieces, frozen pieces, x, rest, after, link) -> ((y, rest'), link)`; `axes`:
     vmap in_axes of (x, rest) when the call runs over a batch of samples, None when it runs once. A forward that
-    assigns a frozen weight is refused in batch mode, where the single step keeps the change; per sample, the
-    single step drops every change but the RNG streams' (jaxpar.objective), and so does the fetch."""
+    assigns (or replaces) a frozen weight is refused in batch mode, where the single step keeps the change. Per
+    sample the single step drops every change but the RNG streams' at the end of the step (jaxpar.objective), and
+    so does the fetch, but a later layer reads the changed value within the forward: refused where another unit
+    holds the weight too (`shared`, its paths in this layer), which would gather the old one."""
     def region(lp, fz, x, rest):
         full, frozen = _full(lp, s, False), _full(fz, s, True)
 
         def apply(x, rest, frozen):  # frozen passed in: under vmap, Variables of this trace (the forward may assign)
             model = nnx.merge(graphdef, full, frozen, rest)
-            given = [v.get_value() for _, v in nnx.to_flat_state(frozen)]  # merge shares the Variables
+            given = [(tuple(p), v.get_value()) for p, v in nnx.to_flat_state(frozen)]  # merge shares the Variables
             y = call(model, x)
             _, _, frozen_after, rest_after = nnx.split(model, s.wrt, is_tagged, ...)
-            if not s.per_sample:
-                _refuse_changed(given, frozen_after)
+            _refuse_changed(given, frozen_after, shared if s.per_sample else None)
             return y, rest_after
 
         return apply(x, rest, frozen) if axes is None else jax.vmap(apply, in_axes=(*axes, None))(x, rest, frozen)
@@ -187,9 +192,10 @@ def _unit(graphdef, call: Callable, s: Settings, axes, last: bool):
 
 
 def fetch_call(layer: nnx.Module, x: Any, after: Any, link: jax.Array, s: Settings, call: Callable,
-               last: bool) -> tuple[Any, jax.Array]:
+               last: bool, shared: frozenset = frozenset()) -> tuple[Any, jax.Array]:
     """`call(layer, x)` with the layer's weights gathered from their pieces (forward and backward); its frozen
-    weights (partitioned model state) are gathered too, without a gradient."""
+    weights (partitioned model state) are gathered too, without a gradient; `shared`: the paths of those that
+    another layer holds too."""
     graphdef, lp, fz, rest = nnx.split(layer, s.wrt, is_tagged, ...)
     if not s.per_sample:
         (y, new_rest), link = _unit(graphdef, call, s, None, last)(lp, fz, x, rest, after, link)
@@ -198,7 +204,7 @@ def fetch_call(layer: nnx.Module, x: Any, after: Any, link: jax.Array, s: Settin
 
     @custom_batching.custom_vmap
     def batched(lp, fz, x, rest, after, link):
-        return _unit(graphdef, call, s, None, last)(lp, fz, x, rest, after, link)
+        return _unit(graphdef, call, s, None, last, shared)(lp, fz, x, rest, after, link)
 
     @batched.def_vmap
     def rule(axis_size, in_batched, lp, fz, x, rest, after, link):
@@ -207,15 +213,54 @@ def fetch_call(layer: nnx.Module, x: Any, after: Any, link: jax.Array, s: Settin
                              "same for every row (do not vmap over them).")
         axes = jax.tree.map(lambda b: 0 if b else None, (in_batched[2], in_batched[3]))
         if not any(jax.tree.leaves((in_batched[2], in_batched[3]))):
-            out = _unit(graphdef, call, s, None, last)(lp, fz, x, rest, after, link)
+            out = _unit(graphdef, call, s, None, last, shared)(lp, fz, x, rest, after, link)
             return out, jax.tree.map(lambda _: False, out)
-        (y, new_rest), link = _unit(graphdef, call, s, axes, last)(lp, fz, x, rest, after, link)
+        (y, new_rest), link = _unit(graphdef, call, s, axes, last, shared)(lp, fz, x, rest, after, link)
         return ((y, new_rest), link), ((jax.tree.map(lambda _: True, y), jax.tree.map(lambda _: True, new_rest)),
                                        False)
 
     (y, new_rest), link = batched(lp, fz, x, rest, after, link)
     nnx.update(layer, nnx.filter_state(new_rest, nnx.RngState))  # per sample: only draws may change
     return y, link
+
+
+_UNITS = ("custom_vjp_call", "custom_vjp_call_jaxpr")  # a fetch unit: gathers the pieces it is given
+_LAYOUT_OF_PIECES = ("slice", "dynamic_slice", "reshape", "squeeze", "copy", "copy_p")  # pieces still
+
+
+def check_reads(fn: Callable, args: tuple, pieces: list[tuple[int, str]], sliced: dict | None = None) -> None:
+    """ValueError (at trace time) unless every piece reaches the computation only through a fetch unit: `fn(*args)`
+    traced, `pieces` the (flat input index, weight name) of each input that holds this device's pieces, `sliced`
+    {offset: name} the weights a static slice of an input at that offset holds (the trained leaves' flat shard). A loss
+    that reads a weight outside the model's `__call__` (loss_fn(model, batch) scaling by `model.temp`) would
+    read one device's piece, padded, where the single step reads the weight: a wrong number, mostly without an
+    error (a 1-element piece broadcasts)."""
+    closed = jax.make_jaxpr(fn)(*args)
+    origin = {closed.jaxpr.invars[i]: name for i, name in pieces}
+
+    def walk(jaxpr, origin):
+        for eqn in jaxpr.eqns:
+            got = [origin[v] for v in eqn.invars if not isinstance(v, jax.extend.core.Literal) and v in origin]
+            if not got or eqn.primitive.name in _UNITS:
+                continue
+            if eqn.primitive.name in _LAYOUT_OF_PIECES:
+                name = got[0]
+                if eqn.primitive.name == "slice" and sliced:
+                    name = sliced.get(eqn.params["start_indices"][0], name)
+                origin.update({v: name for v in eqn.outvars})
+            elif eqn.primitive.name in ("pjit", "closed_call", "core_call") and "jaxpr" in eqn.params:
+                inner = eqn.params["jaxpr"]
+                inner = getattr(inner, "jaxpr", inner)
+                sub = {iv: origin[v] for iv, v in zip(inner.invars, eqn.invars)
+                       if not isinstance(v, jax.extend.core.Literal) and v in origin}
+                walk(inner, sub)
+            else:
+                raise ValueError(f"ZeRO stage 3 holds weight {got[0]} as 1/N pieces, gathered only where the model "
+                                 f"runs, but the loss reads it elsewhere ({eqn.primitive.name}; e.g. loss_fn using "
+                                 "a model attribute outside the model's __call__), where it would see this device's "
+                                 "piece: read it inside the model's __call__, or use ZeRO stage 1 or 2.")
+
+    walk(closed.jaxpr, origin)
 
 
 def _has_pieces(layer) -> bool:
@@ -231,9 +276,14 @@ def _fetching_call(self, *args, **kwargs):
         return fetch_call(self, (args, kwargs), args, link, s, whole, True)[0]
     x = prev = args[0]
     with_params = [i for i, layer in enumerate(layers) if _has_pieces(layer)]
+    trained = nnx.filterlib.to_predicate(s.wrt)
+    frozen = [{id(v): tuple(p) for p, v in nnx.iter_graph(layer) if is_tagged(p, v) and not trained(p, v)}
+              if i in with_params else {} for i, layer in enumerate(layers)]
+    held = collections.Counter(k for f in frozen for k in f)
     for i, layer in enumerate(layers):
         if i in with_params:
-            y, link = fetch_call(layer, x, prev, link, s, lambda m, v: m(v), i == with_params[-1])
+            shared = frozenset(p for k, p in frozen[i].items() if held[k] > 1)
+            y, link = fetch_call(layer, x, prev, link, s, lambda m, v: m(v), i == with_params[-1], shared)
         else:
             y = layer(x)
         prev, x = x, y

@@ -131,9 +131,9 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"--zero-reduce {cfg.zero_reduce} sets how ZeRO-1 reduces gradients under --strategy zero, "
                          f"tp or pipeline, not {cfg.strategy}; use one of those, or drop --zero-reduce.")
     if cfg.zero_fetch is not None and (cfg.strategy, cfg.zero_stage) != ("zero", 3):
+        stage = f"--zero-stage {cfg.zero_stage}" if cfg.zero_stage is not None else "its default stage"
         raise ValueError(f"--zero-fetch {cfg.zero_fetch} sets how ZeRO stage 3 gathers the weights, not --strategy "
-                         f"{cfg.strategy} --zero-stage {cfg.zero_stage}; add --strategy zero --zero-stage 3, or drop "
-                         "--zero-fetch.")
+                         f"{cfg.strategy} with {stage}; add --strategy zero --zero-stage 3, or drop --zero-fetch.")
     if cfg.zero_stage is not None and cfg.strategy not in ("zero", "pipeline", "tp"):
         raise ValueError(f"--zero-stage {cfg.zero_stage} partitions state over data replicas under --strategy zero "
                          f"(1-3), pipeline or tp (1), not {cfg.strategy}; use one of those, or drop --zero-stage.")

@@ -70,11 +70,12 @@ def paper_bytes(stage: int, num_params: int, num_devices: int, opt_bytes: int = 
 
 def zero_body(objective: Objective, tx, plan: sh.ShardPlan, stage: int, *, reduce: str = "reduce_scatter",
               grad_accum: int = 1, needs_norm: bool = False, treedef=None, axis_name=DATA, gradients_only=False,
-              frozen: tuple = (), state_treedef=None):
+              frozen: tuple = (), state_treedef=None, names: tuple = ({}, {})):
     """The per-device step `(state, local_rows) -> (state, metrics)` (or, with gradients_only, the gradient as
     the stage holds it after its backward: stage 1 every leaf, stages 2-3 this device's shard). Stage 3:
     `frozen` are the model-state leaves held as pieces (partitioned frozen weights), `state_treedef` the model
-    state's treedef with those marked for the fetch."""
+    state's treedef with those marked for the fetch, `names` ({offset in the shard: trained leaf}, {model-state
+    leaf: frozen weight}) for the error that a loss reads one outside the model."""
     K, n = grad_accum, plan.num_devices
 
     def grads_of(state: TrainState, rows: Rows):
@@ -98,6 +99,9 @@ def zero_body(objective: Objective, tx, plan: sh.ShardPlan, stage: int, *, reduc
         # with a loss scale: every device and micro-batch at one seed (stages 2-3 reduce inside the backward)
         grad = loss_scale.value_and_grad(loss, loss_scale.current(state.opt_state), axis_name, micro_batches=K)
         acc, total, model_state, seed = None, None, state.model_state, None
+        if stage == 3:  # every piece reaches the loss through a fetch unit (checked on the trace)
+            fetch.check_reads(lambda x, ms: loss(x, take(0), ms, 0), (wrt, model_state),
+                              [(0, "(trained)")] + [(1 + i, names[1][i]) for i in frozen], names[0])
         for k in range(K):  # unrolled, as DDP: XLA:CPU runs convolutions in a loop several times slower
             (_, (sums, new_state)), g, seed = grad(wrt, take(k), model_state, k, seed=seed)
             model_state = advance_rng(new_state, model_state, by=0)
@@ -245,6 +249,11 @@ class ZeroRedundancy:
                                       self._model_state_map(lambda a, frozen: P(DATA) if frozen else P()), P())
         kw = dict(reduce=self.reduce, grad_accum=self.grad_accum, needs_norm=self.needs_norm, treedef=treedef,
                   frozen=self.frozen, state_treedef=state_treedef)
+        if self.stage == 3:
+            path = lambda p: "/".join(map(str, p))  # noqa: E731
+            trained = [path(p) for p, _ in nnx.to_flat_state(params)]
+            kw["names"] = ({g.offset: trained[g.leaves[0]] for g in self.plan.groups},
+                           {i: path(p) for i, (p, _) in enumerate(nnx.to_flat_state(state.model_state))})
         body = zero_body(objective, self.tx, self.plan, self.stage, **kw)
         grads = zero_body(objective, self.tx, self.plan, self.stage, gradients_only=True, **kw)
         specs = (self.state_specs, P(DATA))

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import custom_batching
 from jax.ad_checkpoint import checkpoint_name
+from jax.extend.core import Literal
 
 from jaxpar.comm.overlap import tie, zero_after
 from jaxpar.comm.shards import ShardPlan, all_gather_shards
@@ -240,7 +241,7 @@ def check_reads(fn: Callable, args: tuple, pieces: list[tuple[int, str]], sliced
 
     def walk(jaxpr, origin):
         for eqn in jaxpr.eqns:
-            got = [origin[v] for v in eqn.invars if not isinstance(v, jax.extend.core.Literal) and v in origin]
+            got = [origin[v] for v in eqn.invars if not isinstance(v, Literal) and v in origin]
             if not got or eqn.primitive.name in _UNITS:
                 continue
             if eqn.primitive.name in _LAYOUT_OF_PIECES:
@@ -252,7 +253,7 @@ def check_reads(fn: Callable, args: tuple, pieces: list[tuple[int, str]], sliced
                 inner = eqn.params["jaxpr"]
                 inner = getattr(inner, "jaxpr", inner)
                 sub = {iv: origin[v] for iv, v in zip(inner.invars, eqn.invars)
-                       if not isinstance(v, jax.extend.core.Literal) and v in origin}
+                       if not isinstance(v, Literal) and v in origin}
                 walk(inner, sub)
             else:
                 raise ValueError(f"ZeRO stage 3 holds weight {got[0]} as 1/N pieces, gathered only where the model "

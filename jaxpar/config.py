@@ -39,6 +39,7 @@ class Config:
     lr: float | None = None  # None: the optimizer's default (sgd 0.01, adam/adamw 1e-3, adadelta 1.0)
     momentum: float = 0.0  # sgd only (torch.optim.SGD's default 0)
     nesterov: bool = False  # sgd only: Nesterov momentum, as torch.optim.SGD(nesterov=True); needs --momentum > 0
+    eps: float | None = None  # adam/adamw/adadelta: torch's eps in the update's denominator (None: 1e-8, adadelta 1e-6)
     weight_decay: float | None = None  # None: torch's default (0, adamw 0.01)
     weight_decay_params: str = "all"  # all: every parameter (torch.optim) | matrices: 2+ dims only (nanoGPT's, Megatron's)
     gamma: float = 0.7  # StepLR(step_size=1 epoch, gamma) as in PyTorch's MNIST example; 1.0 = constant

@@ -15,14 +15,19 @@ LR_SCHEDULES = ("step", "cosine")  # torch's StepLR (per epoch, gamma); nanoGPT'
 
 def make_optimizer(name: str, lr: float | optax.Schedule, momentum: float = 0.0,
                    weight_decay: float | None = None, decay_params: str = "all",
-                   nesterov: bool = False) -> optax.GradientTransformation:
+                   nesterov: bool = False, eps: float | None = None) -> optax.GradientTransformation:
     """torch.optim's SGD (momentum 0 unless given; `nesterov` as torch's, which needs a momentum), Adam, AdamW
-    (weight_decay 0.01) and Adadelta (rho 0.9, eps 1e-6).
+    (weight_decay 0.01) and Adadelta (rho 0.9). `eps`: torch's, added to the denominator (default 1e-8 for Adam
+    and AdamW, 1e-6 for Adadelta; SGD has none).
     `decay_params` "matrices": the decay only on parameters of 2+ dimensions (weights, embeddings), none on biases
     and LayerNorm/BatchNorm scales, as nanoGPT's configure_optimizers and Megatron's param groups do."""
     if decay_params not in DECAY_PARAMS:
         raise ValueError(f"decay_params={decay_params!r} is not known; use 'all' (torch.optim on model.parameters()) "
                          "or 'matrices' (nanoGPT's and Megatron's: no decay on biases and norms).")
+    if eps is not None and (name == "sgd" or isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating))
+                            or not eps > 0):
+        raise ValueError(f"eps={eps!r} {'is not an optimizer setting of sgd' if name == 'sgd' else 'must be > 0'}; "
+                         "pass a positive eps to adam, adamw or adadelta (torch's defaults: 1e-8, 1e-8, 1e-6).")
     matrices = decay_params == "matrices"
     decay = add_decayed_weights_to_matrices if matrices else optax.add_decayed_weights
     if nesterov and not (name == "sgd" and momentum > 0):
@@ -32,16 +37,17 @@ def make_optimizer(name: str, lr: float | optax.Schedule, momentum: float = 0.0,
         tx = optax.sgd(lr, momentum=momentum or None, nesterov=nesterov)
         return optax.chain(decay(weight_decay), tx) if weight_decay else tx
     if name == "adam":
-        tx = optax.adam(lr, b1=0.9, b2=0.999, eps=1e-8)
+        tx = optax.adam(lr, b1=0.9, b2=0.999, eps=1e-8 if eps is None else eps)
         return optax.chain(decay(weight_decay), tx) if weight_decay else tx
     if name == "adamw":
         weight_decay = 0.01 if weight_decay is None else weight_decay
+        eps = 1e-8 if eps is None else eps
         if matrices:  # optax.adamw's own chain, its decay masked
-            return optax.chain(optax.scale_by_adam(b1=0.9, b2=0.999, eps=1e-8), decay(weight_decay),
+            return optax.chain(optax.scale_by_adam(b1=0.9, b2=0.999, eps=eps), decay(weight_decay),
                                optax.scale_by_learning_rate(lr))
-        return optax.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=weight_decay)
+        return optax.adamw(lr, b1=0.9, b2=0.999, eps=eps, weight_decay=weight_decay)
     if name == "adadelta":
-        tx = optax.adadelta(lr, rho=0.9, eps=1e-6)
+        tx = optax.adadelta(lr, rho=0.9, eps=1e-6 if eps is None else eps)
         return optax.chain(decay(weight_decay), tx) if weight_decay else tx
     raise ValueError(f"optimizer={name!r} is not known; use one of {', '.join(OPTIMIZERS)}.")
 

@@ -124,6 +124,29 @@ def test_weight_decay_on_the_matrices_only_is_optaxs_masked_decay(name):
         make_optimizer(name, 1e-2, decay_params="some")
 
 
+@pytest.mark.parametrize("name", ["adam", "adamw", "adadelta"])
+def test_eps_is_torchs_denominator_term(name):
+    """make_optimizer(..., eps=) is torch's eps of Adam, AdamW and Adadelta (optax's with the same defaults), and
+    moves the update where gradients are small; SGD has none, and a non-positive eps is refused."""
+    import optax
+
+    from jaxpar.optim import make_optimizer
+
+    p = {"w": np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)}
+    g = {"w": np.float32(1e-4) * np.cos(p["w"])}
+    want = {"adam": optax.adam(1e-2, eps=1e-3), "adamw": optax.adamw(1e-2, eps=1e-3, weight_decay=0.01),
+            "adadelta": optax.adadelta(1e-2, rho=0.9, eps=1e-3)}[name]
+    got, default = make_optimizer(name, 1e-2, eps=1e-3), make_optimizer(name, 1e-2)
+    out = {k: tx.update(g, tx.init(p), p)[0]["w"] for k, tx in (("got", got), ("want", want), ("default", default))}
+    np.testing.assert_array_equal(out["got"], out["want"])
+    assert np.abs(out["got"] - out["default"]).max() > 1e-4 * np.abs(out["default"]).max()
+    for bad in (0.0, -1e-8, True):
+        with pytest.raises(ValueError, match=f"eps={bad!r} must be > 0"):
+            make_optimizer(name, 1e-2, eps=bad)
+    with pytest.raises(ValueError, match="eps=1e-08 is not an optimizer setting of sgd"):
+        make_optimizer("sgd", 1e-2, eps=1e-8)
+
+
 def test_sgd_nesterov_is_torchs():
     """make_optimizer("sgd", nesterov=True) against torch.optim.SGD's update, written out here from its documented
     algorithm (weight decay into the gradient, buffer b = m b + g, the step along g + m b), and apart from plain

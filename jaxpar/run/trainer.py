@@ -202,6 +202,9 @@ def validate(cfg: Config) -> None:
     if cfg.nesterov and cfg.optimizer == "sgd" and not cfg.momentum > 0:
         raise ValueError("--nesterov needs a momentum (torch.optim.SGD's rule), but --momentum is 0; pass e.g. "
                          "--momentum 0.9, or drop --nesterov.")
+    if cfg.eps is not None and not 0 < cfg.eps < math.inf:
+        raise ValueError(f"--eps {cfg.eps} must be > 0 (it keeps the update's denominator off zero); pass e.g. 1e-8 "
+                         "(torch's Adam default), or leave it out for the optimizer's default.")
     if cfg.weight_decay is not None and not cfg.weight_decay >= 0:
         raise ValueError(f"--weight-decay {cfg.weight_decay} must be >= 0 (torch.optim's rule); pass e.g. 0.1, or "
                          "leave it out for the optimizer's default.")
@@ -266,6 +269,7 @@ def check_flags_are_read(cfg: Config) -> None:
                (("gamma",), cfg.lr_schedule == "step", f"--lr-schedule {cfg.lr_schedule} is not StepLR's"),
                (("momentum", "nesterov"), cfg.optimizer == "sgd",
                 f"--optimizer {cfg.optimizer} has no momentum flag (SGD's)"),
+               (("eps",), cfg.optimizer != "sgd", "--optimizer sgd has no eps (Adam's, AdamW's and Adadelta's)"),
                (("checkpoint_keep",), bool(cfg.checkpoint_dir), "no --checkpoint-dir is given (nothing is saved)"),
                (("eval_batch_size",), cfg.eval_split != "", "--eval-split '' skips evaluation"),
                (("sample_temperature", "sample_top_k", "sample_prompt"), bool(cfg.sample),
@@ -576,7 +580,7 @@ def make_tx(cfg: Config, steps_per_epoch: int, total_steps: int | None = None) -
 
     lr = learning_rate(cfg, steps_per_epoch, total_steps)
     tx = make_optimizer(cfg.optimizer, lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
-                        weight_decay=cfg.weight_decay, decay_params=cfg.weight_decay_params)
+                        weight_decay=cfg.weight_decay, decay_params=cfg.weight_decay_params, eps=cfg.eps)
     tx = optax.chain(clip_by_global_norm(cfg.grad_clip), tx) if cfg.grad_clip else tx
     scaler = loss_scale_config(cfg)
     return tx if scaler is None else loss_scaling(tx, scaler)

@@ -24,6 +24,7 @@ class Embedding(nnx.Module):
     def __init__(self, vocab: int, dim: int, max_len: int, dropout: float, *, rngs: nnx.Rngs):
         self.tokens = nnx.Embed(vocab, dim, rngs=rngs)
         self.positions = nnx.Embed(max_len, dim, rngs=rngs)
+        self.tokens.dtype = self.positions.dtype = None  # compute in the tables' dtype (bf16 under a cast)
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:

@@ -41,6 +41,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar import loss_scale as scaling
+from jaxpar import precision
 from jaxpar.batch import Rows
 from jaxpar.types import PyTree
 
@@ -275,6 +276,7 @@ class Objective:
         if not isinstance(model, nnx.Module):
             raise TypeError(f"model is a {type(model).__name__}; pass a flax.nnx.Module (an Objective is built from "
                             "the model itself).")
+        precision.check_model(model, compute_dtype)
         loss_fn = OutputLoss(cross_entropy) if loss_fn is None else loss_fn
         if not callable(loss_fn):
             raise TypeError(f"loss_fn={loss_fn!r} is not callable; pass loss_fn(model, batch) -> (loss_sum, "

@@ -335,6 +335,7 @@ class GPT(nnx.Module):
         init = nnx.initializers.normal(0.02)
         self.wte = nnx.Embed(cfg.vocab_size, cfg.n_embd, embedding_init=init, rngs=rngs)
         self.wpe = nnx.Embed(cfg.block_size, cfg.n_embd, embedding_init=init, rngs=rngs)
+        self.wte.dtype = self.wpe.dtype = None  # compute in the tables' dtype (Flax pins it to float32 otherwise)
         self.drop = nnx.Dropout(cfg.dropout, rngs=rngs)
         self.h = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layer)])
         self.ln_f = _layer_norm(cfg, rngs)

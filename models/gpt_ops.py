@@ -16,6 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 
 CPU_QUERY_BLOCK = 64  # causal attention on CPUs: query rows per block (up to 8 blocks), see causal_attention
+LOW = (jnp.bfloat16, jnp.float16)
+
+
+def _mm(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a @ b; 16-bit operands accumulate in float32 and round once (XLA:CPU then runs YNNPACK's bf16 kernels)."""
+    if a.dtype in LOW and b.dtype == a.dtype:
+        return jnp.matmul(a, b, preferred_element_type=jnp.float32).astype(a.dtype)
+    return a @ b
 
 
 @jax.custom_batching.custom_vmap
@@ -27,8 +35,8 @@ def _weight_grad(x: jax.Array, dy: jax.Array) -> jax.Array:
     x_NxI, dy_NxO = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
     barrier = jax.lax.optimization_barrier
     if x_NxI.shape[1] <= dy_NxO.shape[1]:
-        return barrier(barrier(x_NxI).T) @ dy_NxO
-    return barrier(barrier(barrier(dy_NxO).T) @ x_NxI).T
+        return _mm(barrier(barrier(x_NxI).T), dy_NxO)
+    return barrier(_mm(barrier(barrier(dy_NxO).T), x_NxI)).T
 
 
 @_weight_grad.def_vmap
@@ -42,19 +50,19 @@ def _weight_grad_vmap(axis_size, in_batched, x, dy):
 @jax.custom_vjp
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [..., in] @ w [in, out] whose weight gradient is one NN GEMM over every token (_weight_grad)."""
-    return x @ w
+    return _mm(x, w)
 
 
-matmul.defvjp(lambda x, w: (x @ w, (x, w)), lambda res, dy: (dy @ res[1].T, _weight_grad(res[0], dy)))
+matmul.defvjp(lambda x, w: (_mm(x, w), (x, w)), lambda res, dy: (_mm(dy, res[1].T), _weight_grad(res[0], dy)))
 
 
 @jax.custom_vjp
 def matmul_t(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [..., in] @ w^T for w [out, in] (the tied head: logits against the embedding table), the same way."""
-    return x @ w.T
+    return _mm(x, w.T)
 
 
-matmul_t.defvjp(lambda x, w: (x @ w.T, (x, w)), lambda res, dy: (dy @ res[1], _weight_grad(dy, res[0])))
+matmul_t.defvjp(lambda x, w: (_mm(x, w.T), (x, w)), lambda res, dy: (_mm(dy, res[1]), _weight_grad(dy, res[0])))
 
 
 def linear_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):

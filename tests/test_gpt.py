@@ -266,12 +266,19 @@ def test_explicit_attention_equals_the_fused_call():
 
 
 def test_bf16_compute_keeps_float32_master_weights():
+    """bf16 compute: every product of the step (forward and backward: the embeddings on, attention, the tied head)
+    takes bf16 operands, the master weights stay float32, the loss moves by bf16's rounding."""
+    from test_precision import dot_operands
+
     model = gpt.GPT(gpt.GPTConfig(**TINY), rngs=nnx.Rngs(0))
     batch = {"x": tokens(4), "y": tokens(4, seed=9)}
     losses = {}
     for dtype in (None, jnp.bfloat16):
         s = jaxpar.SingleDevice(model, optax.sgd(0.1), compute_dtype=dtype)
-        placed, metrics = s.step(s.init(jaxpar.init_state(model, s.tx)), s.put_batch(batch))
+        state, rows = s.init(jaxpar.init_state(model, s.tx)), s.put_batch(batch)
+        name = "float32" if dtype is None else "bfloat16"
+        assert set(dot_operands(jax.make_jaxpr(s._step)(state, rows).jaxpr)) == {(name, name)}
+        placed, metrics = s.step(state, rows)
         assert {a.dtype for a in jax.tree.leaves(s.unplace(placed).params)} == {jnp.dtype(jnp.float32)}
         losses[dtype] = float(metrics["loss"])
     assert losses[None] != losses[jnp.bfloat16]

@@ -1,4 +1,5 @@
 """--precision bf16: bfloat16 compute, float32 master parameters and optimizer state (what torch AMP does)."""
+import collections
 import functools
 
 import jax
@@ -45,11 +46,32 @@ def float_dtypes(tree) -> set:
     return {a.dtype for a in jax.tree.leaves(tree) if jnp.issubdtype(a.dtype, jnp.floating)}
 
 
+def dot_operands(jaxpr) -> collections.Counter:
+    """How many dot_generals of a jaxpr (and of those nested in it: jit, shard_map, custom_vjp, vmap rules) take
+    operands of each dtype pair: what the products really compute in. A dot whose algorithm names its operands'
+    type (jax.nn.dot_product_attention's backward: a float32 cotangent against bf16 keys under BF16_BF16_F32, which
+    rounds it to bf16) counts as that type."""
+    out = collections.Counter()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            algorithm = eqn.params.get("precision")
+            if isinstance(algorithm, jax.lax.DotAlgorithmPreset) and algorithm.name.startswith("BF16_BF16_"):
+                out[("bfloat16", "bfloat16")] += 1
+            else:
+                out[tuple(v.aval.dtype.name for v in eqn.invars)] += 1
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    out += dot_operands(inner)
+    return out
+
+
 def test_bf16_tracks_fp32_and_keeps_float32_master_state():
     s32, l32, _, _ = train("fp32")
     s16, l16, step16, batch = train("bf16")
-    # bf16 really computes in bf16: its matmuls take bf16 operands and its losses are not fp32's
-    assert "bf16" in str(jax.make_jaxpr(step16)(s16, batch))
+    # bf16 really computes in bf16: its matmuls (forward and backward) take bf16 operands, its losses are not fp32's
+    assert set(dot_operands(jax.make_jaxpr(step16)(s16, batch).jaxpr)) == {("bfloat16", "bfloat16")}
     assert not np.array_equal(l16, l32)
     # ... and still tracks fp32: both learn, and the curves stay close step by step
     assert l32[-5:].mean() < 0.6 * l32[:5].mean() and l16[-5:].mean() < 0.6 * l16[:5].mean()
@@ -87,3 +109,32 @@ def test_every_strategy_honours_precision(name, kw):
     assert max_diff(p16, p32) < 10 * bf16_error  # ... as bf16 rounding, not as another computation
     assert abs(l16 - loss16) < 10 * abs(loss16 - loss32) + 1e-4
     assert float_dtypes(p16) == {jnp.dtype(jnp.float32)}  # master params stay float32
+
+
+def test_an_embedding_fixed_at_float32_is_refused_under_16_bit_compute():
+    """Flax's nnx.Embed sets its dtype to its table's (float32) when built: under compute_dtype=bf16 its lookups,
+    and every layer after them, would compute in float32 while the run says bf16. Refused in one line, naming the
+    module and the fix; with the fix every product of the step takes bf16 operands (float32 ones before it)."""
+    from flax import nnx
+
+    class Tagger(nnx.Module):
+        def __init__(self, rngs):
+            self.embed, self.head = nnx.Embed(10, 8, rngs=rngs), nnx.Linear(8, 3, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(self.embed(x))
+
+    model = Tagger(nnx.Rngs(0))
+    batch = as_rows({"x": np.arange(12, dtype=np.int32).reshape(4, 3) % 10, "y": np.zeros((4, 3), np.int32)})
+    tx = make_optimizer("sgd", 0.1)
+    state = init_state(model, tx)
+    fixed_at_32 = Objective.of(model)  # as it computes today: float32 from the lookup on, whatever is cast
+    assert set(dot_operands(jax.make_jaxpr(make_train_step(fixed_at_32.replace(compute_dtype=jnp.bfloat16), tx))(
+        state, batch).jaxpr)) == {("float32", "float32")}
+    with pytest.raises(ValueError, match=r"compute_dtype=bfloat16, but Tagger.embed is an nnx.Embed with "
+                                         r"dtype=float32 .* set `embed.dtype = None` after building it"):
+        Objective.of(model, compute_dtype=jnp.bfloat16)
+    model.embed.dtype = None
+    step = make_train_step(Objective.of(model, compute_dtype=jnp.bfloat16), tx)
+    assert set(dot_operands(jax.make_jaxpr(step)(state, batch).jaxpr)) == {("bfloat16", "bfloat16")}
+    assert float_dtypes(step(state, batch)[0].params) == {jnp.dtype(jnp.float32)}

@@ -28,10 +28,11 @@ def check_model(model: nnx.Module, dtype) -> None:
         return
     for path, m in nnx.iter_graph(model):
         if isinstance(m, nnx.Embed) and m.dtype is not None and jnp.dtype(m.dtype).itemsize > jnp.dtype(dtype).itemsize:
-            where = ".".join(map(str, path)) or "the model"
-            raise ValueError(f"compute_dtype={jnp.dtype(dtype).name}, but {type(model).__name__}.{where} is an "
-                             f"nnx.Embed with dtype={jnp.dtype(m.dtype).name} (Flax sets an Embed's dtype to its "
-                             "table's when it is built), so its lookups and every layer after them would compute in "
-                             f"{jnp.dtype(m.dtype).name}: set `{where}.dtype = None` after building it (the table's "
-                             "dtype then decides: float32 in a float32 run, the compute dtype under jaxpar's cast), "
-                             "or leave compute_dtype at None.")
+            where = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in path).lstrip(".")
+            name = f"{type(model).__name__}.{where}" if where else "the model"
+            wide = jnp.dtype(m.dtype).name
+            raise ValueError(f"compute_dtype={jnp.dtype(dtype).name}, but {name} is an nnx.Embed with dtype={wide} "
+                             "(Flax sets an Embed's dtype to its table's when it is built), so its lookups and every "
+                             f"layer after them would compute in {wide}: set `{where or 'model'}.dtype = None` after "
+                             "building it (the table's dtype then decides: float32 in a float32 run, the compute dtype "
+                             "under jaxpar's cast), or leave compute_dtype at None.")

@@ -119,10 +119,10 @@ def test_an_embedding_fixed_at_float32_is_refused_under_16_bit_compute():
 
     class Tagger(nnx.Module):
         def __init__(self, rngs):
-            self.embed, self.head = nnx.Embed(10, 8, rngs=rngs), nnx.Linear(8, 3, rngs=rngs)
+            self.layers = nnx.List([nnx.Embed(10, 8, rngs=rngs), nnx.Linear(8, 3, rngs=rngs)])
 
         def __call__(self, x):
-            return self.head(self.embed(x))
+            return self.layers[1](self.layers[0](x))
 
     model = Tagger(nnx.Rngs(0))
     batch = as_rows({"x": np.arange(12, dtype=np.int32).reshape(4, 3) % 10, "y": np.zeros((4, 3), np.int32)})
@@ -131,10 +131,10 @@ def test_an_embedding_fixed_at_float32_is_refused_under_16_bit_compute():
     fixed_at_32 = Objective.of(model)  # as it computes today: float32 from the lookup on, whatever is cast
     assert set(dot_operands(jax.make_jaxpr(make_train_step(fixed_at_32.replace(compute_dtype=jnp.bfloat16), tx))(
         state, batch).jaxpr)) == {("float32", "float32")}
-    with pytest.raises(ValueError, match=r"compute_dtype=bfloat16, but Tagger.embed is an nnx.Embed with "
-                                         r"dtype=float32 .* set `embed.dtype = None` after building it"):
+    with pytest.raises(ValueError, match=r"compute_dtype=bfloat16, but Tagger.layers\[0\] is an nnx.Embed with "
+                                         r"dtype=float32 .* set `layers\[0\].dtype = None` after building it"):
         Objective.of(model, compute_dtype=jnp.bfloat16)
-    model.embed.dtype = None
+    model.layers[0].dtype = None
     step = make_train_step(Objective.of(model, compute_dtype=jnp.bfloat16), tx)
     assert set(dot_operands(jax.make_jaxpr(step)(state, batch).jaxpr)) == {("bfloat16", "bfloat16")}
     assert float_dtypes(step(state, batch)[0].params) == {jnp.dtype(jnp.float32)}

@@ -99,7 +99,12 @@ def causal_attention(q_BxTxNxH: jax.Array, k_BxTxNxH: jax.Array, v_BxTxNxH: jax.
     kernel for bf16/fp16); on CPUs in query blocks of about CPU_QUERY_BLOCK rows, each over its key prefix only.
 
     XLA:CPU materialises the T x T scores and their gradients (memory-bound passes); the blocks skip most of the
-    masked upper triangle: at T=256 in 4 blocks, 35 % less attention time than one causal call (bench/gpt.py)."""
+    masked upper triangle: at T=256 in 4 blocks, 35 % less attention time than one causal call (bench/gpt.py).
+    float16 on CPUs runs in float32: jax's attention asks for float16 products accumulated in float32, which XLA:CPU
+    refuses."""
+    if q_BxTxNxH.dtype == jnp.float16 and jax.default_backend() == "cpu":
+        f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+        return causal_attention(f32(q_BxTxNxH), f32(k_BxTxNxH), f32(v_BxTxNxH), setting).astype(jnp.float16)
     impl = attention_impl(setting, q_BxTxNxH.dtype, q_BxTxNxH.shape[-1])
     bounds = query_blocks(q_BxTxNxH.shape[-3]) if jax.default_backend() == "cpu" else [0, q_BxTxNxH.shape[-3]]
     if len(bounds) == 2:

@@ -285,6 +285,26 @@ def test_bf16_compute_keeps_float32_master_weights():
     assert losses[jnp.bfloat16] == pytest.approx(losses[None], rel=2e-2)
 
 
+def test_fp16_trains_on_cpus_too():
+    """float16 compute with the loss scaler: jax's attention asks for float16 x float16 -> float32 products, which
+    XLA:CPU refuses; on CPUs the GPT's attention runs in float32 between float16 projections."""
+    from test_precision import dot_operands
+
+    model = gpt.GPT(gpt.GPTConfig(**TINY), rngs=nnx.Rngs(0))
+    batch = {"x": tokens(4), "y": tokens(4, seed=9)}
+    tx = jaxpar.loss_scaling(optax.sgd(0.1), static=2.0 ** 8)
+    losses = {}
+    for dtype in (None, jnp.float16):
+        s = jaxpar.SingleDevice(model, tx, compute_dtype=dtype)
+        state, rows = s.init(jaxpar.init_state(model, tx)), s.put_batch(batch)
+        dots = dot_operands(jax.make_jaxpr(s._step)(state, rows).jaxpr)
+        placed, metrics = s.step(state, rows)
+        losses[dtype] = float(metrics["loss"])
+    assert dots[("float16", "float16")] > dots[("float32", "float32")] > 0  # the projections in fp16, attention not
+    assert np.isfinite(losses[jnp.float16]) and losses[jnp.float16] != losses[None]
+    assert losses[jnp.float16] == pytest.approx(losses[None], rel=2e-2)
+
+
 # -- every data-parallel strategy equals the single device, dropout on ----------------------------------------
 
 STEPS = 3

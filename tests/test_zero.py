@@ -793,3 +793,13 @@ def test_stage_3_refuses_what_the_pieces_cannot_compute():
     want = single.step(single.init(jaxpar.init_state(Shares(nnx.Rngs(0)), TX, wrt=lins)), single.put_batch(rows))
     np.testing.assert_allclose(float(z.step(placed, z.put_batch(rows))[1]["loss"]), float(want[1]["loss"]),
                                rtol=1e-6)
+
+
+def test_the_report_on_one_device_has_no_ratio_to_ddp():
+    """On one device DDP's all-reduce sends nothing: the report gives ZeRO's bytes (none) without a ratio to it
+    (it divided by zero at the end of `train.py --strategy zero --num-devices 1 --report`); on two it has both."""
+    for n in (1, 2):
+        z, placed, _, _ = run("mlp", 1, n)
+        report = z.report(placed)
+        assert ("model_vs_ddp" in report) == ("hlo_vs_ddp" in report) == (n > 1), (n, report)
+        assert (report["model_bytes_sent_per_device"] == 0) == (n == 1)

@@ -429,14 +429,17 @@ class ZeroRedundancy:
                "zero_reduce": self.reduce if self.stage == 1 else "reduce_scatter", "grad_accum": self.grad_accum,
                "optimizer": "elementwise, global norm psum" if self.needs_norm else "elementwise",
                "shard_plan": str(self.plan), "model_collectives": model,
-               "model_bytes_sent_per_device": sum(model.values()), "model_vs_ddp": sum(model.values()) / ddp}
+               "model_bytes_sent_per_device": sum(model.values())}
+        if ddp:  # on one device DDP sends nothing: no ratio
+            out["model_vs_ddp"] = sum(model.values()) / ddp
         if self._batch_spec is not None:
             text = self.hlo(placed)
             ops = comm_cost.hlo_collectives(text)
             out["hlo_collectives"] = {k: len({c.name for c in ops if c.kind == k}) for k in comm_cost.KINDS
                                       if any(c.kind == k for c in ops)}  # the metrics add one small all-reduce
             out["hlo_bytes_sent_per_device"] = max(comm_cost.hlo_bytes_per_device(text, self.mesh.size))
-            out["hlo_vs_ddp"] = out["hlo_bytes_sent_per_device"] / ddp
+            if ddp:
+                out["hlo_vs_ddp"] = out["hlo_bytes_sent_per_device"] / ddp
             out["held_memory"] = self.memory(placed)
         return out
 

@@ -27,7 +27,7 @@ BATCH=${BATCH:-16}
 PLATFORM=${PLATFORM:-cuda}
 PARALLEL=${PARALLEL:-3}
 mkdir -p "$OUT"
-rm -f "$OUT"/*.rc
+rm -f "$OUT"/*.rc "$OUT"/*.log "$OUT"/*.jsonl
 T0=$(date +%s)
 
 # run NAME NEED CMD...: CMD under a timeout of the budget left, its output in $OUT/NAME.log and its exit status in
@@ -93,7 +93,7 @@ run hf_gpt2 30 env JAX_PLATFORMS=cpu $PY examples/hf_gpt2.py "$OUT/hf_gpt2"
 run tests_cpu 300 $PY -m pytest -o addopts="-q" -n 8 -p no:cacheprovider tests
 
 # 6. one table
-OUT="$OUT" STRATS="$STRATS" ELAPSED=$(($(date +%s) - T0)) BUDGET="$BUDGET" $PY - <<'EOF'
+OUT="$OUT" STRATS="$STRATS" PLATFORM="$PLATFORM" ELAPSED=$(($(date +%s) - T0)) BUDGET="$BUDGET" $PY - <<'EOF'
 import os, re
 out = os.environ["OUT"]
 read = lambda f: open(os.path.join(out, f)).read() if os.path.exists(os.path.join(out, f)) else ""
@@ -108,7 +108,8 @@ def status(name: str, ok: bool = True) -> str:
 rows = []
 for name in ("tests_gpu", "tests_cpu"):
     log = read(f"{name}.log").strip().splitlines()
-    rows.append((f"pytest ({name.split('_')[1]})", status(name), log[-1] if log else "no output"))
+    where = os.environ["PLATFORM"] if name == "tests_gpu" else "cpu, 8 simulated devices"
+    rows.append((f"pytest ({where})", status(name), log[-1] if log else "no output"))
 for s in [*os.environ["STRATS"].split(), "single_fp16", "ddp_fp16", "pipeline_fp16"]:
     summary = [l for l in read(f"train_{s}.log").splitlines() if l.startswith("summary:")]
     if summary:
@@ -124,9 +125,10 @@ for s in [*os.environ["STRATS"].split(), "single_fp16", "ddp_fp16", "pipeline_fp
     rows.append((f"train.py {label} (1 GPU)", status(f"train_{s}", bool(summary)), detail))
 interop = [l for l in read("hf_gpt2.log").splitlines() if l.startswith("| ") and "|---" not in l][1:]
 worst = max((float(l.rsplit("|", 2)[1]) for l in interop if "FAILED" not in l), default=float("nan"))
+hf_tail = read("hf_gpt2.log").strip().splitlines()
 rows.append(("examples/hf_gpt2.py (transformers)", status("hf_gpt2", bool(interop) and not any(
     "FAILED" in l for l in interop)), f"{len(interop)} checks, largest logit difference {worst:.1e}" if interop
-    else "no output"))
+    else (hf_tail[-1][:160] if hf_tail else "no output")))
 bench = read("bench_gpt.log").splitlines()
 table = [l for l in bench if l.startswith("|")]
 rows.insert(0, ("bench/gpt.py, bf16", status("bench_gpt", bool(table)),

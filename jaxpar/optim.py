@@ -24,10 +24,12 @@ def make_optimizer(name: str, lr: float | optax.Schedule, momentum: float = 0.0,
     if decay_params not in DECAY_PARAMS:
         raise ValueError(f"decay_params={decay_params!r} is not known; use 'all' (torch.optim on model.parameters()) "
                          "or 'matrices' (nanoGPT's and Megatron's: no decay on biases and norms).")
-    if eps is not None and (name == "sgd" or isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating))
-                            or not eps > 0):
-        raise ValueError(f"eps={eps!r} {'is not an optimizer setting of sgd' if name == 'sgd' else 'must be > 0'}; "
-                         "pass a positive eps to adam, adamw or adadelta (torch's defaults: 1e-8, 1e-8, 1e-6).")
+    if eps is not None and (name == "sgd" or not _positive_float32(eps)):
+        rule = "is not an optimizer setting of sgd" if name == "sgd" else \
+            f"must be a finite number of at least {float(np.finfo(np.float32).tiny):.3g} (zero in float32 gives NaN " \
+            "updates where a gradient is zero, infinity no update at all)"
+        raise ValueError(f"eps={eps!r} {rule}; pass e.g. 1e-8 to adam, adamw or adadelta (torch's defaults: 1e-8, "
+                         "1e-8, 1e-6).")
     matrices = decay_params == "matrices"
     decay = add_decayed_weights_to_matrices if matrices else optax.add_decayed_weights
     if nesterov and not (name == "sgd" and momentum > 0):
@@ -50,6 +52,15 @@ def make_optimizer(name: str, lr: float | optax.Schedule, momentum: float = 0.0,
         tx = optax.adadelta(lr, rho=0.9, eps=1e-6 if eps is None else eps)
         return optax.chain(decay(weight_decay), tx) if weight_decay else tx
     raise ValueError(f"optimizer={name!r} is not known; use one of {', '.join(OPTIMIZERS)}.")
+
+
+def _positive_float32(x) -> bool:
+    """Whether x is a real number (not a bool) that float32 holds as a finite value above zero."""
+    try:
+        value = float(x) if not isinstance(x, (bool, str, bytes)) and np.ndim(x) == 0 else None
+    except (TypeError, ValueError):
+        return False
+    return value is not None and np.finfo(np.float32).tiny <= value < np.finfo(np.float32).max
 
 
 def decays(shape: tuple) -> bool:

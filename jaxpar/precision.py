@@ -22,17 +22,18 @@ def compute_dtype(precision: str):
 
 
 def check_model(model: nnx.Module, dtype) -> None:
-    """ValueError where an nnx.Embed of `model` computes in a wider dtype than `dtype` (the compute dtype): its
-    output, and the layers after it, would run in float32 while the run says 16-bit."""
+    """ValueError where an nnx.Embed of `model` computes in another dtype than `dtype` (the compute dtype): its
+    output, and the layers after it, would run in float32 (a bf16 Embed under float16 too, by promotion) while the
+    run says 16-bit."""
     if dtype is None:
         return
     for path, m in nnx.iter_graph(model):
-        if isinstance(m, nnx.Embed) and m.dtype is not None and jnp.dtype(m.dtype).itemsize > jnp.dtype(dtype).itemsize:
+        if isinstance(m, nnx.Embed) and m.dtype is not None and jnp.dtype(m.dtype) != jnp.dtype(dtype):
             where = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in path).lstrip(".")
             name = f"{type(model).__name__}.{where}" if where else "the model"
             wide = jnp.dtype(m.dtype).name
             raise ValueError(f"compute_dtype={jnp.dtype(dtype).name}, but {name} is an nnx.Embed with dtype={wide} "
                              "(Flax sets an Embed's dtype to its table's when it is built), so its lookups and every "
-                             f"layer after them would compute in {wide}: set `{where or 'model'}.dtype = None` after "
-                             "building it (the table's dtype then decides: float32 in a float32 run, the compute dtype "
-                             "under jaxpar's cast), or leave compute_dtype at None.")
+                             f"layer after them would compute in {wide} or wider: set `{where or 'model'}.dtype = None` "
+                             "after building it (the table's dtype then decides: float32 in a float32 run, the compute "
+                             "dtype under jaxpar's cast), or leave compute_dtype at None.")

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar.models.gpt_ops import causal_attention
+from jaxpar.models.gpt_ops import causal_attention, dot_product_attention
 
 
 def generate(model, prompt_BxT, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
@@ -132,8 +132,8 @@ def forward_cached(model, idx_BxT: jax.Array, start, cache: list | None, cache_l
         v_BxLxNxH = jax.lax.dynamic_update_slice_in_dim(v_BxLxNxH, v_BxTxNxH, start, axis=1)
         if cache is not None:  # query start+i sees keys 0..start+i; the cache's later rows are masked out
             visible_TxL = jnp.arange(cache_len)[None, :] <= (start + jnp.arange(t))[:, None]
-            y_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, k_BxLxNxH, v_BxLxNxH, mask=visible_TxL[None, None],
-                                                     implementation="xla")
+            y_BxTxNxH = dot_product_attention(q_BxTxNxH, k_BxLxNxH, v_BxLxNxH, mask=visible_TxL[None, None],
+                                              implementation="xla")
         x_BxTxC = x_BxTxC + attn.c_proj(y_BxTxNxH.reshape(b, t, -1))  # resid_dropout is off in eval
         x_BxTxC = x_BxTxC + block.mlp(block.ln_2(x_BxTxC))
         out.append((k_BxLxNxH, v_BxLxNxH))

@@ -99,20 +99,24 @@ def causal_attention(q_BxTxNxH: jax.Array, k_BxTxNxH: jax.Array, v_BxTxNxH: jax.
     kernel for bf16/fp16); on CPUs in query blocks of about CPU_QUERY_BLOCK rows, each over its key prefix only.
 
     XLA:CPU materialises the T x T scores and their gradients (memory-bound passes); the blocks skip most of the
-    masked upper triangle: at T=256 in 4 blocks, 35 % less attention time than one causal call (bench/gpt.py).
-    float16 on CPUs runs in float32: jax's attention asks for float16 products accumulated in float32, which XLA:CPU
-    refuses."""
-    if q_BxTxNxH.dtype == jnp.float16 and jax.default_backend() == "cpu":
-        f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
-        return causal_attention(f32(q_BxTxNxH), f32(k_BxTxNxH), f32(v_BxTxNxH), setting).astype(jnp.float16)
+    masked upper triangle: at T=256 in 4 blocks, 35 % less attention time than one causal call (bench/gpt.py)."""
     impl = attention_impl(setting, q_BxTxNxH.dtype, q_BxTxNxH.shape[-1])
     bounds = query_blocks(q_BxTxNxH.shape[-3]) if jax.default_backend() == "cpu" else [0, q_BxTxNxH.shape[-3]]
     if len(bounds) == 2:
-        return jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxNxH, v_BxTxNxH, is_causal=True, implementation=impl)
+        return dot_product_attention(q_BxTxNxH, k_BxTxNxH, v_BxTxNxH, is_causal=True, implementation=impl)
     out = []
     for lo, hi in zip(bounds[:-1], bounds[1:]):  # rows lo:hi see keys 0:hi, key j <= row i
         rows, keys = jax.lax.broadcasted_iota(int, (hi - lo, hi), 0), jax.lax.broadcasted_iota(int, (hi - lo, hi), 1)
         mask_1x1xQxK = (keys <= rows + lo)[None, None]  # in the graph: a constant would be (hi - lo) x hi bytes
-        out.append(jax.nn.dot_product_attention(q_BxTxNxH[..., lo:hi, :, :], k_BxTxNxH[..., :hi, :, :],
-                                                v_BxTxNxH[..., :hi, :, :], mask=mask_1x1xQxK, implementation=impl))
+        out.append(dot_product_attention(q_BxTxNxH[..., lo:hi, :, :], k_BxTxNxH[..., :hi, :, :],
+                                         v_BxTxNxH[..., :hi, :, :], mask=mask_1x1xQxK, implementation=impl))
     return jnp.concatenate(out, axis=-3)
+
+
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, **kwargs) -> jax.Array:
+    """`jax.nn.dot_product_attention`, but float16 on CPUs runs in float32: jax asks for float16 products
+    accumulated in float32 there, which XLA:CPU refuses."""
+    if q.dtype == jnp.float16 and jax.default_backend() == "cpu":
+        f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+        return jax.nn.dot_product_attention(f32(q), f32(k), f32(v), **kwargs).astype(jnp.float16)
+    return jax.nn.dot_product_attention(q, k, v, **kwargs)

@@ -100,7 +100,10 @@ CASES = [
                                                                          "--momentum is 0", "--momentum 0.9"]),
     ("eps under sgd", ["--optimizer", "sgd", "--eps", "1e-6"], ["--eps 1e-06 would be ignored",
                                                                 "--optimizer sgd has no eps", "drop --eps"]),
-    ("zero eps", ["--optimizer", "adam", "--eps", "0"], ["--eps 0.0 must be > 0", "leave it out"]),
+    ("zero eps", ["--optimizer", "adam", "--eps", "0"], ["--eps 0.0 must be a finite number of at least 1.18e-38",
+                                                         "leave it out"]),
+    ("infinite eps", ["--optimizer", "adamw", "--eps", "inf"], ["--eps inf must be a finite number"]),
+    ("eps that float32 rounds to zero", ["--optimizer", "adadelta", "--eps", "1e-50"], ["--eps 1e-50 must be"]),
     # values accepted before, and training on them (a negative gamma ascends after the first epoch)
     ("negative gamma", ["--gamma", "-1"], ["--gamma -1.0 must be > 0", "1.0 for a constant rate"]),
     ("nan gamma", ["--gamma", "nan"], ["--gamma nan must be > 0"]),

@@ -89,6 +89,19 @@ def test_the_kv_cache_changes_no_token(model, prompt, new, monkeypatch):
         monkeypatch.undo()
 
 
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_16_bit_weights_generate_with_and_without_the_cache(model, dtype):
+    """A GPT whose weights are 16-bit (its embeddings follow their tables, so the whole model runs in 16 bits)
+    samples with the KV cache as without it; float16 attention on CPUs runs in float32 (XLA:CPU refuses jax's
+    float16 x float16 -> float32 products), which the cached path reached on its own."""
+    graphdef, state = nnx.split(model)
+    low = nnx.merge(graphdef, jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating)
+                                           else a, state))
+    cached, plain = (low.generate(PROMPT, 4, temperature=0, kv_cache=kv) for kv in (True, False))
+    np.testing.assert_array_equal(cached, plain)
+    assert cached.shape == (2, 7) and low(jnp.asarray(PROMPT)).dtype == dtype
+
+
 def test_draws_follow_the_tempered_softmax(model):
     """4,000 one-token continuations of one prompt: the frequencies are softmax(logits / T) (3 sigma)."""
     n, temperature = 4000, 2.0

@@ -120,6 +120,33 @@ def test_cpu_matmuls_have_plain_gradients(vmapped):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_cpu_matmuls_of_16_bit_operands_accumulate_in_float32(dtype):
+    """gpt.matmul / matmul_t of 16-bit operands on CPUs, the forward and both gradients: every product asks for a
+    float32 result (XLA:CPU then runs YNNPACK's bf16 kernels instead of converting the operands to float32 first)
+    and rounds it once: within a 16-bit ulp of the float32 reference, and 16-bit out."""
+    from test_precision import dot_outputs
+
+    rng = np.random.default_rng(0)
+    x, w, wt = (jnp.asarray(rng.normal(size=s), dtype) for s in ((4, 64, 512), (512, 96), (96, 512)))
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    ulp = float(jnp.finfo(dtype).eps)
+    for ours, weight, t in ((gpt.matmul, w, False), (gpt.matmul_t, wt, True)):
+        ref = lambda x, w, t=t: f32(x) @ (f32(w).T if t else f32(w))  # noqa: E731
+        dy = jnp.asarray(rng.normal(size=ref(x, weight).shape), dtype)
+
+        def both(x, w, dy):
+            out, vjp = jax.vjp(ours, x, w)
+            return (out, *vjp(dy))
+
+        assert dot_outputs(jax.make_jaxpr(both)(x, weight, dy).jaxpr) == {"float32"}
+        want_out, want_vjp = jax.vjp(ref, x, weight)
+        for a, b in zip(jax.jit(both)(x, weight, dy), (want_out, *want_vjp(f32(dy)))):
+            assert a.dtype == dtype
+            b = np.asarray(b, np.float64)
+            assert np.max(np.abs(np.asarray(a, np.float64) - b) / (np.abs(b) + 1e-3)) <= ulp
+
+
 def test_state_dict_variants_load_the_same_weights():
     """GPT2Model's keys (no `transformer.` prefix) with the old causal-mask buffers, and a torch.compile'd
     nanoGPT's `_orig_mod.` keys, load as the plain dicts do."""

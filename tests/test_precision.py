@@ -67,6 +67,21 @@ def dot_operands(jaxpr) -> collections.Counter:
     return out
 
 
+def dot_outputs(jaxpr) -> set:
+    """The result dtypes of every dot_general of a jaxpr (nested ones too): float32 where 16-bit operands accumulate
+    into a float32 result."""
+    out = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            out.add(eqn.outvars[0].aval.dtype.name)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    out |= dot_outputs(inner)
+    return out
+
+
 def test_bf16_tracks_fp32_and_keeps_float32_master_state():
     s32, l32, _, _ = train("fp32")
     s16, l16, step16, batch = train("bf16")
@@ -134,7 +149,42 @@ def test_an_embedding_fixed_at_float32_is_refused_under_16_bit_compute():
     with pytest.raises(ValueError, match=r"compute_dtype=bfloat16, but Tagger.layers\[0\] is an nnx.Embed with "
                                          r"dtype=float32 .* set `layers\[0\].dtype = None` after building it"):
         Objective.of(model, compute_dtype=jnp.bfloat16)
+    model.layers[0].dtype = jnp.bfloat16  # pinned to bf16: float16 compute would promote it to float32
+    with pytest.raises(ValueError, match=r"Tagger.layers\[0\] is an nnx.Embed with dtype=bfloat16"):
+        Objective.of(model, compute_dtype=jnp.float16)
     model.layers[0].dtype = None
     step = make_train_step(Objective.of(model, compute_dtype=jnp.bfloat16), tx)
     assert set(dot_operands(jax.make_jaxpr(step)(state, batch).jaxpr)) == {("bfloat16", "bfloat16")}
     assert float_dtypes(step(state, batch)[0].params) == {jnp.dtype(jnp.float32)}
+
+
+def test_a_pipeline_built_before_its_embedding_was_fixed_computes_in_16_bits():
+    """A PipelineModule cuts its stages when it is built; an Embed fixed after that (as the refusal says) must reach
+    the stages too: the layer after it sees bf16 inputs, where it saw float32 before the pipeline re-cut them."""
+    import optax
+    from flax import nnx
+
+    from jaxpar import LayerSpec, Pipeline, PipelineModule, init_state
+
+    seen = []
+
+    class Probe(nnx.Module):  # records the dtype its input has when traced
+        def __init__(self, d, rngs):
+            self.lin = nnx.Linear(d, d, rngs=rngs)
+
+        def __call__(self, x):
+            seen.append(x.dtype)
+            return self.lin(x)
+
+    seq = np.random.default_rng(0).integers(0, 16, (8, 5)).astype(np.int32)
+    batch = {"x": seq[:, :-1], "y": seq[:, 1:]}
+    tx = optax.sgd(0.1)
+    module = PipelineModule([LayerSpec(nnx.Embed, 16, 8), LayerSpec(Probe, 8), LayerSpec(nnx.Linear, 8, 16)],
+                            num_stages=2)
+    with pytest.raises(ValueError, match=r"Sequential.layers\[0\] is an nnx.Embed with dtype=float32"):
+        Pipeline(module, tx, micro_batches=2, compute_dtype=jnp.bfloat16)
+    module.model.layers[0].dtype = None
+    s = Pipeline(module, tx, micro_batches=2, compute_dtype=jnp.bfloat16)
+    seen.clear()
+    placed, metrics = s.step(s.init(init_state(module.model, tx)), s.put_batch(batch))
+    assert seen and set(seen) == {jnp.dtype(jnp.bfloat16)} and np.isfinite(float(metrics["loss"]))

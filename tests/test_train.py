@@ -124,24 +124,31 @@ def test_weight_decay_on_the_matrices_only_is_optaxs_masked_decay(name):
         make_optimizer(name, 1e-2, decay_params="some")
 
 
-@pytest.mark.parametrize("name", ["adam", "adamw", "adadelta"])
-def test_eps_is_torchs_denominator_term(name):
-    """make_optimizer(..., eps=) is torch's eps of Adam, AdamW and Adadelta (optax's with the same defaults), and
-    moves the update where gradients are small; SGD has none, and a non-positive eps is refused."""
+@pytest.mark.parametrize("name, decay_params", [("adam", "all"), ("adamw", "all"), ("adamw", "matrices"),
+                                                 ("adadelta", "all")])
+def test_eps_is_torchs_denominator_term(name, decay_params):
+    """make_optimizer(..., eps=) is torch's eps of Adam, AdamW (either parameter group rule) and Adadelta (optax's
+    with the same eps), moves the update where gradients are small, and reaches train.py's optimizer from --eps;
+    SGD has none, and an eps that is no finite float32 above zero (or not a number) is refused."""
     import optax
 
+    from jaxpar.config import Config
     from jaxpar.optim import make_optimizer
+    from jaxpar.run.trainer import make_tx
 
     p = {"w": np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)}
     g = {"w": np.float32(1e-4) * np.cos(p["w"])}
     want = {"adam": optax.adam(1e-2, eps=1e-3), "adamw": optax.adamw(1e-2, eps=1e-3, weight_decay=0.01),
             "adadelta": optax.adadelta(1e-2, rho=0.9, eps=1e-3)}[name]
-    got, default = make_optimizer(name, 1e-2, eps=1e-3), make_optimizer(name, 1e-2)
-    out = {k: tx.update(g, tx.init(p), p)[0]["w"] for k, tx in (("got", got), ("want", want), ("default", default))}
-    np.testing.assert_array_equal(out["got"], out["want"])
+    cfg = Config(optimizer=name, lr=1e-2, eps=1e-3, weight_decay_params=decay_params)
+    out = {k: tx.update(g, tx.init(p), p)[0]["w"] for k, tx in (
+        ("got", make_optimizer(name, 1e-2, eps=np.float32(1e-3), decay_params=decay_params)), ("want", want),
+        ("default", make_optimizer(name, 1e-2, decay_params=decay_params)), ("train.py", make_tx(cfg, 10)))}
+    np.testing.assert_allclose(out["got"], out["want"], rtol=1e-6)  # the matrices rule: masked decay, same numbers
+    np.testing.assert_array_equal(out["train.py"], out["got"])
     assert np.abs(out["got"] - out["default"]).max() > 1e-4 * np.abs(out["default"]).max()
-    for bad in (0.0, -1e-8, True):
-        with pytest.raises(ValueError, match=f"eps={bad!r} must be > 0"):
+    for bad in (0.0, -1e-8, True, float("inf"), 1e-50, "1e-3", np.ones(2)):
+        with pytest.raises(ValueError, match=r"eps=.* must be a finite number of at least 1.18e-38"):
             make_optimizer(name, 1e-2, eps=bad)
     with pytest.raises(ValueError, match="eps=1e-08 is not an optimizer setting of sgd"):
         make_optimizer("sgd", 1e-2, eps=1e-8)

@@ -202,9 +202,10 @@ def validate(cfg: Config) -> None:
     if cfg.nesterov and cfg.optimizer == "sgd" and not cfg.momentum > 0:
         raise ValueError("--nesterov needs a momentum (torch.optim.SGD's rule), but --momentum is 0; pass e.g. "
                          "--momentum 0.9, or drop --nesterov.")
-    if cfg.eps is not None and not 0 < cfg.eps < math.inf:
-        raise ValueError(f"--eps {cfg.eps} must be > 0 (it keeps the update's denominator off zero); pass e.g. 1e-8 "
-                         "(torch's Adam default), or leave it out for the optimizer's default.")
+    if cfg.eps is not None and not np.finfo(np.float32).tiny <= cfg.eps < np.finfo(np.float32).max:
+        raise ValueError(f"--eps {cfg.eps} must be a finite number of at least 1.18e-38 (it keeps the update's "
+                         "denominator off zero in float32); pass e.g. 1e-8 (torch's Adam default), or leave it out for "
+                         "the optimizer's default.")
     if cfg.weight_decay is not None and not cfg.weight_decay >= 0:
         raise ValueError(f"--weight-decay {cfg.weight_decay} must be >= 0 (torch.optim's rule); pass e.g. 0.1, or "
                          "leave it out for the optimizer's default.")

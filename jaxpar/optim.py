@@ -10,6 +10,7 @@ import optax
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "adadelta")
 DECAY_PARAMS = ("all", "matrices")  # torch.optim on model.parameters() | nanoGPT's / Megatron's groups: 2+ dims only
+EPS_MIN = float(np.finfo(np.float32).tiny)  # the smallest eps float32 holds as a normal number (1.18e-38)
 LR_SCHEDULES = ("step", "cosine")  # torch's StepLR (per epoch, gamma); nanoGPT's warmup + cosine decay
 
 
@@ -24,10 +25,10 @@ def make_optimizer(name: str, lr: float | optax.Schedule, momentum: float = 0.0,
     if decay_params not in DECAY_PARAMS:
         raise ValueError(f"decay_params={decay_params!r} is not known; use 'all' (torch.optim on model.parameters()) "
                          "or 'matrices' (nanoGPT's and Megatron's: no decay on biases and norms).")
-    if eps is not None and (name == "sgd" or not _positive_float32(eps)):
+    if eps is not None and (name == "sgd" or not eps_ok(eps)):
         rule = "is not an optimizer setting of sgd" if name == "sgd" else \
-            f"must be a finite number of at least {float(np.finfo(np.float32).tiny):.3g} (zero in float32 gives NaN " \
-            "updates where a gradient is zero, infinity no update at all)"
+            f"must be a finite number of at least {EPS_MIN:.3g} (zero in float32 gives NaN updates where a gradient " \
+            "is zero, infinity no update at all)"
         raise ValueError(f"eps={eps!r} {rule}; pass e.g. 1e-8 to adam, adamw or adadelta (torch's defaults: 1e-8, "
                          "1e-8, 1e-6).")
     matrices = decay_params == "matrices"
@@ -54,13 +55,14 @@ def make_optimizer(name: str, lr: float | optax.Schedule, momentum: float = 0.0,
     raise ValueError(f"optimizer={name!r} is not known; use one of {', '.join(OPTIMIZERS)}.")
 
 
-def _positive_float32(x) -> bool:
-    """Whether x is a real number (not a bool) that float32 holds as a finite value above zero."""
+def eps_ok(x) -> bool:
+    """Whether x can be an optimizer's eps: a real number (not a bool) that float32 holds as a finite value above
+    zero (at least EPS_MIN)."""
     try:
         value = float(x) if not isinstance(x, (bool, str, bytes)) and np.ndim(x) == 0 else None
     except (TypeError, ValueError):
         return False
-    return value is not None and np.finfo(np.float32).tiny <= value < np.finfo(np.float32).max
+    return value is not None and EPS_MIN <= value < np.finfo(np.float32).max
 
 
 def decays(shape: tuple) -> bool:

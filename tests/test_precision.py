@@ -46,40 +46,35 @@ def float_dtypes(tree) -> set:
     return {a.dtype for a in jax.tree.leaves(tree) if jnp.issubdtype(a.dtype, jnp.floating)}
 
 
-def dot_operands(jaxpr) -> collections.Counter:
-    """How many dot_generals of a jaxpr (and of those nested in it: jit, shard_map, custom_vjp, vmap rules) take
-    operands of each dtype pair: what the products really compute in. A dot whose algorithm names its operands'
-    type (jax.nn.dot_product_attention's backward: a float32 cotangent against bf16 keys under BF16_BF16_F32, which
-    rounds it to bf16) counts as that type."""
-    out = collections.Counter()
+def dot_eqns(jaxpr):
+    """Every dot_general of a jaxpr and of those nested in it (jit, shard_map, custom_vjp, vmap rules)."""
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "dot_general":
-            algorithm = eqn.params.get("precision")
-            if isinstance(algorithm, jax.lax.DotAlgorithmPreset) and algorithm.name.startswith("BF16_BF16_"):
-                out[("bfloat16", "bfloat16")] += 1
-            else:
-                out[tuple(v.aval.dtype.name for v in eqn.invars)] += 1
+            yield eqn
         for value in eqn.params.values():
             for sub in value if isinstance(value, (tuple, list)) else (value,):
                 inner = getattr(sub, "jaxpr", sub)
                 if hasattr(inner, "eqns"):
-                    out += dot_operands(inner)
+                    yield from dot_eqns(inner)
+
+
+def dot_operands(jaxpr) -> collections.Counter:
+    """How many products of a jaxpr take operands of each dtype pair: what they really compute in. A dot whose
+    algorithm names its operands' type (jax.nn.dot_product_attention's backward: a float32 cotangent against bf16
+    keys under BF16_BF16_F32, which rounds it to bf16) counts as that type."""
+    out = collections.Counter()
+    for eqn in dot_eqns(jaxpr):
+        algorithm = eqn.params.get("precision")
+        if isinstance(algorithm, jax.lax.DotAlgorithmPreset) and algorithm.name.startswith("BF16_BF16_"):
+            out[("bfloat16", "bfloat16")] += 1
+        else:
+            out[tuple(v.aval.dtype.name for v in eqn.invars)] += 1
     return out
 
 
 def dot_outputs(jaxpr) -> set:
-    """The result dtypes of every dot_general of a jaxpr (nested ones too): float32 where 16-bit operands accumulate
-    into a float32 result."""
-    out = set()
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            out.add(eqn.outvars[0].aval.dtype.name)
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    out |= dot_outputs(inner)
-    return out
+    """The result dtypes of a jaxpr's products: float32 where 16-bit operands accumulate into a float32 result."""
+    return {eqn.outvars[0].aval.dtype.name for eqn in dot_eqns(jaxpr)}
 
 
 def test_bf16_tracks_fp32_and_keeps_float32_master_state():

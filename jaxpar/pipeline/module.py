@@ -171,7 +171,7 @@ class PipelineModule:
         self.bounds = partition_lib.partition(
             partition_method, self.num_parts, names=self.names, params=lambda: self.layer_params,
             profile=None if example_input is None else self.layer_costs)
-        self.parts = [self._segments(v) for v in range(self.num_parts)]
+        self.cut()
         self._ownership()
         self.tensor_parallel, self.tensor_layouts = 1, None  # set_tensor_parallel: Megatron splits per parameter
         self.state_layouts = None  # ... and per model-state leaf (frozen weights: a fine-tune's wrt leaves them out)
@@ -197,6 +197,11 @@ class PipelineModule:
             if isinstance(layer, nnx.Module):
                 set_tensor_axis(layer, axis, tp, sequence_parallel, parallel_output)
         self.tensor_parallel, self.sequence_parallel = tp, bool(sequence_parallel)
+        self.cut()
+
+    def cut(self) -> None:
+        """Each virtual stage's segments, their graphdefs taken from the layers as they are now (again after a
+        layer's static attributes changed: a tensor axis, an Embed's dtype)."""
         self.parts = [self._segments(v) for v in range(self.num_parts)]
 
     @classmethod

@@ -19,7 +19,8 @@ import optax
 from flax import nnx
 
 from jaxpar.config import DEFAULT_LR, Config
-from jaxpar.optim import DECAY_PARAMS, LR_SCHEDULES, OPTIMIZERS, clip_by_global_norm, make_optimizer, warmup_cosine
+from jaxpar.optim import (DECAY_PARAMS, EPS_MIN, LR_SCHEDULES, OPTIMIZERS, clip_by_global_norm, eps_ok, make_optimizer,
+                          warmup_cosine)
 from jaxpar.run import memory as jax_memory
 from jaxpar.run import weights
 from jaxpar.step import TrainState, init_state, make_eval_step
@@ -202,8 +203,8 @@ def validate(cfg: Config) -> None:
     if cfg.nesterov and cfg.optimizer == "sgd" and not cfg.momentum > 0:
         raise ValueError("--nesterov needs a momentum (torch.optim.SGD's rule), but --momentum is 0; pass e.g. "
                          "--momentum 0.9, or drop --nesterov.")
-    if cfg.eps is not None and not np.finfo(np.float32).tiny <= cfg.eps < np.finfo(np.float32).max:
-        raise ValueError(f"--eps {cfg.eps} must be a finite number of at least 1.18e-38 (it keeps the update's "
+    if cfg.eps is not None and not eps_ok(cfg.eps):
+        raise ValueError(f"--eps {cfg.eps} must be a finite number of at least {EPS_MIN:.3g} (it keeps the update's "
                          "denominator off zero in float32); pass e.g. 1e-8 (torch's Adam default), or leave it out for "
                          "the optimizer's default.")
     if cfg.weight_decay is not None and not cfg.weight_decay >= 0:

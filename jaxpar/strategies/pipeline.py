@@ -194,8 +194,8 @@ class Pipeline:
             loss_fn = module.loss_fn if isinstance(module.loss_fn, OutputLoss) else OutputLoss(module.loss_fn)
         self.module, self.tx, self.batch_size = module, tx, batch_size
         self.objective = Objective.of(module.model, loss_fn, **objective_options)
-        if isinstance(model, PipelineModule):  # the layers as they are now (an Embed's dtype set after building it)
-            module.parts = [module._segments(v) for v in range(module.num_parts)]
+        if isinstance(model, PipelineModule) and self.objective.compute_dtype is not None:
+            module.cut()  # the layers as they are now: an Embed's dtype set after the module was built
         self.objective.output_loss()  # a one-line ValueError for a loss(model, batch)
         S, V, M = module.num_stages, module.virtual_stages, micro_batches
         self.mesh = pipeline_mesh(S * T, S, T) if mesh is None else mesh

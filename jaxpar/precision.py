@@ -5,13 +5,40 @@ jaxpar casts the parameters and the model's inputs to the compute dtype; Flax mo
 of what they are given, except where a module's own `dtype` says otherwise. `nnx.Embed` fixes its `dtype` to its
 table's (float32) when it is built, so its lookups, and every layer after them, would compute in float32:
 `check_model` refuses that before any work.
+
+A 16-bit compute copy of a bias or an embedding table gets a gradient that is a sum over every token (the transpose
+of the bias's broadcast, the scatter-add of a lookup). JAX sums those in the cotangent's dtype, 16 bits, where torch
+autocast's kernels accumulate in float32. `add_wide` and `take_wide` (jaxpar's GPT uses them) do the add and the
+lookup in float32 and round the result once, so those sums run in float32 too; float32 inputs are untouched.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 PRECISIONS = {"fp32": None, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+
+
+LOW = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def add_wide(x: jax.Array, b: jax.Array) -> jax.Array:
+    """``x + b`` (b broadcast over x's leading axes) in x's dtype. With a 16-bit operand the sum is formed in float32
+    and rounded once, so b's gradient, a sum over x's leading axes, accumulates in float32 (torch autocast's bias
+    gradients do); the result is x's dtype either way."""
+    if jnp.dtype(x.dtype) not in LOW and jnp.dtype(b.dtype) not in LOW:
+        return x + b
+    return (x.astype(jnp.float32) + b.astype(jnp.float32)).astype(x.dtype)
+
+
+def take_wide(table: jax.Array, ids: jax.Array) -> jax.Array:
+    """``table[ids]`` (rows of the table, as nnx.Embed looks them up) in the table's dtype. A 16-bit table is read
+    through a float32 view, so the gradient's scatter-add, where a token that appears n times adds n rows, sums in
+    float32; the rows come out in the table's dtype."""
+    if jnp.dtype(table.dtype) not in LOW:
+        return jnp.take(table, ids, axis=0)
+    return jnp.take(table.astype(jnp.float32), ids, axis=0).astype(table.dtype)
 
 
 def compute_dtype(precision: str):

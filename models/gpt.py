@@ -38,6 +38,7 @@ from jaxpar.comm import megatron
 from jaxpar.models.gpt_ops import (CPU_QUERY_BLOCK, attention_impl, causal_attention,  # noqa: F401
                                    linear_dot_general, matmul, matmul_t)
 from jaxpar.models import gpt_generate
+from jaxpar.precision import LOW, add_wide, take_wide
 from jaxpar.recompute import recompute_call
 
 CONFIGS = {  # name -> (n_layer, n_head, n_embd)
@@ -102,9 +103,24 @@ class GPTConfig:
         return self.n_embd // self.n_head
 
 
-def _linear(n_in: int, n_out: int, cfg: GPTConfig, std: float, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(n_in, n_out, use_bias=cfg.bias, kernel_init=nnx.initializers.normal(std),
-                      bias_init=nnx.initializers.zeros_init(), dot_general=linear_dot_general, rngs=rngs)
+class Linear(nnx.Linear):
+    """nnx.Linear whose bias is added in float32 when the compute is 16-bit (jaxpar.precision.add_wide): its
+    gradient, a sum over every token, then accumulates in float32 as torch autocast's does. Otherwise nnx.Linear."""
+
+    def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
+        if self.bias is None or jnp.dtype(self.bias.dtype) not in LOW and jnp.dtype(inputs.dtype) not in LOW:
+            return super().__call__(inputs, out_sharding)
+        x, kernel, bias = self.promote_dtype((inputs, self.kernel[...], self.bias[...]), dtype=self.dtype)
+        kwargs = {"out_sharding": out_sharding}
+        if self.preferred_element_type is not None:
+            kwargs["preferred_element_type"] = self.preferred_element_type
+        y = self.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=self.precision, **kwargs)
+        return add_wide(y, bias)
+
+
+def _linear(n_in: int, n_out: int, cfg: GPTConfig, std: float, rngs: nnx.Rngs) -> Linear:
+    return Linear(n_in, n_out, use_bias=cfg.bias, kernel_init=nnx.initializers.normal(std),
+                  bias_init=nnx.initializers.zeros_init(), dot_general=linear_dot_general, rngs=rngs)
 
 
 def _layer_norm(cfg: GPTConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
@@ -248,17 +264,19 @@ class Embedding(nnx.Module):
             raise ValueError(f"a sequence of {t} tokens is longer than the model's block_size "
                              f"{self.wpe.num_embeddings} (its position table); use --seq-len <= "
                              f"{self.wpe.num_embeddings}, or a model with a larger block size.")
-        positions = self.wpe(jnp.arange(t))
+        (pos_table,) = self.wpe.promote_dtype((self.wpe.embedding[...],), dtype=self.wpe.dtype, inexact=False)
+        positions = take_wide(pos_table, jnp.arange(t))
         if self.sequence_parallel:  # this rank's tokens: the lookups' sum reduce-scattered, its positions
             _check_sequence(t, self.tensor_size)
             tokens = megatron.vocab_parallel_embed(self.wte.embedding[...], idx_BxT, self.tensor_axis, 1)
-            x = tokens + megatron.my_slice(positions, self.tensor_axis, 0)
+            x = add_wide(tokens, megatron.my_slice(positions, self.tensor_axis, 0))
             return sequence_dropout(self.drop, x, self.tensor_axis, True)
         if _vocab_split(self.wte, self.tensor_axis):
             tokens = megatron.vocab_parallel_embed(self.wte.embedding[...], idx_BxT, self.tensor_axis)
-        else:
-            tokens = self.wte(idx_BxT)
-        return self.drop(tokens + positions)
+        else:  # nnx.Embed's lookup; a 16-bit table's gradient then sums repeated tokens in float32
+            (table,) = self.wte.promote_dtype((self.wte.embedding[...],), dtype=self.wte.dtype, inexact=False)
+            tokens = take_wide(table, idx_BxT)
+        return self.drop(add_wide(tokens, positions))  # wpe's gradient sums over the batch in float32 (16-bit)
 
 
 class LMHead(nnx.Module):

@@ -46,16 +46,20 @@ def float_dtypes(tree) -> set:
     return {a.dtype for a in jax.tree.leaves(tree) if jnp.issubdtype(a.dtype, jnp.floating)}
 
 
-def dot_eqns(jaxpr):
-    """Every dot_general of a jaxpr and of those nested in it (jit, shard_map, custom_vjp, vmap rules)."""
+def all_eqns(jaxpr):
+    """Every equation of a jaxpr and of those nested in it (jit, shard_map, custom_vjp, vmap rules)."""
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            yield eqn
+        yield eqn
         for value in eqn.params.values():
             for sub in value if isinstance(value, (tuple, list)) else (value,):
                 inner = getattr(sub, "jaxpr", sub)
                 if hasattr(inner, "eqns"):
-                    yield from dot_eqns(inner)
+                    yield from all_eqns(inner)
+
+
+def dot_eqns(jaxpr):
+    """Every dot_general of a jaxpr and of those nested in it."""
+    return (eqn for eqn in all_eqns(jaxpr) if eqn.primitive.name == "dot_general")
 
 
 def dot_operands(jaxpr) -> collections.Counter:

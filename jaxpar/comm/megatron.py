@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxpar.comm import collectives
+from jaxpar.precision import add_wide, take_wide
 from jaxpar.mesh import TENSOR  # noqa: F401  (the axis these functions are called with)
 
 
@@ -129,7 +130,7 @@ def vocab_parallel_embed(table_local: jax.Array, ids: jax.Array, axis: str, sequ
     ids = jnp.where(ids < 0, ids + vocab, ids)
     local = ids - lax.axis_index(axis) * rows
     inside = (local >= 0) & (local < rows)
-    out = jnp.take(table_local, jnp.where(inside, local, 0), axis=0)
+    out = take_wide(table_local, jnp.where(inside, local, 0))  # 16-bit: the gradient's scatter-add in float32
     outside = ((ids < 0) | (ids >= vocab))[..., None]
     out = jnp.where(inside[..., None], out, jnp.where(outside, jnp.nan, 0.0).astype(out.dtype))
     return reduce_from_tensor_region(out, axis) if sequence_dim is None else scatter_sequence_sum(out, axis,
@@ -236,7 +237,7 @@ def g(x: jax.Array, axis: str | None) -> jax.Array:
 def column_linear(linear, x: jax.Array) -> jax.Array:
     """``x @ kernel + bias`` of an nnx.Linear whose kernel [in, out/T] and bias [out/T] hold this rank's columns."""
     y = jnp.dot(x, linear.kernel[...].astype(x.dtype))
-    return y if linear.bias is None else y + linear.bias[...].astype(y.dtype)
+    return y if linear.bias is None else add_wide(y, linear.bias[...].astype(y.dtype))
 
 
 def row_linear(linear, x: jax.Array, axis: str | None, sequence_dim: int | None = None) -> jax.Array:
@@ -245,7 +246,7 @@ def row_linear(linear, x: jax.Array, axis: str | None, sequence_dim: int | None 
     parallelism) the sum is reduce-scattered along it instead: this rank's tokens."""
     y = jnp.dot(x, linear.kernel[...].astype(x.dtype))
     y = g(y, axis) if sequence_dim is None else scatter_sequence_sum(y, axis, sequence_dim)
-    return y if linear.bias is None else y + linear.bias[...].astype(y.dtype)
+    return y if linear.bias is None else add_wide(y, linear.bias[...].astype(y.dtype))
 
 
 def rank(axis: str | None) -> jax.Array | int:

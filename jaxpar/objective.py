@@ -247,7 +247,8 @@ class Objective:
 
     Built with `Objective.of(model, loss_fn)`; see the module docstring for the two modes. ``compute_dtype``
     (bf16) casts the parameters and the model's inputs for the forward and backward; the loss, the gradients and
-    the master weights stay float32.
+    the master weights stay float32. The model's inputs are an OutputLoss's ``inputs(batch)``; a loss written as
+    ``loss_fn(model, batch)`` gets every floating leaf of the batch cast (targets and weights too).
     """
 
     graphdef: nnx.GraphDef
@@ -300,6 +301,10 @@ class Objective:
                 raise ValueError(f"{type(model).__name__}'s variable {'/'.join(map(str, path))} holds a "
                                  f"{type(v.get_value()).__name__} ({v.get_value()!r}), not an array; give it an array: "
                                  f"{type(v).__name__}(jnp.asarray({v.get_value()!r})).")
+        if not jax.tree.leaves(nnx.split(model, wrt, ...)[1]):
+            raise ValueError(f"wrt={wrt!r} selects no variable of {type(model).__name__}, so nothing would train; pass "
+                             "a filter that selects its trainable weights (the default nnx.Param), or a model that "
+                             "holds what it names (e.g. nnx.LoRAParam needs nnx.LoRA layers).")
         shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), a.dtype), nnx.split(model, wrt, ...)[1:])
         return cls(graphdef, nnx.split(evaluated, wrt, ...)[0], loss_fn, wrt, bool(per_sample), rows_per_call,
                    compute_dtype, activation_checkpoint_interval, shapes, defaulted)
@@ -415,8 +420,13 @@ class Objective:
                 continue  # (from an RNG stream, or from a key the model keeps without advancing a count)
             sums = traced.lower().compile()(params, model_state, head.data)
             one_by_one = run_apart(params, model_state, head, train)
-            together = float(sums[0]) / float(sums[1])  # the mean, what the strategies train
-            apart = float(one_by_one.loss) / float(one_by_one.weight)
+            together, apart = float(sums[0]), float(one_by_one.loss)
+            weights = float(sums[1]), float(one_by_one.weight)
+            if weights[0] and weights[1]:  # the mean, what the strategies train
+                together, apart = together / weights[0], apart / weights[1]
+            elif weights[0] != weights[1]:  # one side weighs the rows, the other not: they mix rows
+                together, apart = weights
+            # else: rows with no weight (every target masked) have no mean (0/0); their loss sums must agree
             low = self.compute_dtype is not None and jnp.finfo(self.compute_dtype).bits < 32
             if abs(apart - together) > (2e-2 if low else 1e-4) * max(abs(apart), abs(together), 1e-12):
                 name = self.eval_graphdef.nodes[0].type.__name__
@@ -462,6 +472,11 @@ class Objective:
         def models():  # each side on its own copy (merge shares the state's Variables): streams start alike, and
             # what the calls advance or trace stays in the copies
             plain, layered = (nnx.clone(nnx.merge(graphdef, params, model_state)) for _ in range(2))
+            for copy in (plain, layered):  # the check runs on one device, outside any mapped axis: a
+                # synchronised BatchNorm's pmean over one replica is the identity, so unbind it in the copies
+                for _, node in nnx.iter_graph(copy):
+                    if isinstance(node, nnx.BatchNorm) and node.axis_name is not None:
+                        node.axis_name = None
             if getattr(type(plain), "_recompute_interval", 0):  # training's graph recomputes: the user's class
                 plain.__class__ = layered.__class__ = type(plain).__bases__[0]
             key = (type(plain), unpack)

@@ -778,3 +778,97 @@ def test_a_model_drawing_from_a_key_of_its_own_is_not_taken_for_one_that_mixes_r
         single = jaxpar.SingleDevice(OwnKeyNoise(), TX, loss_fn=loss, **kw)
         losses.append(float(single.step(single.init(state), single.put_batch(batch))[1]["loss"]))
     assert losses[0] == losses[1]
+
+
+# -- what a QA pass over user models found (2026-11-27): each test fails without its fix ---------------------------
+
+def params_after(strategy, model, batch, steps: int = 2):
+    placed = strategy.init(jaxpar.init_state(model, TX))
+    for _ in range(steps):
+        placed, metrics = strategy.step(placed, strategy.put_batch(batch))
+    return strategy.unplace(placed), metrics
+
+
+def assert_same_params(a, b, moved_from=None):
+    if moved_from is not None:  # the comparison can fail: the steps changed the weights
+        assert max(float(jnp.abs(x - y).max()) for x, y in zip(jax.tree.leaves(a.params),
+                                                                 jax.tree.leaves(moved_from.params))) > 1e-3
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+def sync_bn_model():
+    r = nnx.Rngs(0)
+    return jaxpar.sync_batch_norm(nnx.Sequential(nnx.Linear(6, 8, rngs=r), nnx.BatchNorm(8, rngs=r), nnx.relu,
+                                                 nnx.Linear(8, 3, rngs=r)))
+
+
+def test_sync_batch_norm_passes_the_layers_check_of_zero3_and_recompute():
+    """The first-batch check that a model's __call__ is its layers (ZeRO-3's per-layer fetch, activation
+    checkpointing) ran the model outside the data axis, and a synchronised BatchNorm died there with `unbound axis
+    name: data`. Now ZeRO-3 over 4 devices and recomputed DDP equal the single step (global batch statistics)."""
+    loss = OutputLoss(lambda out, b: (jnp.sum((out - b["y"]) ** 2), jnp.float32(out.size)))
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(8, 6)).astype(np.float32), "y": rng.normal(size=(8, 3)).astype(np.float32)}
+    single, _ = params_after(jaxpar.SingleDevice(sync_bn_model(), TX, loss_fn=loss), sync_bn_model(), batch)
+    for make in (lambda m: jaxpar.ZeroRedundancy(m, TX, loss_fn=loss, stage=3, mesh=jaxpar.make_mesh(4)),
+                 lambda m: jaxpar.DistributedDataParallel(m, TX, loss_fn=loss, mesh=jaxpar.make_mesh(4),
+                                                          activation_checkpoint_interval=1)):
+        out, _ = params_after(make(sync_bn_model()), sync_bn_model(), batch)
+        assert_same_params(out, single, moved_from=jaxpar.init_state(sync_bn_model(), TX))
+        np.testing.assert_allclose(jax.tree.leaves(out.model_state)[0], jax.tree.leaves(single.model_state)[0],
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_rows_with_no_targets_at_the_top_of_the_first_batch_train():
+    """A masked token loss whose first rows are all padding: the rows check divided their loss by their weight
+    (0) and raised a bare ZeroDivisionError. Now the check compares their sums, and single and DDP train alike."""
+    d = {k: np.array(v[:8]) for k, v in lm.make_data(n=8, seq_len=8, vocab=32, seed=2).items() if k in ("x", "y", "mask")}
+    d["mask"][:3] = 0
+    assert d["mask"][3:].sum() > 0
+    model = lambda: lm.TinyLM(vocab=32, dim=16, heads=2, depth=1, max_len=8, dropout=0.0,  # noqa: E731
+                              attention_dropout=0.0, rngs=nnx.Rngs(0))
+    loss = OutputLoss(jaxpar.cross_entropy)
+    single, m1 = params_after(jaxpar.SingleDevice(model(), TX, loss_fn=loss), model(), d)
+    ddp, m2 = params_after(jaxpar.DistributedDataParallel(model(), TX, loss_fn=loss, mesh=jaxpar.make_mesh(2)),
+                           model(), d)
+    assert_same_params(ddp, single, moved_from=jaxpar.init_state(model(), TX))
+    assert float(m1["loss"]) == pytest.approx(float(m2["loss"]), rel=1e-6)
+
+
+def test_a_wrt_filter_that_selects_nothing_is_refused():
+    """wrt=nnx.LoRAParam on a model with no LoRA layer: SingleDevice and DataParallel trained nothing without a
+    word (grad_norm 0), DDP, ZeRO and the pipeline failed in numpy or an IndexError. One line now, before any work."""
+    model = regression.make_model(8, 16, 2, 0.0, rngs=nnx.Rngs(0))
+    for make in (lambda: jaxpar.SingleDevice(model, TX, wrt=nnx.LoRAParam),
+                 lambda: jaxpar.DistributedDataParallel(model, TX, wrt=nnx.LoRAParam, mesh=jaxpar.make_mesh(2))):
+        with pytest.raises(ValueError, match="selects no variable of Sequential"):
+            make()
+
+
+def test_data_parallel_takes_a_model_whose_output_holds_integers():
+    """A head returning {"logits", "pred": argmax} (predicted ids for an accuracy metric): DataParallel's loss on
+    the output device took jax.grad of the outputs, which refuses integer leaves. It equals the single step now."""
+    class Head(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(8, 3, rngs=rngs)
+
+        def __call__(self, h):
+            logits = self.lin(h)
+            return {"logits": logits, "pred": jnp.argmax(logits, -1)}
+
+    def fn(out, b):
+        nll = -jnp.take_along_axis(jax.nn.log_softmax(out["logits"]), b["y"][:, None], -1)[:, 0]
+        return jnp.sum(nll), jnp.float32(nll.shape[0]), {"acc": jnp.sum(out["pred"] == b["y"])}
+
+    def model():
+        r = nnx.Rngs(0)
+        return nnx.Sequential(nnx.Linear(6, 8, rngs=r), nnx.relu, Head(r))
+
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(8, 6)).astype(np.float32), "y": rng.integers(0, 3, 8).astype(np.int32)}
+    single, m1 = params_after(jaxpar.SingleDevice(model(), TX, loss_fn=OutputLoss(fn)), model(), batch)
+    dp, m2 = params_after(jaxpar.DataParallel(model(), TX, loss_fn=OutputLoss(fn), device_ids=[0, 1]), model(),
+                          batch)
+    assert_same_params(dp, single, moved_from=jaxpar.init_state(model(), TX))
+    assert float(m1["acc"]) == float(m2["acc"])

@@ -116,11 +116,9 @@ def _output_grad(objective: Objective, outputs, rows: Rows, scale=None):
         sums = objective.output_sums(z, rows)
         return sums.loss / sums.weight, sums
 
-    if scale is None:
-        dz, sums = jax.grad(mean_loss, has_aux=True)(outputs)
-        return sums, dz
+    # vjp, not grad: jax.grad refuses integer outputs (an argmax, predicted ids), whose cotangent is float0
     loss, vjp, sums = jax.vjp(mean_loss, outputs, has_aux=True)
-    return sums, vjp(scale.astype(loss.dtype))[0]
+    return sums, vjp(jnp.ones_like(loss) if scale is None else scale.astype(loss.dtype))[0]
 
 
 @jax.jit

@@ -94,7 +94,8 @@ def sync_batch_norm(model: nnx.Module, axis_name: str = DATA) -> nnx.Module:
     """torch's ``SyncBatchNorm.convert_sync_batchnorm``: every nnx.BatchNorm of `model` computes its statistics
     over the whole global batch (a pmean over `axis_name`), in place; returns the model. Under DDP every shard
     then normalises with the global batch's statistics, as the single-device step does (equal shards: DDP pads
-    none in batch mode). Like torch's, it works with DistributedDataParallel (and single), not DataParallel."""
+    none in batch mode); under grad_accum > 1 with each micro-batch's (all shards of it), as torch's SyncBatchNorm
+    under no_sync accumulation. Like torch's, it works with DistributedDataParallel (and single), not DataParallel."""
     count = 0
     for _, node in nnx.iter_graph(model):
         if isinstance(node, nnx.BatchNorm):

@@ -301,10 +301,6 @@ class Objective:
                 raise ValueError(f"{type(model).__name__}'s variable {'/'.join(map(str, path))} holds a "
                                  f"{type(v.get_value()).__name__} ({v.get_value()!r}), not an array; give it an array: "
                                  f"{type(v).__name__}(jnp.asarray({v.get_value()!r})).")
-        if not jax.tree.leaves(nnx.split(model, wrt, ...)[1]):
-            raise ValueError(f"wrt={wrt!r} selects no variable of {type(model).__name__}, so nothing would train; pass "
-                             "a filter that selects its trainable weights (the default nnx.Param), or a model that "
-                             "holds what it names (e.g. nnx.LoRAParam needs nnx.LoRA layers).")
         shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), a.dtype), nnx.split(model, wrt, ...)[1:])
         return cls(graphdef, nnx.split(evaluated, wrt, ...)[0], loss_fn, wrt, bool(per_sample), rows_per_call,
                    compute_dtype, activation_checkpoint_interval, shapes, defaulted)
@@ -318,6 +314,16 @@ class Objective:
         """(params, model_state): what `wrt` selects, and everything else."""
         _, params, rest = nnx.split(model, self.wrt, ...)
         return params, rest
+
+    def check_trains(self) -> "Objective":
+        """ValueError when `wrt` selects none of the model's variables (a strategy would train nothing); returns self.
+        An Objective that only evaluates (jaxpar.evaluate, a model without weights) needs none."""
+        if self.shapes is not None and not jax.tree.leaves(self.shapes[0]):
+            name = self.eval_graphdef.nodes[0].type.__name__
+            raise ValueError(f"wrt={self.wrt!r} selects no variable of {name}, so nothing would train; pass a filter "
+                             "that selects its trainable weights (the default nnx.Param), or a model that holds what "
+                             "it names (nnx.LoRAParam needs nnx.LoRA layers).")
+        return self
 
     def merge(self, params: nnx.State, model_state: nnx.State, *, train: bool = True) -> nnx.Module:
         """A live model from the two halves (in eval mode when train is False)."""

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpar.precision import add_wide
+
 ConvImpl = Literal["im2col", "xla", "chunked"]
 CONV_IMPLS = ("im2col", "xla", "chunked")
 CONV_CHUNK = 32  # samples per convolution call of the "chunked" impl (a 2-core VM: 16-64 alike)
@@ -34,7 +36,7 @@ class Linear(nnx.Module):
         self.bias = nnx.Param(torch_uniform(rngs, (out_features,), in_features))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return x @ self.kernel[...] + self.bias[...]
+        return add_wide(x @ self.kernel[...], self.bias[...])  # 16-bit: the bias gradient sums in float32
 
 
 def _pair(v: int | tuple[int, int]) -> tuple[int, int]:
@@ -115,7 +117,7 @@ class Conv2d(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         conv = _CONVS[self.impl or default_conv_impl()]
-        return conv(x, self.kernel[...], self.stride, self.padding) + self.bias[...]
+        return add_wide(conv(x, self.kernel[...], self.stride, self.padding), self.bias[...])
 
 
 class ReLU(nnx.Module):
@@ -181,5 +183,7 @@ class Flatten(nnx.Module):
 
 
 class LogSoftmax(nnx.Module):
+    """nn.LogSoftmax(dim=-1), in float32 whatever x's dtype (torch autocast runs log_softmax in float32)."""
+
     def __call__(self, x: jax.Array) -> jax.Array:
-        return jax.nn.log_softmax(x, axis=-1)
+        return jax.nn.log_softmax(x.astype(jnp.promote_types(x.dtype, jnp.float32)), axis=-1)

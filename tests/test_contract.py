@@ -841,7 +841,9 @@ def test_a_wrt_filter_that_selects_nothing_is_refused():
     word (grad_norm 0), DDP, ZeRO and the pipeline failed in numpy or an IndexError. One line now, before any work."""
     model = regression.make_model(8, 16, 2, 0.0, rngs=nnx.Rngs(0))
     for make in (lambda: jaxpar.SingleDevice(model, TX, wrt=nnx.LoRAParam),
-                 lambda: jaxpar.DistributedDataParallel(model, TX, wrt=nnx.LoRAParam, mesh=jaxpar.make_mesh(2))):
+                 lambda: jaxpar.DistributedDataParallel(model, TX, wrt=nnx.LoRAParam, mesh=jaxpar.make_mesh(2)),
+                 lambda: jaxpar.ZeroRedundancy(model, TX, wrt=nnx.LoRAParam, stage=3, mesh=jaxpar.make_mesh(2)),
+                 lambda: jaxpar.Pipeline(model, TX, wrt=nnx.LoRAParam, num_stages=2, micro_batches=2)):
         with pytest.raises(ValueError, match="selects no variable of Sequential"):
             make()
 

@@ -187,3 +187,23 @@ def test_a_pipeline_built_before_its_embedding_was_fixed_computes_in_16_bits():
     seen.clear()
     placed, metrics = s.step(s.init(init_state(module.model, tx)), s.put_batch(batch))
     assert seen and set(seen) == {jnp.dtype(jnp.bfloat16)} and np.isfinite(float(metrics["loss"]))
+
+
+@pytest.mark.parametrize("name,shape,dtype", [("mlp", (8, 784), jnp.bfloat16), ("mlp", (8, 784), jnp.float16),
+                                              ("convnet", (4, 28, 28, 1), jnp.bfloat16)])
+def test_the_tutorial_models_sum_16_bit_gradients_in_float32(name, shape, dtype):
+    """Their biases are added in float32 (jaxpar.precision.add_wide), so the bias gradients, sums over the batch
+    (and the image), accumulate in float32; the ConvNet's LogSoftmax runs in float32 as under torch autocast.
+    Before, the step summed 16-bit numbers (the MLP's three bias gradients, the ConvNet's four and its softmax)."""
+    from jaxpar.strategies.single import SingleDevice
+
+    model = models.get(name, seed=0)
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=shape).astype(np.float32), "y": rng.integers(0, 10, shape[0]).astype(np.int32)}
+    s = SingleDevice(model, make_optimizer("sgd", 0.1), compute_dtype=dtype)
+    state, rows = s.init(init_state(model, s.tx)), s.put_batch(batch)
+    jaxpr = jax.make_jaxpr(s._step)(state, rows).jaxpr
+    low = jnp.dtype(dtype).name
+    assert dot_operands(jaxpr)[(low, low)] > 0
+    assert [e.primitive.name for e in all_eqns(jaxpr) if e.primitive.name in ("reduce_sum", "scatter-add")
+            and e.invars[0].aval.dtype.itemsize < 4] == []

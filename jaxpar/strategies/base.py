@@ -264,13 +264,14 @@ def to_device(tree: Any, device) -> Any:
 
 
 def objective_of(model: nnx.Module | Objective, loss_fn=None, **kwargs) -> Objective:
-    """`model` as an Objective: an Objective passes through (no other argument allowed), a module is wrapped."""
+    """`model` as an Objective that trains something: an Objective passes through (no other argument allowed), a
+    module is wrapped."""
     if isinstance(model, Objective):
         if loss_fn is not None or kwargs:
             raise ValueError("an Objective already holds its loss and options; pass either an Objective, or the "
                              "model with loss_fn=... and options.")
-        return model
-    return Objective.of(model, loss_fn, **kwargs)
+        return model.check_trains()
+    return Objective.of(model, loss_fn, **kwargs).check_trains()
 
 
 def cfg_objective(model: nnx.Module, loss_fn, cfg) -> Objective:

@@ -193,7 +193,7 @@ class Pipeline:
         if loss_fn is None and module.loss_fn is not None:
             loss_fn = module.loss_fn if isinstance(module.loss_fn, OutputLoss) else OutputLoss(module.loss_fn)
         self.module, self.tx, self.batch_size = module, tx, batch_size
-        self.objective = Objective.of(module.model, loss_fn, **objective_options)
+        self.objective = Objective.of(module.model, loss_fn, **objective_options).check_trains()
         if isinstance(model, PipelineModule) and self.objective.compute_dtype is not None:
             module.cut()  # the layers as they are now: an Embed's dtype set after the module was built
         self.objective.output_loss()  # a one-line ValueError for a loss(model, batch)

@@ -241,7 +241,7 @@ class TensorParallel:
         self.parallel_output = resolve_parallel_output(parallel_output, loss_fn) and not whole
         set_tensor_axis(model, TENSOR, tensor_parallel, sequence_parallel, self.parallel_output)
         self.sequence_parallel = bool(sequence_parallel)
-        self.objective = Objective.of(model, loss_fn, **objective_options)
+        self.objective = Objective.of(model, loss_fn, **objective_options).check_trains()
         self.tx, self.batch_size = tx, batch_size
         self.data = self.mesh.shape[DATA]
         self.multiple = len(local_devices(self.mesh)) // self.tp  # rows per process: a multiple of its data ranks

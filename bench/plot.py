@@ -27,7 +27,8 @@ from collections import defaultdict
 def read_jsonl(path: str) -> list[dict]:
     """The JSON objects of a JSON-lines file (blank lines skipped)."""
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [{k: float("nan") if v is None else v for k, v in json.loads(line).items()}  # null: no number
+                for line in f if line.strip()]
 
 
 def split_runs(records: list[dict]) -> list[list[dict]]:

@@ -229,6 +229,25 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
         trainer.run(config(path, checkpoint_dir=str(tmp_path / "ckpt0"), checkpoint_every=1, shuffle=False))
 
 
+def test_a_last_step_that_leaves_non_finite_weights_exports_nothing(tmp_path):
+    """The loss of a step is computed before its update, and the weights were checked only when saved: a run whose
+    last update overflowed (lr 3e38) reported success and exported infinite weights. Now it stops, nothing written."""
+    rng = np.random.default_rng(0)
+    x = (rng.normal(size=(32, 5)) * 10).astype(np.float32)
+    path = str(tmp_path / "ok.npz")
+    np.savez(path, x=x, y=(x[:, 0] > 0).astype(np.int32))
+    out = str(tmp_path / "w.npz")
+    run = dict(model="linear", dataset="npz", data_path=path, eval_split="", batch_size=16, steps=1, quiet=True,
+               optimizer="sgd", export_torch=out)
+    trainer.run(Config(**run, lr=0.1))  # the same run at a sane rate exports
+    assert os.path.exists(out)
+    os.remove(out)
+    with pytest.raises(trainer.Diverged, match=r"step 1 left non-finite parameters; nothing exported\. Nothing was "
+                                               r"saved \(no --checkpoint-dir\)\. Lower --lr"):
+        trainer.run(Config(**run, lr=3e38))
+    assert not os.path.exists(out)
+
+
 def _template(cfg):
     from jaxpar import models
     from jaxpar.step import init_state

@@ -24,6 +24,9 @@ def files(tmp_path_factory):
     x = rng.normal(size=(32, 5)).astype(np.float32)
     np.savez(root / "ok.npz", x=x, y=(x[:, 0] > 0).astype(np.int32))
     np.savez(root / "no_y.npz", x=x)
+    tok = rng.integers(0, 50, (8, 16)).astype(np.int32)
+    np.savez(root / "tokens_neg.npz", x=np.where(tok == tok[0, 0], -1, tok), y=tok)
+    np.savez(root / "targets_neg.npz", x=tok, y=np.where(tok == tok[0, 0], -1, tok))
     images, labels = rng.integers(0, 256, (20, 28, 28), np.uint8), rng.integers(0, 10, 20).astype(np.uint8)
     for name, cut in (("mnist_ok", None), ("mnist_truncated", -100), ("mnist_corrupt", 0)):
         folder = root / name
@@ -44,7 +47,8 @@ def files(tmp_path_factory):
     ckpt = str(root / "linear_ckpt")
     trainer.run(Config(model="linear", dataset="npz", data_path=str(root / "ok.npz"), eval_split="", batch_size=16,
                        steps=1, quiet=True, checkpoint_dir=ckpt))
-    return {k.replace(".", "_"): str(root / k) for k in ("ok.npz", "no_y.npz", "mnist_ok", "mnist_truncated", "mnist_corrupt",
+    return {k.replace(".", "_"): str(root / k) for k in ("ok.npz", "no_y.npz", "tokens_neg.npz", "targets_neg.npz",
+                                                          "mnist_ok", "mnist_truncated", "mnist_corrupt",
                                        "mnist_no_labels", "empty", "a_file")} | {"ckpt": ckpt, "root": str(root)}
 
 
@@ -107,8 +111,27 @@ CASES = [
     # values accepted before, and training on them (a negative gamma ascends after the first epoch)
     ("negative gamma", ["--gamma", "-1"], ["--gamma -1.0 must be > 0", "1.0 for a constant rate"]),
     ("nan gamma", ["--gamma", "nan"], ["--gamma nan must be > 0"]),
-    ("nan momentum", ["--optimizer", "sgd", "--momentum", "nan"], ["--momentum nan must be >= 0"]),
-    ("negative weight decay", ["--weight-decay", "-0.5"], ["--weight-decay -0.5 must be >= 0", "torch.optim's rule"]),
+    ("nan momentum", ["--optimizer", "sgd", "--momentum", "nan"], ["--momentum nan must be a finite number >= 0"]),
+    ("negative weight decay", ["--weight-decay", "-0.5"], ["--weight-decay -0.5 must be a finite number >= 0",
+                                                          "torch.optim's rule"]),
+    # accepted before (QA, 2026-11-27): infinite rates trained to NaN weights and exported them; a bad regex ended
+    # in a traceback after the data and model were built; flag names read with underscores; token ids < 0 in npz
+    ("infinite lr", ["--lr", "inf"], ["--lr inf must be a finite number > 0"]),
+    ("infinite momentum", ["--optimizer", "sgd", "--momentum", "inf"], ["--momentum inf must be a finite number >= 0"]),
+    ("infinite weight decay", ["--optimizer", "adamw", "--weight-decay", "inf"],
+     ["--weight-decay inf must be a finite number >= 0"]),
+    ("partition regex that does not compile", ["--strategy", "pipeline", "--model", "mlp", "--num-stages", "2",
+                                               "--num-devices", "2", "--partition-method", "type:("],
+     ["partition_method='type:('", "not a valid regular expression", "'type:Linear|Conv'"]),
+    ("flag names with hyphens", ["--lr-schedule", "poly"], ["--lr-schedule 'poly' is not known"]),
+    ("zero seq len", ["--model", "gpt-nano", "--dataset", "text", "--seq-len", "0"],
+     ["--seq-len 0 must be >= 1", "e.g. 256"]),
+    ("infinite peak tflops", ["--model", "gpt-nano", "--dataset", "text", "--peak-tflops", "inf"],
+     ["--peak-tflops inf must be a finite number > 0"]),
+    ("negative token ids", ["--model", "gpt-nano", "--data-path", "{tokens_neg_npz}"],
+     ["x holds token -1", "token ids must be >= 0", "fix the file"]),
+    ("negative targets other than ignore_index", ["--model", "gpt-nano", "--data-path", "{targets_neg_npz}"],
+     ["y holds target -1", "-100 (torch's ignore_index; nanoGPT's -1 is not)"]),
     ("negative seed", ["--seed", "-1"], ["--seed -1 must be >= 0", "--seed 0"]),
     ("no stages", ["--strategy", "pipeline", "--model", "mlp", "--num-stages", "0"],
      ["--num-stages 0 must be >= 1", "pass a positive count"]),

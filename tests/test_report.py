@@ -50,6 +50,9 @@ def test_metrics_out_records_every_log_step_and_epoch(runs):
         assert {"epoch", "loss", "train_loss", "grad_norm", "samples_per_s", "step_time_s"} <= r.keys()
         assert np.isfinite(r["loss"]) and r["train_loss"] > 0 and r["grad_norm"] > 0
     assert np.isfinite(steps[-1]["samples_per_s"]) and steps[-1]["step_time_s"] > 0
+    assert steps[0]["samples_per_s"] is None  # before a timed step there is no rate: null, not NaN
+    for line in open(path):  # strict JSON (RFC 8259), which JSON.parse and jq read: no NaN or Infinity
+        json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in {line}"))
     epochs = [r for r in recs if r["event"] == "epoch"]
     assert [(r["epoch"], r["step"]) for r in epochs] == [(0, 3), (1, 6)]
     assert all(0 <= r["eval_accuracy"] <= 1 and np.isfinite(r["eval_loss"]) for r in epochs)

@@ -91,7 +91,11 @@ def balanced(weights: Sequence[float], num_parts: int) -> list[int]:
 
 def type_weights(names: Sequence[str], regex: str) -> list[int]:
     """DeepSpeed's ``type:REGEX``: weight 1 for layers whose class name matches (case-insensitive), else 0."""
-    pattern = re.compile(regex, re.IGNORECASE)
+    try:
+        pattern = re.compile(regex, re.IGNORECASE)
+    except re.error as e:  # a ValueError, so train.py answers in one line (re.error is not one)
+        raise ValueError(f"partition_method='type:{regex}' is not a valid regular expression ({e}); pass e.g. "
+                         "'type:Linear|Conv' or 'type:Block'.") from None
     weights = [int(bool(pattern.search(n))) for n in names]
     if not any(weights):
         raise ValueError(f"partition_method='type:{regex}' matches none of the layer classes {sorted(set(names))}; "

@@ -35,13 +35,29 @@ class MetricsWriter:
 
     def write(self, record: dict) -> None:
         if self.f:
-            self.f.write(json.dumps(record, default=_plain) + "\n")
+            # strict JSON (RFC 8259 has no NaN/Infinity; JSON.parse, pandas' engines and jq<1.7 reject them): a
+            # value that is not a finite number (samples_per_s before any timed step, an fp16 epoch of skips) is null
+            self.f.write(json.dumps(_finite(record), default=_plain, allow_nan=False) + "\n")
             self.f.flush()
 
     def close(self) -> None:
         if self.f:
             self.f.close()
             self.f = None
+
+
+def _finite(x: Any) -> Any:
+    """`x` with every float that is NaN or infinite (in dicts and lists too) replaced by None."""
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if not isinstance(x, (str, int, float, bool, type(None))):
+        plain = _plain(x)
+        return None if isinstance(plain, float) and not math.isfinite(plain) else plain
+    return x
 
 
 def _plain(x: Any) -> Any:

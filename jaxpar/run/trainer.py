@@ -66,7 +66,7 @@ def validate(cfg: Config) -> None:
     for field, valid in choices.items():
         value = getattr(cfg, field)
         if value not in valid:
-            raise ValueError(f"--{field} {value!r} is not known; use one of: {', '.join(valid)}.")
+            raise ValueError(f"--{field.replace('_', '-')} {value!r} is not known; use one of: {', '.join(valid)}.")
     if cfg.model not in models.NAMES and ":" not in cfg.model:
         raise ValueError(f"--model {cfg.model!r} is not known; use one of: {', '.join(models.NAMES)}, or "
                          "MODULE:NAME / FILE.py:NAME naming a function or class that builds an nnx.Module.")
@@ -117,8 +117,11 @@ def validate(cfg: Config) -> None:
     if cfg.torch_layout not in models.gpt.LAYOUTS:
         raise ValueError(f"--torch-layout {cfg.torch_layout!r} is not known; use hf (transformers' GPT2LMHeadModel) "
                          "or nanogpt.")
-    if cfg.seq_len < 1 or (cfg.peak_tflops is not None and not cfg.peak_tflops > 0):
-        raise ValueError(f"--seq-len {cfg.seq_len} must be >= 1 and --peak-tflops {cfg.peak_tflops} > 0 (or left out).")
+    if cfg.seq_len < 1:
+        raise ValueError(f"--seq-len {cfg.seq_len} must be >= 1; pass the window length in tokens, e.g. 256.")
+    if cfg.peak_tflops is not None and not 0 < cfg.peak_tflops < math.inf:
+        raise ValueError(f"--peak-tflops {cfg.peak_tflops} must be a finite number > 0; pass the device's peak "
+                         "TFLOP/s, or leave it out.")
     if cfg.per_sample not in (None, "on", "off"):
         raise ValueError(f"--per-sample {cfg.per_sample!r} is not known; use on, off, or leave it out (on unless "
                          "the model has BatchNorm).")
@@ -173,9 +176,9 @@ def validate(cfg: Config) -> None:
         if given:
             raise ValueError(f"{', '.join(given)} set(s) the loss scaler of --precision fp16, but --precision is "
                              f"{cfg.precision}; add --precision fp16, or drop them (bf16 and fp32 need no scaling).")
-    if cfg.lr is not None and not cfg.lr > 0:
-        raise ValueError(f"--lr {cfg.lr} must be > 0; pass a positive learning rate, or leave it out for the "
-                         f"optimizer's default ({DEFAULT_LR[cfg.optimizer]}).")
+    if cfg.lr is not None and not 0 < cfg.lr < math.inf:
+        raise ValueError(f"--lr {cfg.lr} must be a finite number > 0; pass a positive learning rate, or leave it "
+                         f"out for the optimizer's default ({DEFAULT_LR[cfg.optimizer]}).")
     if not cfg.grad_clip >= 0:
         raise ValueError(f"--grad-clip {cfg.grad_clip} must be >= 0; pass the largest global gradient norm (nanoGPT: "
                          "1.0), or 0 for no clipping.")
@@ -198,8 +201,9 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"--weight-decay-params {cfg.weight_decay_params} chooses which parameters decay, but "
                          f"--optimizer {cfg.optimizer} runs with no weight decay; pass --weight-decay (nanoGPT: 0.1), "
                          "or drop --weight-decay-params.")
-    if not cfg.momentum >= 0:
-        raise ValueError(f"--momentum {cfg.momentum} must be >= 0; pass 0 (torch's default) or a positive value.")
+    if not 0 <= cfg.momentum < math.inf:
+        raise ValueError(f"--momentum {cfg.momentum} must be a finite number >= 0; pass 0 (torch's default) or a "
+                         "positive value such as 0.9.")
     if cfg.nesterov and cfg.optimizer == "sgd" and not cfg.momentum > 0:
         raise ValueError("--nesterov needs a momentum (torch.optim.SGD's rule), but --momentum is 0; pass e.g. "
                          "--momentum 0.9, or drop --nesterov.")
@@ -207,9 +211,9 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"--eps {cfg.eps} must be a finite number of at least {EPS_MIN:.3g} (it keeps the update's "
                          "denominator off zero in float32); pass e.g. 1e-8 (torch's Adam default), or leave it out for "
                          "the optimizer's default.")
-    if cfg.weight_decay is not None and not cfg.weight_decay >= 0:
-        raise ValueError(f"--weight-decay {cfg.weight_decay} must be >= 0 (torch.optim's rule); pass e.g. 0.1, or "
-                         "leave it out for the optimizer's default.")
+    if cfg.weight_decay is not None and not 0 <= cfg.weight_decay < math.inf:
+        raise ValueError(f"--weight-decay {cfg.weight_decay} must be a finite number >= 0 (torch.optim's rule); "
+                         "pass e.g. 0.1, or leave it out for the optimizer's default.")
     if not 0 < cfg.gamma < math.inf:
         raise ValueError(f"--gamma {cfg.gamma} must be > 0 (StepLR multiplies the learning rate by it each epoch: "
                          "0 stops training, a negative one ascends); pass e.g. 0.7, or 1.0 for a constant rate.")
@@ -424,7 +428,19 @@ def gpt_model(cfg: Config, train_set) -> nnx.Module:
         raise ValueError(f"--model {cfg.model} reads token sequences (integer x [N, T]), but --dataset {cfg.dataset} "
                          f"gives x {x.shape[1:]} {x.dtype}; use --dataset text, or npz with integer x and y [N, T].")
     seq_len = x.shape[1]
-    vocab = getattr(train_set, "vocab_size", None) or 1 + int(max(np.max(train_set.x), np.max(train_set.y)))
+    vocab = getattr(train_set, "vocab_size", None)
+    if vocab is None:  # npz tokens: ids index the embedding (a negative one would silently read a row from the
+        # end) and targets must be classes or torch's ignore_index -100 (else the loss is NaN at the first step)
+        from jaxpar.losses import IGNORE_INDEX
+
+        x_min, y = int(np.min(train_set.x)), np.asarray(train_set.y)
+        y_bad = (y < 0) & (y != IGNORE_INDEX)
+        if x_min < 0 or y_bad.any():
+            what = f"x holds token {x_min}" if x_min < 0 else f"y holds target {int(y[y_bad][0])}"
+            raise ValueError(f"--dataset {cfg.dataset}: {what}; token ids must be >= 0 and targets >= 0 or "
+                             f"{IGNORE_INDEX} (torch's ignore_index; nanoGPT's -1 is not); fix the file: set ignored targets "
+                             f"to {IGNORE_INDEX}, tokens to ids in [0, vocab).")
+        vocab = 1 + int(max(np.max(train_set.x), np.max(y)))
     options = dict(n_head=cfg.n_head, dropout=cfg.dropout, recompute_granularity=cfg.recompute_granularity)
     if not cfg.init_torch:
         check_attention_fits(models.GPTConfig.named(cfg.model, n_head=cfg.n_head), seq_len, cfg)
@@ -818,6 +834,12 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
             strategy_report = strategy.report(placed)
             memory_rows = report.memory_rows(strategy_report, local_devices_used(strategy))
         final = strategy.unplace(placed)
+        from jaxpar.run import checkpoint as checkpoint_lib
+        if not stopped and not checkpoint_lib.finite([np.asarray(a) for a in jax.tree.leaves(final.params)]):
+            # the last step's update is checked nowhere else without --checkpoint-dir (its loss was computed
+            # before the update): never report success or export non-finite weights
+            raise Diverged(f"step {step} left non-finite parameters; nothing exported. " + _kept(cfg, ckpt) +
+                           " Lower --lr, or check the data for NaN values.")
         summary = {"strategy": cfg.strategy, "model": cfg.model, "devices": devices_used(strategy), "processes": nproc,
                    "precision": cfg.precision, "describe": strategy.describe(), "steps": step,
                    "epochs": epoch + (not epoch_done or bool(stopped)),

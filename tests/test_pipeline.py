@@ -517,7 +517,7 @@ def test_bad_input_is_refused_before_any_work():
     model, loss, _ = mlp()
     cases = [
         (dict(micro_batches=0), "micro_batches=0 must be an int >= 1"),
-        (dict(schedule="pipedream"), "name='pipedream' is not a schedule"),
+        (dict(schedule="pipedream"), "schedule 'pipedream' is not known"),
         (dict(schedule="forward"), "schedule='forward' has no backward and cannot train"),
         (dict(virtual_stages=2), "virtual_stages=2 needs schedule='interleaved'"),
         (dict(schedule="zbv"), "schedule='zbv' runs two model chunks per stage in a V; got virtual_stages=1"),

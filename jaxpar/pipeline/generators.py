@@ -188,7 +188,7 @@ def make(name: str, num_stages: int, num_microbatches: int, virtual_stages: int 
     """Build a schedule by name: gpipe, 1f1b, zbh1, interleaved or forward (the last two take virtual_stages),
     zbv (two chunks per stage, V placement: virtual_stages must be 2)."""
     if name not in SCHEDULES:
-        raise ValueError(f"{name=} is not a schedule; use one of {sorted(SCHEDULES)}")
+        raise ValueError(f"schedule {name!r} is not known (--schedule); use one of {', '.join(sorted(SCHEDULES))}.")
     _check_args(num_stages, num_microbatches, virtual_stages)
     if name == "zbv":
         if virtual_stages != 2:

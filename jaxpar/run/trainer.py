@@ -150,10 +150,14 @@ def validate(cfg: Config) -> None:
             raise ValueError(f"--sample {cfg.sample} prints bytes a GPT generates after training on text: it needs a "
                              f"count >= 0, one of jaxpar's GPTs and --dataset text (got --model {cfg.model}, --dataset "
                              f"{cfg.dataset}); use those, or drop --sample.")
-        if not cfg.sample_temperature >= 0 or not 1 <= cfg.sample_top_k <= 256 or not cfg.sample_prompt:
-            raise ValueError(f"--sample-temperature {cfg.sample_temperature} must be >= 0 (0: greedy), --sample-top-k "
-                             f"{cfg.sample_top_k} in 1..256 (the bytes) and --sample-prompt not empty; nanoGPT samples "
-                             "at 0.8 with top-k 200 from a newline.")
+        if not 0 <= cfg.sample_temperature < math.inf:
+            raise ValueError(f"--sample-temperature {cfg.sample_temperature} must be a finite number >= 0 (0: greedy); "
+                             "pass e.g. 0.8 (nanoGPT's).")
+        if not 1 <= cfg.sample_top_k <= 256:
+            raise ValueError(f"--sample-top-k {cfg.sample_top_k} must be in 1..256 (the bytes); pass e.g. 200 "
+                             "(nanoGPT's), or 256 for no cut.")
+        if not cfg.sample_prompt:
+            raise ValueError("--sample-prompt is empty; pass the text to continue, e.g. a newline (nanoGPT's).")
     if cfg.recompute_granularity is not None:
         if cfg.recompute_granularity != "selective":
             raise ValueError(f"--recompute-granularity {cfg.recompute_granularity!r} is not known; use selective (the "
@@ -190,8 +194,10 @@ def validate(cfg: Config) -> None:
                              "add --lr-schedule cosine, or drop them.")
     else:
         lr = DEFAULT_LR[cfg.optimizer] if cfg.lr is None else cfg.lr
-        if cfg.warmup_steps < 0 or (cfg.lr_decay_steps is not None and cfg.lr_decay_steps <= cfg.warmup_steps):
-            raise ValueError(f"--warmup-steps {cfg.warmup_steps} must be >= 0 and below --lr-decay-steps "
+        if cfg.warmup_steps < 0:
+            raise ValueError(f"--warmup-steps {cfg.warmup_steps} must be >= 0; pass 0 for no warmup.")
+        if cfg.lr_decay_steps is not None and cfg.lr_decay_steps <= cfg.warmup_steps:
+            raise ValueError(f"--warmup-steps {cfg.warmup_steps} must be below --lr-decay-steps "
                              f"{cfg.lr_decay_steps}; pass a larger --lr-decay-steps or fewer --warmup-steps.")
         if cfg.min_lr is not None and not 0 <= cfg.min_lr <= lr:
             raise ValueError(f"--min-lr {cfg.min_lr} must be in [0, --lr {lr}]; pass e.g. --min-lr {lr / 10:g} "

@@ -57,6 +57,11 @@ def check(args: argparse.Namespace) -> None:
         raise ValueError(f"--node-rank {args.node_rank} must be in [0, --nnodes {args.nnodes}).")
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts {args.max_restarts} must be >= 0.")
+    if args.master_port is not None and not 1 <= args.master_port <= 65535:
+        raise ValueError(f"--master-port {args.master_port} must be a TCP port in 1..65535; pick one, or leave it out "
+                         "on one node (a free one is chosen).")
+    if not args.term_timeout >= 0:
+        raise ValueError(f"--term-timeout {args.term_timeout} must be >= 0 (seconds between SIGTERM and SIGKILL).")
 
 
 def is_local(addr: str) -> bool:

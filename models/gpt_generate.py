@@ -57,8 +57,9 @@ def generate(model, prompt_BxT, max_new_tokens: int, *, temperature: float = 1.0
     graphdef, state = nnx.split(evaluated)
     tokens = np.zeros((b, total), np.int32)
     tokens[:, :t0] = prompt
-    out = _generate(graphdef, state, jnp.asarray(tokens), jax.random.key(seed), jnp.float32(temperature or 1.0),
-                    t0=t0, block_size=cfg.block_size, greedy=temperature == 0, top_k=top_k, kv_cache=bool(kv_cache))
+    greedy = np.float32(temperature) == 0  # 0, or a temperature below float32's range (1e-46: 0 in float32)
+    out = _generate(graphdef, state, jnp.asarray(tokens), jax.random.key(seed), jnp.float32(1.0 if greedy else temperature),
+                    t0=t0, block_size=cfg.block_size, greedy=greedy, top_k=top_k, kv_cache=bool(kv_cache))
     return np.asarray(out)
 
 
@@ -77,7 +78,8 @@ def _generate(graphdef, state, tokens_BxL, key, temperature, *, t0: int, block_s
         if greedy:
             nxt_B = jnp.argmax(logits_BxV, axis=-1)
         else:
-            logits_BxV = logits_BxV.astype(jnp.float32) / temperature
+            logits_BxV = logits_BxV.astype(jnp.float32)  # the largest at 0 first: a tiny temperature then
+            logits_BxV = (logits_BxV - logits_BxV.max(axis=-1, keepdims=True)) / temperature  # gives -inf, not inf
             if top_k is not None:
                 kth_Bx1 = jax.lax.top_k(logits_BxV, top_k)[0][:, -1:]
                 logits_BxV = jnp.where(logits_BxV < kth_Bx1, -jnp.inf, logits_BxV)

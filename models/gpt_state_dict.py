@@ -198,6 +198,11 @@ def check_hf_config(meta: Mapping[str, Any], where: str) -> None:
     if not np.isclose(eps, LN_EPS, rtol=0, atol=1e-12):
         raise ValueError(f"{where}'s config.json has layer_norm_epsilon={eps}, but jaxpar's GPT uses {LN_EPS} "
                          "(GPT-2's); its logits would differ. Use a GPT-2 checkpoint.")
+    for field, gpt2 in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False)):
+        if bool(meta.get(field, gpt2)) != gpt2:  # HF's GPT2Attention: scores / sqrt(head) [/ (layer + 1)]
+            raise ValueError(f"{where}'s config.json has {field}={meta[field]!r}, but jaxpar's GPT scales the "
+                             f"attention scores as GPT-2 does ({field}={gpt2}); its logits would differ. Use a "
+                             "GPT-2 checkpoint.")
 
 
 def _name_of(layers: int, width: int) -> str:

@@ -25,6 +25,7 @@ def files(tmp_path_factory):
     np.savez(root / "ok.npz", x=x, y=(x[:, 0] > 0).astype(np.int32))
     np.savez(root / "no_y.npz", x=x)
     tok = rng.integers(0, 50, (8, 16)).astype(np.int32)
+    np.savez(root / "eval_neg.npz", x=tok, y=tok, x_test=np.where(tok == tok[0, 0], -5, tok), y_test=tok)
     np.savez(root / "tokens_neg.npz", x=np.where(tok == tok[0, 0], -1, tok), y=tok)
     np.savez(root / "targets_neg.npz", x=tok, y=np.where(tok == tok[0, 0], -1, tok))
     images, labels = rng.integers(0, 256, (20, 28, 28), np.uint8), rng.integers(0, 10, 20).astype(np.uint8)
@@ -47,7 +48,7 @@ def files(tmp_path_factory):
     ckpt = str(root / "linear_ckpt")
     trainer.run(Config(model="linear", dataset="npz", data_path=str(root / "ok.npz"), eval_split="", batch_size=16,
                        steps=1, quiet=True, checkpoint_dir=ckpt))
-    return {k.replace(".", "_"): str(root / k) for k in ("ok.npz", "no_y.npz", "tokens_neg.npz", "targets_neg.npz",
+    return {k.replace(".", "_"): str(root / k) for k in ("ok.npz", "no_y.npz", "tokens_neg.npz", "targets_neg.npz", "eval_neg.npz",
                                                           "mnist_ok", "mnist_truncated", "mnist_corrupt",
                                        "mnist_no_labels", "empty", "a_file")} | {"ckpt": ckpt, "root": str(root)}
 
@@ -130,6 +131,9 @@ CASES = [
      ["--peak-tflops inf must be a finite number > 0"]),
     ("negative token ids", ["--model", "gpt-nano", "--data-path", "{tokens_neg_npz}"],
      ["x holds token -1", "token ids must be >= 0", "fix the file"]),
+    ("negative token ids in the eval split", ["--model", "gpt-nano", "--data-path", "{eval_neg_npz}",
+                                               "--eval-split", "test"],
+     ["--eval-split 'test': x holds token -5", "fix the file"]),
     ("negative targets other than ignore_index", ["--model", "gpt-nano", "--data-path", "{targets_neg_npz}"],
      ["y holds target -1", "-100 (torch's ignore_index; nanoGPT's -1 is not)"]),
     ("negative seed", ["--seed", "-1"], ["--seed -1 must be >= 0", "--seed 0"]),

@@ -43,6 +43,9 @@ def test_greedy_equals_the_step_by_step_loop_across_the_block_size(model):
     np.testing.assert_array_equal(out, idx)
     assert len(set(out[0, 3:].tolist())) > 1  # not one token repeated: the loop really moves on
     np.testing.assert_array_equal(model.generate(PROMPT, 9, temperature=0.7, top_k=1), out)  # top 1 is the argmax
+    # a temperature float32 holds as 0 is greedy too (logits / 0 were inf - inf = NaN: token 0 every step)
+    np.testing.assert_array_equal(model.generate(PROMPT, 9, temperature=1e-50), out)
+    np.testing.assert_array_equal(model.generate(PROMPT, 9, temperature=1e-30, top_k=5), out)
 
 
 def test_sampled_tokens_are_within_the_top_k_of_each_step_and_repeat_with_the_seed(model):

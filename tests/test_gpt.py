@@ -676,9 +676,9 @@ def test_cli_gpt_model_from_init_torch_and_npz_tokens(tmp_path, corpus):
     (["--seq-len", "0"], "--seq-len 0 must be >= 1"),
     (["--weight-decay-params", "matrices", "--optimizer", "sgd"], "--optimizer sgd runs with no weight decay; "
                                                                   "pass --weight-decay"),
-    (["--weight-decay-params", "some"], "--weight_decay_params 'some' is not known; use one of: all, matrices"),
+    (["--weight-decay-params", "some"], "--weight-decay-params 'some' is not known; use one of: all, matrices"),
     (["--sample", "10", "--dataset", "synthetic"], "--sample 10 prints bytes a GPT generates.*--dataset synthetic"),
-    (["--sample", "10", "--sample-top-k", "300"], "--sample-top-k 300 in 1..256"),
+    (["--sample", "10", "--sample-top-k", "300"], "--sample-top-k 300 must be in 1..256"),
     (["--recompute-granularity", "full"], "--recompute-granularity 'full' is not known; use selective.*"
                                           "--activation-checkpoint-interval N"),
     (["--recompute-granularity", "selective", "--activation-checkpoint-interval", "1"],
@@ -710,3 +710,19 @@ def test_peak_table_reads_the_device_name():
     assert flops.peak_tflops(jax.devices("cpu")[0]) is None
     got = flops.utilisation(1000.0, 1e9, devices=2, peak=1.0)
     assert got == {"tokens_per_s": 1000.0, "model_tflops": 1.0, "peak_tflops": 1.0, "mfu": 0.5}
+
+
+def test_npz_tokens_of_the_eval_split_size_the_vocabulary_too(tmp_path):
+    """The vocabulary was the training split's largest id + 1: a larger id in the eval split gave eval_loss NaN
+    beside a normal accuracy, exit 0. Both splits size it now."""
+    from jaxpar.config import Config
+    from jaxpar.run import trainer
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 10, (12, 8))
+    xt = rng.integers(0, 10, (4, 8))
+    xt[:, 3] = 13
+    np.savez(tmp_path / "tok.npz", x=x, y=np.roll(x, -1, 1), x_test=xt, y_test=np.roll(xt, -1, 1))
+    out = trainer.run(Config(model="gpt-nano", dataset="npz", data_path=str(tmp_path / "tok.npz"), batch_size=4,
+                             steps=2, eval_batch_size=4, quiet=True))
+    assert np.isfinite(out["eval_loss"])

@@ -107,6 +107,15 @@ def test_ranks_die_with_a_sigkilled_launcher(tmp_path):
                 os.kill(p, 9)
 
 
+@pytest.mark.parametrize("port", ["70000", "-1", "0"])
+def test_a_master_port_outside_the_tcp_range_is_refused_in_one_line(tmp_path, port):
+    """70000 and -1 ended in an OverflowError traceback; 0 passed, and the ranks waited out the 300 s join."""
+    out = launch("--master-port", port, str(tmp_path / "never.py"))
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr == (f"jaxpar.launch: error: --master-port {port} must be a TCP port in 1..65535; pick one, or "
+                          "leave it out on one node (a free one is chosen).\n")
+
+
 def test_master_port_in_use_is_refused_in_one_line(tmp_path):
     ran = tmp_path / "ran"
     script = tmp_path / "touch.py"

@@ -185,3 +185,13 @@ def test_a_pass_to_the_end_leaves_the_next_pass_the_whole_epoch_as_torch():
     next(it)
     it.close()  # a pass left before the end: the next one resumes after what was consumed
     assert np.concatenate([np.asarray(b.ids) for b in Loader(dataset, 2, s)]).tolist() == want[2:]
+
+
+def test_an_array_dataset_counts_its_rows_as_torchs_sampler_does():
+    """DistributedSampler(np.arange(7)) was refused as an empty dataset; torch's takes len(dataset), as for a list."""
+    import torch.utils.data as tud
+
+    for dataset in (np.arange(7), np.zeros((7, 3)), list(range(7))):
+        ours = DistributedSampler(dataset, 2, 1, shuffle=False)
+        theirs = tud.DistributedSampler(dataset, num_replicas=2, rank=1, shuffle=False)
+        assert ours.num_samples == 7 and list(ours.indices()) == list(theirs)

@@ -121,6 +121,10 @@ def test_a_hugging_face_folder_loads_as_gpt2lmheadmodel_computes(tmp_path, shard
 @pytest.mark.parametrize("field, value, message", [
     ("activation_function", "gelu", "activation_function='gelu'.*tanh GELU"),
     ("layer_norm_epsilon", 1e-6, "layer_norm_epsilon=1e-06.*1e-05"),
+    # GPT2Attention's other scalings (stanford-crfm's GPT-2s divide by the layer index too): loaded silently before,
+    # logits 1.65 and 2.69 from transformers' in a QA run
+    ("scale_attn_by_inverse_layer_idx", True, "scale_attn_by_inverse_layer_idx=True.*scales the attention scores"),
+    ("scale_attn_weights", False, "scale_attn_weights=False.*scales the attention scores"),
 ])
 def test_a_config_json_of_another_architecture_is_refused(field, value, message):
     gpt.check_hf_config({"activation_function": "gelu_pytorch_tanh", "layer_norm_epsilon": 1e-5}, "ok")

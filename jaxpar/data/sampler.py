@@ -43,7 +43,8 @@ class DistributedSampler:
 
     def __init__(self, num_samples: int, num_replicas: int = 1, rank: int = 0, shuffle: bool = True,
                  seed: int = 0, drop_last: bool = False):
-        if hasattr(num_samples, "__len__") and not isinstance(num_samples, (str, bytes, np.ndarray)):
+        if hasattr(num_samples, "__len__") and not isinstance(num_samples, (str, bytes)) and not (
+                isinstance(num_samples, np.ndarray) and num_samples.ndim == 0):  # an array dataset: its rows
             num_samples = len(num_samples)  # torch's DistributedSampler(dataset, ...)
         self.num_samples = _check_int("num_samples", num_samples, 1, ">= 1", "the dataset must not be empty.")
         self.num_replicas = _check_int("num_replicas", num_replicas, 1, ">= 1",

@@ -20,6 +20,7 @@ import hashlib
 import math
 import os
 import re
+import sys
 import sysconfig
 import tempfile
 from dataclasses import dataclass
@@ -48,6 +49,12 @@ def stdlib_files() -> list[str]:
 def _folder_files(path: str) -> list[str]:
     files = sorted(f for f in glob.glob(os.path.join(path, "**", "*"), recursive=True) if os.path.isfile(f))
     text = [f for f in files if f.endswith(TEXT_SUFFIXES)]
+    skipped = [f for f in files if f not in set(text)] if text else []
+    if skipped:  # say so: a folder of .cpp (or .jsonl) files beside a few .h (or a README.md) would train on those
+        size = sum(os.path.getsize(f) for f in skipped)
+        print(f"jaxpar: --data-path {path!r}: reading its {len(text)} file(s) ending in {', '.join(TEXT_SUFFIXES)}; "
+              f"skipping {len(skipped)} other(s), {size:,} bytes (e.g. {os.path.relpath(skipped[0], path)!r}); pass "
+              "a folder holding only the files to train on, or one file.", file=sys.stderr)
     return text or files
 
 

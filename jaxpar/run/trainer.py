@@ -376,7 +376,7 @@ def builtin_kwargs(cfg: Config, x_shape: tuple, num_classes: int) -> dict:
     return out | ({"conv_impl": cfg.conv_impl} if cfg.conv_impl and cfg.model in CONV_MODELS else {})
 
 
-def make_model(cfg: Config, train_set) -> nnx.Module:
+def make_model(cfg: Config, train_set, eval_set=None) -> nnx.Module:
     """The model named by cfg, freshly initialised from the seed or loaded from --init-torch.
 
     A user's ``--model MODULE:NAME`` is called with --model-kwargs, plus ``rngs=nnx.Rngs(params=seed,
@@ -386,7 +386,7 @@ def make_model(cfg: Config, train_set) -> nnx.Module:
     from jaxpar import models
 
     if cfg.model in models.GPT_NAMES:
-        return gpt_model(cfg, train_set)
+        return gpt_model(cfg, train_set, eval_set)
     if cfg.model in models.NAMES:
         if train_set.num_classes is None:
             raise ValueError(f"--model {cfg.model} classifies, but the data's targets are not class labels; use a "
@@ -424,9 +424,10 @@ def make_model(cfg: Config, train_set) -> nnx.Module:
     return model
 
 
-def gpt_model(cfg: Config, train_set) -> nnx.Module:
-    """A GPT config sized by the data -- vocabulary: the text's 256 bytes, or the largest token + 1; block size: the
-    sequence length -- or read off --init-torch's state dict, whose vocabulary and block size must cover the data."""
+def gpt_model(cfg: Config, train_set, eval_set=None) -> nnx.Module:
+    """A GPT config sized by the data -- vocabulary: the text's 256 bytes, or the largest token + 1 of the training
+    and evaluation sets; block size: the sequence length -- or read off --init-torch's state dict, whose vocabulary
+    and block size must cover the data."""
     from jaxpar import models
 
     x = train_set.batch(np.arange(1))["x"]
@@ -439,14 +440,19 @@ def gpt_model(cfg: Config, train_set) -> nnx.Module:
         # end) and targets must be classes or torch's ignore_index -100 (else the loss is NaN at the first step)
         from jaxpar.losses import IGNORE_INDEX
 
-        x_min, y = int(np.min(train_set.x)), np.asarray(train_set.y)
-        y_bad = (y < 0) & (y != IGNORE_INDEX)
-        if x_min < 0 or y_bad.any():
-            what = f"x holds token {x_min}" if x_min < 0 else f"y holds target {int(y[y_bad][0])}"
-            raise ValueError(f"--dataset {cfg.dataset}: {what}; token ids must be >= 0 and targets >= 0 or "
-                             f"{IGNORE_INDEX} (torch's ignore_index; nanoGPT's -1 is not); fix the file: set ignored targets "
-                             f"to {IGNORE_INDEX}, tokens to ids in [0, vocab).")
-        vocab = 1 + int(max(np.max(train_set.x), np.max(y)))
+        vocab = 0
+        for flag, data in (("--train-split", train_set), ("--eval-split", eval_set)):  # eval rows index it too
+            if data is None or not len(data):
+                continue
+            split = getattr(data, "split", "")
+            x_min, y = int(np.min(data.x)), np.asarray(data.y)
+            y_bad = (y < 0) & (y != IGNORE_INDEX)
+            if x_min < 0 or y_bad.any():
+                what = f"x holds token {x_min}" if x_min < 0 else f"y holds target {int(y[y_bad][0])}"
+                raise ValueError(f"--dataset {cfg.dataset} {flag} {split!r}: {what}; token ids must be >= 0 and "
+                                 f"targets >= 0 or {IGNORE_INDEX} (torch's ignore_index; nanoGPT's -1 is not); fix the "
+                                 f"file: set ignored targets to {IGNORE_INDEX}, tokens to ids in [0, vocab).")
+            vocab = max(vocab, 1 + int(max(np.max(data.x), np.max(y))))
     options = dict(n_head=cfg.n_head, dropout=cfg.dropout, recompute_granularity=cfg.recompute_granularity)
     if not cfg.init_torch:
         check_attention_fits(models.GPTConfig.named(cfg.model, n_head=cfg.n_head), seq_len, cfg)
@@ -711,7 +717,7 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
         raise ValueError(f"--batch-size {cfg.batch_size} with --drop-last leaves no batch from "
                          f"{len(train_set)} samples; lower the batch size or drop --drop-last.")
 
-    model = make_model(cfg, train_set)
+    model = make_model(cfg, train_set, eval_set)
     loss_fn = make_loss(cfg)
     total_steps = steps_per_epoch * (cfg.epochs or 1) if cfg.steps is None else cfg.steps
     lr_at = learning_rate(cfg, steps_per_epoch, total_steps)

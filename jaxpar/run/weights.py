@@ -241,7 +241,8 @@ def _read_folder(path: str, flag: str) -> tuple[dict[str, np.ndarray], dict[str,
     if os.path.isfile(config):
         with open(config) as f:
             hf = json.load(f)
-        meta = {k: hf[k] for k in ("n_head", "activation_function", "layer_norm_epsilon") if k in hf}
+        meta = {k: hf[k] for k in ("n_head", "activation_function", "layer_norm_epsilon", "scale_attn_weights",
+                                   "scale_attn_by_inverse_layer_idx") if k in hf}
     return state_dict, meta
 
 

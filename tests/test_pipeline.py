@@ -499,6 +499,45 @@ def test_batch_norm_uses_each_micro_batch_statistics():
     assert float(jnp.max(jnp.abs(mean(got) - mean(ref)))) > 1e-6  # per-micro-batch statistics differ
 
 
+def bn_dropout_model():
+    return nnx.Sequential(nnx.Linear(5, 8, rngs=nnx.Rngs(0)), nnx.BatchNorm(8, rngs=nnx.Rngs(0)), nnx.relu,
+                          nnx.Dropout(0.3, rngs=nnx.Rngs(5)), nnx.Linear(8, 3, rngs=nnx.Rngs(1)))
+
+
+@pytest.mark.parametrize("replicas,micro_batches", [(1, 2), (2, 2)])
+def test_batch_mode_with_dropout_equals_ddp_step_after_step(replicas, micro_batches):
+    """Batch mode (BatchNorm) with dropout over 3 steps, 1 and 2 data replicas: equal to DDP with grad_accum=M.
+    The stage's forward merged the state's own Variables, so reseeding overwrote the stored RNG key each step (the
+    masks parted from step 1 with M >= 2, 2.11 apart after 3 steps on 2 x 2), and the replicas kept their own
+    BatchNorm statistics under a replicated spec (evaluation then read replica 0's, 0.48 apart): a QA pass."""
+    rng = np.random.default_rng(1)
+    batches = [{"x": rng.normal(size=(8, 5)).astype(np.float32), "y": rng.integers(0, 3, 8).astype(np.int32)}
+               for _ in range(3)]
+    loss = jaxpar.OutputLoss(jaxpar.cross_entropy)
+    state = jaxpar.init_state(bn_dropout_model(), TX)
+    ddp = jaxpar.DistributedDataParallel(bn_dropout_model(), TX, loss_fn=loss, mesh=jaxpar.make_mesh(replicas),
+                                         grad_accum=micro_batches)
+    pipe = pipeline(bn_dropout_model(), TX, loss_fn=loss, micro_batches=micro_batches, schedule="1f1b",
+                    partition_method="uniform", mesh=pipeline_mesh(2 * replicas, 2))
+    pd, pp = ddp.init(state), pipe.init(state)
+    for b in batches:
+        pd, _ = ddp.step(pd, ddp.put_batch(b))
+        pp, _ = pipe.step(pp, pipe.put_batch(b))
+        assert_equal_states(pipe.unplace(pp), ddp.unplace(pd))
+    moved = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(ddp.unplace(pd).params),
+                                                               jax.tree.leaves(state.params)))
+    assert moved > 1e-2
+    stats = [a for a in jax.tree.leaves(pp.model_state) if jnp.issubdtype(a.dtype, jnp.floating)]
+    assert len(stats) == 2  # BatchNorm's mean and var: every replica (and stage copy) holds the same numbers
+    for leaf in stats:
+        shards = [np.asarray(s.data) for s in leaf.addressable_shards]
+        assert len(shards) == replicas and all(np.array_equal(shards[0], x) for x in shards[1:])
+    test = {"x": rng.normal(size=(6, 5)).astype(np.float32), "y": rng.integers(0, 3, 6).astype(np.int32)}
+    want = jaxpar.evaluate(ddp, pd, [test])
+    got = jaxpar.evaluate(pipe, pp, [test])  # 6 rows: replicas x micro-batches (4) do not divide them (it crashed)
+    np.testing.assert_allclose(float(got["loss"]), float(want["loss"]), rtol=1e-5)
+
+
 def test_unplace_round_trips_the_canonical_state_and_reports():
     model, loss, batch = mlp()
     tx = optax.adam(1e-3)

@@ -235,11 +235,17 @@ class PartFns:
         run = lambda model, a: apply_layers(model, a, unpack, first)  # noqa: E731
 
         if not obj.per_sample:
-            model = nnx.merge(graphdef, p, st)
+            # copies of the state's Variables (as Objective._batch_sums's _fresh): nnx.merge keeps the Variables it
+            # is given, and reseed would overwrite st's RNG key in place, which advance_rng below then keeps
+            model = nnx.merge(graphdef, p, jax.tree.map(lambda a: a, st))
             if train:
                 reseed(model, shard)
             y = run(model, x)
             new = nnx.split(model, obj.wrt, ...)[2]
+            if train and self.D > 1:  # buffers (BatchNorm running stats) of replica 0, as DDP's broadcast_buffers:
+                from jaxpar.strategies.ddp import from_replica_0  # the state's spec says replicated
+
+                new = from_replica_0(new, DATA, st)
             return y, (advance_rng(new, st, by=0) if train else st)
 
         def one(xr, sid, p, st):

@@ -431,6 +431,16 @@ class Pipeline:
 
     def evaluate(self, placed: PipelineState, batch) -> Sums:
         """Sums of the loss and metrics over the real rows of `batch` in eval mode, on the forward-only schedule."""
+        if not self.objective.per_sample and not isinstance(batch, Batch):
+            rows = as_rows(batch)
+            if rows.size % (self.D * self.micro_batches):  # padding rows would reach the batch-mode loss (its sums
+                # see every row): the canonical state on one device, as the other strategies evaluate
+                from jaxpar.step import make_eval_step
+
+                if getattr(self, "_eval_step", None) is None:
+                    self._eval_step = make_eval_step(self.objective)
+                state = self.unplace(placed)
+                return self._eval_step(state.params, state.model_state, rows)
         pb = batch if isinstance(batch, Batch) else self.put_batch(batch)
         plan = self.engine.plan(pb.layout, self.eval_schedule)
         total, _, _ = self.engine.run(plan, placed.params, placed.model_state, pb.stages, train=False)

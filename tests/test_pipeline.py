@@ -556,6 +556,7 @@ def test_bad_input_is_refused_before_any_work():
     model, loss, _ = mlp()
     cases = [
         (dict(micro_batches=0), "micro_batches=0 must be an int >= 1"),
+        (dict(micro_batches=True), "micro_batches=True must be an int >= 1"),  # was refused as num_microbatches
         (dict(schedule="pipedream"), "schedule 'pipedream' is not known"),
         (dict(schedule="forward"), "schedule='forward' has no backward and cannot train"),
         (dict(virtual_stages=2), "virtual_stages=2 needs schedule='interleaved'"),
@@ -577,6 +578,11 @@ def test_bad_input_is_refused_before_any_work():
         Pipeline(model, TX, loss_fn=loss, mesh=pipeline_mesh(3, 3))
     with pytest.raises(ValueError, match="num_devices=3 must be a multiple of num_stages=2"):
         pipeline_mesh(3, 2)
+    for tp, match in ((0, "tensor_parallel=0 must be an int >= 1"), (2.0, "tensor_parallel=2.0 must be an int")):
+        with pytest.raises(ValueError, match=match):  # 0 raised ZeroDivisionError, 2.0 advised --num-devices 4.0
+            pipeline_mesh(4, 2, tensor_parallel=tp)
+    placed = Pipeline(model, TX, loss_fn=loss, micro_batches=np.int64(2))  # numpy ints, as ZeRO takes them
+    assert placed.micro_batches == 2 and type(placed.micro_batches) is int
 
     class Shared(nnx.Module):  # one RNG stream drawn from on two stages
         def __init__(self):

@@ -414,6 +414,9 @@ def test_the_qkv_column_order_matters():
 def test_bad_sizes_are_named():
     with pytest.raises(ValueError, match="--tensor-parallel 3 must be >= 1 and divide the 8 devices"):
         TensorParallel(model(), TX, tensor_parallel=3)
+    for tp in (2.0, True):  # a bare TypeError before
+        with pytest.raises(ValueError, match=f"tensor_parallel={tp!r} must be an int >= 1"):
+            TensorParallel(model(), TX, tensor_parallel=tp)
     with pytest.raises(ValueError, match="not elementwise"):
         TensorParallel(model(), optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1)), tensor_parallel=2)
     with pytest.raises(ValueError, match="no module that tensor parallelism can split"):

@@ -63,7 +63,10 @@ def pipeline_mesh(devices: int | Sequence | None = None, num_stages: int = 1, te
     n = len(devices)
     if tensor_parallel != 1:
         T, S = tensor_parallel, num_stages
-        if not isinstance(T, int) or T < 1 or not isinstance(S, int) or S < 1 or n % (S * T):
+        for name, v in (("tensor_parallel", T), ("num_stages", S)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"{name}={v!r} must be an int >= 1; pass --{name.replace('_', '-')} 1 or more.")
+        if n % (S * T):
             raise ValueError(f"num_devices={n} must be a multiple of num_stages x tensor_parallel = {S} x {T} "
                              f"(D x S x T devices: data x pipeline x tensor); use --num-devices "
                              f"{max(S * T, n - n % (S * T))} or --num-stages / --tensor-parallel whose product "
@@ -164,10 +167,11 @@ class Pipeline:
             check_module_args(model, cut, example_input, objective_options)
             objective_options.setdefault("wrt", model.wrt)
         check_tx(tx)  # before loss_scale.wraps calls tx.init
-        if not isinstance(micro_batches, int) or micro_batches < 1:
+        if isinstance(micro_batches, bool) or not isinstance(micro_batches, (int, np.integer)) or micro_batches < 1:
             raise ValueError(f"micro_batches={micro_batches!r} must be an int >= 1; pass --micro-batches 1 or more.")
+        micro_batches = int(micro_batches)
         T = tensor_parallel
-        if not isinstance(T, int) or isinstance(T, bool) or T < 1:
+        if not isinstance(T, (int, np.integer)) or isinstance(T, bool) or T < 1:
             raise ValueError(f"tensor_parallel={T!r} must be an int >= 1; pass --tensor-parallel 1 or more.")
         if not is_stage(zero_stage, (0, 1)):
             raise ValueError(f"zero_stage={zero_stage!r}: the pipeline takes ZeRO stage 0 or 1 (each stage's optimizer "

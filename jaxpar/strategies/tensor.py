@@ -209,6 +209,9 @@ class TensorParallel:
         if zero_reduce not in ("reduce_scatter", "all_reduce"):
             raise ValueError(f"zero_reduce={zero_reduce!r} is not known; use reduce_scatter (Megatron's distributed "
                              "optimizer) or all_reduce.")
+        if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, (int, np.integer)):
+            raise ValueError(f"tensor_parallel={tensor_parallel!r} must be an int >= 1; pass --tensor-parallel 2 or "
+                             "more.")
         if tensor_parallel < 1 or n % tensor_parallel:
             raise ValueError(f"--tensor-parallel {tensor_parallel} must be >= 1 and divide the {n} devices; use a "
                              f"divisor of {n}.")

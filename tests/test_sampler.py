@@ -188,10 +188,8 @@ def test_a_pass_to_the_end_leaves_the_next_pass_the_whole_epoch_as_torch():
 
 
 def test_an_array_dataset_counts_its_rows_as_torchs_sampler_does():
-    """DistributedSampler(np.arange(7)) was refused as an empty dataset; torch's takes len(dataset), as for a list."""
-    import torch.utils.data as tud
-
+    """DistributedSampler(np.arange(7)) was refused as an empty dataset; torch's takes len(dataset), as for a list.
+    torch's indices here (no shuffle, 2 replicas, rank 1): 0..6 padded from the start to 8, every second from 1."""
     for dataset in (np.arange(7), np.zeros((7, 3)), list(range(7))):
         ours = DistributedSampler(dataset, 2, 1, shuffle=False)
-        theirs = tud.DistributedSampler(dataset, num_replicas=2, rank=1, shuffle=False)
-        assert ours.num_samples == 7 and list(ours.indices()) == list(theirs)
+        assert ours.num_samples == 7 and list(ours.indices()) == [1, 3, 5, 0]

@@ -220,7 +220,7 @@ def test_render_without_matplotlib(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("args,match", [
-    (("pipedream", 2, 2), "name='pipedream'"),
+    (("pipedream", 2, 2), "schedule 'pipedream' is not known"),
     (("1f1b", 0, 2), "num_stages=0 must be an int >= 1"),
     (("gpipe", 2, 0), "num_microbatches=0"),
     (("1f1b", 2, "4"), "num_microbatches='4'"),

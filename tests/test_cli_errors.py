@@ -87,6 +87,8 @@ CASES = [
     ("3-D on a model without splits", ["--strategy", "pipeline", "--model", "mlp", "--tensor-parallel", "2"],
      ["--model mlp has no module", "--tensor-parallel 1"]),
     ("ring under zero", ["--strategy", "zero", "--allreduce", "ring"], ["--allreduce ring", "ddp, not zero"]),
+    ("devices under single", ["--num-devices", "2"], ["--num-devices 2 would be ignored",
+                                                      "--strategy single runs on one device", "drop --num-devices"]),
     ("no overlap under single", ["--no-overlap"], ["--no-overlap is read by --strategy ddp, not single",
                                                     "drop --no-overlap"]),
     ("dropout on a non-GPT", ["--dropout", "0.5"], ["--dropout 0.5 would be ignored", "--model linear is not one of "

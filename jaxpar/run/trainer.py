@@ -291,6 +291,8 @@ def check_flags_are_read(cfg: Config) -> None:
                (("image_size",), cfg.dataset != "text" and not (cfg.dataset == "synthetic" and cfg.model == "linear")
                 and not (cfg.dataset == "npz" and _npz_vectors(cfg.data_path)),
                 f"--dataset {cfg.dataset} holds {'text' if cfg.dataset == 'text' else 'vectors'} here, not images"),
+               (("num_devices",), cfg.strategy != "single" or cfg.num_devices == 1,
+                "--strategy single runs on one device (a data-parallel strategy uses more)"),
                (("bucket_cap_mb",), not (cfg.strategy == "zero" and cfg.zero_stage == 3),
                 "--zero-stage 3 gathers and reduces each leaf on its own (no buckets)")]
     for fields, read, why in readers:

@@ -874,3 +874,16 @@ def test_data_parallel_takes_a_model_whose_output_holds_integers():
                           batch)
     assert_same_params(dp, single, moved_from=jaxpar.init_state(model(), TX))
     assert float(m1["acc"]) == float(m2["acc"])
+
+
+def test_a_batch_size_that_is_not_a_count_is_refused():
+    """batch_size (the global batch every batch's shape is padded to) took 0, -3 or 2.5 and ignored them."""
+    model = regression.make_model(8, 16, 2, 0.0, rngs=nnx.Rngs(0))
+    makers = (lambda b: jaxpar.DistributedDataParallel(model, TX, mesh=jaxpar.make_mesh(2), batch_size=b),
+              lambda b: jaxpar.ZeroRedundancy(model, TX, stage=1, mesh=jaxpar.make_mesh(2), batch_size=b),
+              lambda b: jaxpar.Pipeline(model, TX, num_stages=2, micro_batches=2, batch_size=b))
+    for make in makers:
+        for bad in (0, -3, 2.5, True):
+            with pytest.raises(ValueError, match=f"batch_size={bad!r} must be an int >= 1"):
+                make(bad)
+        assert make(np.int64(30)).batch_size == 30

@@ -105,6 +105,17 @@ def check_state(state: TrainState, tx, objective: Objective | None = None) -> No
                 "build the state with jaxpar.init_state(model, tx) from the optimizer given to the strategy")
 
 
+def check_batch_size(batch_size) -> int | None:
+    """`batch_size` (the global batch a strategy pads every batch's shape to) as an int, or None; ValueError unless
+    it is an int >= 1 (it was taken silently: 0 or 2.5 fixed no shape, or an odd one, across processes)."""
+    if batch_size is None:
+        return None
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r} must be an int >= 1 (the global batch, --batch-size), or None "
+                         "to take each batch's own size.")
+    return int(batch_size)
+
+
 def check_tx(tx) -> None:
     """TypeError unless `tx` is an optax transformation (before anything calls tx.init)."""
     if not callable(getattr(tx, "init", None)) or not callable(getattr(tx, "update", None)):

@@ -40,8 +40,8 @@ from jaxpar.config import Config
 from jaxpar.mesh import DATA, check_data_mesh, make_mesh
 from jaxpar.objective import Objective, Sums, advance_rng, metrics_of
 from jaxpar.step import TrainState, apply_updates, grad_norm
-from jaxpar.strategies.base import (LayersCheck, cfg_objective, check_placed, check_state, from_process_0,
-                                    objective_of, processes, arm_first_batch)
+from jaxpar.strategies.base import (LayersCheck, arm_first_batch, cfg_objective, check_batch_size, check_placed,
+                                    check_state, from_process_0, objective_of, processes)
 from jaxpar.types import Params
 
 SPMD = ("shard_map", "pmap")
@@ -270,7 +270,7 @@ class DistributedDataParallel:
         check_data_mesh(self.mesh, "DistributedDataParallel")
         self.allreduce, self.bucket_cap_mb, self.overlap = allreduce, bucket_cap_mb, overlap
         self.grad_accum, self.grad_comm_dtype, self.spmd = grad_accum, grad_comm_dtype, spmd
-        self.batch_size, self.leaf_order = batch_size, leaf_order
+        self.batch_size, self.leaf_order = check_batch_size(batch_size), leaf_order
         self.plan: BucketPlan | None = None
         self._step = self._batch_spec = None
         n_local, nproc = len(local_devices(self.mesh)), jax.process_count()

@@ -42,7 +42,7 @@ from jaxpar.pipeline.transfer import Transport
 from jaxpar.step import TrainState
 from jaxpar.strategies.tensor import TensorParallel, check_split_computes, foreign_split
 from jaxpar.strategies.zero1 import is_stage
-from jaxpar.strategies.base import (LayersCheck, check_placed, check_state, check_tx, from_process_0,
+from jaxpar.strategies.base import (LayersCheck, check_batch_size, check_placed, check_state, check_tx, from_process_0,
                                     processes, refuse_sync_batch_norm)
 
 __all__ = ["Batch", "LayerSpec", "Pipeline", "PipelineModule", "PipelineState", "TiedLayerSpec", "build",
@@ -196,7 +196,7 @@ class Pipeline:
                 wrt=objective_options.get("wrt", nnx.Param), **defaults)
         if loss_fn is None and module.loss_fn is not None:
             loss_fn = module.loss_fn if isinstance(module.loss_fn, OutputLoss) else OutputLoss(module.loss_fn)
-        self.module, self.tx, self.batch_size = module, tx, batch_size
+        self.module, self.tx, self.batch_size = module, tx, check_batch_size(batch_size)
         self.objective = Objective.of(module.model, loss_fn, **objective_options).check_trains()
         if isinstance(model, PipelineModule) and self.objective.compute_dtype is not None:
             module.cut()  # the layers as they are now: an Embed's dtype set after the module was built

@@ -51,7 +51,7 @@ from jaxpar.mesh import DATA, TENSOR
 from jaxpar.objective import Objective, advance_rng, metrics_of
 from jaxpar.step import TrainState, apply_updates, squared_norm
 from jaxpar.strategies import zero_optim
-from jaxpar.strategies.base import LayersCheck, check_placed, check_state, from_process_0
+from jaxpar.strategies.base import LayersCheck, check_batch_size, check_placed, check_state, from_process_0
 from jaxpar.strategies.ddp import from_replica_0, local_devices, psum_sums
 from jaxpar.strategies.zero1 import is_stage
 
@@ -245,7 +245,7 @@ class TensorParallel:
         set_tensor_axis(model, TENSOR, tensor_parallel, sequence_parallel, self.parallel_output)
         self.sequence_parallel = bool(sequence_parallel)
         self.objective = Objective.of(model, loss_fn, **objective_options).check_trains()
-        self.tx, self.batch_size = tx, batch_size
+        self.tx, self.batch_size = tx, check_batch_size(batch_size)
         self.data = self.mesh.shape[DATA]
         self.multiple = len(local_devices(self.mesh)) // self.tp  # rows per process: a multiple of its data ranks
         self.share = None if batch_size is None else round_up(math.ceil(batch_size / jax.process_count()),

@@ -49,8 +49,8 @@ from jaxpar.mesh import DATA, check_data_mesh, make_mesh
 from jaxpar.objective import Objective, advance_rng, check_wrt_within, metrics_of
 from jaxpar.step import TrainState
 from jaxpar.strategies import zero_optim
-from jaxpar.strategies.base import (LayersCheck, cfg_objective, check_placed, check_state, from_process_0,
-                                    objective_of, processes, arm_first_batch)
+from jaxpar.strategies.base import (LayersCheck, arm_first_batch, cfg_objective, check_batch_size, check_placed,
+                                    check_state, from_process_0, objective_of, processes)
 from jaxpar.strategies.ddp import from_replica_0, local_devices, place_rows, psum_sums, replicate
 
 STAGES = (1, 2, 3)
@@ -200,7 +200,7 @@ class ZeroRedundancy:
             leaf_order = overlap.forward_leaf_order(model, self.objective.wrt)
         self.tx, self.mesh, self.stage, self.reduce = tx, mesh or make_mesh(), stage, reduce
         check_data_mesh(self.mesh, "ZeroRedundancy")
-        self.bucket_cap_mb, self.grad_accum, self.batch_size = bucket_cap_mb, grad_accum, batch_size
+        self.bucket_cap_mb, self.grad_accum, self.batch_size = bucket_cap_mb, grad_accum, check_batch_size(batch_size)
         self.leaf_order, self.prefetch, self.fetch = leaf_order, prefetch, fetch
         self.plan: sh.ShardPlan | None = None
         self._step = self._grads = self._batch_spec = None

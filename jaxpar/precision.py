@@ -8,7 +8,7 @@ table's (float32) when it is built, so its lookups, and every layer after them, 
 
 A 16-bit compute copy of a bias or an embedding table gets a gradient that is a sum over every token (the transpose
 of the bias's broadcast, the scatter-add of a lookup). JAX sums those in the cotangent's dtype, 16 bits, where torch
-autocast's kernels accumulate in float32. `add_wide` and `take_wide` (jaxpar's GPT uses them) do the add and the
+autocast's kernels accumulate in float32. `add_wide` and `take_wide` (jaxpar's own models use them) do the add and the
 lookup in float32 and round the result once, so those sums run in float32 too; float32 inputs are untouched.
 """
 from __future__ import annotations
@@ -61,6 +61,6 @@ def check_model(model: nnx.Module, dtype) -> None:
             wide = jnp.dtype(m.dtype).name
             raise ValueError(f"compute_dtype={jnp.dtype(dtype).name}, but {name} is an nnx.Embed with dtype={wide} "
                              "(Flax sets an Embed's dtype to its table's when it is built), so its lookups and every "
-                             f"layer after them would compute in {wide} or wider: set `{where or 'model'}.dtype = None` "
-                             "after building it (the table's dtype then decides: float32 in a float32 run, the compute "
+                             f"layer after them would compute in {wide} or wider: set "
+                             f"`{where or 'model'}.dtype = None` after building it (the table's dtype then decides: float32 in a float32 run, the compute "
                              "dtype under jaxpar's cast), or leave compute_dtype at None.")

@@ -264,8 +264,7 @@ class Embedding(nnx.Module):
             raise ValueError(f"a sequence of {t} tokens is longer than the model's block_size "
                              f"{self.wpe.num_embeddings} (its position table); use --seq-len <= "
                              f"{self.wpe.num_embeddings}, or a model with a larger block size.")
-        (pos_table,) = self.wpe.promote_dtype((self.wpe.embedding[...],), dtype=self.wpe.dtype, inexact=False)
-        positions = take_wide(pos_table, jnp.arange(t))
+        positions = _lookup(self.wpe, jnp.arange(t))
         if self.sequence_parallel:  # this rank's tokens: the lookups' sum reduce-scattered, its positions
             _check_sequence(t, self.tensor_size)
             tokens = megatron.vocab_parallel_embed(self.wte.embedding[...], idx_BxT, self.tensor_axis, 1)
@@ -273,10 +272,15 @@ class Embedding(nnx.Module):
             return sequence_dropout(self.drop, x, self.tensor_axis, True)
         if _vocab_split(self.wte, self.tensor_axis):
             tokens = megatron.vocab_parallel_embed(self.wte.embedding[...], idx_BxT, self.tensor_axis)
-        else:  # nnx.Embed's lookup; a 16-bit table's gradient then sums repeated tokens in float32
-            (table,) = self.wte.promote_dtype((self.wte.embedding[...],), dtype=self.wte.dtype, inexact=False)
-            tokens = take_wide(table, idx_BxT)
+        else:
+            tokens = _lookup(self.wte, idx_BxT)
         return self.drop(add_wide(tokens, positions))  # wpe's gradient sums over the batch in float32 (16-bit)
+
+
+def _lookup(embed: nnx.Embed, ids: jax.Array) -> jax.Array:
+    """nnx.Embed's lookup through take_wide: a 16-bit table's gradient sums repeated ids in float32."""
+    (table,) = embed.promote_dtype((embed.embedding[...],), dtype=embed.dtype, inexact=False)
+    return take_wide(table, ids)
 
 
 class LMHead(nnx.Module):

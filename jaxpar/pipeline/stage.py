@@ -41,7 +41,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.batch import Rows
 from jaxpar.loss_scale import power_of_two
 from jaxpar.mesh import DATA, TENSOR
-from jaxpar.objective import Objective, Sums, advance_rng, cast_floating, reseed
+from jaxpar.objective import Objective, Sums, _fresh, advance_rng, cast_floating, reseed
 from jaxpar.pipeline.module import apply_layers
 
 
@@ -235,9 +235,9 @@ class PartFns:
         run = lambda model, a: apply_layers(model, a, unpack, first)  # noqa: E731
 
         if not obj.per_sample:
-            # copies of the state's Variables (as Objective._batch_sums's _fresh): nnx.merge keeps the Variables it
-            # is given, and reseed would overwrite st's RNG key in place, which advance_rng below then keeps
-            model = nnx.merge(graphdef, p, jax.tree.map(lambda a: a, st))
+            # copies of the state's Variables: nnx.merge keeps the Variables it is given, and reseed would overwrite
+            # st's RNG key in place, which advance_rng below then keeps
+            model = nnx.merge(graphdef, p, _fresh(st))
             if train:
                 reseed(model, shard)
             y = run(model, x)

@@ -62,5 +62,6 @@ def check_model(model: nnx.Module, dtype) -> None:
             raise ValueError(f"compute_dtype={jnp.dtype(dtype).name}, but {name} is an nnx.Embed with dtype={wide} "
                              "(Flax sets an Embed's dtype to its table's when it is built), so its lookups and every "
                              f"layer after them would compute in {wide} or wider: set "
-                             f"`{where or 'model'}.dtype = None` after building it (the table's dtype then decides: float32 in a float32 run, the compute "
-                             "dtype under jaxpar's cast), or leave compute_dtype at None.")
+                             f"`{where or 'model'}.dtype = None` after building it (the table's dtype then decides: "
+                             "float32 in a float32 run, the compute dtype under jaxpar's cast), or leave compute_dtype "
+                             "at None.")

@@ -6,9 +6,10 @@
 A small GPT2LMHeadModel (3 layers x 48 wide, 4 heads: a head count no jaxpar config name has, so it must come
 from the files) is saved four ways: save_pretrained as safetensors and as pytorch_model.bin, torch.save of its
 state dict, and a nanoGPT ckpt.pt ({"model": nanoGPT's keys, "model_args": {...}}). Each loads in jaxpar with
-logits equal to transformers' (float32 rounding). Then train.py starts from each, takes one SGD step at lr 1e-30
-(the weights unchanged) and exports a folder, a .pt and a .safetensors; transformers loads each back (the folder
-by from_pretrained) with the original's logits.
+logits equal to transformers' (float32 rounding): the ckpt.pt as nanoGPT runs it, with its erf GELU (nn.GELU()),
+so against transformers' activation_function="gelu" on the same weights. Then train.py starts from each, takes one
+SGD step at lr 1e-30 (the weights unchanged) and exports a folder, a .pt and a .safetensors; transformers loads
+each back (the folder by from_pretrained, its config.json naming the GELU) with the original's logits.
 """
 from __future__ import annotations
 
@@ -42,17 +43,24 @@ def main(out: str) -> None:
     torch.save({"model": nano, "model_args": dict(n_layer=3, n_head=4, n_embd=48, block_size=64, bias=True,
                                                   vocab_size=256, dropout=0.0)}, f"{out}/ckpt.pt")
     x = torch.randint(0, 256, (2, 32))
+    erf = GPT2LMHeadModel(GPT2Config(n_layer=3, n_head=4, n_embd=48, vocab_size=256, n_positions=64,
+                                     activation_function="gelu")).eval()  # what nanoGPT computes of these weights
+    erf.load_state_dict(hf.state_dict())
     with torch.no_grad():
-        want = hf(x).logits.numpy()
+        wants = {"gelu_new": hf(x).logits.numpy(), "gelu": erf(x).logits.numpy()}
+    configs = {"gelu_new": hf.config, "gelu": erf.config}
+    print(f"the two GELUs on these weights: logits {np.abs(wants['gelu'] - wants['gelu_new']).max():.2e} apart")
 
     rows = []
     for src in ("hf_safetensors", "hf_bin", "state_dict.pt", "ckpt.pt"):
         sd, meta = weights.read(f"{out}/{src}")
-        model = jaxpar.from_torch_state_dict("gpt-nano", sd, n_head=meta.get("n_head", 4))
+        act = jaxpar.models.gpt.activation_of(meta) or "gelu_new"
+        model = jaxpar.from_torch_state_dict("gpt-nano", sd, n_head=meta.get("n_head", 4), activation_function=act)
         heads = f"n_head {meta['n_head']} from the files" if "n_head" in meta else "n_head 4 given (not in the file)"
-        rows.append((f"jaxpar reads {src}", heads,
-                     np.abs(np.asarray(model(x.numpy())) - want).max()))
+        rows.append((f"jaxpar reads {src}", f"{heads}, {act}",
+                     np.abs(np.asarray(model(x.numpy())) - wants[act]).max()))
     for src in ("hf_safetensors", "hf_bin", "ckpt.pt"):
+        act = "gelu" if src == "ckpt.pt" else "gelu_new"  # nanoGPT's ckpt.pt runs the erf GELU
         stem = "from_" + src.replace(".", "_")
         for dst in (f"{stem}/", f"{stem}.pt", f"{stem}.safetensors"):
             run = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--model", "gpt-nano",
@@ -65,13 +73,14 @@ def main(out: str) -> None:
             if dst.endswith("/"):
                 back = GPT2LMHeadModel.from_pretrained(f"{out}/{dst}").eval()
             else:
-                back = GPT2LMHeadModel(hf.config).eval()
+                back = GPT2LMHeadModel(configs[act]).eval()
                 sd = {k: torch.from_numpy(v) for k, v in weights.read(f"{out}/{dst}")[0].items()}
                 missing, unexpected = back.load_state_dict(sd, strict=False)
                 assert not unexpected and all(k.endswith("attn.bias") for k in missing), (missing, unexpected)
             with torch.no_grad():
-                rows.append((f"train.py {src} -> {dst}, loaded by transformers", "ok",
-                             np.abs(back(x).logits.numpy() - want).max()))
+                rows.append((f"train.py {src} -> {dst}, loaded by transformers",
+                             f"ok, {back.config.activation_function}",
+                             np.abs(back(x).logits.numpy() - wants[act]).max()))
     print("| step | result | max abs logit difference from GPT2LMHeadModel's |\n|---|---|---:|")
     for name, result, diff in rows:
         print(f"| {name} | {result} | {diff if isinstance(diff, str) else f'{diff:.2e}'} |")

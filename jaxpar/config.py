@@ -24,6 +24,7 @@ class Config:
     # GPT models (gpt2, gpt2-medium, ..., gpt-mini, gpt-micro, gpt-nano, gpt-cpu: jaxpar.models.gpt)
     n_head: int | None = None  # attention heads (default: the config name's); must divide the width
     dropout: float = 0.0  # GPT dropout rate (nanoGPT pretrains with 0.0)
+    activation_function: str | None = None  # GPT MLP's GELU, transformers' names: gelu_new (tanh, GPT-2's; default) or gelu (erf, nanoGPT's)
     torch_layout: str = "hf"  # hf | nanogpt: the GPT state-dict layout --export-torch writes (--init-torch reads either)
     peak_tflops: float | None = None  # the device's peak TFLOP/s for MFU (default: a table of GPUs; none for CPUs)
     sample: int = 0  # after training, print this many bytes sampled from the GPT (nanoGPT's sample.py; --dataset text)

@@ -7,10 +7,13 @@
 
 The architecture is GPT-2's: learned token (`wte`) and position (`wpe`) embeddings, dropout, `n_layer` pre-LayerNorm
 blocks `h.{i}` (`ln_1`, causal self-attention `attn` with a fused `c_attn` and an output `c_proj`, `ln_2`, an MLP
-`mlp.c_fc` -> GELU (tanh, GPT-2's and HF's `gelu_new`; nanoGPT's nn.GELU() is the erf form) -> `mlp.c_proj`), a
+`mlp.c_fc` -> GELU -> `mlp.c_proj`), a
 final `ln_f`, and `lm_head` tied to `wte` (logits = x @ wte^T; the model holds the embedding once). LayerNorm eps
 1e-5. Init as nanoGPT: weights N(0, 0.02), the residual projections (`c_proj`) N(0, 0.02 / sqrt(2 n_layer)), biases
 zero. Dropout (stock nnx.Dropout) after the embeddings, on the attention weights, after each residual projection.
+The GELU is GPT-2's tanh form by default (`activation_function="gelu_new"`, transformers' name); nanoGPT's model
+runs nn.GELU(), the erf form (`"gelu"`): logits ~1e-3 apart on the same weights, so load nanoGPT's own
+checkpoints with "gelu" to compute what nanoGPT computes.
 
 Attention runs through `jax.nn.dot_product_attention`: cuDNN's fused (flash) kernel on a GPU for bf16/fp16 inputs
 and head sizes it takes, XLA elsewhere (on CPUs in query blocks, see causal_attention). With attention dropout on in
@@ -52,15 +55,19 @@ CONFIGS = {  # name -> (n_layer, n_head, n_embd)
     "gpt-cpu": (4, 4, 256),  # 4 layers x 256 wide: the CPU benchmark's model
 }
 ATTENTION = ("auto", "xla", "cudnn")
+# the MLP's GELU by transformers' activation_function name -> jax.nn.gelu's `approximate`: GPT-2's tanh form
+# (HF's gelu_new), or the erf form (HF's gelu; nanoGPT's and torch's nn.GELU())
+ACTIVATIONS = {"gelu_new": True, "gelu": False}
 LN_EPS = 1e-5  # torch's LayerNorm default, GPT-2's
 
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
     """nanoGPT's GPTConfig. `bias`: biases in Linears and LayerNorms (GPT-2: True). `attention`: auto | xla | cudnn.
-    `recompute_granularity` "selective": Megatron's selective recompute, each block's core attention (q k^T,
-    softmax, dropout, the weighted sum of v) recomputed in the backward from q, k, v instead of keeping its
-    T x T weights; None keeps them (full recompute is the strategy's activation_checkpoint_interval)."""
+    `activation_function`: the MLP's GELU, by transformers' name: gelu_new (GPT-2's tanh form) or gelu (the erf
+    form, nanoGPT's nn.GELU()). `recompute_granularity` "selective": Megatron's selective recompute, each block's
+    core attention (q k^T, softmax, dropout, the weighted sum of v) recomputed in the backward from q, k, v instead
+    of keeping its T x T weights; None keeps them (full recompute is the strategy's activation_checkpoint_interval)."""
 
     vocab_size: int = 50257
     block_size: int = 1024
@@ -71,6 +78,7 @@ class GPTConfig:
     bias: bool = True
     attention: str = "auto"
     recompute_granularity: str | None = None
+    activation_function: str = "gelu_new"
 
     def __post_init__(self):
         for field in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -84,6 +92,9 @@ class GPTConfig:
             raise ValueError(f"dropout={self.dropout} must be in [0, 1) (nanoGPT pretrains with 0.0).")
         if self.attention not in ATTENTION:
             raise ValueError(f"attention={self.attention!r} is not known; use one of {ATTENTION}.")
+        if self.activation_function not in ACTIVATIONS:
+            raise ValueError(f"activation_function={self.activation_function!r} is not known; use gelu_new (GPT-2's "
+                             "tanh GELU) or gelu (the erf form, nanoGPT's nn.GELU()).")
         if self.recompute_granularity not in (None, "selective"):
             raise ValueError(f"recompute_granularity={self.recompute_granularity!r} is not known; use 'selective' "
                              "(the core attention) or None; full recompute (whole layers) is the strategy's "
@@ -201,8 +212,8 @@ class CausalSelfAttention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """c_fc (4x wider) -> GELU (tanh) -> c_proj -> dropout. Under Megatron tensor parallelism (`tensor_axis`) this
-    rank holds 4C / T columns of c_fc and the matching rows of c_proj: f before, g after."""
+    """c_fc (4x wider) -> GELU (cfg.activation_function's) -> c_proj -> dropout. Under Megatron tensor parallelism
+    (`tensor_axis`) this rank holds 4C / T columns of c_fc and the matching rows of c_proj: f before, g after."""
 
     tensor_axis: str | None = None
     tensor_size: int = 1
@@ -212,6 +223,7 @@ class MLP(nnx.Module):
         self.c_fc = _linear(cfg.n_embd, 4 * cfg.n_embd, cfg, 0.02, rngs)
         self.c_proj = _linear(4 * cfg.n_embd, cfg.n_embd, cfg, 0.02 / math.sqrt(2 * cfg.n_layer), rngs)
         self.dropout = nnx.Dropout(cfg.dropout, rngs=rngs)
+        self.approximate = ACTIVATIONS[cfg.activation_function]  # the tanh GELU (else erf)
 
     def tensor_layout(self) -> dict[tuple, tuple[str, int]]:
         out = {("c_fc", "kernel"): ("columns", 1), ("c_proj", "kernel"): ("rows", 0)}
@@ -221,10 +233,10 @@ class MLP(nnx.Module):
         if self.tensor_axis is not None:
             sp = self.sequence_parallel
             x = megatron.gather_sequence(x, self.tensor_axis, 1) if sp else megatron.f(x, self.tensor_axis)
-            h = jax.nn.gelu(megatron.column_linear(self.c_fc, x), approximate=True)
+            h = jax.nn.gelu(megatron.column_linear(self.c_fc, x), approximate=self.approximate)
             y = megatron.row_linear(self.c_proj, h, self.tensor_axis, 1 if sp else None)
             return sequence_dropout(self.dropout, y, self.tensor_axis, sp)
-        return self.dropout(self.c_proj(jax.nn.gelu(self.c_fc(x), approximate=True)))
+        return self.dropout(self.c_proj(jax.nn.gelu(self.c_fc(x), approximate=self.approximate)))
 
 
 class Block(nnx.Module):
@@ -414,5 +426,6 @@ def flops_per_token(cfg: GPTConfig, seq_len: int | None = None) -> float:
 
 
 from jaxpar.models import gpt_state_dict  # noqa: E402  (it imports GPT from here)
-from jaxpar.models.gpt_state_dict import (LAYOUTS, check_hf_config, config_from_state_dict,  # noqa: E402,F401
-                                          from_torch_state_dict, hf_config, model_args, normalize_state_dict)
+from jaxpar.models.gpt_state_dict import (LAYOUTS, activation_of, check_hf_config,  # noqa: E402,F401
+                                          config_from_state_dict, file_meta, from_torch_state_dict, hf_config,
+                                          model_args, normalize_state_dict)

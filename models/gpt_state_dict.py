@@ -21,7 +21,8 @@ from jaxpar.models.gpt import CONFIGS, GPT, LN_EPS, GPTConfig
 LAYOUTS = ("hf", "nanogpt")
 _LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # HF Conv1D / nanoGPT nn.Linear
 _BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers older checkpoints carry: not weights
-_GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")  # transformers' names of the tanh GELU jaxpar's GPT runs
+# transformers' activation_function names of the GELUs jaxpar's GPT runs -> its own (gpt.ACTIVATIONS)
+HF_ACTIVATIONS = {"gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new", "gelu_fast": "gelu_new", "gelu": "gelu"}
 
 
 def to_torch_state_dict(model: GPT, layout: str = "hf") -> dict[str, np.ndarray]:
@@ -146,8 +147,10 @@ def config_from_state_dict(state_dict: Mapping[str, Any], n_head: int | None = N
 def from_torch_state_dict(state_dict: Mapping[str, Any], n_head: int | None = None, name: str | None = None,
                           seed: int = 0, **overrides: Any) -> GPT:
     """A GPT holding a state dict's weights (HF or nanoGPT layout); sizes read off the dict, the head count from
-    `n_head` or the config `name` (whose layers and width must match), other fields (dropout, attention) from
-    `overrides`; dropout streams from `seed`."""
+    `n_head` or the config `name` (whose layers and width must match), other fields (dropout, attention,
+    activation_function) from `overrides`; dropout streams from `seed`. The GELU is not in the weights either:
+    GPT-2's (and HF's) is the default tanh form; nanoGPT's own checkpoints ran the erf form, so load them with
+    activation_function="gelu" (jaxpar.run.weights.read reads it off a file that records it)."""
     if name is not None:
         n_layer, heads, n_embd = GPTConfig.named(name).n_layer, GPTConfig.named(name).n_head, CONFIGS[name][2]
         _, _, layers, width = _sizes(normalize_state_dict(state_dict)[0])
@@ -174,6 +177,12 @@ def model_args(cfg: GPTConfig) -> dict[str, Any]:
             "dropout": float(cfg.dropout)}
 
 
+def file_meta(cfg: GPTConfig) -> dict[str, Any]:
+    """What a file keeps beside a GPT's weights (jaxpar.run.weights.write's `meta`): nanoGPT's model_args and the
+    GELU, which no weight shows either (a nanoGPT ckpt.pt keeps the GELU beside its model_args)."""
+    return {**model_args(cfg), "activation_function": cfg.activation_function}
+
+
 def hf_config(cfg: GPTConfig) -> dict[str, Any]:
     """transformers' GPT2Config (config.json) for `cfg`: what `GPT2LMHeadModel.from_pretrained(folder)` needs
     beside the weights. A GPT without biases has no GPT2Config: nanoGPT's bias=False is not in transformers."""
@@ -182,18 +191,26 @@ def hf_config(cfg: GPTConfig) -> dict[str, Any]:
                          "a file with --torch-layout nanogpt instead of a Hugging Face folder.")
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
             "n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
-            "n_head": cfg.n_head, "n_inner": None, "activation_function": "gelu_new", "resid_pdrop": cfg.dropout,
+            "n_head": cfg.n_head, "n_inner": None, "activation_function": cfg.activation_function,
+            "resid_pdrop": cfg.dropout,
             "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout, "layer_norm_epsilon": LN_EPS,
             "initializer_range": 0.02, "tie_word_embeddings": True}
 
 
+def activation_of(meta: Mapping[str, Any]) -> str | None:
+    """The GELU a checkpoint's meta (config.json, a file's record: jaxpar.run.weights.read) names, as jaxpar's
+    activation_function (gpt.ACTIVATIONS), or None where it names none. check_hf_config refuses the others."""
+    act = meta.get("activation_function")
+    return None if act is None else HF_ACTIVATIONS.get(act)
+
+
 def check_hf_config(meta: Mapping[str, Any], where: str) -> None:
-    """ValueError unless a Hugging Face GPT2Config's fields (config.json) describe the GPT jaxpar runs: the tanh
-    GELU and LayerNorm eps 1e-5 (other sizes are read off the weights, and a mismatch fails their load)."""
+    """ValueError unless a Hugging Face GPT2Config's fields (config.json) describe a GPT jaxpar runs: a GELU it has
+    (tanh or erf) and LayerNorm eps 1e-5 (other sizes are read off the weights, and a mismatch fails their load)."""
     act = meta.get("activation_function", "gelu_new")
-    if act not in _GELU_TANH:
-        raise ValueError(f"{where}'s config.json has activation_function={act!r}, but jaxpar's GPT runs GPT-2's tanh "
-                         f"GELU ({', '.join(_GELU_TANH)}); its logits would differ. Use a GPT-2 checkpoint.")
+    if act not in HF_ACTIVATIONS:
+        raise ValueError(f"{where}'s config.json has activation_function={act!r}, but jaxpar's GPT runs a GELU "
+                         f"({', '.join(HF_ACTIVATIONS)}); its logits would differ. Use a GPT-2 checkpoint.")
     eps = meta.get("layer_norm_epsilon", LN_EPS)
     if not np.isclose(eps, LN_EPS, rtol=0, atol=1e-12):
         raise ValueError(f"{where}'s config.json has layer_norm_epsilon={eps}, but jaxpar's GPT uses {LN_EPS} "

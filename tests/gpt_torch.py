@@ -1,7 +1,8 @@
 """The PyTorch twin of jaxpar.models.gpt, written the way nanoGPT's model.py writes GPT-2.
 
 Differences from nanoGPT, each to match GPT-2 itself (and Hugging Face's GPT2LMHeadModel): the MLP's GELU is the
-tanh approximation (GPT-2's `gelu_new`; nanoGPT uses the erf form), and the head returns logits at every position
+tanh approximation by default (GPT-2's `gelu_new`; `gelu_approximate="none"` is nanoGPT's nn.GELU(), the erf
+form), and the head returns logits at every position
 (no inference shortcut, no built-in loss). The state dict is nanoGPT's: nn.Linear weights [out, in], keys
 `transformer.h.{i}.attn.c_attn.weight`, `lm_head.weight` tied to `transformer.wte.weight`.
 
@@ -26,6 +27,7 @@ class GPTConfig:
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = True  # True: bias in Linears and LayerNorms, like GPT-2
+    gelu_approximate: str = "tanh"  # nn.GELU's approximate: "tanh" (GPT-2's) or "none" (nanoGPT's erf form)
 
 
 class LayerNorm(nn.Module):
@@ -69,7 +71,7 @@ class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.gelu = nn.GELU(approximate="tanh")
+        self.gelu = nn.GELU(approximate=config.gelu_approximate)
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 

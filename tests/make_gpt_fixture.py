@@ -3,9 +3,10 @@ neither torch nor transformers.
 
     python tests/make_gpt_fixture.py      # needs torch and transformers; the tests do not
 
-Three models with weights far from the init (N(0, 0.3), LayerNorm scales 1 + N(0, 0.3)): Hugging Face's
+Four models with weights far from the init (N(0, 0.3), LayerNorm scales 1 + N(0, 0.3)): Hugging Face's
 GPT2LMHeadModel (`hf`), and the nanoGPT twin (tests/gpt_torch.py) with and without biases (`nanogpt`,
-`nanogpt-nobias`). For each, under `<case>/`: the state dict (`sd/<key>`, every key torch's state_dict() has),
+`nanogpt-nobias`), and with nanoGPT's own erf GELU (`nanogpt-gelu`: `nanogpt`'s weights). For each, under
+`<case>/`: the state dict (`sd/<key>`, every key torch's state_dict() has),
 tokens `x` and torch's eval logits `logits`. Under `grad/`: the gradients (`grad/<key>`) of the mean token
 cross-entropy of tokens `y` given `x` for the biased nanoGPT twin, and that `loss`.
 """
@@ -18,7 +19,9 @@ import numpy as np
 FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "gpt.npz")
 V, T, L, H, C = 64, 16, 2, 4, 32
 TINY = dict(vocab_size=V, block_size=T, n_layer=L, n_head=H, n_embd=C)
-CASES = {"hf": ("hf", True), "nanogpt": ("nanogpt", True), "nanogpt-nobias": ("nanogpt", False)}
+# case -> (layout, bias, activation_function: the GELU by transformers' name, jaxpar.models.gpt.ACTIVATIONS)
+CASES = {"hf": ("hf", True, "gelu_new"), "nanogpt": ("nanogpt", True, "gelu_new"),
+         "nanogpt-nobias": ("nanogpt", False, "gelu_new"), "nanogpt-gelu": ("nanogpt", True, "gelu")}
 
 
 def tokens(n: int = 3, seed: int = 0) -> np.ndarray:
@@ -35,7 +38,7 @@ def scramble_torch(model, seed: int):
     return model.eval()
 
 
-def torch_model(layout: str, bias: bool):
+def torch_model(layout: str, bias: bool, activation: str = "gelu_new"):
     if layout == "hf":
         from transformers import GPT2Config, GPT2LMHeadModel
         from transformers.utils import logging
@@ -45,7 +48,8 @@ def torch_model(layout: str, bias: bool):
                                                          n_embd=C)), seed=1)
     import gpt_torch
 
-    return scramble_torch(gpt_torch.GPT(gpt_torch.GPTConfig(bias=bias, **TINY)), seed=0)
+    approximate = {"gelu_new": "tanh", "gelu": "none"}[activation]
+    return scramble_torch(gpt_torch.GPT(gpt_torch.GPTConfig(bias=bias, gelu_approximate=approximate, **TINY)), seed=0)
 
 
 def logits(model, x: np.ndarray) -> np.ndarray:
@@ -60,8 +64,8 @@ def main() -> None:
     import torch
 
     out = {}
-    for case, (layout, bias) in CASES.items():
-        model = torch_model(layout, bias)
+    for case, (layout, bias, activation) in CASES.items():
+        model = torch_model(layout, bias, activation)
         x = tokens(seed=len(out))
         out.update({f"{case}/sd/{k}": v.detach().numpy() for k, v in model.state_dict().items()})
         out[f"{case}/x"], out[f"{case}/logits"] = x, logits(model, x)

@@ -188,8 +188,9 @@ def test_resume_to_more_steps_keeps_the_cosine_schedule_only_when_told(npz, tmp_
 
 
 def test_resume_refuses_another_head_count_and_names_the_flags_that_change_the_state(npz, tmp_path):
-    """A GPT's head count shows in no leaf's shape, so it is recorded and a resume with another is refused; a
-    resume whose state has other leaves (clipping adds optimizer state) names the flags that differ."""
+    """A GPT's head count and GELU show in no leaf's shape, so they are recorded and a resume with another is
+    refused (a checkpoint from before the GELU was recorded ran the tanh one); a resume whose state has other
+    leaves (clipping adds optimizer state) names the flags that differ."""
     tokens = np.random.default_rng(0).integers(0, 16, (8, 9)).astype(np.int32)
     np.savez(tmp_path / "tokens.npz", x=tokens[:, :-1], y=tokens[:, 1:])
     gpt = dict(model="gpt-nano", dataset="npz", data_path=str(tmp_path / "tokens.npz"), eval_split="", batch_size=4,
@@ -198,7 +199,15 @@ def test_resume_refuses_another_head_count_and_names_the_flags_that_change_the_s
     with pytest.raises(ValueError, match="a GPT with 3 heads, not 6: the head count changes what its weights "
                                          "compute; pass --n-head 3 or another --checkpoint-dir"):
         trainer.run(Config(**gpt, steps=2, resume=True, n_head=6))  # 48 wide: every leaf keeps its shape
+    with pytest.raises(ValueError, match="a GPT with the gelu_new GELU, not gelu: the GELU changes what its weights "
+                                         "compute; pass --activation-function gelu_new or another --checkpoint-dir"):
+        trainer.run(Config(**gpt, steps=2, resume=True, activation_function="gelu"))
     assert trainer.run(Config(**gpt, steps=2, resume=True, n_head=3))["resumed_from"] == 1
+    saved = {"format": checkpoint.FORMAT, "model": "gpt-nano", "optimizer": "sgd", "n_head": 3, "leaves": {},
+             "config": {}, "decay_steps": None}  # a GPT's checkpoint from before the GELU was recorded
+    assert checkpoint.check_compatible(saved, {**saved, "activation_function": "gelu_new"}, "d") == []
+    with pytest.raises(ValueError, match="a GPT with the gelu_new GELU, not gelu"):
+        checkpoint.check_compatible(saved, {**saved, "activation_function": "gelu"}, "d")
     ckpt = str(tmp_path / "ckpt")
     trainer.run(config(npz, steps=2, checkpoint_dir=ckpt))
     with pytest.raises(ValueError, match="holds a checkpoint of model 'mlp' with .*, but this run has .*; pass "

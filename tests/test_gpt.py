@@ -55,17 +55,19 @@ def fixture(case: str) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
 
 @pytest.mark.parametrize("case", CASES)
 def test_torch_to_jaxpar_logits_equal(case):
-    """Hugging Face's GPT2LMHeadModel and the nanoGPT twin (with and without biases): their state dicts load, and
-    the logits equal torch's."""
-    layout, bias = CASES[case]
+    """Hugging Face's GPT2LMHeadModel and the nanoGPT twin (with and without biases, with GPT-2's tanh GELU and
+    with nanoGPT's own erf one): their state dicts load, and the logits equal torch's."""
+    layout, bias, act = CASES[case]
     sd, x, want = fixture(case)
     fresh = logits_of(gpt.GPT(gpt.GPTConfig(bias=bias, **TINY), rngs=nnx.Rngs(0)), x)
     assert np.abs(fresh - want).max() > 1.0  # the sides differ before the weights travel
     assert gpt.normalize_state_dict(sd)[1] == layout
-    model = gpt.from_torch_state_dict(sd, n_head=H)
-    assert model.config == gpt.GPTConfig(bias=bias, **TINY)  # sizes read off the state dict
+    model = gpt.from_torch_state_dict(sd, n_head=H, activation_function=act)
+    assert model.config == gpt.GPTConfig(bias=bias, activation_function=act, **TINY)  # sizes read off the dict
     assert np.abs(want).max() > 5.0
     np.testing.assert_allclose(logits_of(model, x), want, rtol=1e-5, atol=1e-5)
+    other = {"gelu": "gelu_new", "gelu_new": "gelu"}[act]  # the other GELU on the same weights: far beyond 1e-5
+    assert np.abs(logits_of(gpt.from_torch_state_dict(sd, n_head=H, activation_function=other), x) - want).max() > 1e-3
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -73,12 +75,12 @@ def test_jaxpar_to_torch_state_dict_is_torchs_own(case):
     """Export gives back exactly the state dict torch saved (every key torch's state_dict() has, lm_head.weight
     included; same shapes, same values), so torch loads it strictly and computes the logits checked above. The
     exported weights are jaxpar's: a scrambled model exports different values."""
-    layout, bias = CASES[case]
+    layout, bias, act = CASES[case]
     sd, _, _ = fixture(case)
     other = scramble(gpt.GPT(gpt.GPTConfig(bias=bias, **TINY), rngs=nnx.Rngs(0)), seed=2).torch_state_dict(layout)
     assert set(other) == set(sd)
     assert all(np.abs(other[k] - sd[k]).max() > 0.1 for k in sd if not k.endswith(".attn.bias"))
-    back = gpt.from_torch_state_dict(sd, n_head=H).torch_state_dict(layout)
+    back = gpt.from_torch_state_dict(sd, n_head=H, activation_function=act).torch_state_dict(layout)
     assert set(back) == set(sd)
     for k, v in sd.items():
         assert back[k].shape == v.shape and back[k].dtype == v.dtype, k

@@ -119,7 +119,7 @@ def test_a_hugging_face_folder_loads_as_gpt2lmheadmodel_computes(tmp_path, shard
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("activation_function", "gelu", "activation_function='gelu'.*tanh GELU"),
+    ("activation_function", "relu", "activation_function='relu'.*runs a GELU"),
     ("layer_norm_epsilon", 1e-6, "layer_norm_epsilon=1e-06.*1e-05"),
     # GPT2Attention's other scalings (stanford-crfm's GPT-2s divide by the layer index too): loaded silently before,
     # logits 1.65 and 2.69 from transformers' in a QA run
@@ -127,7 +127,8 @@ def test_a_hugging_face_folder_loads_as_gpt2lmheadmodel_computes(tmp_path, shard
     ("scale_attn_weights", False, "scale_attn_weights=False.*scales the attention scores"),
 ])
 def test_a_config_json_of_another_architecture_is_refused(field, value, message):
-    gpt.check_hf_config({"activation_function": "gelu_pytorch_tanh", "layer_norm_epsilon": 1e-5}, "ok")
+    for act in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu"):
+        gpt.check_hf_config({"activation_function": act, "layer_norm_epsilon": 1e-5}, "ok")
     with pytest.raises(ValueError, match=message):
         gpt.check_hf_config({field: value}, "--init-torch 'x'")
 
@@ -193,8 +194,11 @@ def test_torch_objects_become_numpy_state_dicts():
     plain, meta = weights._from_torch({"w": torch.Tensor(w), "b": torch.Tensor(w[0], "bfloat16")}, "p", "--x", torch)
     assert meta == {} and plain["w"] is w and plain["b"].dtype == np.float32
     ckpt = {"model": {"w": torch.Tensor(w)}, "model_args": {"n_head": 6, "n_layer": 2}, "iter_num": 9}
-    nano, meta = weights._from_torch(ckpt, "ckpt.pt", "--init-torch", torch)  # nanoGPT's checkpoint
-    assert list(nano) == ["w"] and meta == {"n_head": 6}
+    nano, meta = weights._from_torch(ckpt, "ckpt.pt", "--init-torch", torch)  # nanoGPT's checkpoint: nn.GELU()
+    assert list(nano) == ["w"] and meta == {"n_head": 6, "activation_function": "gelu"}
+    ckpt["jaxpar"] = {"activation_function": "gelu_new"}  # jaxpar's export of a tanh-GELU GPT says so beside
+    assert weights._from_torch(ckpt, "ckpt.pt", "--init-torch", torch)[1] == {"n_head": 6,
+                                                                            "activation_function": "gelu_new"}
     with pytest.raises(ValueError, match="entry 'step' is a int, not a tensor; save model.state_dict"):
         weights._from_torch({"w": torch.Tensor(w), "step": 3}, "p", "--init-torch", torch)
     with pytest.raises(ValueError, match="holds a list, not a state dict"):
@@ -291,8 +295,8 @@ def test_a_gpt_file_keeps_the_head_count_its_weights_do_not_show(tmp_path, corpu
         trainer.validate(Config(**three_d))
     for name in GPT_FILES:
         path = str(tmp_path / name)
-        weights.write(sd, path, meta=gpt.model_args(cfg), nanogpt=layout == "nanogpt")
-        assert weights.read(path)[1] == {"n_head": 6}
+        weights.write(sd, path, meta=gpt.file_meta(cfg), nanogpt=layout == "nanogpt")
+        assert weights.read(path)[1] == {"n_head": 6, "activation_function": "gelu_new"}
         loaded = trainer.gpt_model(Config(model="gpt-nano", dataset="text", init_torch=path), data)
         assert loaded.config.n_head == 6, name
         np.testing.assert_array_equal(logits_of(loaded, x), want)
@@ -305,6 +309,40 @@ def test_a_gpt_file_keeps_the_head_count_its_weights_do_not_show(tmp_path, corpu
         plain = trainer.gpt_model(Config(model="gpt-nano", dataset="text", init_torch=path), data)
         assert plain.config.n_head == 3, name
         assert np.abs(logits_of(plain, x) - want).max() > 1e-2  # the head count changes the function
+
+
+@pytest.mark.parametrize("kind", ["hf folder", "ckpt.pt", "w.safetensors", "w.npz"])
+def test_the_gelu_a_file_names_is_the_one_that_runs(tmp_path, corpus, kind, torch_or_fake):  # noqa: F811
+    """A GPT with nanoGPT's erf GELU: named by a Hugging Face folder's config.json, implied by nanoGPT's own ckpt.pt
+    (its model.py runs nn.GELU() only), recorded by jaxpar's export. --init-torch runs that GELU (the same logits;
+    the tanh one on the same weights is another function) and refuses an --activation-function that differs."""
+    from jaxpar.config import Config
+    from jaxpar.data import datasets
+    from jaxpar.run import trainer
+
+    cfg = gpt.GPTConfig.named("gpt-nano", vocab_size=256, block_size=16, activation_function="gelu")
+    model = scramble(gpt.GPT(cfg, rngs=nnx.Rngs(0)), seed=1)
+    x = np.random.default_rng(0).integers(0, 256, (2, 16))
+    want = logits_of(model, x)
+    tanh = gpt.from_torch_state_dict(model.torch_state_dict("hf"), n_head=cfg.n_head)
+    assert tanh.config.activation_function == "gelu_new" and np.abs(logits_of(tanh, x) - want).max() > 1e-4
+    path = str(tmp_path / kind.split()[-1])
+    if kind == "hf folder":
+        weights.write(model.torch_state_dict("hf"), path + "/", config=gpt.hf_config(cfg))
+    elif kind == "ckpt.pt":  # as nanoGPT's train.py saves it: model_args, no GELU named
+        torch = torch_or_fake
+        torch.save({"model": {k: torch.from_numpy(np.array(v)) for k, v in model.torch_state_dict("nanogpt").items()},
+                    "model_args": gpt.model_args(cfg), "iter_num": 0}, path)
+    else:
+        weights.write(model.torch_state_dict("hf"), path, meta=gpt.file_meta(cfg))
+    data = datasets.load("text", "train", data_path=corpus, seq_len=16)
+    loaded = trainer.gpt_model(Config(model="gpt-nano", dataset="text", init_torch=path), data)
+    assert loaded.config.activation_function == "gelu"
+    np.testing.assert_array_equal(logits_of(loaded, x), want)
+    refused = f"--activation-function gelu_new differs from the activation_function=gelu --init-torch .*drop --act"
+    with pytest.raises(ValueError, match=refused):
+        trainer.gpt_model(Config(model="gpt-nano", dataset="text", init_torch=path, activation_function="gelu_new"),
+                          data)
 
 
 def test_gpt_files_stay_what_other_readers_take(tmp_path, torch_or_fake, monkeypatch):
@@ -327,8 +365,8 @@ def test_gpt_files_stay_what_other_readers_take(tmp_path, torch_or_fake, monkeyp
 
     monkeypatch.setattr(torch_or_fake, "from_numpy", writable_only)
     for name in GPT_FILES:
-        weights.write(sd, str(tmp_path / name), meta=args)
-    weights.write(model.torch_state_dict("nanogpt"), str(tmp_path / "ckpt.pt"), meta=args, nanogpt=True)
+        weights.write(sd, str(tmp_path / name), meta=gpt.file_meta(cfg))
+    weights.write(model.torch_state_dict("nanogpt"), str(tmp_path / "ckpt.pt"), meta=gpt.file_meta(cfg), nanogpt=True)
     with np.load(tmp_path / "w.npz") as f:
         assert sorted(f) == sorted(sd)
     from safetensors import safe_open
@@ -338,8 +376,9 @@ def test_gpt_files_stay_what_other_readers_take(tmp_path, torch_or_fake, monkeyp
     plain = torch_or_fake.load(str(tmp_path / "w.pt"), map_location="cpu", weights_only=True)
     assert sorted(plain) == sorted(sd)
     ckpt = torch_or_fake.load(str(tmp_path / "ckpt.pt"), map_location="cpu", weights_only=True)
-    assert sorted(ckpt) == ["model", "model_args"] and ckpt["model_args"] == args
-    assert sorted(ckpt["model"]) == sorted(sd) and weights.read(str(tmp_path / "ckpt.pt"))[1] == {"n_head": 2}
+    assert sorted(ckpt) == ["jaxpar", "model", "model_args"] and ckpt["model_args"] == args  # the GELU beside them
+    assert ckpt["jaxpar"] == {"activation_function": "gelu_new"} and sorted(ckpt["model"]) == sorted(sd)
+    assert weights.read(str(tmp_path / "ckpt.pt"))[1] == {"n_head": 2, "activation_function": "gelu_new"}
 
 
 def test_a_head_count_that_is_not_one_is_refused(tmp_path):

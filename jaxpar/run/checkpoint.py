@@ -55,14 +55,17 @@ def leaf_specs(state: TrainState) -> dict[str, list]:
     return specs
 
 
-def run_info(cfg, state: TrainState, n_head: int | None = None, decay_steps: int | None = None) -> dict[str, Any]:
+def run_info(cfg, state: TrainState, n_head: int | None = None, decay_steps: int | None = None,
+             activation: str | None = None) -> dict[str, Any]:
     """What a checkpoint records about its run, and what a resuming run must match: besides the flags, a GPT's
-    head count (`n_head`, which no leaf's shape shows) and the step the cosine schedule decays to (`decay_steps`,
-    by default the run's last, so a resume with more --steps would change it)."""
+    head count (`n_head`) and GELU (`activation`, its activation_function), which no leaf's shape shows, and the
+    step the cosine schedule decays to (`decay_steps`, by default the run's last, so a resume with more --steps
+    would change it)."""
     params = jax.tree.leaves(state.params)
     return {"format": FORMAT, "model": cfg.model, "optimizer": cfg.optimizer,
             "param_count": int(sum(np.size(a) for a in params)), "leaves": leaf_specs(state),
-            "config": dataclasses.asdict(cfg), "n_head": n_head, "decay_steps": decay_steps}
+            "config": dataclasses.asdict(cfg), "n_head": n_head, "decay_steps": decay_steps,
+            "activation_function": activation}
 
 
 def to_host(state: TrainState) -> list[np.ndarray]:
@@ -190,6 +193,11 @@ def check_compatible(meta: dict, info: dict, directory: str) -> list[str]:
     if None not in (meta.get("n_head"), info["n_head"]) and meta["n_head"] != info["n_head"]:
         raise ValueError(f"{where} a GPT with {meta['n_head']} heads, not {info['n_head']}: the head count changes "
                          f"what its weights compute; pass --n-head {meta['n_head']} or another --checkpoint-dir.")
+    # a GPT's GELU (checkpoints from before the choice existed ran the tanh form: they record a head count only)
+    act = meta.get("activation_function", "gelu_new" if meta.get("n_head") is not None else None)
+    if None not in (act, info.get("activation_function")) and act != info["activation_function"]:
+        raise ValueError(f"{where} a GPT with the {act} GELU, not {info['activation_function']}: the GELU changes "
+                         f"what its weights compute; pass --activation-function {act} or another --checkpoint-dir.")
     saved, now = meta["leaves"], info["leaves"]
     if saved != now:
         diff = first_gap(saved, now)

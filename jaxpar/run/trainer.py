@@ -85,7 +85,8 @@ def validate(cfg: Config) -> None:
                              "sizes from the data; drop --model-kwargs.")
         model_kwargs_of(cfg)
     if cfg.model in models.GPT_NAMES:  # heads vs width, dropout range: before any data is read
-        models.GPTConfig.named(cfg.model, n_head=cfg.n_head, dropout=cfg.dropout)
+        models.GPTConfig.named(cfg.model, n_head=cfg.n_head, dropout=cfg.dropout,
+                               activation_function=cfg.activation_function)
     if not 0.0 <= cfg.label_smoothing <= 1.0:
         raise ValueError(f"--label-smoothing {cfg.label_smoothing} must be in [0, 1] (torch's rule; 0 is plain "
                          "cross-entropy); pass e.g. --label-smoothing 0.1.")
@@ -271,7 +272,7 @@ def check_flags_are_read(cfg: Config) -> None:
         if given(field) and cfg.strategy not in owners:
             raise ValueError(f"{shown(field)} is read by --strategy {' and '.join(owners)}, not {cfg.strategy}"
                              f"{HINTS.get((field, cfg.strategy), '')}; use that strategy, or drop {flag(field)}.")
-    readers = [(("n_head", "dropout", "torch_layout"), cfg.model in models.GPT_NAMES,
+    readers = [(("n_head", "dropout", "activation_function", "torch_layout"), cfg.model in models.GPT_NAMES,
                 f"--model {cfg.model} is not one of jaxpar's GPTs ({', '.join(models.GPT_NAMES)})"),
                (("seq_len",), cfg.dataset == "text", f"--dataset {cfg.dataset} is not text"),
                (("data_dir",), cfg.dataset in ("mnist", "cifar10"), f"--dataset {cfg.dataset} reads no IDX or tfds "
@@ -455,7 +456,8 @@ def gpt_model(cfg: Config, train_set, eval_set=None) -> nnx.Module:
                                  f"targets >= 0 or {IGNORE_INDEX} (torch's ignore_index; nanoGPT's -1 is not); fix the "
                                  f"file: set ignored targets to {IGNORE_INDEX}, tokens to ids in [0, vocab).")
             vocab = max(vocab, 1 + int(max(np.max(data.x), np.max(y))))
-    options = dict(n_head=cfg.n_head, dropout=cfg.dropout, recompute_granularity=cfg.recompute_granularity)
+    options = dict(n_head=cfg.n_head, dropout=cfg.dropout, recompute_granularity=cfg.recompute_granularity,
+                   activation_function=cfg.activation_function)
     if not cfg.init_torch:
         check_attention_fits(models.GPTConfig.named(cfg.model, n_head=cfg.n_head), seq_len, cfg)
         return models.get(cfg.model, seed=cfg.seed, vocab_size=vocab, block_size=seq_len, **options)
@@ -466,6 +468,13 @@ def gpt_model(cfg: Config, train_set, eval_set=None) -> nnx.Module:
                              f"{cfg.init_torch!r} was trained with; drop --n-head.")
         options["n_head"] = meta["n_head"]
     models.gpt.check_hf_config(meta, f"--init-torch {cfg.init_torch!r}")
+    act = models.gpt.activation_of(meta)  # the GELU its weights were trained with (config.json, the file's record)
+    if act is not None:
+        if cfg.activation_function not in (None, act):
+            raise ValueError(f"--activation-function {cfg.activation_function} differs from the "
+                             f"activation_function={meta['activation_function']} --init-torch {cfg.init_torch!r} "
+                             "was trained with; drop --activation-function.")
+        options["activation_function"] = act
     model = models.from_torch_state_dict(cfg.model, state_dict, seed=cfg.seed, **options)
     if seq_len > model.config.block_size:
         raise ValueError(f"--seq-len {seq_len} is beyond the block size {model.config.block_size} of --init-torch's "
@@ -650,9 +659,10 @@ def prepare_outputs(cfg: Config, state: TrainState, model: nnx.Module | None = N
 
     ckpt = None
     if cfg.checkpoint_dir:
-        n_head = model.config.n_head if isinstance(model, models.GPT) else None
+        gpt = model.config if isinstance(model, models.GPT) else None
         decay = decay_steps(cfg, total_steps) if cfg.lr_schedule == "cosine" else None
-        ckpt = checkpoint.Checkpointer(cfg.checkpoint_dir, checkpoint.run_info(cfg, state, n_head, decay),
+        info = checkpoint.run_info(cfg, state, gpt and gpt.n_head, decay, gpt and gpt.activation_function)
+        ckpt = checkpoint.Checkpointer(cfg.checkpoint_dir, info,
                                        resume=cfg.resume, keep=cfg.checkpoint_keep)
 
     if cfg.metrics_out:
@@ -1015,7 +1025,7 @@ def export_torch(objective, state: TrainState, path: str, layout: str = "hf") ->
     if isinstance(model, models.GPT):  # GPT-2: Hugging Face's or nanoGPT's layout (--torch-layout)
         own = functools.partial(model.torch_state_dict, layout)
         config = models.gpt.hf_config(model.config) if weights.is_folder(path) else None
-        meta = models.gpt.model_args(model.config)  # a file's record of the head count, which no weight shows
+        meta = models.gpt.file_meta(model.config)  # a file's record of the head count and GELU no weight shows
     weights.write(own() if callable(own) else models.to_torch_state_dict(model), path, "--export-torch", config,
                   meta=meta, nanogpt=meta is not None and layout == "nanogpt")
 

@@ -12,12 +12,13 @@ The format follows the path:
   with its config.json, whose `n_head` is the head count. `write` to a folder gives the same layout, with the
   `config` it is passed as config.json, so `GPT2LMHeadModel.from_pretrained(folder)` loads it.
 
-A file keeps `write`'s `meta` (a GPT's: nanoGPT's model_args, jaxpar.models.gpt.model_args), whose `n_head` --
-which no weight's shape shows -- `read` returns: in a .safetensors file's metadata (each value JSON, as a string:
-{"format": "pt", "n_head": "6", ...}); in a .npz file's zip comment (JSON: np.load ignores it); in a torch file
-as nanoGPT's ckpt.pt, {"model": state dict, "model_args": meta}, where `nanogpt`, else as the state dict's
-`_metadata` (torch's own attribute, which load_state_dict ignores under a key no module has) at key "jaxpar".
-Files without it read as before, with no n_head.
+A file keeps `write`'s `meta` (a GPT's: nanoGPT's model_args and its GELU, jaxpar.models.gpt.model_args),
+whose `n_head` and `activation_function` -- which no weight's shape shows -- `read` returns: in a .safetensors
+file's metadata (each value JSON, as a string: {"format": "pt", "n_head": "6", ...}); in a .npz file's zip
+comment (JSON: np.load ignores it); in a torch file as nanoGPT's ckpt.pt, {"model": state dict, "model_args":
+nanoGPT's fields of meta, "jaxpar": the rest}, where `nanogpt`, else as the state dict's `_metadata` (torch's own
+attribute, which load_state_dict ignores under a key no module has) at key "jaxpar". Files without it read as
+before, with no n_head; a ckpt.pt that names no GELU is nanoGPT's own, whose model runs the erf form ("gelu").
 """
 from __future__ import annotations
 
@@ -35,7 +36,10 @@ SUFFIXES = (".npz", ".safetensors", *TORCH_SUFFIXES)
 # save_pretrained's weight files, in the order transformers looks for them
 FOLDER_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
-META = ("n_head",)  # what `read` returns of a file's meta: the head count, which no weight's shape shows
+META = ("n_head", "activation_function")  # what `read` returns of a file's meta: what no weight's shape shows
+# nanoGPT's model_args (its GPTConfig's fields): a ckpt.pt keeps the rest of `write`'s meta under TORCH_META_KEY
+NANOGPT_ARGS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "dropout")
+NANOGPT_GELU = "gelu"  # nanoGPT's model.py runs nn.GELU() (the erf form): the GELU of a ckpt.pt that names none
 TORCH_META_KEY = "jaxpar"  # the key of `meta` in a torch state dict's _metadata (no module of a model is named so)
 FORMATS = ("a .npz (numpy), .safetensors (Hugging Face's), .pt / .pth / .bin (torch.save; needs torch) file, or a "
            "folder written by transformers' save_pretrained")
@@ -47,9 +51,9 @@ def is_folder(path: str) -> bool:
 
 
 def read(path: str, flag: str = "--init-torch") -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """(the state dict as numpy arrays under torch's keys, what the file says of the model: `n_head` where a
-    config.json, a nanoGPT checkpoint or `write`'s meta gives it, and a config.json's `activation_function` /
-    `layer_norm_epsilon`)."""
+    """(the state dict as numpy arrays under torch's keys, what the file says of the model: `n_head` and
+    `activation_function` where a config.json, a nanoGPT checkpoint or `write`'s meta gives them, and a
+    config.json's `layer_norm_epsilon` and attention scaling)."""
     if os.path.isdir(path):
         return _read_folder(path, flag)
     if not os.path.isfile(path):
@@ -116,8 +120,10 @@ def write(state_dict: Mapping[str, np.ndarray], path: str, flag: str = "--export
         if id(value) not in converted:  # a writable copy: torch warns on read-only arrays (jax's)
             converted[id(value)] = _to_torch(np.array(value, order="C"), torch)
         tensors[key] = converted[id(value)]
-    if nanogpt and meta:
-        obj = {"model": tensors, "model_args": meta}
+    if nanogpt and meta:  # nanoGPT's GPTConfig(**model_args) takes its own fields only
+        obj = {"model": tensors, "model_args": {k: v for k, v in meta.items() if k in NANOGPT_ARGS}}
+        if set(meta) - set(NANOGPT_ARGS):
+            obj[TORCH_META_KEY] = {k: v for k, v in meta.items() if k not in NANOGPT_ARGS}
     else:
         obj = tensors
         if meta:
@@ -185,7 +191,8 @@ def _read_safetensors(path: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]
 
 
 def _meta(raw: Mapping[str, Any], path: str, flag: str) -> dict[str, Any]:
-    """The META entries of a file's meta, checked: a head count is an int >= 1 (safetensors keeps it as a string)."""
+    """The META entries of a file's meta, checked: a head count is an int >= 1, an activation_function a name
+    (safetensors keeps each as a JSON string; which names a GPT runs, its config checks)."""
     out = {}
     for key in META:
         if key not in raw:
@@ -196,6 +203,12 @@ def _meta(raw: Mapping[str, Any], path: str, flag: str) -> dict[str, Any]:
                 value = json.loads(value)
             except ValueError:
                 pass
+        if key == "activation_function":
+            if not isinstance(value, str):
+                raise ValueError(f"{flag} {path!r} says {key}={raw[key]!r}, which is not a name (gelu_new, gelu); "
+                                 f"rewrite the file with {key} a name, or without it.")
+            out[key] = value
+            continue
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"{flag} {path!r} says {key}={raw[key]!r}, which is not a head count (an int >= 1); "
                              f"rewrite the file with {key} a positive int, or without it and pass --n-head.")
@@ -205,8 +218,9 @@ def _meta(raw: Mapping[str, Any], path: str, flag: str) -> dict[str, Any]:
 
 def _from_torch(obj: Any, path: str, flag: str, torch) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """A loaded torch object as (numpy state dict, meta): a state dict, or nanoGPT's checkpoint around one."""
-    if isinstance(obj, dict) and isinstance(obj.get("model"), dict):  # nanoGPT's ckpt.pt
-        meta = _meta(obj.get("model_args") or {}, path, flag)
+    if isinstance(obj, dict) and isinstance(obj.get("model"), dict):  # nanoGPT's ckpt.pt (write's: its meta beside)
+        meta = _meta({"activation_function": NANOGPT_GELU, **(obj.get("model_args") or {}),
+                      **(obj.get(TORCH_META_KEY) or {})}, path, flag)
         obj = obj["model"]
     else:  # a state dict: write's meta in torch's _metadata, if any
         meta = _meta((getattr(obj, "_metadata", None) or {}).get(TORCH_META_KEY) or {}, path, flag)

@@ -37,10 +37,12 @@ class Config:
     epochs: int | None = None  # passes over the training split (None: 1); --steps overrides it, with a note
     steps: int | None = None  # stop after this many steps in all (None: run the epochs), whatever --epochs says
     optimizer: str = "adadelta"  # sgd | adam | adamw | adadelta (PyTorch defaults)
-    lr: float | None = None  # None: the optimizer's default (sgd 0.01, adam/adamw 1e-3, adadelta 1.0)
+    lr: float | None = None  # None: the optimizer's default, torch's (sgd, adam, adamw 1e-3; adadelta 1.0)
     momentum: float = 0.0  # sgd only (torch.optim.SGD's default 0)
     nesterov: bool = False  # sgd only: Nesterov momentum, as torch.optim.SGD(nesterov=True); needs --momentum > 0
     eps: float | None = None  # adam/adamw/adadelta: torch's eps in the update's denominator (None: 1e-8, adadelta 1e-6)
+    adam_beta1: float = 0.9  # adam/adamw: torch's betas[0], the gradient average's decay (Megatron's --adam-beta1)
+    adam_beta2: float = 0.999  # adam/adamw: torch's betas[1], the squared gradient's decay (nanoGPT: 0.95)
     weight_decay: float | None = None  # None: torch's default (0, adamw 0.01)
     weight_decay_params: str = "all"  # all: every parameter (torch.optim) | matrices: 2+ dims only (nanoGPT's, Megatron's)
     gamma: float = 0.7  # StepLR(step_size=1 epoch, gamma) as in PyTorch's MNIST example; 1.0 = constant
@@ -108,4 +110,4 @@ class Config:
         return dataclasses.replace(self, **changes)
 
 
-DEFAULT_LR = {"sgd": 0.01, "adam": 1e-3, "adamw": 1e-3, "adadelta": 1.0}
+DEFAULT_LR = {"sgd": 1e-3, "adam": 1e-3, "adamw": 1e-3, "adadelta": 1.0}  # torch.optim's (SGD: since torch 2.2)

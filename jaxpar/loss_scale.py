@@ -21,7 +21,8 @@ is inf or NaN is skipped (no update, the optimizer's state and step count unchan
 and, once `hysteresis` overflows have used up their allowance, halves S (not below `min_loss_scale`); after
 `loss_scale_window` steps without an overflow S doubles. The overflow test is the global norm every strategy
 already feeds `jaxpar.optim.clip_by_global_norm`, so all devices, shards and stages skip together. A static scale
-(`static=S`) never changes and never skips, as DeepSpeed's `LossScaler`.
+(`static=S`, DeepSpeed's `LossScaler`) never changes, and a step that overflows is skipped all the same: DeepSpeed's
+fp16 optimizers check for an overflow whichever scaler they hold (and torch's GradScaler skips every inf step).
 """
 from __future__ import annotations
 
@@ -102,7 +103,8 @@ def loss_scaling(tx: optax.GradientTransformation, config: LossScaleConfig | Non
     """`tx` behind a loss scaler: dynamic with DeepSpeed's defaults, `static=S` for a fixed scale, or a
     LossScaleConfig / its fields as keywords (`loss_scaling(tx, initial_scale_power=12, hysteresis=1)`).
 
-    The update skips (zero updates, `tx`'s state kept) when the global gradient norm is not finite. It reads the
+    The update skips (zero updates, `tx`'s state kept) when the global gradient norm is not finite, under a static
+    scale too (which then stays: only the dynamic one halves). It reads the
     norm from the extra argument ``global_norm`` when a strategy gives one (ZeRO, tp and the pipeline do, for
     their shards and stages), else computes it from the updates it is given (the whole gradient)."""
     if config is None:
@@ -120,14 +122,15 @@ def loss_scaling(tx: optax.GradientTransformation, config: LossScaleConfig | Non
     def update(updates, state, params=None, *, global_norm=None, **extra):
         if global_norm is not None:
             extra["global_norm"] = global_norm
-        if not config.dynamic:
-            new, inner_state = inner.update(updates, state.inner, params, **extra)
-            return new, state._replace(iteration=state.iteration + 1, inner=inner_state)
         norm = optax.tree.norm(updates) if global_norm is None else global_norm
         overflow = ~jnp.isfinite(norm)
         new, inner_state = inner.update(updates, state.inner, params, **extra)
         new = jax.tree.map(lambda u: jnp.where(overflow, jnp.zeros_like(u), u), new)
         inner_state = jax.tree.map(lambda a, b: jnp.where(overflow, a, b), state.inner, inner_state)
+        if not config.dynamic:  # the scale stays; the counters say what happened
+            return new, state._replace(iteration=state.iteration + 1,
+                                       last_overflow=jnp.where(overflow, state.iteration, state.last_overflow),
+                                       inner=inner_state)
         return new, next_scale(config, state, overflow)._replace(inner=inner_state)
 
     return optax.GradientTransformationExtraArgs(init, update)

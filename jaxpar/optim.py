@@ -16,10 +16,11 @@ LR_SCHEDULES = ("step", "cosine")  # torch's StepLR (per epoch, gamma); nanoGPT'
 
 def make_optimizer(name: str, lr: float | optax.Schedule, momentum: float = 0.0,
                    weight_decay: float | None = None, decay_params: str = "all",
-                   nesterov: bool = False, eps: float | None = None) -> optax.GradientTransformation:
+                   nesterov: bool = False, eps: float | None = None,
+                   betas: tuple[float, float] = (0.9, 0.999)) -> optax.GradientTransformation:
     """torch.optim's SGD (momentum 0 unless given; `nesterov` as torch's, which needs a momentum), Adam, AdamW
     (weight_decay 0.01) and Adadelta (rho 0.9). `eps`: torch's, added to the denominator (default 1e-8 for Adam
-    and AdamW, 1e-6 for Adadelta; SGD has none).
+    and AdamW, 1e-6 for Adadelta; SGD has none). `betas`: Adam's and AdamW's, torch's default (0.9, 0.999).
     `decay_params` "matrices": the decay only on parameters of 2+ dimensions (weights, embeddings), none on biases
     and LayerNorm/BatchNorm scales, as nanoGPT's configure_optimizers and Megatron's param groups do."""
     if decay_params not in DECAY_PARAMS:
@@ -31,6 +32,10 @@ def make_optimizer(name: str, lr: float | optax.Schedule, momentum: float = 0.0,
             "is zero, infinity no update at all)"
         raise ValueError(f"eps={eps!r} {rule}; pass e.g. 1e-8 to adam, adamw or adadelta (torch's defaults: 1e-8, "
                          "1e-8, 1e-6).")
+    b1, b2 = betas
+    if not (0 <= b1 < 1 and 0 <= b2 < 1):
+        raise ValueError(f"betas={tuple(betas)} must each be in [0, 1) (torch.optim.Adam's rule); pass e.g. torch's "
+                         "(0.9, 0.999) or nanoGPT's (0.9, 0.95).")
     matrices = decay_params == "matrices"
     decay = add_decayed_weights_to_matrices if matrices else optax.add_decayed_weights
     if nesterov and not (name == "sgd" and momentum > 0):
@@ -40,15 +45,15 @@ def make_optimizer(name: str, lr: float | optax.Schedule, momentum: float = 0.0,
         tx = optax.sgd(lr, momentum=momentum or None, nesterov=nesterov)
         return optax.chain(decay(weight_decay), tx) if weight_decay else tx
     if name == "adam":
-        tx = optax.adam(lr, b1=0.9, b2=0.999, eps=1e-8 if eps is None else eps)
+        tx = optax.adam(lr, b1=b1, b2=b2, eps=1e-8 if eps is None else eps)
         return optax.chain(decay(weight_decay), tx) if weight_decay else tx
     if name == "adamw":
         weight_decay = 0.01 if weight_decay is None else weight_decay
         eps = 1e-8 if eps is None else eps
         if matrices:  # optax.adamw's own chain, its decay masked
-            return optax.chain(optax.scale_by_adam(b1=0.9, b2=0.999, eps=eps), decay(weight_decay),
+            return optax.chain(optax.scale_by_adam(b1=b1, b2=b2, eps=eps), decay(weight_decay),
                                optax.scale_by_learning_rate(lr))
-        return optax.adamw(lr, b1=0.9, b2=0.999, eps=eps, weight_decay=weight_decay)
+        return optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
     if name == "adadelta":
         tx = optax.adadelta(lr, rho=0.9, eps=1e-6 if eps is None else eps)
         return optax.chain(decay(weight_decay), tx) if weight_decay else tx

@@ -84,6 +84,8 @@ CASES = [
      ["--tensor-parallel 2", "--strategy tp and pipeline, not ddp"]),
     ("tp on a model without splits", ["--strategy", "tp", "--model", "convnet"],
      ["--model convnet has no module that tensor parallelism can split", "--strategy ddp"]),
+    ("tp splitting over 1 device", ["--strategy", "tp", "--model", "gpt-nano", "--dataset", "text"],
+     ["--strategy tp with --tensor-parallel 1 splits no layer", "pass --tensor-parallel T >= 2", "--strategy ddp"]),
     ("3-D on a model without splits", ["--strategy", "pipeline", "--model", "mlp", "--tensor-parallel", "2"],
      ["--model mlp has no module", "--tensor-parallel 1"]),
     ("ring under zero", ["--strategy", "zero", "--allreduce", "ring"], ["--allreduce ring", "ddp, not zero"]),

@@ -214,6 +214,31 @@ def test_float16_overflow_skips_the_step_everywhere_then_halves_the_scale(name):
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=2e-6)
 
 
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_a_static_scale_skips_an_overflowing_step_and_stays(name):
+    """DeepSpeed's fp16 optimizers check every step for an overflow whichever scaler they hold (torch's GradScaler
+    skips every inf step): at a static S = 16 the two steps of `overflowing`'s batches that overflow leave every
+    leaf and Adam's count where they were (applied, they made the weights NaN), S stays 16, and the two clean
+    steps then move the weights as the single device's do."""
+    def static(name):
+        return run(name, loss_scaling(optax.adam(1e-4), static=16.0), jnp.float16,
+                   batches(steps=4, same=True, errors=[30.0, 30.0, 0.5, 0.5]))
+
+    init, steps = static(name)
+    assert [m["loss_scale"] for _, _, m in steps] == [16.0] * 4
+    assert [bool(np.isfinite(m["grad_norm"])) for _, _, m in steps] == [False, False, True, True]
+    for params, state, _ in steps[:2]:
+        for a, b in zip(params, init):
+            np.testing.assert_array_equal(a, b)
+        assert int(loss_scale.find(state).inner[0].count) == 0
+    assert int(loss_scale.find(steps[-1][1]).last_overflow) == 1  # steps 0 and 1 overflowed (DeepSpeed's count)
+    assert int(loss_scale.find(steps[-1][1]).inner[0].count) == 2
+    _, ref = static("single")
+    for a, b, c in zip(steps[-1][0], ref[-1][0], init):
+        assert np.isfinite(a).all() and np.abs(b - c).max() > 1e-4
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=2e-6)
+
+
 def tiny_mse(out, batch):
     loss, weight = mse_sum(out, batch)
     return loss * 1e-9, weight
@@ -423,6 +448,9 @@ def test_train_py_fp16_skips_overflowing_steps_and_stops_at_the_minimum_scale(tm
     logged = {e["step"] for e in events if e["event"] == "step"}
     assert logged.isdisjoint(e["step"] for e in overflows) and len(logged) == 10 - len(overflows)
     assert all(np.isfinite(a).all() for a in leaves(summary["state"].params))
+    static = trainer.run(Config(**{**common, "loss_scale": 2.0 ** 40, "warmup_steps": 0}, steps=3))  # all overflow
+    assert static["skipped_steps"] == 3  # skipped, not applied (they left NaN weights, and a message blaming --lr)
+    assert all(np.isfinite(a).all() for a in leaves(static["state"].params))
     stop = re.escape(f"overflowed at step 1 at the minimum loss scale {2.0 ** power:g}")
     with pytest.raises(trainer.Diverged, match=stop):
         trainer.run(Config(**{**common, "min_loss_scale": 2.0 ** power, "warmup_steps": 0}, steps=2))

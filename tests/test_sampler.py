@@ -193,3 +193,17 @@ def test_an_array_dataset_counts_its_rows_as_torchs_sampler_does():
     for dataset in (np.arange(7), np.zeros((7, 3)), list(range(7))):
         ours = DistributedSampler(dataset, 2, 1, shuffle=False)
         assert ours.num_samples == 7 and list(ours.indices()) == [1, 3, 5, 0]
+
+
+def test_replicas_and_rank_default_to_the_processes_as_torchs_do_to_the_process_group(monkeypatch):
+    """torch's DistributedSampler(dataset) takes the process group's world size and rank; jaxpar's takes
+    jax.process_count() and jax.process_index() (it used to take 1 and 0: every process read the whole dataset)."""
+    import jax
+
+    assert (DistributedSampler(10).num_replicas, DistributedSampler(10).rank) == (1, 0)  # one process here
+    monkeypatch.setattr(jax, "process_count", lambda: 3)
+    monkeypatch.setattr(jax, "process_index", lambda: 2)
+    s = DistributedSampler(10, seed=4)
+    assert (s.num_replicas, s.rank) == (3, 2) and len(s) == 4
+    np.testing.assert_array_equal(list(s), list(DistributedSampler(10, 3, 2, seed=4)))
+    assert DistributedSampler(10, num_replicas=4).rank == 2 and DistributedSampler(10, rank=0).num_replicas == 3

@@ -124,6 +124,44 @@ def test_weight_decay_on_the_matrices_only_is_optaxs_masked_decay(name):
         make_optimizer(name, 1e-2, decay_params="some")
 
 
+@pytest.mark.parametrize("name, decay_params", [("adam", "all"), ("adamw", "all"), ("adamw", "matrices")])
+def test_betas_are_torchs_and_reach_train_py_from_the_adam_beta_flags(name, decay_params):
+    """make_optimizer(..., betas=) is torch's betas of Adam and AdamW (optax's b1, b2; torch's (0.9, 0.999) by
+    default), and train.py's --adam-beta1/--adam-beta2 (Megatron's names) reach it: nanoGPT's beta2 0.95 moves the
+    second step's update; a beta outside [0, 1) is refused, and the flags under another optimizer."""
+    import optax
+
+    from jaxpar.config import Config
+    from jaxpar.optim import make_optimizer
+    from jaxpar.run.trainer import make_tx, validate
+
+    p = {"w": np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)}
+    gs = [{"w": np.cos(p["w"])}, {"w": 3 * np.sin(p["w"])}]
+    want = {"adam": optax.adam(1e-2, b1=0.8, b2=0.95), "adamw": optax.adamw(1e-2, b1=0.8, b2=0.95, weight_decay=0.01)}
+
+    def second(tx):  # the second update: the averages' decay shows
+        state = tx.init(p)
+        for g in gs:
+            u, state = tx.update(g, state, p)
+        return u["w"]
+
+    got = second(make_optimizer(name, 1e-2, decay_params=decay_params, betas=(0.8, 0.95)))
+    np.testing.assert_allclose(got, second(want[name]), rtol=1e-6)
+    cfg = Config(optimizer=name, lr=1e-2, adam_beta1=0.8, adam_beta2=0.95, weight_decay_params=decay_params)
+    np.testing.assert_array_equal(second(make_tx(cfg, 10)), got)
+    default = second(make_optimizer(name, 1e-2, decay_params=decay_params))
+    np.testing.assert_allclose(default, second(make_optimizer(name, 1e-2, decay_params=decay_params,
+                                                              betas=(0.9, 0.999))), rtol=0)
+    assert np.abs(got - default).max() > 1e-3 * np.abs(default).max()
+    for bad in (1.0, -0.1, float("nan")):
+        with pytest.raises(ValueError, match=r"must each be in \[0, 1\)"):
+            make_optimizer(name, 1e-2, betas=(0.9, bad))
+        with pytest.raises(ValueError, match=rf"--adam-beta2 {bad} must be in \[0, 1\)"):
+            validate(Config(optimizer=name, adam_beta2=bad))
+    with pytest.raises(ValueError, match="--adam-beta2 0.95 would be ignored.*--optimizer sgd has no betas"):
+        validate(Config(optimizer="sgd", adam_beta2=0.95))
+
+
 @pytest.mark.parametrize("name, decay_params", [("adam", "all"), ("adamw", "all"), ("adamw", "matrices"),
                                                  ("adadelta", "all")])
 def test_eps_is_torchs_denominator_term(name, decay_params):

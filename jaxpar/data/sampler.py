@@ -26,7 +26,8 @@ def _check_int(name: str, value: Any, low: int, rule: str, fix: str) -> int:
 
 class DistributedSampler:
     """Which samples this rank reads, epoch by epoch, and how far into the epoch it is (`offset`).
-    `num_samples`: the dataset's length, or the dataset itself (torch's first argument).
+    `num_samples`: the dataset's length, or the dataset itself (torch's first argument). `num_replicas` and
+    `rank` default, as torch's do to the process group's, to jax.process_count() and jax.process_index().
 
     With shuffle=False the indices equal torch's exactly. With shuffle=True the permutation comes from
     numpy's Generator seeded by (seed, epoch): torch draws randperm from a torch.Generator seeded with
@@ -41,12 +42,17 @@ class DistributedSampler:
     real samples, so padding can be masked out (weight 0) instead of trained twice.
     """
 
-    def __init__(self, num_samples: int, num_replicas: int = 1, rank: int = 0, shuffle: bool = True,
-                 seed: int = 0, drop_last: bool = False):
+    def __init__(self, num_samples: int, num_replicas: int | None = None, rank: int | None = None,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False):
         if hasattr(num_samples, "__len__") and not isinstance(num_samples, (str, bytes)) and not (
                 isinstance(num_samples, np.ndarray) and num_samples.ndim == 0):  # an array dataset: its rows
             num_samples = len(num_samples)  # torch's DistributedSampler(dataset, ...)
         self.num_samples = _check_int("num_samples", num_samples, 1, ">= 1", "the dataset must not be empty.")
+        if num_replicas is None or rank is None:  # torch's: the process group's (here jax.distributed's) size, rank
+            import jax
+
+            num_replicas = jax.process_count() if num_replicas is None else num_replicas
+            rank = jax.process_index() if rank is None else rank
         self.num_replicas = _check_int("num_replicas", num_replicas, 1, ">= 1",
                                        "use the number of processes (jax.process_count()).")
         self.rank = _check_int("rank", rank, 0, f"in [0, {num_replicas=})",

@@ -36,8 +36,8 @@ from jaxpar.step import TrainState
 FORMAT = 1  # bump when the layout changes
 # Config fields that change the trajectory: a resume that changes them still runs, with a printed note
 TRAJECTORY_FIELDS = ("dataset", "data_path", "data_dir", "train_split", "seq_len", "batch_size", "lr", "gamma",
-                     "seed", "shuffle", "drop_last", "precision", "momentum", "nesterov", "eps", "weight_decay",
-                     "weight_decay_params", "image_size", "lr_schedule", "warmup_steps", "lr_decay_steps", "min_lr",
+                     "seed", "shuffle", "drop_last", "precision", "momentum", "nesterov", "eps", "adam_beta1",
+                     "adam_beta2", "weight_decay", "weight_decay_params", "image_size", "lr_schedule", "warmup_steps", "lr_decay_steps", "min_lr",
                      "grad_clip", "loss",
                      "label_smoothing", "dropout", "per_sample", "model_kwargs")
 

@@ -115,6 +115,10 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"--model {cfg.model} has no module that tensor parallelism can split (none defines "
                          f"tensor_layout()); use a GPT ({', '.join(models.GPT_NAMES[:3])}, ...) or a model of your own "
                          f"built for it, or {'--strategy ddp' if cfg.strategy == 'tp' else '--tensor-parallel 1'}.")
+    if cfg.strategy == "tp" and cfg.tensor_parallel < 2:  # (jaxpar.TensorParallel's default is 2)
+        raise ValueError(f"--strategy tp with --tensor-parallel {cfg.tensor_parallel} splits no layer (it would be "
+                         "data parallelism alone); pass --tensor-parallel T >= 2 (Megatron's "
+                         "--tensor-model-parallel-size), or use --strategy ddp.")
     if cfg.torch_layout not in models.gpt.LAYOUTS:
         raise ValueError(f"--torch-layout {cfg.torch_layout!r} is not known; use hf (transformers' GPT2LMHeadModel) "
                          "or nanogpt.")
@@ -218,6 +222,10 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"--eps {cfg.eps} must be a finite number of at least {EPS_MIN:.3g} (it keeps the update's "
                          "denominator off zero in float32); pass e.g. 1e-8 (torch's Adam default), or leave it out for "
                          "the optimizer's default.")
+    for flag, beta in (("--adam-beta1", cfg.adam_beta1), ("--adam-beta2", cfg.adam_beta2)):
+        if not 0 <= beta < 1:
+            raise ValueError(f"{flag} {beta} must be in [0, 1) (torch.optim.Adam's rule); pass e.g. torch's "
+                             f"{0.9 if flag.endswith('1') else 0.999} or nanoGPT's {0.9 if flag.endswith('1') else 0.95}.")
     if cfg.weight_decay is not None and not 0 <= cfg.weight_decay < math.inf:
         raise ValueError(f"--weight-decay {cfg.weight_decay} must be a finite number >= 0 (torch.optim's rule); "
                          "pass e.g. 0.1, or leave it out for the optimizer's default.")
@@ -283,6 +291,8 @@ def check_flags_are_read(cfg: Config) -> None:
                (("momentum", "nesterov"), cfg.optimizer == "sgd",
                 f"--optimizer {cfg.optimizer} has no momentum flag (SGD's)"),
                (("eps",), cfg.optimizer != "sgd", "--optimizer sgd has no eps (Adam's, AdamW's and Adadelta's)"),
+               (("adam_beta1", "adam_beta2"), cfg.optimizer in ("adam", "adamw"),
+                f"--optimizer {cfg.optimizer} has no betas (Adam's and AdamW's)"),
                (("checkpoint_keep",), bool(cfg.checkpoint_dir), "no --checkpoint-dir is given (nothing is saved)"),
                (("eval_batch_size",), cfg.eval_split != "", "--eval-split '' skips evaluation"),
                (("sample_temperature", "sample_top_k", "sample_prompt"), bool(cfg.sample),
@@ -621,7 +631,8 @@ def make_tx(cfg: Config, steps_per_epoch: int, total_steps: int | None = None) -
 
     lr = learning_rate(cfg, steps_per_epoch, total_steps)
     tx = make_optimizer(cfg.optimizer, lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
-                        weight_decay=cfg.weight_decay, decay_params=cfg.weight_decay_params, eps=cfg.eps)
+                        weight_decay=cfg.weight_decay, decay_params=cfg.weight_decay_params, eps=cfg.eps,
+                        betas=(cfg.adam_beta1, cfg.adam_beta2))
     tx = optax.chain(clip_by_global_norm(cfg.grad_clip), tx) if cfg.grad_clip else tx
     scaler = loss_scale_config(cfg)
     return tx if scaler is None else loss_scaling(tx, scaler)
@@ -800,12 +811,12 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
                     loss, n = float(metrics["loss"]), float(metrics["samples"])  # reads back: the step is done
                     weight = float(metrics["weight"])
                     clock.tick(n)
-                    # fp16, dynamic scale: the gradients overflowed and the update was skipped (DeepSpeed's skip)
-                    overflow = scaler is not None and scaler.dynamic and not math.isfinite(float(metrics["grad_norm"]))
+                    # fp16: the gradients overflowed and the update was skipped (DeepSpeed's skip, either scaler)
+                    overflow = scaler is not None and not math.isfinite(float(metrics["grad_norm"]))
                     if overflow:
                         scale, skipped = float(metrics["loss_scale"]), skipped + 1
                         writer.write({"event": "overflow", "step": step, "loss_scale": scale})
-                        if scale <= scaler.min_loss_scale:
+                        if scaler.dynamic and scale <= scaler.min_loss_scale:
                             raise Diverged(f"the gradients overflowed at step {step} at the minimum loss scale "
                                            f"{scale:g} (--min-loss-scale); stopped. " + _kept(cfg, ckpt) +
                                            " Lower --lr, or train in --precision bf16.")

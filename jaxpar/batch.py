@@ -13,6 +13,7 @@ that is finite on real data stays finite on them; the mask then removes them fro
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -36,12 +37,24 @@ class Rows(NamedTuple):
 
 def num_rows(batch: PyTree, what: str = "batch") -> int:
     """The common leading size of every leaf of `batch`; ValueError naming the leaves that disagree."""
+    if isinstance(batch, (list, tuple)) and batch and all(isinstance(b, Mapping) for b in batch) and \
+            len({tuple(sorted(b)) for b in batch}) == 1:  # torch's samples before default_collate
+        keys = ", ".join(map(repr, sorted(batch[0])))
+        many = f"{len(batch)} dicts with the same keys" if len(batch) > 1 else "1 dict with keys"
+        raise ValueError(f"the {what} is a {type(batch).__name__} of {many} ({keys}): "
+                         f"samples, not a batch; stack them into one dict of arrays with a leading batch axis, "
+                         "{k: np.stack([s[k] for s in samples]) for k in samples[0]} (torch's default_collate).")
     flat = jax.tree_util.tree_flatten_with_path(batch)[0]
     if not flat:
         raise ValueError(f"the {what} has no arrays; pass a pytree of arrays with a leading batch axis, "
                          "e.g. {'x': x, 'y': y}.")
     sizes = {}
     for path, leaf in flat:
+        kind = np.asarray(leaf).dtype.kind if isinstance(leaf, (str, bytes, np.ndarray)) else None
+        if kind in ("U", "S", "O"):  # text (or Python objects): nothing a device holds
+            raise ValueError(f"{what} leaf {jax.tree_util.keystr(path) or '<root>'} holds "
+                             f"{'text' if kind != 'O' else 'Python objects'}, not numbers; every leaf needs a numeric "
+                             "array with a leading batch axis: encode text as token ids first.")
         shape = np.shape(leaf)
         if not shape and any(isinstance(k, jax.tree_util.SequenceKey) for k in path):
             raise ValueError(f"{what} leaf {jax.tree_util.keystr(path)} is a Python scalar inside a list: the {what} "

@@ -496,7 +496,13 @@ def test_bad_batches_are_named_before_any_work():
     cases = [({"x": x.tolist(), "y": y}, "leaf \\['x'\\]\\[0\\]\\[0\\] is a Python scalar inside a list.*np.asarray"),
              ({"x": x[:0], "y": y[:0]}, "the batch has 0 rows; pass at least one row"),
              ({"x": x, "y": y[:3]}, "leaves disagree on the batch size \\(\\['x'\\] has 4, \\['y'\\] has 3\\)"),
-             ({"x": x, "y": 1.0}, "leaf \\['y'\\] is a scalar; every leaf needs a leading batch axis")]
+             ({"x": x, "y": 1.0}, "leaf \\['y'\\] is a scalar; every leaf needs a leading batch axis"),
+             # samples as a DataLoader without collation gives them; text leaves (a QA finding: both failed deep in
+             # the model, or as "a scalar")
+             ([{"x": x[i], "y": y[i]} for i in range(4)], "a list of 4 dicts with the same keys \\('x', 'y'\\): "
+                                                          "samples, not a batch.*default_collate"),
+             ({"x": x, "y": np.array(["a", "b", "c", "d"])}, "leaf \\['y'\\] holds text, not numbers"),
+             ("some text", "leaf <root> holds text, not numbers.*encode text as token ids")]
     model = regression.make_model(8, 16, 2, 0.3, rngs=nnx.Rngs(0))
     for strategy in (jaxpar.SingleDevice(objective, TX), jaxpar.DistributedDataParallel(objective, TX),
                      jaxpar.ZeroRedundancy(objective, TX, stage=3, mesh=jaxpar.make_mesh(2)),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -97,6 +98,16 @@ def test_each_stage_owns_its_own_leaves_of_the_canonical_tree():
     assert [[(s.layers.start, s.layers.stop, s.remat) for s in p] for p in pm.parts] == [[(0, 2, True)], [(2, 3, True)]]
 
 
+class Table(nnx.Module):
+    """A layer built from an array (a TiedLayerSpec argument that == cannot compare)."""
+
+    def __init__(self, init, *, rngs=None):
+        self.w = nnx.Param(jnp.asarray(init))
+
+    def __call__(self, x):
+        return jnp.take(self.w[...], x, axis=0)
+
+
 def test_layer_specs_tied_specs_and_callables():
     specs = [TiedLayerSpec("embed", nnx.Embed, 10, 4), LayerSpec(Linear, 4, 4), ReLU(), nnx.relu,
              lambda x: 2 * x, TiedLayerSpec("embed", nnx.Embed, 10, 4, forward_fn=lambda m, x: m.attend(x))]
@@ -109,3 +120,15 @@ def test_layer_specs_tied_specs_and_callables():
     assert sorted(nnx.state(pm.model, nnx.Param)["layers"].keys()) == [0, 1]  # the tied table once, at its first use
     with pytest.raises(TypeError, match="layer 1 is a int"):
         PipelineModule([ReLU(), 3], 1)
+    # a later spec of the same key with other arguments would be ignored (the first builds the module): refused
+    other = [*specs[:-1], TiedLayerSpec("embed", nnx.Embed, 12, 4, forward_fn=lambda m, x: m.attend(x))]
+    with pytest.raises(ValueError, match=r"TiedLayerSpec 'embed' at layer 5 is Embed\(12, 4\), but its first use "
+                                         r"\(layer 0\) builds Embed\(10, 4\).*pass the same class and arguments"):
+        PipelineModule(other, 2, partition_method="uniform")
+    table = np.ones((10, 4), np.float32)  # array arguments compare by value
+    tied = lambda t, **kw: TiedLayerSpec("t", Table, t, **kw)  # noqa: E731
+    PipelineModule([tied(table), LayerSpec(Linear, 4, 4), tied(table.copy(), forward_fn=lambda m, x: x @ m.w.T)], 1)
+    with pytest.raises(ValueError, match="TiedLayerSpec 't' at layer 2 is Table"):
+        PipelineModule([tied(table), LayerSpec(Linear, 4, 4), tied(2 * table)], 1)
+    with pytest.raises(ValueError, match="PipelineModule got no layers; pass the model's layers"):
+        PipelineModule([], 2)

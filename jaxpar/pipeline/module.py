@@ -25,6 +25,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -83,11 +84,41 @@ class Tied(nnx.Module):
         return self.forward_fn(self.module, x)
 
 
+def _same(a, b) -> bool:
+    """Whether two specs' (class, args, kwargs) are equal (arrays by their values)."""
+    if a is b:
+        return True
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if hasattr(a, "__array__") and hasattr(b, "__array__"):
+        return np.shape(a) == np.shape(b) and bool(np.array_equal(np.asarray(a), np.asarray(b)))
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError):
+        return False
+
+
+def _call(typename, args, kwargs) -> str:
+    """How a spec reads: Embed(16, 8, dtype=...)."""
+    given = [*map(repr, args), *(f"{k}={v!r}" for k, v in kwargs.items())]
+    return f"{getattr(typename, '__name__', typename)}({', '.join(given)})"
+
+
 def build_layers(specs: Sequence[Any], seed: int = 0) -> list:
     """Modules, callables and (Tied)LayerSpecs -> layer objects; tied specs share one module."""
-    built, tied = [], {}
+    built, tied, first = [], {}, {}
     for i, spec in enumerate(specs):
         if isinstance(spec, TiedLayerSpec):
+            if spec.key in first and not _same((spec.typename, spec.args, spec.kwargs), first[spec.key][1]):
+                j, (typename, args, kwargs) = first[spec.key]
+                now = _call(spec.typename, spec.args, spec.kwargs)
+                raise ValueError(f"TiedLayerSpec {spec.key!r} at layer {i} is {now}, but its first use (layer {j}) "
+                                 f"builds {_call(typename, args, kwargs)}; the key's "
+                                 "module is built once, from the first spec (DeepSpeed ignores a later spec's "
+                                 "arguments): pass the same class and arguments, or another key for another module.")
+            first.setdefault(spec.key, (i, (spec.typename, spec.args, spec.kwargs)))
             if spec.key not in tied:
                 tied[spec.key] = spec.build(seed, i)
                 layer = tied[spec.key]
@@ -155,6 +186,10 @@ class PipelineModule:
                               ("activation_checkpoint_interval", activation_checkpoint_interval, 0)):
             if not isinstance(x, int) or isinstance(x, bool) or x < low:
                 raise ValueError(f"{label}={x!r} must be an int >= {low}.")
+        if model is None and not len(layers):
+            raise ValueError("PipelineModule got no layers; pass the model's layers in order (modules, callables, "
+                             "LayerSpecs, TiedLayerSpecs), or PipelineModule.from_model(model, ...) for a model "
+                             "with a `layers` list.")
         if model is None:
             model = nnx.Sequential(*build_layers(layers, seed))
             layers = list(model.layers)

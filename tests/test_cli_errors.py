@@ -221,6 +221,8 @@ CASES = [
      ["does not fit the data", "(5,)"]),
     ("unknown loss", ["--loss", "hinge"], ["'hinge'", "use one of", "mse"]),
     ("unknown CPU collectives, alone too", ["--cpu-collectives", "bogus"], ["'bogus'", "use one of", "gloo, mpi"]),
+    ("CPU collectives in one process", ["--cpu-collectives", "mpi"], ["--cpu-collectives mpi would be ignored",
+                                                                     "this is one process", "drop --cpu-collectives"]),
     ("unknown per-sample", ["--per-sample", "maybe"], ["'maybe'", "use on, off"]),
     ("negative momentum", ["--momentum", "-0.5"], ["--momentum -0.5", ">= 0", "torch's default"]),
     ("negative grad clip", ["--grad-clip", "-1"], ["--grad-clip -1.0", ">= 0", "0 for no clipping"]),

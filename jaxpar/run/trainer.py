@@ -21,6 +21,7 @@ from flax import nnx
 from jaxpar.config import DEFAULT_LR, Config
 from jaxpar.optim import (DECAY_PARAMS, EPS_MIN, LR_SCHEDULES, OPTIMIZERS, clip_by_global_norm, eps_ok, make_optimizer,
                           warmup_cosine)
+from jaxpar.run import distributed
 from jaxpar.run import memory as jax_memory
 from jaxpar.run import weights
 from jaxpar.step import TrainState, init_state, make_eval_step
@@ -304,6 +305,8 @@ def check_flags_are_read(cfg: Config) -> None:
                 f"--dataset {cfg.dataset} holds {'text' if cfg.dataset == 'text' else 'vectors'} here, not images"),
                (("num_devices",), cfg.strategy != "single" or cfg.num_devices == 1,
                 "--strategy single runs on one device (a data-parallel strategy uses more)"),
+               (("cpu_collectives",), distributed.detect() is not None,
+                "this is one process (no launcher's variables: nothing crosses processes)"),
                (("bucket_cap_mb",), not (cfg.strategy == "zero" and cfg.zero_stage == 3),
                 "--zero-stage 3 gathers and reduces each leaf on its own (no buckets)")]
     for fields, read, why in readers:

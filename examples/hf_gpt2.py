@@ -5,7 +5,8 @@
 
 A small GPT2LMHeadModel (3 layers x 48 wide, 4 heads: a head count no jaxpar config name has, so it must come
 from the files) is saved four ways: save_pretrained as safetensors and as pytorch_model.bin, torch.save of its
-state dict, and a nanoGPT ckpt.pt ({"model": nanoGPT's keys, "model_args": {...}}). Each loads in jaxpar with
+state dict, and a ckpt.pt as nanoGPT's train.py saves one ({"model": nanoGPT's keys, "model_args": {...},
+"iter_num", "config"}). Each loads in jaxpar with
 logits equal to transformers' (float32 rounding): the ckpt.pt as nanoGPT runs it, with its erf GELU (nn.GELU()),
 so against transformers' activation_function="gelu" on the same weights. Then train.py starts from each, takes one
 SGD step at lr 1e-30 (the weights unchanged) and exports a folder, a .pt and a .safetensors; transformers loads
@@ -35,13 +36,17 @@ def main(out: str) -> None:
     os.makedirs(out)
     torch.manual_seed(0)
     hf = GPT2LMHeadModel(GPT2Config(n_layer=3, n_head=4, n_embd=48, vocab_size=256, n_positions=64)).eval()
+    with torch.no_grad():  # weights far from the init (logits of order 10), so that every weight and the GELU matter
+        for name, p in hf.named_parameters():
+            p.normal_(0, 0.3).add_(1.0 if name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")) else 0.0)
     hf.save_pretrained(f"{out}/hf_safetensors")
     hf.save_pretrained(f"{out}/hf_bin", safe_serialization=False)
     torch.save(hf.state_dict(), f"{out}/state_dict.pt")
     nano = {k: v.t().contiguous() if k.endswith(LINEARS) else v for k, v in hf.state_dict().items()
             if not k.endswith((".attn.bias", ".attn.masked_bias"))}
     torch.save({"model": nano, "model_args": dict(n_layer=3, n_head=4, n_embd=48, block_size=64, bias=True,
-                                                  vocab_size=256, dropout=0.0)}, f"{out}/ckpt.pt")
+                                                  vocab_size=256, dropout=0.0),
+                "iter_num": 0, "config": {}}, f"{out}/ckpt.pt")  # as nanoGPT's train.py saves one
     x = torch.randint(0, 256, (2, 32))
     erf = GPT2LMHeadModel(GPT2Config(n_layer=3, n_head=4, n_embd=48, vocab_size=256, n_positions=64,
                                      activation_function="gelu")).eval()  # what nanoGPT computes of these weights
@@ -49,12 +54,14 @@ def main(out: str) -> None:
     with torch.no_grad():
         wants = {"gelu_new": hf(x).logits.numpy(), "gelu": erf(x).logits.numpy()}
     configs = {"gelu_new": hf.config, "gelu": erf.config}
-    print(f"the two GELUs on these weights: logits {np.abs(wants['gelu'] - wants['gelu_new']).max():.2e} apart")
+    apart = np.abs(wants["gelu"] - wants["gelu_new"]).max()
+    print(f"the two GELUs on these weights: logits {apart:.2e} apart")
+    assert apart > 1e-3, apart  # a load with the wrong GELU would fail the checks below
 
     rows = []
     for src in ("hf_safetensors", "hf_bin", "state_dict.pt", "ckpt.pt"):
         sd, meta = weights.read(f"{out}/{src}")
-        act = jaxpar.models.gpt.activation_of(meta) or "gelu_new"
+        act = jaxpar.models.gpt.activation_of(meta) or jaxpar.models.gpt.implied_activation(meta) or "gelu_new"
         model = jaxpar.from_torch_state_dict("gpt-nano", sd, n_head=meta.get("n_head", 4), activation_function=act)
         heads = f"n_head {meta['n_head']} from the files" if "n_head" in meta else "n_head 4 given (not in the file)"
         rows.append((f"jaxpar reads {src}", f"{heads}, {act}",
@@ -84,6 +91,8 @@ def main(out: str) -> None:
     print("| step | result | max abs logit difference from GPT2LMHeadModel's |\n|---|---|---:|")
     for name, result, diff in rows:
         print(f"| {name} | {result} | {diff if isinstance(diff, str) else f'{diff:.2e}'} |")
+    bad = [name for name, _, diff in rows if isinstance(diff, str) or diff > 1e-4]
+    assert not bad, f"these differ from transformers' logits (or failed): {bad}"
 
 
 if __name__ == "__main__":

@@ -101,7 +101,8 @@ def from_torch_state_dict(name: str, state_dict: Mapping[str, Any], *, seed: int
     streams (dropout) are seeded from `seed`, as `get` seeds them.
 
     Raises ValueError naming the key on missing/unexpected keys or wrong shapes. GPT configs read either layout
-    (Hugging Face's or nanoGPT's) and take n_head / dropout in kwargs (jaxpar.models.gpt.from_torch_state_dict).
+    (Hugging Face's or nanoGPT's) and take n_head / dropout / activation_function in kwargs
+    (jaxpar.models.gpt.from_torch_state_dict).
     """
     _check_name(name)
     if name in GPT_NAMES:

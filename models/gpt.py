@@ -428,4 +428,4 @@ def flops_per_token(cfg: GPTConfig, seq_len: int | None = None) -> float:
 from jaxpar.models import gpt_state_dict  # noqa: E402  (it imports GPT from here)
 from jaxpar.models.gpt_state_dict import (LAYOUTS, activation_of, check_hf_config,  # noqa: E402,F401
                                           config_from_state_dict, file_meta, from_torch_state_dict, hf_config,
-                                          model_args, normalize_state_dict)
+                                          implied_activation, model_args, normalize_state_dict)

@@ -170,8 +170,8 @@ def from_torch_state_dict(state_dict: Mapping[str, Any], n_head: int | None = No
 
 
 def model_args(cfg: GPTConfig) -> dict[str, Any]:
-    """nanoGPT's model_args for `cfg` (the fields of its GPTConfig, as its ckpt.pt keeps them): what an exported
-    file keeps beside the weights (jaxpar.run.weights.write's `meta`), for the head count no weight shows."""
+    """nanoGPT's model_args for `cfg` (the fields of its GPTConfig, as its ckpt.pt keeps them); an exported file
+    keeps them and the GELU beside the weights (file_meta)."""
     return {"n_layer": int(cfg.n_layer), "n_head": int(cfg.n_head), "n_embd": int(cfg.n_embd),
             "block_size": int(cfg.block_size), "bias": bool(cfg.bias), "vocab_size": int(cfg.vocab_size),
             "dropout": float(cfg.dropout)}
@@ -179,7 +179,8 @@ def model_args(cfg: GPTConfig) -> dict[str, Any]:
 
 def file_meta(cfg: GPTConfig) -> dict[str, Any]:
     """What a file keeps beside a GPT's weights (jaxpar.run.weights.write's `meta`): nanoGPT's model_args and the
-    GELU, which no weight shows either (a nanoGPT ckpt.pt keeps the GELU beside its model_args)."""
+    GELU, which no weight shows either (a nanoGPT ckpt.pt keeps the GELU beside its model_args). Pass this, not
+    model_args alone: a file without its GELU loads with the default tanh one."""
     return {**model_args(cfg), "activation_function": cfg.activation_function}
 
 
@@ -204,12 +205,18 @@ def activation_of(meta: Mapping[str, Any]) -> str | None:
     return None if act is None else HF_ACTIVATIONS.get(act)
 
 
+def implied_activation(meta: Mapping[str, Any]) -> str | None:
+    """The GELU a checkpoint implies without naming one: "gelu" (the erf form) for a ckpt.pt nanoGPT's train.py
+    saved (its model.py runs nn.GELU() only), else None. A default, where a named one is a fact."""
+    return "gelu" if meta.get("source") == "nanogpt-train" and activation_of(meta) is None else None
+
+
 def check_hf_config(meta: Mapping[str, Any], where: str) -> None:
     """ValueError unless a Hugging Face GPT2Config's fields (config.json) describe a GPT jaxpar runs: a GELU it has
     (tanh or erf) and LayerNorm eps 1e-5 (other sizes are read off the weights, and a mismatch fails their load)."""
     act = meta.get("activation_function", "gelu_new")
     if act not in HF_ACTIVATIONS:
-        raise ValueError(f"{where}'s config.json has activation_function={act!r}, but jaxpar's GPT runs a GELU "
+        raise ValueError(f"{where} names activation_function={act!r}, but jaxpar's GPT runs a GELU "
                          f"({', '.join(HF_ACTIVATIONS)}); its logits would differ. Use a GPT-2 checkpoint.")
     eps = meta.get("layer_norm_epsilon", LN_EPS)
     if not np.isclose(eps, LN_EPS, rtol=0, atol=1e-12):

@@ -208,6 +208,11 @@ def test_resume_refuses_another_head_count_and_names_the_flags_that_change_the_s
     assert checkpoint.check_compatible(saved, {**saved, "activation_function": "gelu_new"}, "d") == []
     with pytest.raises(ValueError, match="a GPT with the gelu_new GELU, not gelu"):
         checkpoint.check_compatible(saved, {**saved, "activation_function": "gelu"}, "d")
+    # SGD's default lr became torch's 1e-3 (it was 0.01): a checkpoint of then, resumed at the default, is told
+    sgd = {**saved, "model": "mlp", "n_head": None, "config": {"lr": None}}
+    notes = checkpoint.check_compatible(sgd, {**sgd, "default_lr": 1e-3}, "d")
+    assert notes == ["the default --lr was 0.01, now 0.001 (torch's); pass --lr 0.01 to continue its trajectory"]
+    assert checkpoint.check_compatible({**sgd, "default_lr": 1e-3}, {**sgd, "default_lr": 1e-3}, "d") == []
     ckpt = str(tmp_path / "ckpt")
     trainer.run(config(npz, steps=2, checkpoint_dir=ckpt))
     with pytest.raises(ValueError, match="holds a checkpoint of model 'mlp' with .*, but this run has .*; pass "

@@ -414,7 +414,7 @@ def test_pipeline_float16_overflow_skips_every_stage_as_the_single_device(name):
 
 
 @pytest.mark.parametrize("strategy,power", [("ddp", 20), ("pipeline", 21)])
-def test_train_py_fp16_skips_overflowing_steps_and_stops_at_the_minimum_scale(tmp_path, strategy, power):
+def test_train_py_fp16_skips_overflowing_steps_and_stops_at_the_minimum_scale(tmp_path, strategy, power, capsys):
     """--precision fp16 on ddp (4 devices x 8 rows: seed S / 8) and on the pipeline (2 stages x 2 replicas, 4
     micro-batches of 4 rows a replica: S / 16, as DeepSpeed divides by the micro-batches; so from twice the S):
     from 2**power the steps overflow and halve the scale (hysteresis 1) until
@@ -448,8 +448,10 @@ def test_train_py_fp16_skips_overflowing_steps_and_stops_at_the_minimum_scale(tm
     logged = {e["step"] for e in events if e["event"] == "step"}
     assert logged.isdisjoint(e["step"] for e in overflows) and len(logged) == 10 - len(overflows)
     assert all(np.isfinite(a).all() for a in leaves(summary["state"].params))
+    capsys.readouterr()
     static = trainer.run(Config(**{**common, "loss_scale": 2.0 ** 40, "warmup_steps": 0}, steps=3))  # all overflow
     assert static["skipped_steps"] == 3  # skipped, not applied (they left NaN weights, and a message blaming --lr)
+    assert "3 of 3 steps overflowed at the static --loss-scale 1.09951e+12 and were skipped" in capsys.readouterr().err
     assert all(np.isfinite(a).all() for a in leaves(static["state"].params))
     stop = re.escape(f"overflowed at step 1 at the minimum loss scale {2.0 ** power:g}")
     with pytest.raises(trainer.Diverged, match=stop):

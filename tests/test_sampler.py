@@ -207,3 +207,10 @@ def test_replicas_and_rank_default_to_the_processes_as_torchs_do_to_the_process_
     assert (s.num_replicas, s.rank) == (3, 2) and len(s) == 4
     np.testing.assert_array_equal(list(s), list(DistributedSampler(10, 3, 2, seed=4)))
     assert DistributedSampler(10, num_replicas=4).rank == 2 and DistributedSampler(10, rank=0).num_replicas == 3
+    # launched as one of 2 processes (torchrun's variables) before joining: asking JAX would start it alone
+    for name, value in {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=r"has not joined yet; call jaxpar.run.distributed.initialize\(\).*or pass "
+                                         "num_replicas and rank"):
+        DistributedSampler(10)
+    assert DistributedSampler(10, 2, 1).rank == 1

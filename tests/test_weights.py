@@ -45,7 +45,8 @@ def test_each_format_reads_back_what_was_written(tmp_path, name):
     assert all(os.path.isfile(f) for f in written)
     got, meta = weights.read(path)
     assert_same(got, state_dict())
-    assert meta == ({"n_head": 7} if name == "hf/" else {})
+    # a config.json without activation_function means transformers' GPT2Config default, the tanh GELU
+    assert meta == ({"n_head": 7, "activation_function": "gelu_new"} if name == "hf/" else {})
     assert not np.array_equal(state_dict(1)["a.weight"], got["a.weight"])  # the comparison can fail
 
 
@@ -193,12 +194,15 @@ def test_torch_objects_become_numpy_state_dicts():
     w = np.arange(6, dtype=np.float32).reshape(2, 3)
     plain, meta = weights._from_torch({"w": torch.Tensor(w), "b": torch.Tensor(w[0], "bfloat16")}, "p", "--x", torch)
     assert meta == {} and plain["w"] is w and plain["b"].dtype == np.float32
-    ckpt = {"model": {"w": torch.Tensor(w)}, "model_args": {"n_head": 6, "n_layer": 2}, "iter_num": 9}
-    nano, meta = weights._from_torch(ckpt, "ckpt.pt", "--init-torch", torch)  # nanoGPT's checkpoint: nn.GELU()
-    assert list(nano) == ["w"] and meta == {"n_head": 6, "activation_function": "gelu"}
+    ckpt = {"model": {"w": torch.Tensor(w)}, "model_args": {"n_head": 6, "n_layer": 2}}  # jaxpar's older exports
+    nano, meta = weights._from_torch(ckpt, "ckpt.pt", "--init-torch", torch)
+    assert list(nano) == ["w"] and meta == {"n_head": 6}
+    ckpt.update(iter_num=9, config={"beta2": 0.95})  # what nanoGPT's train.py saves beside: its model runs nn.GELU()
+    meta = weights._from_torch(ckpt, "ckpt.pt", "--init-torch", torch)[1]
+    assert meta == {"n_head": 6, "source": "nanogpt-train"} and gpt.implied_activation(meta) == "gelu"
     ckpt["jaxpar"] = {"activation_function": "gelu_new"}  # jaxpar's export of a tanh-GELU GPT says so beside
-    assert weights._from_torch(ckpt, "ckpt.pt", "--init-torch", torch)[1] == {"n_head": 6,
-                                                                            "activation_function": "gelu_new"}
+    meta = weights._from_torch(ckpt, "ckpt.pt", "--init-torch", torch)[1]
+    assert meta["activation_function"] == "gelu_new" and gpt.implied_activation(meta) is None
     with pytest.raises(ValueError, match="entry 'step' is a int, not a tensor; save model.state_dict"):
         weights._from_torch({"w": torch.Tensor(w), "step": 3}, "p", "--init-torch", torch)
     with pytest.raises(ValueError, match="holds a list, not a state dict"):
@@ -313,9 +317,10 @@ def test_a_gpt_file_keeps_the_head_count_its_weights_do_not_show(tmp_path, corpu
 
 @pytest.mark.parametrize("kind", ["hf folder", "ckpt.pt", "w.safetensors", "w.npz"])
 def test_the_gelu_a_file_names_is_the_one_that_runs(tmp_path, corpus, kind, torch_or_fake):  # noqa: F811
-    """A GPT with nanoGPT's erf GELU: named by a Hugging Face folder's config.json, implied by nanoGPT's own ckpt.pt
-    (its model.py runs nn.GELU() only), recorded by jaxpar's export. --init-torch runs that GELU (the same logits;
-    the tanh one on the same weights is another function) and refuses an --activation-function that differs."""
+    """A GPT with nanoGPT's erf GELU: named by a Hugging Face folder's config.json, implied by a ckpt.pt of nanoGPT's
+    train.py (its model.py runs nn.GELU() only), recorded by jaxpar's export. --init-torch runs that GELU (the same
+    logits; the tanh one on the same weights is another function); it refuses an --activation-function that
+    differs from a named GELU, and takes one over the implied GELU (a default, not a record)."""
     from jaxpar.config import Config
     from jaxpar.data import datasets
     from jaxpar.run import trainer
@@ -329,20 +334,23 @@ def test_the_gelu_a_file_names_is_the_one_that_runs(tmp_path, corpus, kind, torc
     path = str(tmp_path / kind.split()[-1])
     if kind == "hf folder":
         weights.write(model.torch_state_dict("hf"), path + "/", config=gpt.hf_config(cfg))
-    elif kind == "ckpt.pt":  # as nanoGPT's train.py saves it: model_args, no GELU named
+    elif kind == "ckpt.pt":  # as nanoGPT's train.py saves it: model_args, iter_num, config, no GELU named
         torch = torch_or_fake
         torch.save({"model": {k: torch.from_numpy(np.array(v)) for k, v in model.torch_state_dict("nanogpt").items()},
-                    "model_args": gpt.model_args(cfg), "iter_num": 0}, path)
+                    "model_args": gpt.model_args(cfg), "iter_num": 0, "config": {}}, path)
     else:
         weights.write(model.torch_state_dict("hf"), path, meta=gpt.file_meta(cfg))
     data = datasets.load("text", "train", data_path=corpus, seq_len=16)
     loaded = trainer.gpt_model(Config(model="gpt-nano", dataset="text", init_torch=path), data)
     assert loaded.config.activation_function == "gelu"
     np.testing.assert_array_equal(logits_of(loaded, x), want)
+    flagged = Config(model="gpt-nano", dataset="text", init_torch=path, activation_function="gelu_new")
+    if kind == "ckpt.pt":  # implied, not named: the flag wins
+        np.testing.assert_array_equal(logits_of(trainer.gpt_model(flagged, data), x), logits_of(tanh, x))
+        return
     refused = f"--activation-function gelu_new differs from the activation_function=gelu --init-torch .*drop --act"
     with pytest.raises(ValueError, match=refused):
-        trainer.gpt_model(Config(model="gpt-nano", dataset="text", init_torch=path, activation_function="gelu_new"),
-                          data)
+        trainer.gpt_model(flagged, data)
 
 
 def test_gpt_files_stay_what_other_readers_take(tmp_path, torch_or_fake, monkeypatch):

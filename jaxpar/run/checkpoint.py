@@ -31,9 +31,12 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxpar.config import DEFAULT_LR
 from jaxpar.step import TrainState
 
 FORMAT = 1  # bump when the layout changes
+# train.py's default learning rates before they were torch's (checkpoints of then record none): SGD's was 0.01
+LEGACY_DEFAULT_LR = {"sgd": 0.01}
 # Config fields that change the trajectory: a resume that changes them still runs, with a printed note
 TRAJECTORY_FIELDS = ("dataset", "data_path", "data_dir", "train_split", "seq_len", "batch_size", "lr", "gamma",
                      "seed", "shuffle", "drop_last", "precision", "momentum", "nesterov", "eps", "adam_beta1",
@@ -65,7 +68,8 @@ def run_info(cfg, state: TrainState, n_head: int | None = None, decay_steps: int
     return {"format": FORMAT, "model": cfg.model, "optimizer": cfg.optimizer,
             "param_count": int(sum(np.size(a) for a in params)), "leaves": leaf_specs(state),
             "config": dataclasses.asdict(cfg), "n_head": n_head, "decay_steps": decay_steps,
-            "activation_function": activation}
+            "activation_function": activation,
+            "default_lr": DEFAULT_LR.get(cfg.optimizer) if cfg.lr is None else None}
 
 
 def to_host(state: TrainState) -> list[np.ndarray]:
@@ -190,6 +194,11 @@ def check_compatible(meta: dict, info: dict, directory: str) -> list[str]:
     old, new = meta.get("config", {}), info["config"]
     changed = [f"--{f.replace('_', '-')} was {old[f]!r}, now {new[f]!r}" for f in TRAJECTORY_FIELDS
                if f in old and old[f] != new.get(f)]
+    if old.get("lr", 0) is None and new.get("lr") is None:  # both at the optimizer's default: did it change?
+        was = meta.get("default_lr", LEGACY_DEFAULT_LR.get(meta["optimizer"], info.get("default_lr")))
+        if None not in (was, info.get("default_lr")) and was != info["default_lr"]:
+            changed.append(f"the default --lr was {was}, now {info['default_lr']} (torch's); pass --lr {was} to "
+                           "continue its trajectory")
     if None not in (meta.get("n_head"), info["n_head"]) and meta["n_head"] != info["n_head"]:
         raise ValueError(f"{where} a GPT with {meta['n_head']} heads, not {info['n_head']}: the head count changes "
                          f"what its weights compute; pass --n-head {meta['n_head']} or another --checkpoint-dir.")

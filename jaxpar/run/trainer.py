@@ -117,8 +117,9 @@ def validate(cfg: Config) -> None:
                          f"tensor_layout()); use a GPT ({', '.join(models.GPT_NAMES[:3])}, ...) or a model of your own "
                          f"built for it, or {'--strategy ddp' if cfg.strategy == 'tp' else '--tensor-parallel 1'}.")
     if cfg.strategy == "tp" and cfg.tensor_parallel < 2:  # (jaxpar.TensorParallel's default is 2)
-        raise ValueError(f"--strategy tp with --tensor-parallel {cfg.tensor_parallel} splits no layer (it would be "
-                         "data parallelism alone); pass --tensor-parallel T >= 2 (Megatron's "
+        given = "" if cfg.tensor_parallel != Config().tensor_parallel else " (the default)"
+        raise ValueError(f"--strategy tp with --tensor-parallel {cfg.tensor_parallel}{given} splits no layer (it "
+                         "would be data parallelism alone); pass --tensor-parallel T >= 2 (Megatron's "
                          "--tensor-model-parallel-size), or use --strategy ddp.")
     if cfg.torch_layout not in models.gpt.LAYOUTS:
         raise ValueError(f"--torch-layout {cfg.torch_layout!r} is not known; use hf (transformers' GPT2LMHeadModel) "
@@ -488,6 +489,12 @@ def gpt_model(cfg: Config, train_set, eval_set=None) -> nnx.Module:
                              f"activation_function={meta['activation_function']} --init-torch {cfg.init_torch!r} "
                              "was trained with; drop --activation-function.")
         options["activation_function"] = act
+    elif cfg.activation_function is None and models.gpt.implied_activation(meta):  # nanoGPT's train.py's ckpt.pt
+        options["activation_function"] = models.gpt.implied_activation(meta)
+        if jax.process_index() == 0:
+            print(f"jaxpar: note: --init-torch {cfg.init_torch!r} is a checkpoint of nanoGPT's train.py, whose model "
+                  "runs the erf GELU: it loads with --activation-function gelu (pass gelu_new for GPT-2's tanh form).",
+                  file=sys.stderr)
     model = models.from_torch_state_dict(cfg.model, state_dict, seed=cfg.seed, **options)
     if seq_len > model.config.block_size:
         raise ValueError(f"--seq-len {seq_len} is beyond the block size {model.config.block_size} of --init-torch's "
@@ -886,6 +893,10 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
                    **({"skipped_steps": skipped} if scaler is not None else {})}
         if shared:  # evaluation partly measured training samples: the summary line and --metrics-out say so
             summary["eval_overlaps_train"] = shared
+        if scaler is not None and not scaler.dynamic and skipped and main_process:  # it never lowers itself
+            print(f"jaxpar: note: {skipped} of {step - start_step} steps overflowed at the static --loss-scale "
+                  f"{cfg.loss_scale:g} and were skipped (no update); lower --loss-scale, or pass --loss-scale 0 for "
+                  "the dynamic scaler.", file=sys.stderr)
         summary.update(lm_summary(cfg, model, train_set, summary, devices_used(strategy)))
         if cfg.sample and not stopped:
             summary["sample"] = sample_text(cfg, model, final)

@@ -12,13 +12,14 @@ The format follows the path:
   with its config.json, whose `n_head` is the head count. `write` to a folder gives the same layout, with the
   `config` it is passed as config.json, so `GPT2LMHeadModel.from_pretrained(folder)` loads it.
 
-A file keeps `write`'s `meta` (a GPT's: nanoGPT's model_args and its GELU, jaxpar.models.gpt.model_args),
+A file keeps `write`'s `meta` (a GPT's: nanoGPT's model_args and its GELU, jaxpar.models.gpt.file_meta),
 whose `n_head` and `activation_function` -- which no weight's shape shows -- `read` returns: in a .safetensors
 file's metadata (each value JSON, as a string: {"format": "pt", "n_head": "6", ...}); in a .npz file's zip
 comment (JSON: np.load ignores it); in a torch file as nanoGPT's ckpt.pt, {"model": state dict, "model_args":
 nanoGPT's fields of meta, "jaxpar": the rest}, where `nanogpt`, else as the state dict's `_metadata` (torch's own
 attribute, which load_state_dict ignores under a key no module has) at key "jaxpar". Files without it read as
-before, with no n_head; a ckpt.pt that names no GELU is nanoGPT's own, whose model runs the erf form ("gelu").
+before, with no n_head. `read` also says where a ckpt.pt comes from when nanoGPT's train.py saved it
+(meta["source"] = "nanogpt-train": it holds iter_num and config), whose model runs the erf GELU.
 """
 from __future__ import annotations
 
@@ -39,7 +40,9 @@ FOLDER_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 META = ("n_head", "activation_function")  # what `read` returns of a file's meta: what no weight's shape shows
 # nanoGPT's model_args (its GPTConfig's fields): a ckpt.pt keeps the rest of `write`'s meta under TORCH_META_KEY
 NANOGPT_ARGS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "dropout")
-NANOGPT_GELU = "gelu"  # nanoGPT's model.py runs nn.GELU() (the erf form): the GELU of a ckpt.pt that names none
+# a ckpt.pt that nanoGPT's train.py saved holds these beside "model" and "model_args" (jaxpar's exports do not):
+# `read` says so as meta["source"] = "nanogpt-train", the GELU it implies being the model's business
+NANOGPT_TRAIN_KEYS = ("iter_num", "config")
 TORCH_META_KEY = "jaxpar"  # the key of `meta` in a torch state dict's _metadata (no module of a model is named so)
 FORMATS = ("a .npz (numpy), .safetensors (Hugging Face's), .pt / .pth / .bin (torch.save; needs torch) file, or a "
            "folder written by transformers' save_pretrained")
@@ -96,8 +99,9 @@ def write(state_dict: Mapping[str, np.ndarray], path: str, flag: str = "--export
     goes to a temporary name in its folder first and is renamed when complete, so a crash leaves no half file.
 
     `config`: a folder's config.json. `meta`: what a file keeps beside the weights (JSON scalars; see the module's
-    notes), `read` returning its n_head. `nanogpt`: a torch file is nanoGPT's ckpt.pt, {"model": state dict,
-    "model_args": meta}, which nanoGPT's sample.py loads (meta: nanoGPT's model_args)."""
+    notes; a GPT's: jaxpar.models.gpt.file_meta), `read` returning its n_head and activation_function. `nanogpt`:
+    a torch file is nanoGPT's ckpt.pt, {"model": state dict, "model_args": meta's nanoGPT fields, "jaxpar": the
+    rest}, which nanoGPT's sample.py loads."""
     if is_folder(path):
         os.makedirs(path, exist_ok=True)
         written = [_atomic(os.path.join(path, "model.safetensors"),
@@ -219,8 +223,9 @@ def _meta(raw: Mapping[str, Any], path: str, flag: str) -> dict[str, Any]:
 def _from_torch(obj: Any, path: str, flag: str, torch) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """A loaded torch object as (numpy state dict, meta): a state dict, or nanoGPT's checkpoint around one."""
     if isinstance(obj, dict) and isinstance(obj.get("model"), dict):  # nanoGPT's ckpt.pt (write's: its meta beside)
-        meta = _meta({"activation_function": NANOGPT_GELU, **(obj.get("model_args") or {}),
-                      **(obj.get(TORCH_META_KEY) or {})}, path, flag)
+        meta = _meta({**(obj.get("model_args") or {}), **(obj.get(TORCH_META_KEY) or {})}, path, flag)
+        if all(k in obj for k in NANOGPT_TRAIN_KEYS):
+            meta["source"] = "nanogpt-train"
         obj = obj["model"]
     else:  # a state dict: write's meta in torch's _metadata, if any
         meta = _meta((getattr(obj, "_metadata", None) or {}).get(TORCH_META_KEY) or {}, path, flag)
@@ -257,6 +262,7 @@ def _read_folder(path: str, flag: str) -> tuple[dict[str, np.ndarray], dict[str,
             hf = json.load(f)
         meta = {k: hf[k] for k in ("n_head", "activation_function", "layer_norm_epsilon", "scale_attn_weights",
                                    "scale_attn_by_inverse_layer_idx") if k in hf}
+        meta.setdefault("activation_function", "gelu_new")  # transformers' GPT2Config default
     return state_dict, meta
 
 

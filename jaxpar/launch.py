@@ -13,7 +13,9 @@ With --max-restarts R the whole group is restarted up to R times; a restart appe
 its last checkpoint) only when the script's --checkpoint-dir got a newer checkpoint during this launch, so a folder
 that held an earlier run's checkpoints is never continued unasked. Exit status 2 (a usage error: argparse's, or
 train.py's one-line refusals) is not restarted, since every attempt would repeat it. SIGINT / SIGTERM to the launcher
-stop every process the same way; on Linux the processes also get SIGTERM when the launcher dies (even of SIGKILL).
+stop every process the same way; on Linux the processes are also killed (SIGKILL) when the launcher dies, even of
+SIGKILL: no checkpoint is saved then (JAX's runtime catches SIGTERM, and a rank waiting in a collective for a dead
+peer never sees it).
 A --master-port already in use on this node is refused in one line before any process starts. A rank that JAX
 aborts because not every process joined in time (its C++ fatal log, DEADLINE_EXCEEDED on RegisterTask) gets one line
 at the end that says which nodes to start.
@@ -143,21 +145,24 @@ def command(args: argparse.Namespace, restart: int, at_start: int | None = None)
 
 
 def _parent_death_signal():
-    """A preexec_fn that has the child get SIGTERM when the launcher dies, even of SIGKILL (Linux's
-    PR_SET_PDEATHSIG); None elsewhere. The signal follows the THREAD that starts the child, not the process: run()
-    starts every child from the main thread (it must be there for its signal handlers), which ends with the launcher."""
+    """A preexec_fn that has the child killed when the launcher dies, even of SIGKILL (Linux's PR_SET_PDEATHSIG);
+    None elsewhere. SIGKILL, not SIGTERM: JAX's distributed runtime catches SIGTERM (a preemption notice) and goes
+    on, and a rank blocked in a collective whose peer is gone would never reach a handler of ours (a QA run saw the
+    ranks of a SIGKILLed launcher alive 171 s later). The signal follows the THREAD that starts the child, not the
+    process: run() starts every child from the main thread (it must be there for its signal handlers), which ends
+    with the launcher."""
     if not sys.platform.startswith("linux"):
         return None
     try:
         prctl = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
     except (OSError, AttributeError):
         return None
-    parent, sigterm = os.getpid(), int(signal.SIGTERM)
+    parent, sigkill = os.getpid(), int(signal.SIGKILL)
 
     def set_signal():  # in the child, between fork and exec
-        prctl(1, sigterm, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+        prctl(1, sigkill, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
         if os.getppid() != parent:  # the launcher died before prctl: no signal would come
-            os._exit(128 + signal.SIGTERM)
+            os._exit(128 + signal.SIGKILL)
 
     return set_signal
 
@@ -183,6 +188,8 @@ class Group:
 
     def __init__(self, args: argparse.Namespace, restart: int, at_start: int | None = None):
         self.procs: list[subprocess.Popen] = []
+        self.ranks: list[str] = []  # each process's global rank
+        self.failure: str | None = None  # "rank R (pid P) was killed by SIGKILL" / "... exited with status C"
         self.threads: list[threading.Thread] = []
         self.seen: list[set[bytes]] = [set() for _ in range(args.nproc_per_node)]  # per local rank, JOIN_TIMED_OUT's
         lock = threading.Lock()
@@ -194,6 +201,7 @@ class Group:
             self.procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                                preexec_fn=on_start, start_new_session=True))  # its own group
             prefixes.append(f"[rank {env['RANK']}] ".encode())
+            self.ranks.append(env["RANK"])
         for proc, prefix, seen in zip(self.procs, prefixes, self.seen):
             for stream, out in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
                 t = threading.Thread(target=_relay, args=(stream, out, prefix, lock, seen), daemon=True)
@@ -204,9 +212,13 @@ class Group:
         """0 when every process exits 0; else the first failure's status, the others stopped."""
         while True:
             codes = [p.poll() for p in self.procs]
-            failed = [c for c in codes if c not in (None, 0)]
+            failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:
-                return _status(failed[0])
+                i, code = failed[0], codes[failed[0]]
+                how = f"was killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() \
+                    else f"exited with status {_status(code)}"
+                self.failure = f"rank {self.ranks[i]} (pid {self.procs[i].pid}) {how}"
+                return _status(code)
             if all(c == 0 for c in codes):
                 return 0
             time.sleep(poll_s)
@@ -287,7 +299,7 @@ def run(args: argparse.Namespace) -> int:
                       "stopped all, not restarting", file=sys.stderr, flush=True)
                 return 2
             left = args.max_restarts - restart
-            print(f"jaxpar.launch: a process failed with status {code}; "
+            print(f"jaxpar.launch: {group.failure or f'a process failed with status {code}'}; "
                   + (f"restarting all {args.nproc_per_node} ({left} restarts left)" if left else "stopped all"),
                   file=sys.stderr, flush=True)
             if group.join_timed_out():

@@ -181,6 +181,13 @@ def test_resume_to_more_steps_keeps_the_cosine_schedule_only_when_told(npz, tmp_
         assert ("the cosine schedule decayed to step 3, now 5" in printed and "--lr-decay-steps 3" in printed) == note
         same = all(np.array_equal(a, b) for a, b in zip(leaves(resumed), leaves(whole)))
         assert same != note, f"--lr-decay-steps {decay}"  # the note's run trained another schedule
+    # the note's own advice, followed (the 3-step run resumed with --lr-decay-steps 3): no "will not match" note (a
+    # QA finding: it named --lr-decay-steps None -> 3 as a change)
+    advice = str(tmp_path / "advice")
+    trainer.run(config(npz, steps=3, checkpoint_dir=advice, **cosine))
+    capsys.readouterr()
+    trainer.run(config(npz, steps=5, lr_decay_steps=3, checkpoint_dir=advice, resume=True, **cosine))
+    assert "will not match" not in capsys.readouterr().err
     again = trainer.run(config(npz, steps=5, lr_decay_steps=5, checkpoint_dir=ckpt, resume=True, **cosine))
     assert "the checkpoint is at step 5, and this run ends at step 5: nothing is left to train; raise --steps" in \
         capsys.readouterr().err  # a finished run resumed said nothing

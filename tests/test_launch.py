@@ -83,8 +83,11 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_ranks_die_with_a_sigkilled_launcher(tmp_path):
+    """Ranks in jax.distributed (whose runtime catches SIGTERM as a preemption notice: ranks sent SIGTERM lived on,
+    a QA finding) are killed when the launcher is."""
     script = tmp_path / "sleep.py"
-    script.write_text("import os, time\nprint('pid', os.getpid(), flush=True)\ntime.sleep(120)\n")
+    script.write_text("import os, time\nfrom jaxpar.run import distributed\ndistributed.initialize()\n"
+                      "print('pid', os.getpid(), flush=True)\ntime.sleep(120)\n")
     proc = subprocess.Popen(LAUNCH + ["--nproc-per-node", "2", str(script)], cwd=ROOT, env=ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     pids: list[int] = []

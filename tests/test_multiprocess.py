@@ -305,6 +305,12 @@ def test_launcher_restarts_with_resume_and_reports_failure(tmp_path):
     assert "[rank 1] args ['--x'] world 2" in ok.stdout and "restarting all 2" in ok.stderr  # rank 1 ran again
     failed = subprocess.run(run + [str(script)], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert failed.returncode == 3 and "stopped all" in failed.stderr
+    assert re.search(r"jaxpar.launch: rank 1 \(pid \d+\) exited with status 3; stopped all", failed.stderr)
+    script.write_text("import os, signal, time\n"  # a rank killed by a signal is named, with the signal
+                      "if os.environ['RANK'] == '1':\n    os.kill(os.getpid(), signal.SIGKILL)\ntime.sleep(30)\n")
+    killed = subprocess.run(run + [str(script)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert killed.returncode == 137, killed.stderr
+    assert re.search(r"jaxpar.launch: rank 1 \(pid \d+\) was killed by SIGKILL; stopped all", killed.stderr)
 
 
 def test_allreduce_bench_across_processes():
@@ -361,3 +367,15 @@ def test_launcher_environment_and_resume(tmp_path, monkeypatch):
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
     worker(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)
+
+
+def test_a_tensor_group_across_processes_is_refused_with_a_fix_that_runs():
+    """2 processes x 1 device under --strategy tp --tensor-parallel 2: one line naming the processes and a fix that
+    train.py takes (it advised --tensor-parallel 1, which --strategy tp refuses, and listed raw device ids)."""
+    proc = launch("train.py", "--cpu-devices", "1", "--strategy", "tp", "--tensor-parallel", "2", "--n-head", "2",
+                  "--model", "gpt-nano", "--dataset", "text", "--seq-len", "32", "--steps", "1", "--quiet")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 2, out
+    assert ("--tensor-parallel 2 puts a tensor group on devices of processes [0, 1]; keep each group within one "
+            "process (Megatron keeps tensor parallelism within a node): use at least 2 devices a process "
+            "(--cpu-devices 2 on CPUs), or --strategy ddp.") in out, out

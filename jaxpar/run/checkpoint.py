@@ -192,8 +192,10 @@ def check_compatible(meta: dict, info: dict, directory: str) -> list[str]:
         raise ValueError(f"{where} optimizer {meta['optimizer']!r}, not --optimizer {info['optimizer']!r}; "
                          f"pass --optimizer {meta['optimizer']} or another --checkpoint-dir.")
     old, new = meta.get("config", {}), info["config"]
+    same_decay = None not in (meta.get("decay_steps"), info["decay_steps"]) and \
+        meta["decay_steps"] == info["decay_steps"]  # --lr-decay-steps given as the old run's own end: the same
     changed = [f"--{f.replace('_', '-')} was {old[f]!r}, now {new[f]!r}" for f in TRAJECTORY_FIELDS
-               if f in old and old[f] != new.get(f)]
+               if f in old and old[f] != new.get(f) and not (f == "lr_decay_steps" and same_decay)]
     if old.get("lr", 0) is None and new.get("lr") is None:  # both at the optimizer's default: did it change?
         was = meta.get("default_lr", LEGACY_DEFAULT_LR.get(meta["optimizer"], info.get("default_lr")))
         if None not in (was, info.get("default_lr")) and was != info["default_lr"]:

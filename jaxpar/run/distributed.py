@@ -91,8 +91,9 @@ def initialize(cfg=None, env: Mapping[str, str] | None = None) -> Rendezvous | N
     where = f" at {rdv.coordinator}" if rdv.coordinator else ""
     timeout = _int(os.environ, "JAXPAR_JOIN_TIMEOUT") if os.environ.get("JAXPAR_JOIN_TIMEOUT") else JOIN_TIMEOUT
     print(f"jaxpar: process {rdv.process_id if rdv.process_id is not None else '?'} of "
-          f"{rdv.num_processes or '?'} joining the group{where} ({rdv.source}); JAX waits up to {timeout} s "
-          "(JAXPAR_JOIN_TIMEOUT) for every process, then aborts with DEADLINE_EXCEEDED if one has not joined",
+          f"{rdv.num_processes or '?'} joining the group{where} (from {rdv.source}'s launch variables); JAX waits up "
+          f"to {timeout} s (JAXPAR_JOIN_TIMEOUT) for every process, then aborts with DEADLINE_EXCEEDED if one has not "
+          "joined",
           file=sys.stderr, flush=True)
     try:
         jax.distributed.initialize(coordinator_address=rdv.coordinator, num_processes=rdv.num_processes,

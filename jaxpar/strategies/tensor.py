@@ -226,10 +226,14 @@ class TensorParallel:
                             f"not a {type(model).__name__}.")
         spans = [row for row in self.mesh.devices if len({d.process_index for d in row}) > 1]
         if spans:  # each process feeds its own rows to its data ranks: a tensor group cannot straddle two
-            raise ValueError(f"--tensor-parallel {tensor_parallel} puts a tensor group on devices of several processes "
-                             f"({[d.id for d in spans[0]]}); keep each group within one process (Megatron keeps "
-                             f"tensor parallelism within a node): use --tensor-parallel at most "
-                             f"{len(local_devices(self.mesh))}, dividing it.")
+            procs = sorted({d.process_index for d in spans[0]})
+            local = len(local_devices(self.mesh))
+            fix = f"--tensor-parallel at most {local}, dividing it" if local >= 2 else \
+                f"at least {tensor_parallel} devices a process (--cpu-devices {tensor_parallel} on CPUs), or " \
+                "--strategy ddp"
+            raise ValueError(f"--tensor-parallel {tensor_parallel} puts a tensor group on devices of processes "
+                             f"{procs}; keep each group within one process (Megatron keeps tensor parallelism within "
+                             f"a node): use {fix}.")
         model = nnx.clone(model)  # its own copy, pointed at the tensor axis below: the user's model stays as it is
         wrt = objective_options.get("wrt", nnx.Param)
         self.eval_objective = Objective.of(model, loss_fn, **objective_options)  # unsplit: jaxpar.evaluate's

@@ -42,7 +42,9 @@ def parse(argv=None) -> argparse.Namespace:
                    "pretrains with 0.0; Hugging Face's GPT-2 config has 0.1)")
     p.add_argument("--ddp", type=int, default=None, help="DDP devices = torch processes (default 2 on a CPU, "
                    "0 on a GPU: no DDP run)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads per side (default os.cpu_count())")
+    p.add_argument("--threads", type=int, default=None, help="CPU cores per side (default os.cpu_count()): torch's "
+                   "threads, and the cores this process (jaxpar, whose XLA:CPU pool has no thread limit) and torch's "
+                   "workers may run on")
     p.add_argument("--steps", type=int, default=4, help="timed steps per round")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds per run, alternating")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
@@ -178,6 +180,8 @@ def _timed(fn) -> float:
 def main(argv=None) -> None:
     args = parse(argv)
     threads = args.threads or os.cpu_count()
+    if hasattr(os, "sched_setaffinity") and threads < len(os.sched_getaffinity(0)):  # before XLA sizes its pool
+        os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[:threads]))  # torch's workers inherit it
     from jaxpar.mesh import simulate_cpu_devices
     from jaxpar.run.hostmem import tune_host_allocator
 
@@ -243,7 +247,8 @@ def main(argv=None) -> None:
             run.close()
     peak, peak_note = args.peak_tflops, "--peak-tflops"
     if peak is None and gpu:
-        peak, peak_note = flops.peak_tflops(), f"table ({jax.devices()[0].device_kind})"
+        kind = jax.devices()[0].device_kind
+        peak, peak_note = flops.peak_tflops(), f"table ({kind}; its dense bf16 peak, for fp32 too)"
     if peak is None and not gpu:  # the better of two measurements, before and after the rounds
         peak, peak_note = max(cpu_peak, cpu_gemm_tflops(threads)), f"measured fp32 GEMM, {threads} threads"
     devices = lambda k: ddp if "DDP" in k and gpu else 1  # noqa: E731  (simulated CPU devices share one CPU)

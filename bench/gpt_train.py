@@ -2,7 +2,8 @@
 AdamW with a warmup and a cosine decay over the budget, held-out bits per byte along the way and, at the end, on
 the whole held-out part (jaxpar.data.text: the last 5 % of the corpus).
 
-    python bench/gpt_train.py --minutes 10 --devices 2 --out runs/gpt10      # the README's run (~13 min in all)
+    python bench/gpt_train.py --minutes 10 --devices 2 --seq-len 64 --batch-size 32 --lr 6e-3 --min-lr 6e-4 \
+        --out runs/gpt10                                                       # the README's run (~13 min in all)
     python bench/gpt_train.py --plot runs/gpt10 --png docs/img/gpt_loss.png   # its curve
 
 The budget counts training steps only (compiling, the periodic held-out checks and the final evaluation are left

@@ -1,7 +1,7 @@
 """Pipeline benchmarks: jaxpar's engine against torch.distributed.pipelining across processes, against one device,
 and its bubble. Tables print in Markdown; run `uptime` before and after (the machine may be shared).
 
-    python bench/pipeline.py --processes 2               # AlexNet 64x64, batch 64, 4 micro-batches, 2 stages
+    python bench/pipeline.py --processes 2               # AlexNet 64x64, batch 64, 4 micro-batches, 2 stages, a core each
     python bench/pipeline.py --processes 2 --threads 2   # ... each process may use 2 threads (XLA's pool, torch's)
     python bench/pipeline.py --processes 2 --model stack --batch 256 --micro-batches 8 --pin   # the stack, a core each
     python bench/pipeline.py --stack                     # 16 x Linear(512), 2 simulated devices, S=2, M=8, batch 256
@@ -13,7 +13,10 @@ Schedule1F1B / ScheduleGPipe (--schedules zbh1: ScheduleInterleavedZeroBubble, t
 (gloo; bench/pipeline_torch.py), the same layer split (jaxpar's 'parameters' partition: layers 0-18 | 19-21), batch
 and micro-batches, SGD with momentum, plus each framework's own single-process step. `--model stack`: the 16 x
 Linear(512) stack of --stack instead (split 0-15 | 16-30), with the bound 1.5 x T_single / (1 - bubble) beside it;
-with --pin each stage has a core of its own, the bound's premise. Every run is compiled and warmed up first (2
+with --pin each stage has a core of its own, the bound's premise. --threads 1 (the default) implies --pin: XLA:CPU
+has no per-process thread limit (its pool takes every visible core), so one thread per rank is held by pinning
+both frameworks' ranks, each to a core of its own (until 2026-11-27 only torch's ranks were held to one thread,
+jaxpar's ran two; a QA finding). Every run is compiled and warmed up first (2
 steps, never timed); then rounds of --steps steps alternate between the runs (jaxpar 1F1B, torch 1F1B, jaxpar GPipe,
 ...), so load from elsewhere hits them alike, and the best round counts. samples/s = batch x steps / the slowest
 rank's wall time; samples per CPU-second divides by the CPU time of all the run's processes (every thread); CPU
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -46,7 +50,8 @@ def parse(argv=None):
     p.add_argument("--micro-batches", type=int, default=4)
     p.add_argument("--image", type=int, default=64, help="AlexNet image side")
     p.add_argument("--model", default="alexnet", choices=("alexnet", "stack"), help="--processes: the model")
-    p.add_argument("--threads", type=int, default=1, help="threads per pipeline process (XLA intra-op, torch)")
+    p.add_argument("--threads", type=int, default=1, help="threads per pipeline process (torch's; 1 pins every rank "
+                   "of both frameworks to a core, XLA:CPU having no thread limit)")
     p.add_argument("--pin", action="store_true", help="pin pipeline rank r to core r (one core per stage)")
     p.add_argument("--single-threads", type=int, default=os.cpu_count(), help="threads of the single-process runs")
     p.add_argument("--steps", type=int, default=5, help="timed steps per round")
@@ -57,9 +62,11 @@ def parse(argv=None):
 
 
 def xla_threads(n: int) -> str:
-    """XLA_FLAGS for n threads per process: 1 (Eigen single-threaded), else XLA's default pool (every core)."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    return f"--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1 {flags}".strip() if n == 1 else flags
+    """XLA_FLAGS for the processes: XLA's own. XLA:CPU has no per-process thread limit (its pool, and YNNPACK's
+    dots in it, take every visible core; --xla_cpu_multi_thread_eigen=false does not change that), so --threads 1
+    pins every rank of both frameworks to a core of its own instead (--pin)."""
+    del n
+    return os.environ.get("XLA_FLAGS", "")
 
 
 # ---- jaxpar workers (one group of processes per role, serving rounds from control files) -------------------
@@ -161,6 +168,10 @@ def cross_process(args) -> None:
     from jaxpar.pipeline.module import PipelineModule
 
     n = args.processes
+    if args.threads == 1 and not args.pin:  # the only way to hold XLA:CPU to one core (see xla_threads)
+        print("--threads 1: every rank of both frameworks pinned to a core of its own (--pin); XLA:CPU has no "
+              "per-process thread limit", flush=True)
+        args.pin = True
     model = stack_model() if args.model == "stack" else models.abstract("alexnet", num_classes=10)
     bounds = PipelineModule.from_model(model, n).bounds
     ctl = tempfile.mkdtemp(prefix="jaxpar-bench-")
@@ -192,6 +203,7 @@ def cross_process(args) -> None:
                 proc.join(60)
                 if proc.is_alive():
                     proc.kill()
+        shutil.rmtree(ctl, ignore_errors=True)  # the control files of this run
     report_cross(args, results, bounds)
 
 
@@ -381,8 +393,9 @@ def micro_batch_rates(stack, batch: dict, M: int, n_rounds: int) -> None:
         tw, tparts = torch.from_numpy(batch["x"]), [torch.from_numpy(batch["x"][i:i + n // M]) for i in
                                                      range(0, n, n // M)]
 
-        def fb(xs):
+        def fb(xs):  # each backward into fresh gradients, as jaxpar's grad returns them (no accumulation)
             for x in xs:
+                net.zero_grad(set_to_none=True)
                 net(x).sum().backward()
 
         runs.update({"torch whole": lambda: fb([tw]), "torch micro": lambda: fb(tparts)})

@@ -207,6 +207,18 @@ def _timed(built: dict, state, data: dict, devices: int, steps: int, repeats: in
             for s, (st, placed, rows, compile_s, (temp, sent)) in runs.items()}
 
 
+def _stage_programs(pipe, s: int) -> list:
+    """The compiled step-end programs (reductions, norms, updates; the tied weights' updates on every stage that
+    holds them) stage `s` ran in the last step, as recording_jit kept them."""
+    out = []
+    for key, fn in pipe.engine._updates.items():
+        if not getattr(fn, "hlo", None) or not isinstance(key[0], str):
+            continue  # a closure over recorded programs (a stage's update around its ties), or a cached index
+        if key[0] == "tied" and s in pipe.module.tied[key[1][0]] or key[0] != "tied" and key[1] == s:
+            out.append(fn)
+    return out
+
+
 def _byte_batch(batch: int, seq_len: int) -> dict:
     import numpy as np
 
@@ -296,8 +308,8 @@ def pipe_time_rows(names: list[str], devices: int, batch: int, seq_len: int, ste
             pipe.engine.jit = comm_cost.recording_jit(plain, [])
             placed, rows = pipe.init(state), pipe.put_batch(data)
             placed, metrics = pipe.step(placed, rows)
-            sent = [sum(max(comm_cost.hlo_bytes_per_device(t, pipe.D)) for key, fn in pipe.engine._updates.items()
-                        if key[1] == s for t in fn.hlo[:1]) for s in range(2)]
+            sent = [sum(max(comm_cost.hlo_bytes_per_device(fn.hlo[0], pipe.D)) for fn in _stage_programs(pipe, s))
+                    for s in range(2)]
             pipe.engine.jit, pipe.engine._updates = plain, {}  # compiled again plainly: the probe off the clock
             placed, metrics = pipe.step(placed, rows)
             jax.block_until_ready(metrics)
@@ -500,7 +512,6 @@ def main(argv=None) -> dict:
     frozen = frozen_rows(split(args.frozen), args.devices)
     tp = tp_rows(split(args.memory), args.devices)
     times = time_rows(split(args.time), args.devices, args.batch, args.seq_len, args.steps, args.repeats)
-    load = os.getloadavg()
     print(table(mem, times))
     if frozen:
         print(f"\nA fine-tune, every block's attention and MLP frozen: held per device, N={args.devices}\n"
@@ -540,6 +551,7 @@ def main(argv=None) -> dict:
         for r in po:
             print(f"| {r['model']} | {r['batch']} x {r['seq']} | {r['tp']} | {_mib(r['logits'])} | "
                   f"{_mib(r['gathered'])} | {_mib(r['split'])} | {r['split'] / r['gathered']:.3f} |")
+    load = os.getloadavg()  # after every timed table
     print(f"load average after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
     if args.png and mem:
         plot(mem, times, args.png, args.devices)

@@ -100,7 +100,7 @@ def refuse_tensor_groups_across_processes() -> None:
     try:
         jaxpar.TensorParallel(model, optax.sgd(0.1), tensor_parallel=4)
     except ValueError as e:
-        assert "several processes" in str(e) and "--tensor-parallel at most 2" in str(e), e
+        assert "devices of processes [0, 1]" in str(e) and "--tensor-parallel at most 2" in str(e), e
     else:
         raise AssertionError("a tensor group across processes was not refused")
 

@@ -803,3 +803,22 @@ def test_the_report_on_one_device_has_no_ratio_to_ddp():
         report = z.report(placed)
         assert ("model_vs_ddp" in report) == ("hlo_vs_ddp" in report) == (n > 1), (n, report)
         assert (report["model_bytes_sent_per_device"] == 0) == (n == 1)
+
+
+def test_bench_zero_counts_the_pipelines_step_end_bytes_on_every_stage():
+    """bench/zero.py's pipeline table: the bytes each stage sends at the step's end, from every compiled program it
+    ran (the untied update, the tied weights' updates on both stages holding them, the reductions). It crashed on
+    the GPT's stage update, a closure around its ties, on every default run (a QA finding)."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "zero.py")
+    spec = importlib.util.spec_from_file_location("bench_zero", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = {r["variant"]: r for r in bench.pipe_time_rows(["gpt-nano"], 4, 8, 16, 1, 1)}
+    losses = [r["loss"] for r in rows.values()]
+    assert max(losses) - min(losses) < 1e-5 * abs(losses[0])  # the same training in every variant (to rounding)
+    sent = {k: r["hlo_sent"] for k, r in rows.items()}
+    # ZeRO-1 by reduce-scatter sends the pipeline's own bytes (the ZeRO paper's claim); by all-reduce, more
+    assert 0 < sent["pipeline"] <= sent["pipeline + zero-1"] < sent["pipeline + zero-1, all-reduce"]

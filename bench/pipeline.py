@@ -1,7 +1,7 @@
 """Pipeline benchmarks: jaxpar's engine against torch.distributed.pipelining across processes, against one device,
 and its bubble. Tables print in Markdown; run `uptime` before and after (the machine may be shared).
 
-    python bench/pipeline.py --processes 2               # AlexNet 64x64, batch 64, 4 micro-batches, 2 stages, a core each
+    python bench/pipeline.py --processes 2               # AlexNet 64x64, batch 64, 4 micro-batches, 2 stages
     python bench/pipeline.py --processes 2 --threads 2   # ... each process may use 2 threads (XLA's pool, torch's)
     python bench/pipeline.py --processes 2 --model stack --batch 256 --micro-batches 8 --pin   # the stack, a core each
     python bench/pipeline.py --stack                     # 16 x Linear(512), 2 simulated devices, S=2, M=8, batch 256
@@ -59,14 +59,6 @@ def parse(argv=None):
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--ctl", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
-
-
-def xla_threads(n: int) -> str:
-    """XLA_FLAGS for the processes: XLA's own. XLA:CPU has no per-process thread limit (its pool, and YNNPACK's
-    dots in it, take every visible core; --xla_cpu_multi_thread_eigen=false does not change that), so --threads 1
-    pins every rank of both frameworks to a core of its own instead (--pin)."""
-    del n
-    return os.environ.get("XLA_FLAGS", "")
 
 
 # ---- jaxpar workers (one group of processes per role, serving rounds from control files) -------------------
@@ -168,23 +160,22 @@ def cross_process(args) -> None:
     from jaxpar.pipeline.module import PipelineModule
 
     n = args.processes
-    if args.threads == 1 and not args.pin:  # the only way to hold XLA:CPU to one core (see xla_threads)
+    if args.threads == 1 and not args.pin:  # the only way to hold XLA:CPU to one core: it has no thread limit
         print("--threads 1: every rank of both frameworks pinned to a core of its own (--pin); XLA:CPU has no "
               "per-process thread limit", flush=True)
         args.pin = True
     model = stack_model() if args.model == "stack" else models.abstract("alexnet", num_classes=10)
     bounds = PipelineModule.from_model(model, n).bounds
     ctl = tempfile.mkdtemp(prefix="jaxpar-bench-")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_threads(args.threads)}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}  # XLA's flags as they are: XLA:CPU has no per-process thread limit
     common = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
               if k in ("schedules", "batch", "micro_batches", "image", "steps", "model")]
     common += ["--pin"] if args.pin else []
     me = os.path.abspath(__file__)
     jax_pipe = subprocess.Popen([sys.executable, "-m", "jaxpar.launch", "--nproc-per-node", str(n), me,
                                  "--worker", "jaxpar-pipeline", "--ctl", ctl, *common], cwd=ROOT, env=env)
-    env1 = {**env, "XLA_FLAGS": xla_threads(args.single_threads)}
     jax_single = subprocess.Popen([sys.executable, me, "--worker", "jaxpar-single", "--ctl", ctl, *common], cwd=ROOT,
-                                  env=env1)
+                                  env=env)
     targs = {"model": args.model, "bounds": bounds, "batch": args.batch, "image": args.image,
              "micro_batches": args.micro_batches, "steps": args.steps, "schedules": args.schedules.split(","),
              "threads": args.threads, "single_threads": args.single_threads, "pin": args.pin}

@@ -214,7 +214,7 @@ def _stage_programs(pipe, s: int) -> list:
     for key, fn in pipe.engine._updates.items():
         if not getattr(fn, "hlo", None) or not isinstance(key[0], str):
             continue  # a closure over recorded programs (a stage's update around its ties), or a cached index
-        if key[0] == "tied" and s in pipe.module.tied[key[1][0]] or key[0] != "tied" and key[1] == s:
+        if (s in pipe.module.tied[key[1][0]]) if key[0] == "tied" else key[1] == s:
             out.append(fn)
     return out
 

@@ -58,7 +58,8 @@ def generate(model, prompt_BxT, max_new_tokens: int, *, temperature: float = 1.0
     tokens = np.zeros((b, total), np.int32)
     tokens[:, :t0] = prompt
     greedy = np.float32(temperature) == 0  # 0, or a temperature below float32's range (1e-46: 0 in float32)
-    out = _generate(graphdef, state, jnp.asarray(tokens), jax.random.key(seed), jnp.float32(1.0 if greedy else temperature),
+    out = _generate(graphdef, state, jnp.asarray(tokens), jax.random.key(seed),
+                    jnp.float32(1.0 if greedy else temperature),
                     t0=t0, block_size=cfg.block_size, greedy=greedy, top_k=top_k, kv_cache=bool(kv_cache))
     return np.asarray(out)
 

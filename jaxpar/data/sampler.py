@@ -57,9 +57,9 @@ class DistributedSampler:
             if group is not None and not jax.distributed.is_initialized():  # else JAX would start as one process
                 raise ValueError(f"DistributedSampler(num_replicas={num_replicas}, rank={rank}) reads the process "
                                  f"count and index from jax.distributed, which this process (one of "
-                                 f"{group.num_processes or 'several'}, by {group.source}'s variables) has not joined yet; call "
-                                 "jaxpar.run.distributed.initialize() (or jax.distributed.initialize()) first, as "
-                                 "torch needs init_process_group, or pass num_replicas and rank.")
+                                 f"{group.num_processes or 'several'}, by {group.source}'s variables) has not joined "
+                                 "yet; call jaxpar.run.distributed.initialize() (or jax.distributed.initialize()) "
+                                 "first, as torch needs init_process_group, or pass num_replicas and rank.")
             num_replicas = jax.process_count() if num_replicas is None else num_replicas
             rank = jax.process_index() if rank is None else rank
         self.num_replicas = _check_int("num_replicas", num_replicas, 1, ">= 1",

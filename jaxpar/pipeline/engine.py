@@ -529,10 +529,10 @@ class Engine:
                     groups.setdefault(tuple(mod.tied[j]), []).append(k)
             parts = [tuple(k for k in range(len(own)) if own[k] not in mod.tied), *map(tuple, groups.values())]
             rest = self.jit(self._subset_update(tuple(own[k] for k in parts[0]), counts), donate_argnums=(0, 1, 3))
-            self._updates[("rest", s)] = rest  # (its compiled program, for probes: bench/zero.py's bytes)
             if len(parts) == 1:
                 self._updates[("update", s)] = rest
                 return rest
+            self._updates[("rest", s)] = rest  # its compiled program, for probes (bench/zero.py's bytes)
             # each tie's leaves get ONE compiled update, which every stage holding them runs on the same values:
             # the copies stay equal bit for bit (XLA compiles a stage's whole update differently from another's).
             # The ties' updates run first and read the shared optimizer leaves (a step count); the rest's, last,

@@ -108,23 +108,22 @@ def _call(typename, args, kwargs) -> str:
 
 def build_layers(specs: Sequence[Any], seed: int = 0) -> list:
     """Modules, callables and (Tied)LayerSpecs -> layer objects; tied specs share one module."""
-    built, tied, first = [], {}, {}
+    built, tied = [], {}  # key -> (the layer index of its first use, its (class, args, kwargs), the module)
     for i, spec in enumerate(specs):
         if isinstance(spec, TiedLayerSpec):
-            if spec.key in first and not _same((spec.typename, spec.args, spec.kwargs), first[spec.key][1]):
-                j, (typename, args, kwargs) = first[spec.key]
-                now = _call(spec.typename, spec.args, spec.kwargs)
-                raise ValueError(f"TiedLayerSpec {spec.key!r} at layer {i} is {now}, but its first use (layer {j}) "
-                                 f"builds {_call(typename, args, kwargs)}; the key's "
-                                 "module is built once, from the first spec (DeepSpeed ignores a later spec's "
-                                 "arguments): pass the same class and arguments, or another key for another module.")
-            first.setdefault(spec.key, (i, (spec.typename, spec.args, spec.kwargs)))
+            made = (spec.typename, spec.args, spec.kwargs)
             if spec.key not in tied:
-                tied[spec.key] = spec.build(seed, i)
-                layer = tied[spec.key]
+                tied[spec.key] = (i, made, spec.build(seed, i))
+                layer = tied[spec.key][2]
                 built.append(layer if spec.forward_fn is None else Tied(layer, spec.forward_fn))
-            else:
-                built.append(Tied(tied[spec.key], spec.forward_fn or (lambda m, x: m(x))))
+                continue
+            j, first, module = tied[spec.key]
+            if not _same(made, first):
+                raise ValueError(f"TiedLayerSpec {spec.key!r} at layer {i} is {_call(*made)}, but its first use (layer "
+                                 f"{j}) builds {_call(*first)}; the key's module is built once, from the first spec "
+                                 "(DeepSpeed ignores a later spec's arguments): pass the same class and arguments, or "
+                                 "another key for another module.")
+            built.append(Tied(module, spec.forward_fn or (lambda m, x: m(x))))
         elif isinstance(spec, LayerSpec):
             built.append(spec.build(seed, i))
         elif callable(spec):

@@ -40,9 +40,9 @@ LEGACY_DEFAULT_LR = {"sgd": 0.01}
 # Config fields that change the trajectory: a resume that changes them still runs, with a printed note
 TRAJECTORY_FIELDS = ("dataset", "data_path", "data_dir", "train_split", "seq_len", "batch_size", "lr", "gamma",
                      "seed", "shuffle", "drop_last", "precision", "momentum", "nesterov", "eps", "adam_beta1",
-                     "adam_beta2", "weight_decay", "weight_decay_params", "image_size", "lr_schedule", "warmup_steps", "lr_decay_steps", "min_lr",
-                     "grad_clip", "loss",
-                     "label_smoothing", "dropout", "per_sample", "model_kwargs")
+                     "adam_beta2", "weight_decay", "weight_decay_params", "image_size", "lr_schedule", "warmup_steps",
+                     "lr_decay_steps", "min_lr", "grad_clip", "loss", "label_smoothing", "dropout", "per_sample",
+                     "model_kwargs")
 
 
 def _is_key(a) -> bool:
@@ -196,7 +196,7 @@ def check_compatible(meta: dict, info: dict, directory: str) -> list[str]:
         meta["decay_steps"] == info["decay_steps"]  # --lr-decay-steps given as the old run's own end: the same
     changed = [f"--{f.replace('_', '-')} was {old[f]!r}, now {new[f]!r}" for f in TRAJECTORY_FIELDS
                if f in old and old[f] != new.get(f) and not (f == "lr_decay_steps" and same_decay)]
-    if old.get("lr", 0) is None and new.get("lr") is None:  # both at the optimizer's default: did it change?
+    if "lr" in old and old["lr"] is None and new.get("lr") is None:  # both at the default: did it change?
         was = meta.get("default_lr", LEGACY_DEFAULT_LR.get(meta["optimizer"], info.get("default_lr")))
         if None not in (was, info.get("default_lr")) and was != info["default_lr"]:
             changed.append(f"the default --lr was {was}, now {info['default_lr']} (torch's); pass --lr {was} to "

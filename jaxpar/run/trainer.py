@@ -224,10 +224,11 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"--eps {cfg.eps} must be a finite number of at least {EPS_MIN:.3g} (it keeps the update's "
                          "denominator off zero in float32); pass e.g. 1e-8 (torch's Adam default), or leave it out for "
                          "the optimizer's default.")
-    for flag, beta in (("--adam-beta1", cfg.adam_beta1), ("--adam-beta2", cfg.adam_beta2)):
+    for flag, beta, torch_default, nanogpt in (("--adam-beta1", cfg.adam_beta1, 0.9, 0.9),
+                                               ("--adam-beta2", cfg.adam_beta2, 0.999, 0.95)):
         if not 0 <= beta < 1:
             raise ValueError(f"{flag} {beta} must be in [0, 1) (torch.optim.Adam's rule); pass e.g. torch's "
-                             f"{0.9 if flag.endswith('1') else 0.999} or nanoGPT's {0.9 if flag.endswith('1') else 0.95}.")
+                             f"{torch_default} or nanoGPT's {nanogpt}.")
     if cfg.weight_decay is not None and not 0 <= cfg.weight_decay < math.inf:
         raise ValueError(f"--weight-decay {cfg.weight_decay} must be a finite number >= 0 (torch.optim's rule); "
                          "pass e.g. 0.1, or leave it out for the optimizer's default.")
@@ -489,8 +490,8 @@ def gpt_model(cfg: Config, train_set, eval_set=None) -> nnx.Module:
                              f"activation_function={meta['activation_function']} --init-torch {cfg.init_torch!r} "
                              "was trained with; drop --activation-function.")
         options["activation_function"] = act
-    elif cfg.activation_function is None and models.gpt.implied_activation(meta):  # nanoGPT's train.py's ckpt.pt
-        options["activation_function"] = models.gpt.implied_activation(meta)
+    elif cfg.activation_function is None and (implied := models.gpt.implied_activation(meta)):  # nanoGPT's ckpt.pt
+        options["activation_function"] = implied
         if jax.process_index() == 0:
             print(f"jaxpar: note: --init-torch {cfg.init_torch!r} is a checkpoint of nanoGPT's train.py, whose model "
                   "runs the erf GELU: it loads with --activation-function gelu (pass gelu_new for GPT-2's tanh form).",

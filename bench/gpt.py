@@ -126,10 +126,11 @@ def torch_run(world: int, spec: dict):
 
 class PlainStep:
     """The ceiling without jaxpar: the same model and optimizer in a hand-written jitted NNX step (nnx.split, the
-    mean cross-entropy over the whole batch, jax.value_and_grad, optax). Shaped like a strategy (init, put_batch,
-    step) so rounds.JaxparRun times it as it times jaxpar's."""
+    mean cross-entropy over the whole batch, jax.value_and_grad, optax; `compute_dtype`: the weights cast to it for
+    the forward and backward). Shaped like a strategy (init, put_batch, step) so rounds.JaxparRun times it as it
+    times jaxpar's."""
 
-    def __init__(self, model, tx):
+    def __init__(self, model, tx, compute_dtype=None):
         import jax
         import optax
         from flax import nnx
@@ -137,7 +138,9 @@ class PlainStep:
         graphdef, self.params, rest = nnx.split(model, nnx.Param, ...)
 
         def loss(p, batch):
-            logits = nnx.merge(graphdef, p, rest)(batch["x"])
+            if compute_dtype is not None:
+                p = jax.tree.map(lambda a: a.astype(compute_dtype), p)
+            logits = nnx.merge(graphdef, p, rest)(batch["x"]).astype(jax.numpy.float32)
             return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
         @jax.jit

@@ -2,7 +2,8 @@
 # One command for a machine with a GPU, inside a time budget: bench/gpt.py (jaxpar vs torch.compile) on gpt2 124M,
 # batch 16 x 1024 tokens, bf16; the GPT model tests on the GPU; every strategy in its 1-device configuration on
 # GPT-2 (bf16, then fp16 with the loss scaler); GPT-2's state dicts to and from transformers
-# (examples/hf_gpt2.py); the CPU test suite if time is left; then one table.
+# (examples/hf_gpt2.py); the CPU test suite if time is left; then one table. bench/gpt_profile.py runs second: the
+# step's variants and their GPU kernels by kind.
 #
 #     bash bench/gpu.sh                 # from the repository root; results also in $OUT (default /tmp/jaxpar-gpu)
 #     BUDGET=900 bash bench/gpu.sh      # seconds for all of it (default 480: the device tool's calls end at 600 s)
@@ -54,6 +55,11 @@ EOF
 run bench_gpt 120 $PY bench/gpt.py --model "$MODEL" --batch-size "$BATCH" --seq-len "$SEQ" --precision bf16 \
     --rounds 3 --steps 10
 
+# 1b. where jaxpar's step spends its time on the GPU: variants (per-sample, 16-bit adds, XLA attention, a plain NNX
+#     step) and their kernels by kind, from jax.profiler traces; the default run's trace is kept in $OUT
+run gpt_profile 120 $PY bench/gpt_profile.py --model "$MODEL" --batch-size "$BATCH" --seq-len "$SEQ" \
+    --save-trace "$OUT"
+
 # 2. the GPT model tests on the GPU itself (single-device ones; float32 matmuls at full precision, not TF32)
 run tests_gpu 60 env JAX_PLATFORMS="$PLATFORM" JAX_DEFAULT_MATMUL_PRECISION=highest $PY -m pytest -o addopts="-q" \
     -p no:cacheprovider tests/test_gpt.py -k "logits or state_dict or attention or layers or bf16 or size or init"
@@ -72,7 +78,7 @@ one_device() {
     esac
 }
 RUNS=()  # "strategy precision"
-for s in $STRATS; do RUNS+=("$s bf16"); done
+for s in $STRATS; do [ "$s" = tp ] || RUNS+=("$s bf16"); done  # tp needs 2 devices: one GPU has no tensor group
 for s in single ddp pipeline; do RUNS+=("$s fp16"); done
 share=$($PY -c "print(round(0.9 / $PARALLEL, 2))")
 for ((i = 0; i < ${#RUNS[@]}; i += PARALLEL)); do
@@ -110,7 +116,7 @@ for name in ("tests_gpu", "tests_cpu"):
     log = read(f"{name}.log").strip().splitlines()
     where = os.environ["PLATFORM"] if name == "tests_gpu" else "cpu, 8 simulated devices"
     rows.append((f"pytest ({where})", status(name), log[-1] if log else "no output"))
-for s in [*os.environ["STRATS"].split(), "single_fp16", "ddp_fp16", "pipeline_fp16"]:
+for s in [*(s for s in os.environ["STRATS"].split() if s != "tp"), "single_fp16", "ddp_fp16", "pipeline_fp16"]:
     summary = [l for l in read(f"train_{s}.log").splitlines() if l.startswith("summary:")]
     if summary:
         kv = dict(re.findall(r"(\w+)=(\S+)", summary[-1]))
@@ -133,6 +139,10 @@ bench = read("bench_gpt.log").splitlines()
 table = [l for l in bench if l.startswith("|")]
 rows.insert(0, ("bench/gpt.py, bf16", status("bench_gpt", bool(table)),
                 "see below" if table else (bench[-1][:160] if bench else "no output")))
+prof = read("gpt_profile.log").splitlines()
+prof_start = next((i for i, l in enumerate(prof) if l.startswith("GPT ")), None)
+rows.insert(1, ("bench/gpt_profile.py, bf16", status("gpt_profile", prof_start is not None),
+                "see below" if prof_start is not None else (prof[-1][:160] if prof else "no output")))
 print("\njaxpar on " + read("devices.txt").strip() + f"; {os.environ['ELAPSED']} s of a {os.environ['BUDGET']} s budget")
 print("\n| step | status | result |\n|---|---|---|")
 for r in rows:
@@ -140,5 +150,7 @@ for r in rows:
 if table:
     start = next(i for i, l in enumerate(bench) if l.startswith("GPT "))
     print("\n" + "\n".join(bench[start:]))
+if prof_start is not None:
+    print("\n" + "\n".join(prof[prof_start:]))
 print(f"\nlogs in {out}")
 EOF

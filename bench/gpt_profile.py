@@ -38,6 +38,10 @@ KINDS = {  # kernel-name pattern -> kind; the first match wins
 }
 
 
+VARIANTS = ("jaxpar (defaults)", "per_sample=False", "per_sample=False, 16-bit bias/lookup",
+            "per_sample=False, XLA attention", "plain NNX step (no jaxpar)")
+
+
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="gpt2")
@@ -48,9 +52,16 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--trace-steps", type=int, default=3, help="steps traced per run (0: no profile)")
     p.add_argument("--top", type=int, default=12, help="kernels listed for jaxpar's default run")
+    p.add_argument("--variants", default=None, help="comma-separated 1-based numbers of the variants to run "
+                   "(default: all five, in the order above)")
     p.add_argument("--save-trace", default=None, help="a folder to copy jaxpar's default run's trace into "
                    "(NAME.xplane.pb: jax.profiler.ProfileData or TensorBoard's profile plugin reads it)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    picked = (args.variants or ",".join(str(i + 1) for i in range(len(VARIANTS)))).split(",")
+    if not all(i.strip().isdigit() and 1 <= int(i) <= len(VARIANTS) for i in picked):
+        p.error(f"--variants {args.variants!r}: give numbers from 1 to {len(VARIANTS)}, e.g. --variants 1,5")
+    args.variants = [VARIANTS[int(i) - 1] for i in picked]
+    return args
 
 
 def kernel_table(trace_dir: str, steps: int) -> tuple[dict, list, float]:
@@ -144,17 +155,18 @@ def main(argv=None) -> None:
         gpt.add_wide, gpt.take_wide = (plain_add, plain_take) if on else wide
 
     variants = {  # name -> (build the run, 16-bit adds)
-        "jaxpar (defaults)": (lambda: JaxparRun(jaxpar.SingleDevice(model, tx, compute_dtype=bf16), state, batch,
+        VARIANTS[0]: (lambda: JaxparRun(jaxpar.SingleDevice(model, tx, compute_dtype=bf16), state, batch,
                                                 args.steps, n), False),
-        "per_sample=False": (lambda: JaxparRun(jaxpar.SingleDevice(model, tx, compute_dtype=bf16, per_sample=False),
+        VARIANTS[1]: (lambda: JaxparRun(jaxpar.SingleDevice(model, tx, compute_dtype=bf16, per_sample=False),
                                                state, batch, args.steps, n), False),
-        "per_sample=False, 16-bit bias/lookup": (lambda: JaxparRun(jaxpar.SingleDevice(
+        VARIANTS[2]: (lambda: JaxparRun(jaxpar.SingleDevice(
             model, tx, compute_dtype=bf16, per_sample=False), state, batch, args.steps, n), True),
-        "per_sample=False, XLA attention": (lambda: JaxparRun(jaxpar.SingleDevice(
+        VARIANTS[3]: (lambda: JaxparRun(jaxpar.SingleDevice(
             build(attention="xla"), tx, compute_dtype=bf16, per_sample=False), state, batch, args.steps, n), False),
-        "plain NNX step (no jaxpar)": (lambda: JaxparRun(PlainStep(model, tx, compute_dtype=bf16), state, batch,
+        VARIANTS[4]: (lambda: JaxparRun(PlainStep(model, tx, compute_dtype=bf16), state, batch,
                                                          args.steps, n), True),
     }
+    variants = {name: variants[name] for name in args.variants}
     runs, narrowed = {}, {}
     for name, (make, sixteen) in variants.items():
         narrow(sixteen)

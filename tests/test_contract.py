@@ -633,6 +633,35 @@ def test_cross_entropy_is_torchs(smoothing):
         jaxpar.cross_entropy(jnp.asarray(logits), {"y": jnp.asarray(y)}, label_smoothing=1.5)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cross_entropys_own_backward_is_autodiffs_of_the_float32_formula(dtype):
+    """jaxpar.losses.nll_and_argmax (the loss with its own backward, which keeps 16-bit logits 16-bit) against
+    optax's cross-entropy on float32 logits and jnp.argmax: values, gradients with a weight per target, under
+    vmap (per-sample objectives) and jit, ties (the first index, as argmax), and a gradient in the logits' dtype.
+    The numbers are the float32 formula's, so they equal the torch loss above."""
+    from jaxpar.losses import nll_and_argmax
+
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.normal(size=(3, 5, 40)) * 4, dtype)
+    y, w = jnp.asarray(rng.integers(0, 40, (3, 5))), jnp.asarray(rng.normal(size=(3, 5)), jnp.float32)
+    ref = lambda x: optax.softmax_cross_entropy_with_integer_labels(x.astype(jnp.float32), y)  # noqa: E731
+    nll, predicted = jax.jit(nll_and_argmax)(logits, y)
+    np.testing.assert_allclose(nll, ref(logits), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(predicted, jnp.argmax(logits, -1))
+    want = jax.grad(lambda x: jnp.sum(w * ref(x)))(logits)
+    got = jax.jit(jax.grad(lambda x: jnp.sum(w * nll_and_argmax(x, y)[0])))(logits)
+    per_row = jax.vmap(jax.grad(lambda x, y, w: jnp.sum(w * nll_and_argmax(x, y)[0])))(logits, y, w)
+    assert got.dtype == per_row.dtype == jnp.dtype(dtype)
+    tol = 1e-6 if dtype == "float32" else 1e-2  # bf16: both round the same float32 gradient once
+    assert float(jnp.abs(want.astype(jnp.float32)).max()) > 0.5  # the check can fail: gradients far from 0
+    np.testing.assert_allclose(got.astype(jnp.float32), want.astype(jnp.float32), rtol=tol, atol=tol)
+    np.testing.assert_array_equal(per_row, got)
+    flat = jnp.zeros((2, 6), dtype)  # every class tied: argmax's first index, the uniform -log p
+    nll, predicted = nll_and_argmax(flat, jnp.array([0, 3]))
+    np.testing.assert_array_equal(predicted, [0, 0])
+    np.testing.assert_allclose(nll, [np.log(6)] * 2, rtol=1e-6)
+
+
 def test_a_loss_that_mixes_rows_is_refused_when_per_sample_was_left_at_its_default():
     """An in-batch contrastive loss (InfoNCE over the batch's other targets) sees one row at a time under
     per_sample=True: exactly 0, nothing trains, and a review found no error. Where per_sample was left at its

@@ -1,6 +1,7 @@
 """jaxpar.data.datasets and jaxpar.data.idx: synthetic data, IDX files, npz, tfds (offline), splits, preprocessing."""
 import gzip
 import io
+import sys
 from pathlib import Path
 
 import jax
@@ -52,6 +53,20 @@ def test_synthetic_slices_are_rows_of_the_whole_split():
     assert np.array_equal(load("synthetic", "test[:-1000]").y, whole.y[:9000])
     both = load("synthetic", "test[:100]+train[:100]")
     assert np.array_equal(both.y[:100], whole.y[:100]) and len(both) == 200
+
+
+def test_a_plain_split_name_needs_no_tensorflow_datasets(monkeypatch, tmp_path):
+    """The GPU image has no tensorflow-datasets: 'train' and 'test' read without it (its parser is for slices),
+    the whole split, and an empty one is still refused."""
+    monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)  # an import of it now fails
+    x = np.arange(24).reshape(6, 4)
+    np.savez(tmp_path / "tok.npz", x=x, y=x + 1, x_test=x[:0], y_test=x[:0])
+    whole = load("npz", "train", data_path=str(tmp_path / "tok.npz"), model=None)
+    assert np.array_equal(whole.x, x) and np.array_equal(whole.y, x + 1)
+    with pytest.raises(ImportError):  # the check can fail: a slice still goes through tfds
+        load("npz", "train[:2]", data_path=str(tmp_path / "tok.npz"), model=None)
+    with pytest.raises(DataError, match="'test' selects no samples"):
+        load("npz", "test", data_path=str(tmp_path / "tok.npz"), model=None)
 
 
 def test_synthetic_not_trivial_but_has_class_structure():

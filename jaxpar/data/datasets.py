@@ -109,8 +109,20 @@ def select(spec: str, names: tuple[str, ...], count: Callable[[str], int], rows:
     """The rows a tfds split spec selects, e.g. 'train[10%:20%]+test[:-1000]', concatenated.
 
     `count(split)` is the size of a named split, `rows(split, lo, hi)` its rows lo:hi. Parsing and rounding
-    are tfds's own (`ReadInstruction.from_spec(...).to_absolute(...)`, pure Python).
+    are tfds's own (`ReadInstruction.from_spec(...).to_absolute(...)`, pure Python); a plain split name needs no
+    tfds (a GPU image without it reads --dataset npz/text at 'train' and 'test').
     """
+    if spec in names:
+        out = rows(spec, 0, count(spec))
+    else:
+        out = _tfds_select(spec, names, count, rows)
+    if len(out[1]) == 0:
+        raise DataError(f"split {spec!r} selects no samples; choose a non-empty slice such as 'test[:8000]'.")
+    return out
+
+
+def _tfds_select(spec: str, names: tuple[str, ...], count: Callable[[str], int], rows: Rows) -> tuple:
+    """select's rows for a spec with slices or several splits, through tfds's parser."""
     from tensorflow_datasets.core import splits as tfds_splits
 
     class Infos(dict):  # split name -> SplitInfo-like, looked up (and so loaded) only when referenced
@@ -125,10 +137,7 @@ def select(spec: str, names: tuple[str, ...], count: Callable[[str], int], rows:
         raise DataError(f"split {spec!r} is not valid here ({e}); the splits are {list(names)}, written in tfds "
                         f"syntax, e.g. 'train', 'test[:8000]', 'train[10%:20%]', 'train[:-1000]'.") from e
     parts = [rows(a.splitname, a.from_ or 0, count(a.splitname) if a.to is None else a.to) for a in instructions]
-    out = parts[0] if len(parts) == 1 else tuple(np.concatenate(p) for p in zip(*parts))
-    if len(out[1]) == 0:
-        raise DataError(f"split {spec!r} selects no samples; choose a non-empty slice such as 'test[:8000]'.")
-    return out
+    return parts[0] if len(parts) == 1 else tuple(np.concatenate(p) for p in zip(*parts))
 
 
 def resize(x: np.ndarray, size: int, chunk: int = 512) -> np.ndarray:

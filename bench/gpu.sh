@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# One command for a machine with a GPU, inside a time budget: bench/gpt.py (jaxpar vs torch.compile) on gpt2 124M,
-# batch 16 x 1024 tokens, bf16; the GPT model tests on the GPU; every strategy in its 1-device configuration on
-# GPT-2 (bf16, then fp16 with the loss scaler); GPT-2's state dicts to and from transformers
-# (examples/hf_gpt2.py); the CPU test suite if time is left; then one table. bench/gpt_profile.py runs second: the
-# step's variants and their GPU kernels by kind.
+# One command for a machine with a GPU, inside a time budget, most valuable first: bench/gpt.py (jaxpar vs
+# torch.compile) on gpt2 124M, batch 16 x 1024 tokens, bf16; bench/gpt_profile.py (where jaxpar's step goes: its
+# GPU kernels by kind); every strategy in its 1-device configuration on GPT-2 (bf16, then fp16 with the loss
+# scaler); the GPT model tests on the GPU; GPT-2's state dicts to and from transformers (examples/hf_gpt2.py); the
+# CPU test suite if time is left; then one table. First run on an H100 on 2026-11-27 (README, Benchmarks).
 #
 #     bash bench/gpu.sh                 # from the repository root; results also in $OUT (default /tmp/jaxpar-gpu)
 #     BUDGET=900 bash bench/gpu.sh      # seconds for all of it (default 480: the device tool's calls end at 600 s)
@@ -15,7 +15,7 @@
 # registry: its image has JAX (CUDA), flax, optax, orbax, torch and transformers, so the project is installed
 # with --no-deps and without build isolation (which would fetch setuptools), and nothing here imports
 # tensorflow-datasets (the text data is the standard library's sources). Its interpreter is `python3`.
-# MODEL, SEQ, BATCH, STEPS, PLATFORM (cuda) and PYTHON change the workload, for a dry run on a CPU.
+# MODEL, SEQ, BATCH, STEPS, VARIANTS, PLATFORM (cuda) and PYTHON change the workload, for a dry run on a CPU.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/jaxpar-gpu}
@@ -41,7 +41,8 @@ run() {
         echo skipped >"$OUT/$name.rc"
         return
     fi
-    timeout --kill-after=10 "$left" "$@" >"$OUT/$name.log" 2>&1
+    # SIGABRT at the limit: Python's faulthandler prints where each thread was (a hang and a slow step differ)
+    PYTHONFAULTHANDLER=1 timeout --signal=ABRT --kill-after=10 "$left" "$@" >"$OUT/$name.log" 2>&1
     echo "$?" >"$OUT/$name.rc"
 }
 
@@ -55,19 +56,16 @@ EOF
 run bench_gpt 120 $PY bench/gpt.py --model "$MODEL" --batch-size "$BATCH" --seq-len "$SEQ" --precision bf16 \
     --rounds 3 --steps 10
 
-# 1b. where jaxpar's step spends its time on the GPU: variants (per-sample, 16-bit adds, XLA attention, a plain NNX
-#     step) and their kernels by kind, from jax.profiler traces; the default run's trace is kept in $OUT
-run gpt_profile 120 $PY bench/gpt_profile.py --model "$MODEL" --batch-size "$BATCH" --seq-len "$SEQ" \
-    --save-trace "$OUT"
+# 1b. where jaxpar's step spends its time on the GPU: jaxpar's step and a hand-written one, their kernels by kind,
+#     from jax.profiler traces (the default run's trace is kept in $OUT); VARIANTS=1,2,3,4,5 for all five (about
+#     a minute more: per-sample off, 16-bit adds, XLA attention)
+run gpt_profile 90 $PY bench/gpt_profile.py --model "$MODEL" --batch-size "$BATCH" --seq-len "$SEQ" \
+    --variants "${VARIANTS:-1,5}" --save-trace "$OUT"
 
-# 2. the GPT model tests on the GPU itself (single-device ones; float32 matmuls at full precision, not TF32)
-run tests_gpu 60 env JAX_PLATFORMS="$PLATFORM" JAX_DEFAULT_MATMUL_PRECISION=highest $PY -m pytest -o addopts="-q" \
-    -p no:cacheprovider tests/test_gpt.py -k "logits or state_dict or attention or layers or bf16 or size or init"
-
-# 3. every strategy on one GPU: GPT-2 on the standard library's bytes, bf16; then fp16 with DeepSpeed's dynamic
+# 2. every strategy on one GPU: GPT-2 on the standard library's bytes, bf16; then fp16 with DeepSpeed's dynamic
 #    loss scaling (2**16, window 1000, hysteresis 2): the step's own seed and skip
 COMMON=(--model "$MODEL" --dataset text --seq-len "$SEQ" --batch-size "$BATCH" --optimizer adamw --lr 6e-4
-        --gamma 1.0 --steps "$STEPS" --eval-split 'test[:64]' --eval-batch-size "$BATCH" --log-every 10 --quiet
+        --gamma 1.0 --steps "$STEPS" --eval-split 'test[:32]' --eval-batch-size "$BATCH" --log-every 10 --quiet
         --report)
 STRATS=$($PY -c "import jaxpar; print(' '.join(jaxpar.STRATEGIES))")
 one_device() {
@@ -91,6 +89,11 @@ for ((i = 0; i < ${#RUNS[@]}; i += PARALLEL)); do
     done
     wait
 done
+
+# 3. the GPT model tests on the GPU itself (single-device ones; float32 matmuls at full precision, not TF32); on an
+#    H100 they took 185 s (each compiles its own programs), hence after the training runs
+run tests_gpu 60 env JAX_PLATFORMS="$PLATFORM" JAX_DEFAULT_MATMUL_PRECISION=highest $PY -m pytest -o addopts="-q" \
+    -p no:cacheprovider tests/test_gpt.py -k "logits or state_dict or attention or layers or bf16 or size or init"
 
 # 4. GPT-2 to and from transformers (the image has it): state-dict files and save_pretrained folders, by logits
 run hf_gpt2 30 env JAX_PLATFORMS=cpu $PY examples/hf_gpt2.py "$OUT/hf_gpt2"

@@ -33,7 +33,7 @@ class Config:
     sample_top_k: int = 200  # sample among the k most likely bytes (nanoGPT's sample.py: 200)
     # how to train
     batch_size: int = 64  # the GLOBAL batch, the same meaning for every strategy
-    eval_batch_size: int = 1000  # evaluation batch (reference step, one device)
+    eval_batch_size: int | None = None  # evaluation batch (None: 1000, torch's MNIST example's; for a GPT or --dataset text the --batch-size, as nanoGPT's estimate_loss)
     epochs: int | None = None  # passes over the training split (None: 1); --steps overrides it, with a note
     steps: int | None = None  # stop after this many steps in all (None: run the epochs), whatever --epochs says
     optimizer: str = "adadelta"  # sgd | adam | adamw | adadelta (PyTorch defaults)

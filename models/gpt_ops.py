@@ -74,12 +74,28 @@ def linear_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_el
                                preferred_element_type=preferred_element_type, **kwargs)
 
 
+def cudnn_attention_supported(device: jax.Device | None = None) -> bool:
+    """Whether cuDNN's fused attention runs on `device` (default: the first): a CUDA GPU of compute capability 8.0
+    (Ampere) or newer, as jax's cudnn implementation requires; ROCm GPUs (also "gpu") and older CUDA ones: no."""
+    device = device or jax.devices()[0]
+    try:
+        return device.platform == "gpu" and float(getattr(device, "compute_capability", "")) >= 8.0
+    except ValueError:  # ROCm names its architectures (gfx90a)
+        return False
+
+
 def attention_impl(setting: str, dtype, head_dim: int) -> str:
-    """'cudnn' (fused flash attention) on a GPU for bf16/fp16 and head sizes cuDNN takes, else 'xla'."""
+    """'cudnn' (fused flash attention) on a GPU that has it for bf16/fp16 and head sizes cuDNN takes, else 'xla';
+    `setting` 'cudnn' where it cannot run is refused in one line (jax would fail deep inside its lowering)."""
+    fits = jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128
+    here = jax.default_backend() == "gpu" and cudnn_attention_supported()
+    if setting == "cudnn" and not (fits and here):
+        raise ValueError(f"attention='cudnn' needs bf16 or fp16 compute, a head size that is a multiple of 8 up to "
+                         f"128 and a CUDA GPU of compute capability >= 8.0 (here {jnp.dtype(dtype).name}, head size "
+                         f"{head_dim}, {jax.devices()[0].device_kind}); use attention='auto' (or 'xla').")
     if setting != "auto":
         return setting
-    fits = jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128
-    return "cudnn" if fits and jax.default_backend() == "gpu" else "xla"
+    return "cudnn" if fits and here else "xla"
 
 
 def query_blocks(t: int) -> list[int]:

@@ -272,12 +272,29 @@ def test_a_sequence_whose_attention_scores_cannot_fit_is_refused_before_anything
 
 
 def test_attention_uses_cudnn_only_on_gpus_for_half_precision(monkeypatch):
-    assert gpt.attention_impl("auto", jnp.bfloat16, 64) == ("cudnn" if jax.default_backend() == "gpu" else "xla")
+    from types import SimpleNamespace
+
+    from jaxpar.models import gpt_ops
+
+    supported = gpt_ops.cudnn_attention_supported
+    here = jax.default_backend() == "gpu" and supported()
+    assert gpt.attention_impl("auto", jnp.bfloat16, 64) == ("cudnn" if here else "xla")
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(gpt_ops, "cudnn_attention_supported", lambda: True)
     assert gpt.attention_impl("auto", jnp.bfloat16, 64) == "cudnn"
     assert gpt.attention_impl("auto", jnp.float32, 64) == "xla"
     assert gpt.attention_impl("auto", jnp.bfloat16, 100) == "xla"  # cuDNN takes head sizes in multiples of 8
     assert gpt.attention_impl("xla", jnp.bfloat16, 64) == "xla"
+    assert gpt.attention_impl("cudnn", jnp.float16, 64) == "cudnn"
+    with pytest.raises(ValueError, match=r"attention='cudnn' needs bf16 or fp16 .*here float32.*attention=.auto."):
+        gpt.attention_impl("cudnn", jnp.float32, 64)
+    monkeypatch.setattr(gpt_ops, "cudnn_attention_supported", lambda: False)  # a V100, a T4, a ROCm GPU
+    assert gpt.attention_impl("auto", jnp.bfloat16, 64) == "xla"
+    with pytest.raises(ValueError, match="compute capability >= 8.0"):
+        gpt.attention_impl("cudnn", jnp.bfloat16, 64)
+    gpu = lambda cc: SimpleNamespace(platform="gpu", compute_capability=cc)  # noqa: E731
+    assert supported(gpu("9.0")) and supported(gpu("8.0"))
+    assert not supported(gpu("7.5")) and not supported(gpu("gfx90a")) and not supported(SimpleNamespace(platform="cpu"))
 
 
 def test_explicit_attention_equals_the_fused_call():
@@ -729,3 +746,16 @@ def test_npz_tokens_of_the_eval_split_size_the_vocabulary_too(tmp_path):
     out = trainer.run(Config(model="gpt-nano", dataset="npz", data_path=str(tmp_path / "tok.npz"), batch_size=4,
                              steps=2, eval_batch_size=4, quiet=True))
     assert np.isfinite(out["eval_loss"])
+
+
+def test_a_language_models_evaluation_batch_defaults_to_its_training_batch():
+    """--eval-batch-size's 1000 (torch's MNIST example) for GPT-2 at 1024 tokens is ~100 GB of logits in one call
+    (a QA pass): a GPT or text data evaluates in the training batch, as nanoGPT's estimate_loss does; the
+    classifiers keep 1000, and the flag wins."""
+    from jaxpar.config import Config
+    from jaxpar.run.trainer import eval_batch_size
+
+    assert eval_batch_size(Config(model="gpt2", batch_size=16)) == 16
+    assert eval_batch_size(Config(model=f"{__name__}:nothing", dataset="text", batch_size=8)) == 8
+    assert eval_batch_size(Config(model="convnet", batch_size=64)) == 1000
+    assert eval_batch_size(Config(model="gpt2", batch_size=16, eval_batch_size=4)) == 4

@@ -335,7 +335,11 @@ def test_rendezvous_from_environment():
     assert detect(torch_env) == Rendezvous("torch", "10.0.0.1:29500", 8, 5)
     no_rank = {**torch_env, "GROUP_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
     del no_rank["RANK"]
-    assert detect(no_rank) == Rendezvous("torch", "10.0.0.1:29500", 8, 5)  # node 1 x 4 per node + local 1
+    # node 1 x 4 per node + local 1; 4 processes on the node and nothing chose their GPUs: each takes its own
+    assert detect(no_rank) == Rendezvous("torch", "10.0.0.1:29500", 8, 5, [1])
+    for chosen in ("CUDA_VISIBLE_DEVICES", "JAX_LOCAL_DEVICE_IDS", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"):
+        assert detect({**no_rank, chosen: "3"}).local_device_ids is None  # the environment's choice stands
+    assert detect({**torch_env, "LOCAL_WORLD_SIZE": "1"}).local_device_ids is None  # one process per node
     assert detect({"JAX_COORDINATOR_ADDRESS": "h:1234", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}) == \
         Rendezvous("jax", "h:1234", 2, 1)
     assert detect({"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "4"}) == Rendezvous("slurm")
@@ -345,6 +349,23 @@ def test_rendezvous_from_environment():
         detect({**torch_env, "RANK": "8"})
     with pytest.raises(ValueError, match="needs MASTER_PORT"):
         detect({k: v for k, v in torch_env.items() if k != "MASTER_PORT"})
+
+
+def test_initialize_gives_each_local_process_its_own_gpu(monkeypatch):
+    """jax.distributed.initialize without local_device_ids gives every process of a node every GPU (a QA pass
+    found jaxpar.launch --nproc-per-node 2 would have two processes on each GPU); initialize passes LOCAL_RANK's."""
+    import jax
+
+    from jaxpar.run import distributed
+
+    seen = {}
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: seen.update(kw))
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1",
+           "LOCAL_WORLD_SIZE": "2"}
+    monkeypatch.setattr(jax.config, "update", lambda *a: None)  # the CPU collectives' setting: not this test's
+    distributed.initialize(env=env)
+    assert seen["local_device_ids"] == [1] and seen["process_id"] == 1 and seen["num_processes"] == 2
 
 
 def test_launcher_environment_and_resume(tmp_path, monkeypatch):

@@ -32,6 +32,20 @@ class Rendezvous(NamedTuple):
     coordinator: str | None = None  # host:port of process 0's coordinator
     num_processes: int | None = None
     process_id: int | None = None
+    local_device_ids: list[int] | None = None  # the GPUs this process takes; None: JAX's choice (all it sees)
+
+
+VISIBLE_DEVICES = ("JAX_LOCAL_DEVICE_IDS", "CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
+
+
+def local_device_ids(env: Mapping[str, str]) -> list[int] | None:
+    """[LOCAL_RANK] when torchrun / jaxpar.launch started several processes on this node and nothing chose their
+    GPUs (torch's convention: rank r calls torch.cuda.set_device(LOCAL_RANK)); JAX would give every process every
+    GPU of the node. None otherwise (one process per node, or the environment names the devices)."""
+    several = "LOCAL_RANK" in env and "LOCAL_WORLD_SIZE" in env and _int(env, "LOCAL_WORLD_SIZE") > 1
+    if not several or any(env.get(name) for name in VISIBLE_DEVICES):
+        return None
+    return [_int(env, "LOCAL_RANK")]
 
 
 def _int(env: Mapping[str, str], name: str) -> int:
@@ -64,7 +78,7 @@ def detect(env: Mapping[str, str] | None = None) -> Rendezvous | None:
             if not env.get(name):
                 raise ValueError(f"WORLD_SIZE={world} needs {name} (process 0's address and port); set it or "
                                  "start the processes with python -m jaxpar.launch.")
-        return Rendezvous("torch", f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}", world, rank)
+        return Rendezvous("torch", f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}", world, rank, local_device_ids(env))
     if "SLURM_JOB_ID" in env and "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
         return Rendezvous("slurm")
     if "OMPI_MCA_orte_hnp_uri" in env and int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
@@ -97,7 +111,8 @@ def initialize(cfg=None, env: Mapping[str, str] | None = None) -> Rendezvous | N
           file=sys.stderr, flush=True)
     try:
         jax.distributed.initialize(coordinator_address=rdv.coordinator, num_processes=rdv.num_processes,
-                                   process_id=rdv.process_id, initialization_timeout=timeout)
+                                   process_id=rdv.process_id, local_device_ids=rdv.local_device_ids,
+                                   initialization_timeout=timeout)
     except Exception as e:  # JAX's gRPC errors that reach Python (a missing peer aborts in C++ instead: the
         # line above says what it waits for): one line that says which setting to fix
         text = str(e)

@@ -649,6 +649,16 @@ def make_tx(cfg: Config, steps_per_epoch: int, total_steps: int | None = None) -
     return tx if scaler is None else loss_scaling(tx, scaler)
 
 
+def eval_batch_size(cfg: Config) -> int:
+    """--eval-batch-size, else 1000 (torch's MNIST example's test batch) or, for a language model, the training
+    batch (nanoGPT's estimate_loss): 1000 sequences of GPT-2's 1024 tokens would need ~100 GB for the logits alone."""
+    from jaxpar import models
+
+    if cfg.eval_batch_size is not None:
+        return cfg.eval_batch_size
+    return cfg.batch_size if cfg.model in models.GPT_NAMES or cfg.dataset == "text" else 1000
+
+
 def evaluate(eval_step, state: TrainState, dataset, batch_size: int, pad: bool = True) -> dict[str, float]:
     """Mean loss and every metric (divided by the summed weight) of `state` over `dataset`, in batches of
     `batch_size`; the last batch padded with masked rows when `pad` (per-sample objectives), else smaller.
@@ -865,9 +875,9 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
                 epoch_done = (rest // local_batch if cfg.drop_last else rest) == 0  # else --steps ended it mid-epoch
                 if eval_set is not None:  # a strategy with evaluate() runs it where its weights are (pipeline)
                     on = getattr(strategy, "evaluate", None)
-                    last.update(evaluate(eval_step, strategy.unplace(placed), eval_set, cfg.eval_batch_size,
+                    last.update(evaluate(eval_step, strategy.unplace(placed), eval_set, eval_batch_size(cfg),
                                          pad=objective.per_sample) if on is None else
-                                evaluate(lambda rows: on(placed, rows), None, eval_set, cfg.eval_batch_size,
+                                evaluate(lambda rows: on(placed, rows), None, eval_set, eval_batch_size(cfg),
                                          pad=objective.per_sample))
                 clock.skip()
                 writer.write({"event": "epoch", **last})

@@ -16,7 +16,7 @@ AdamW(6e-4, betas (0.9, 0.95), weight decay 0.1)):
 The runs alternate round by round; tokens/s is each run's best round. Then each run's steps are traced with
 jax.profiler and its GPU kernels summed by kind (GEMMs, attention, the rest: XLA's fusions, copies), per step, and
 "GPU busy" is the part of the time from the traced steps' first kernel to their last in which some kernel ran: the
-rest is the device waiting on the host. The top kernels of jaxpar's default run close the output.
+rest is the device waiting on the host. The top kernels of the first run (jaxpar's default unless --variants leaves it out) close the output.
 """
 from __future__ import annotations
 
@@ -54,9 +54,14 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--top", type=int, default=12, help="kernels listed for jaxpar's default run")
     p.add_argument("--variants", default=None, help="comma-separated 1-based numbers of the variants to run "
                    "(default: all five, in the order above)")
-    p.add_argument("--save-trace", default=None, help="a folder to copy jaxpar's default run's trace into "
-                   "(NAME.xplane.pb: jax.profiler.ProfileData or TensorBoard's profile plugin reads it)")
+    p.add_argument("--save-trace", default=None, help="a folder to copy the first run's trace into "
+                   "(gpt_profile.xplane.pb: jax.profiler.ProfileData or TensorBoard's profile plugin reads it)")
     args = p.parse_args(argv)
+    for name in ("batch_size", "seq_len", "steps", "rounds"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+    if args.trace_steps < 0:
+        p.error(f"--trace-steps {args.trace_steps} must be >= 0 (0: no profile)")
     picked = (args.variants or ",".join(str(i + 1) for i in range(len(VARIANTS)))).split(",")
     if not all(i.strip().isdigit() and 1 <= int(i) <= len(VARIANTS) for i in picked):
         p.error(f"--variants {args.variants!r}: give numbers from 1 to {len(VARIANTS)}, e.g. --variants 1,5")
@@ -134,7 +139,7 @@ def main(argv=None) -> None:
 
     import jaxpar
     from gpt import PlainStep
-    from jaxpar import models, precision
+    from jaxpar import models
     from jaxpar.models import gpt
     from jaxpar.run import flops
     from rounds import JaxparRun
@@ -197,7 +202,7 @@ def main(argv=None) -> None:
         cells = ["-"] * 5
         if args.trace_steps:
             narrow(narrowed[k])
-            save = os.path.join(args.save_trace, "jaxpar_default.xplane.pb") if args.save_trace and \
+            save = os.path.join(args.save_trace, "gpt_profile.xplane.pb") if args.save_trace and \
                 not top_default else None
             kinds, top, busy, _ = profile(run, args.trace_steps, save)
             narrow(False)

@@ -55,6 +55,8 @@ def cross_entropy(logits, batch, *, key: str = "y", ignore_index: int = IGNORE_I
         raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1] (torch's rule; 0 is plain "
                          "cross-entropy); pass e.g. --label-smoothing 0.1.")
     y = _targets(batch, key)
+    if jnp.issubdtype(y.dtype, jnp.integer):  # uint8 targets: -100 would read 156, and class ids wrap past 255
+        y = y.astype(jnp.int32)
     split = isinstance(logits, megatron.VocabParallelLogits)
     local = logits.local if split else logits
     if local.shape[:-1] != y.shape:
@@ -114,7 +116,7 @@ def _nll_and_argmax_fwd(logits, labels):
 def _nll_and_argmax_bwd(res, cotangents):
     logits, labels, log_z = res
     softmax = jnp.exp(logits.astype(jnp.float32) - log_z[..., None])
-    one_hot = labels[..., None] == jax.lax.broadcasted_iota(labels.dtype, logits.shape, logits.ndim - 1)
+    one_hot = labels[..., None].astype(jnp.int32) == jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
     return ((softmax - one_hot) * cotangents[0][..., None]).astype(logits.dtype), None
 
 

@@ -656,6 +656,14 @@ def test_cross_entropys_own_backward_is_autodiffs_of_the_float32_formula(dtype):
     assert float(jnp.abs(want.astype(jnp.float32)).max()) > 0.5  # the check can fail: gradients far from 0
     np.testing.assert_allclose(got.astype(jnp.float32), want.astype(jnp.float32), rtol=tol, atol=tol)
     np.testing.assert_array_equal(per_row, got)
+    narrow = jnp.asarray(rng.integers(0, 300, (3, 5)), jnp.uint8)  # 8-bit ids (wrapped), 300 classes
+    wide = jnp.asarray(narrow, jnp.int32)
+    big = jnp.asarray(rng.normal(size=(3, 5, 300)), dtype)
+    g8, g32 = (jax.grad(lambda x, t: jnp.sum(nll_and_argmax(x, t)[0]))(big, t) for t in (narrow, wide))
+    np.testing.assert_array_equal(g8, g32)  # the one-hot compares in int32: a uint8 iota would wrap past 255
+    np.testing.assert_allclose(jnp.sum(g32.astype(jnp.float32), -1), 0.0, atol=2e-2)  # softmax - one_hot sums to 0
+    out8 = jaxpar.cross_entropy(big, {"y": jnp.asarray([[156] * 5] * 3, jnp.uint8)})  # 156 is -100 as a uint8
+    assert float(out8.weight) == 15  # counted: uint8 targets are read as int32, never as the ignore index
     flat = jnp.zeros((2, 6), dtype)  # every class tied: argmax's first index, the uniform -log p
     nll, predicted = nll_and_argmax(flat, jnp.array([0, 3]))
     np.testing.assert_array_equal(predicted, [0, 0])

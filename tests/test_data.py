@@ -58,7 +58,8 @@ def test_synthetic_slices_are_rows_of_the_whole_split():
 def test_a_plain_split_name_needs_no_tensorflow_datasets(monkeypatch, tmp_path):
     """The GPU image has no tensorflow-datasets: 'train' and 'test' read without it (its parser is for slices),
     the whole split, and an empty one is still refused."""
-    monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)  # an import of it now fails
+    for name in [m for m in sys.modules if m.split(".")[0] == "tensorflow_datasets"] + ["tensorflow_datasets"]:
+        monkeypatch.setitem(sys.modules, name, None)  # an import of it (or of a submodule loaded before) now fails
     x = np.arange(24).reshape(6, 4)
     np.savez(tmp_path / "tok.npz", x=x, y=x + 1, x_test=x[:0], y_test=x[:0])
     whole = load("npz", "train", data_path=str(tmp_path / "tok.npz"), model=None)

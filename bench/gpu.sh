@@ -28,7 +28,7 @@ BATCH=${BATCH:-16}
 PLATFORM=${PLATFORM:-cuda}
 PARALLEL=${PARALLEL:-3}
 mkdir -p "$OUT"
-rm -f "$OUT"/*.rc "$OUT"/*.log "$OUT"/*.jsonl
+rm -f "$OUT"/*.rc "$OUT"/*.log "$OUT"/*.jsonl "$OUT"/*.secs
 T0=$(date +%s)
 
 # run NAME NEED CMD...: CMD under a timeout of the budget left, its output in $OUT/NAME.log and its exit status in
@@ -42,8 +42,10 @@ run() {
         return
     fi
     # SIGABRT at the limit: Python's faulthandler prints where each thread was (a hang and a slow step differ)
+    local t0=$SECONDS
     PYTHONFAULTHANDLER=1 timeout --signal=ABRT --kill-after=10 "$left" "$@" >"$OUT/$name.log" 2>&1
     echo "$?" >"$OUT/$name.rc"
+    echo $((SECONDS - t0)) >"$OUT/$name.secs"  # the table shows it: the next budget's plan
 }
 
 $PY -m pip install --no-deps --no-build-isolation -q -e . >"$OUT/install.log" 2>&1 ||
@@ -109,9 +111,9 @@ read = lambda f: open(os.path.join(out, f)).read() if os.path.exists(os.path.joi
 
 
 def status(name: str, ok: bool = True) -> str:
-    rc = read(f"{name}.rc").strip()
-    return {"": "not run", "skipped": "skipped (time budget)", "124": "TIMED OUT"}.get(
-        rc, "ok" if rc == "0" and ok else "FAILED")
+    rc, secs = read(f"{name}.rc").strip(), read(f"{name}.secs").strip()
+    return {"": "not run", "skipped": "skipped (time budget)", "124": f"TIMED OUT ({secs} s)"}.get(
+        rc, ("ok" if rc == "0" and ok else "FAILED") + (f" ({secs} s)" if secs else ""))
 
 
 rows = []

@@ -100,7 +100,8 @@ def nll_and_argmax(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax
     one sums exp(x - max) in float32, and the backward, softmax - one_hot times the cotangent, reads them once more
     and writes the gradient in their dtype. Autodiff of the float32 formula would write a float32 copy of the logits
     and keep it for the backward: for GPT-2's 50,304 classes, 3.3 GB per 16 x 1024 tokens, about 5 ms of an H100's
-    step in passes over it (bench/gpt_profile.py)."""
+    step in passes over it (bench/gpt_profile.py). Reverse mode only, as any jax.custom_vjp: jax.grad and
+    jax.hessian work, jax.jvp and jax.jacfwd raise."""
     return _nll_and_argmax_fwd(logits, labels)[0]
 
 

@@ -16,7 +16,8 @@ AdamW(6e-4, betas (0.9, 0.95), weight decay 0.1)):
 The runs alternate round by round; tokens/s is each run's best round. Then each run's steps are traced with
 jax.profiler and its GPU kernels summed by kind (GEMMs, attention, the rest: XLA's fusions, copies), per step, and
 "GPU busy" is the part of the time from the traced steps' first kernel to their last in which some kernel ran: the
-rest is the device waiting on the host. The top kernels of the first run (jaxpar's default unless --variants leaves it out) close the output.
+rest is the device waiting on the host. The top kernels of the first run (jaxpar's default unless --variants
+leaves it out) close the output.
 """
 from __future__ import annotations
 
@@ -69,12 +70,16 @@ def parse(argv=None) -> argparse.Namespace:
     return args
 
 
+def trace_file(trace_dir: str) -> str:
+    """The .xplane.pb that jax.profiler wrote under `trace_dir`."""
+    return sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))[-1]
+
+
 def kernel_table(trace_dir: str, steps: int) -> tuple[dict, list, float]:
     """({kind: ms per step}, [(kernel, ms per step, calls per step)] by time, GPU busy fraction) of a trace."""
     from jax.profiler import ProfileData
 
-    path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))[-1]
-    data = ProfileData.from_file(path)
+    data = ProfileData.from_file(trace_file(trace_dir))
     by_kind, by_name, spans = collections.Counter(), collections.Counter(), []
     calls = collections.Counter()
     for plane in data.planes:
@@ -108,8 +113,8 @@ def kernel_table(trace_dir: str, steps: int) -> tuple[dict, list, float]:
     return {k: per_step(v) for k, v in by_kind.items()}, top, busy / wall
 
 
-def profile(run, steps: int, save: str | None = None) -> tuple[dict, list, float, float]:
-    """Trace `steps` steps of a warmed-up JaxparRun: (kind table, top kernels, GPU busy fraction, wall ms/step);
+def profile(run, steps: int, save: str | None = None) -> tuple[dict, list, float]:
+    """Trace `steps` steps of a warmed-up JaxparRun: kernel_table's (kind table, top kernels, GPU busy fraction);
     `save`: a path to copy the trace to."""
     import shutil
 
@@ -118,16 +123,14 @@ def profile(run, steps: int, save: str | None = None) -> tuple[dict, list, float
     with tempfile.TemporaryDirectory() as d:
         jax.block_until_ready(run.placed)
         jax.profiler.start_trace(d)
-        t = time.perf_counter()
         for _ in range(steps):
             run.placed, metrics = run.strategy.step(run.placed, run.batch)
         jax.block_until_ready((run.placed, metrics))
-        wall = (time.perf_counter() - t) / steps * 1e3
         jax.profiler.stop_trace()
         if save:
             os.makedirs(os.path.dirname(os.path.abspath(save)), exist_ok=True)
-            shutil.copy(sorted(glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True))[-1], save)
-        return (*kernel_table(d, steps), wall)
+            shutil.copy(trace_file(d), save)
+        return kernel_table(d, steps)
 
 
 def main(argv=None) -> None:
@@ -159,25 +162,24 @@ def main(argv=None) -> None:
     def narrow(on: bool) -> None:  # the models module looks them up when a step is traced
         gpt.add_wide, gpt.take_wide = (plain_add, plain_take) if on else wide
 
+    def timed(step_maker) -> JaxparRun:  # compiled and warmed up; a step once compiled never looks at `narrow`
+        return JaxparRun(step_maker, state, batch, args.steps, n)
+
+    single = lambda m=model, **kw: jaxpar.SingleDevice(m, tx, compute_dtype=bf16, **kw)  # noqa: E731
     variants = {  # name -> (build the run, 16-bit adds)
-        VARIANTS[0]: (lambda: JaxparRun(jaxpar.SingleDevice(model, tx, compute_dtype=bf16), state, batch,
-                                                args.steps, n), False),
-        VARIANTS[1]: (lambda: JaxparRun(jaxpar.SingleDevice(model, tx, compute_dtype=bf16, per_sample=False),
-                                               state, batch, args.steps, n), False),
-        VARIANTS[2]: (lambda: JaxparRun(jaxpar.SingleDevice(
-            model, tx, compute_dtype=bf16, per_sample=False), state, batch, args.steps, n), True),
-        VARIANTS[3]: (lambda: JaxparRun(jaxpar.SingleDevice(
-            build(attention="xla"), tx, compute_dtype=bf16, per_sample=False), state, batch, args.steps, n), False),
-        VARIANTS[4]: (lambda: JaxparRun(PlainStep(model, tx, compute_dtype=bf16), state, batch,
-                                                         args.steps, n), True),
+        VARIANTS[0]: (lambda: timed(single()), False),
+        VARIANTS[1]: (lambda: timed(single(per_sample=False)), False),
+        VARIANTS[2]: (lambda: timed(single(per_sample=False)), True),
+        VARIANTS[3]: (lambda: timed(single(build(attention="xla"), per_sample=False)), False),
+        VARIANTS[4]: (lambda: timed(PlainStep(model, tx, compute_dtype=bf16)), True),
     }
-    variants = {name: variants[name] for name in args.variants}
-    runs, narrowed = {}, {}
-    for name, (make, sixteen) in variants.items():
+    runs = {}
+    for name in args.variants:
+        make, sixteen = variants[name]
         narrow(sixteen)
         t = time.perf_counter()
         try:
-            runs[name], narrowed[name] = make(), sixteen
+            runs[name] = make()
             print(f"{name}: compiled and warmed up in {time.perf_counter() - t:.1f} s, first loss "
                   f"{runs[name].first_loss:.5f}", flush=True)
         except Exception as e:  # one variant's failure (an attention kernel this GPU lacks) is a row, not the end
@@ -195,26 +197,23 @@ def main(argv=None) -> None:
     head = "| run | tokens/s | ms/step | MFU | GPU busy | GEMM ms | attention ms | other ms | copy ms |"
     print("\n" + head)
     print("|---|" + "---:|" * (head.count("|") - 2))
-    top_default = []
+    first, top_first = next(iter(runs), None), []
     for k, run in runs.items():
         best = max(rates[k])
         mfu = f"{100 * best * fpt / 1e12 / peak:.1f} %" if peak else "-"
         cells = ["-"] * 5
         if args.trace_steps:
-            narrow(narrowed[k])
-            save = os.path.join(args.save_trace, "gpt_profile.xplane.pb") if args.save_trace and \
-                not top_default else None
-            kinds, top, busy, _ = profile(run, args.trace_steps, save)
-            narrow(False)
+            save = os.path.join(args.save_trace, "gpt_profile.xplane.pb") if args.save_trace and k == first else None
+            kinds, top, busy = profile(run, args.trace_steps, save)
             cells = [f"{100 * busy:.0f} %"] + [f"{kinds.get(c, 0.0):.2f}" for c in
                                                ("GEMM", "attention", "other (fusions)", "copy")]
-            if not top_default:
-                top_default = top
+            if k == first:
+                top_first = top
         print(f"| {k} | {best:,.0f} | {n / best * 1e3:.2f} | {mfu} | " + " | ".join(cells) + " |")
-    if top_default:
-        print(f"\nTop kernels of '{next(iter(runs))}' (ms per step, calls per step):")
+    if top_first:
+        print(f"\nTop kernels of '{first}' (ms per step, calls per step):")
         print("| kernel | ms | calls |\n|---|---:|---:|")
-        for name, ms, calls in top_default[:args.top]:
+        for name, ms, calls in top_first[:args.top]:
             print(f"| {name[:110]} | {ms:.3f} | {calls:.0f} |")
     elif args.trace_steps:
         print("\n(no GPU kernels in the trace: a CPU run)")

@@ -15,7 +15,8 @@
 # registry: its image has JAX (CUDA), flax, optax, orbax, torch and transformers, so the project is installed
 # with --no-deps and without build isolation (which would fetch setuptools), and nothing here imports
 # tensorflow-datasets (the text data is the standard library's sources). Its interpreter is `python3`.
-# MODEL, SEQ, BATCH, STEPS, VARIANTS, PLATFORM (cuda) and PYTHON change the workload, for a dry run on a CPU.
+# MODEL, SEQ, BATCH, STEPS, VARIANTS, PLATFORM (cuda) and PYTHON change the workload, for a dry run on a CPU;
+# FLAG_SETS adds an XLA flag sweep (1c).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/jaxpar-gpu}
@@ -59,10 +60,19 @@ run bench_gpt 120 $PY bench/gpt.py --model "$MODEL" --batch-size "$BATCH" --seq-
     --rounds 3 --steps 10
 
 # 1b. where jaxpar's step spends its time on the GPU: jaxpar's step and a hand-written one, their kernels by kind,
-#     from jax.profiler traces (the first run's trace is kept in $OUT); VARIANTS=1,2,3,4,5 for all five (about
-#     a minute more: per-sample off, 16-bit adds, XLA attention)
+#     from jax.profiler traces (the first run's trace is kept in $OUT); VARIANTS=1,2,3,4,5,6 for all six (about
+#     a minute more: per-sample off, 16-bit adds, XLA attention, qkv as three products), VARIANTS=1,6 for the last
 run gpt_profile 90 $PY bench/gpt_profile.py --model "$MODEL" --batch-size "$BATCH" --seq-len "$SEQ" \
     --variants "${VARIANTS:-1,5}" --save-trace "$OUT"
+
+# 1c. only with FLAG_SETS (FLAG_SETS=default: gpt_profile.py's list; or sets like "--xla_a=1 --xla_b=2;--xla_c=3"):
+#     jaxpar's default step under each set of XLA flags, each in its own process, against the baseline in the same
+#     sweep, twice over where time allows; it prints its table by 15 s before the budget's end, and the steps
+#     after it get the time it leaves (about a compile and a few seconds per set and pass: raise BUDGET)
+if [ -n "${FLAG_SETS:-}" ]; then
+    run xla_flags 90 $PY bench/gpt_profile.py --model "$MODEL" --batch-size "$BATCH" --seq-len "$SEQ" \
+        --xla-flag-sets="$FLAG_SETS" --rounds 2 --time-limit $((BUDGET - ($(date +%s) - T0) - 15))
+fi
 
 # 2. every strategy on one GPU: GPT-2 on the standard library's bytes, bf16; then fp16 with DeepSpeed's dynamic
 #    loss scaling (2**16, window 1000, hysteresis 2): the step's own seed and skip
@@ -148,6 +158,11 @@ prof = read("gpt_profile.log").splitlines()
 prof_start = next((i for i, l in enumerate(prof) if l.startswith("GPT ")), None)
 rows.insert(1, ("bench/gpt_profile.py, bf16", status("gpt_profile", prof_start is not None),
                 "see below" if prof_start is not None else (prof[-1][:160] if prof else "no output")))
+sweep = read("xla_flags.log").splitlines()
+sweep_start = next((i for i, l in enumerate(sweep) if l.startswith("XLA flag sets: ")), None)
+if read("xla_flags.rc"):  # FLAG_SETS given
+    rows.insert(2, ("bench/gpt_profile.py --xla-flag-sets", status("xla_flags", sweep_start is not None),
+                    "see below" if sweep_start is not None else (sweep[-1][:160] if sweep else "no output")))
 print("\njaxpar on " + read("devices.txt").strip() + f"; {os.environ['ELAPSED']} s of a {os.environ['BUDGET']} s budget")
 print("\n| step | status | result |\n|---|---|---|")
 for r in rows:
@@ -157,5 +172,7 @@ if table:
     print("\n" + "\n".join(bench[start:]))
 if prof_start is not None:
     print("\n" + "\n".join(prof[prof_start:]))
+if sweep_start is not None:
+    print("\n" + "\n".join(sweep[sweep_start:]))
 print(f"\nlogs in {out}")
 EOF

@@ -33,6 +33,44 @@ def reference():
     return train.main(BASE + ["--strategy", "single"])
 
 
+class NewPrograms:
+    """Counts, per epoch of a train.py run, the programs JAX traced or lowered (each one a new program: compiled,
+    or loaded from the compilation cache), keyed by the epoch the sampler was last set to."""
+    EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration")
+
+    def __init__(self, monkeypatch):
+        from jaxpar.data.sampler import DistributedSampler
+
+        self.epoch, self.counts = None, {}
+        set_epoch = DistributedSampler.set_epoch
+
+        def mark(sampler, epoch):
+            self.epoch = epoch
+            return set_epoch(sampler, epoch)
+
+        monkeypatch.setattr(DistributedSampler, "set_epoch", mark)
+
+    def __call__(self, event: str, duration: float, **kwargs) -> None:
+        if event in self.EVENTS:
+            self.counts[self.epoch] = self.counts.get(self.epoch, 0) + 1
+
+    def run(self, argv: list) -> dict:
+        jax.monitoring.register_event_duration_secs_listener(self)
+        try:
+            return train.main(argv)
+        finally:
+            jax.monitoring.unregister_event_duration_listener(self)
+
+
+# 3 epochs, so that the second one (its full steps, its uneven last batch, its evaluation) repeats shapes the first saw
+@pytest.fixture(scope="module")
+def reference_3_epochs():
+    with pytest.MonkeyPatch.context() as mp:
+        programs = NewPrograms(mp)
+        out = programs.run(BASE + ["--strategy", "single", "--epochs", "3"])
+    return out, programs.counts
+
+
 def leaves(state):
     return [np.asarray(a) for a in jax.tree.leaves(state.params)]
 
@@ -45,13 +83,19 @@ def test_reference_run_trains_and_reports(reference):
 
 
 @pytest.mark.parametrize("key", [k for k in STRATEGY_ARGS if k != "single"])
-def test_every_strategy_matches_single_through_the_cli(key, reference):
-    strategy = key.split("-")[0]
-    out = train.main(BASE + ["--strategy", strategy] + STRATEGY_ARGS[key])
+def test_every_strategy_matches_single_through_the_cli(key, reference_3_epochs, monkeypatch):
+    """...over 3 epochs, and after the first epoch no strategy makes a new program: every step, the uneven last
+    batch and the evaluation reuse the first epoch's (a retrace per step, a Python number passed where an array
+    belongs, would show here as a count)."""
+    reference, new = reference_3_epochs
+    assert reference["steps"] == 9 and new.get(0, 0) > 0 and new.get(1, 0) == 0, new  # the count counts
+    strategy, programs = key.split("-")[0], NewPrograms(monkeypatch)
+    out = programs.run(BASE + ["--strategy", strategy, "--epochs", "3"] + STRATEGY_ARGS[key])
     assert out["steps"] == reference["steps"]
     for got, want in zip(leaves(out["state"]), leaves(reference["state"])):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
     assert out["eval_accuracy"] == pytest.approx(reference["eval_accuracy"], abs=0.021)
+    assert programs.counts.get(0, 0) > 0 and programs.counts.get(1, 0) == 0, programs.counts
 
 
 # nanoGPT's recipe on top of BASE: clipping that bites (the MLP's gradient norm is ~0.3-0.6) and a warmup +

@@ -15,6 +15,7 @@ leaf (a step count) is shared by all devices as it is.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -47,9 +48,25 @@ def _like(treedef):
 
 def layouts(tx: optax.GradientTransformation, params) -> tuple[Any, list[bool], Any]:
     """(outer treedef of tx's state with each parameter-shaped subtree as one leaf, which leaves those are,
-    the flat state's outer treedef); ValueError when the two states do not correspond leaf for leaf."""
-    treedef = jax.tree.structure(params)
-    canonical = jax.eval_shape(tx.init, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params))
+    the flat state's outer treedef); ValueError when the two states do not correspond leaf for leaf.
+
+    Computed once per optimizer and parameter structure (shapes, dtypes): `unplace` asks at every evaluation and
+    checkpoint, and each answer traces tx.init twice."""
+    leaves, treedef = jax.tree.flatten(params)
+    specs = tuple((tuple(a.shape), jnp.dtype(a.dtype)) for a in leaves)
+    try:
+        c_outer, kinds, f_outer = _layouts(tx, treedef, specs)
+    except TypeError as e:  # an optimizer that cannot be a cache key (unhashable): computed each time
+        if "unhashable" not in str(e):
+            raise
+        c_outer, kinds, f_outer = _layouts.__wrapped__(tx, treedef, specs)
+    return c_outer, list(kinds), f_outer
+
+
+@functools.lru_cache(maxsize=64)
+def _layouts(tx: optax.GradientTransformation, treedef, specs: tuple) -> tuple[Any, tuple[bool, ...], Any]:
+    params = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in specs])
+    canonical = jax.eval_shape(tx.init, params)
     c_leaves, c_outer = jax.tree.flatten(canonical, is_leaf=_like(treedef))
     try:
         flat = jax.eval_shape(tx.init, flat_tree(jax.ShapeDtypeStruct((7,), jnp.float32)))
@@ -68,7 +85,7 @@ def layouts(tx: optax.GradientTransformation, params) -> tuple[Any, list[bool], 
         raise ValueError(f"the optimizer's state {optim.state_kind(canonical)} does not split element by element "
                          "(leaves shaped like the parameters, or shared scalars such as a step count), so ZeRO cannot "
                          f"partition it; {FIX}.")
-    return c_outer, kinds, f_outer
+    return c_outer, tuple(kinds), f_outer
 
 
 def flat_state_shapes(tx: optax.GradientTransformation, params, size: int, dtype) -> tuple[Any, list[bool], list]:

@@ -84,9 +84,9 @@ def test_reference_run_trains_and_reports(reference):
 
 @pytest.mark.parametrize("key", [k for k in STRATEGY_ARGS if k != "single"])
 def test_every_strategy_matches_single_through_the_cli(key, reference_3_epochs, monkeypatch):
-    """...over 3 epochs, and after the first epoch no strategy makes a new program: every step, the uneven last
-    batch and the evaluation reuse the first epoch's (a retrace per step, a Python number passed where an array
-    belongs, would show here as a count)."""
+    """Every strategy through train.py lands on single's parameters after 3 epochs, and makes no new program after
+    the first: every step, the uneven last batch and the evaluation reuse the first epoch's (a retrace per step, a
+    Python number passed where an array belongs, would show here as a count)."""
     reference, new = reference_3_epochs
     assert reference["steps"] == 9 and new.get(0, 0) > 0 and new.get(1, 0) == 0, new  # the count counts
     strategy, programs = key.split("-")[0], NewPrograms(monkeypatch)

@@ -503,6 +503,30 @@ def test_non_elementwise_optimizers_are_refused_before_training(tx, message):
         z.init(jaxpar.init_state(model, tx))
 
 
+def test_an_optimizer_that_cannot_be_a_cache_key_gets_the_same_layout():
+    """zero_optim.layouts is cached per optimizer and parameter structure (unplace asks at every evaluation and
+    checkpoint; tests/test_train.py counts the traces); an optimizer that cannot be a key is worked out each time."""
+    from jaxpar.strategies import zero_optim
+
+    class Unhashable:  # a callable with __eq__ and no __hash__: the GradientTransformation holding it is unhashable
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __call__(self, *args, **kwargs):
+            return self.fn(*args, **kwargs)
+
+        def __eq__(self, other):
+            return self is other
+
+    params = {"w": jnp.zeros((3, 2)), "b": jnp.zeros((2,), jnp.bfloat16)}
+    tx = optax.adam(1e-2)
+    odd = optax.GradientTransformation(Unhashable(tx.init), tx.update)
+    with pytest.raises(TypeError, match="unhashable"):
+        hash(odd)
+    outer, kinds, flat = zero_optim.layouts(odd, params)
+    assert (outer, kinds, flat) == zero_optim.layouts(tx, params) and kinds == [False, True, True]  # count, mu, nu
+
+
 def test_bfloat16_parameters_stay_bfloat16():
     """A model whose weights are bfloat16 (param_dtype) keeps them so under every stage, as under single: the
     update used to add float32 updates to the flat shard, so one step turned every weight float32."""

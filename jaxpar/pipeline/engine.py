@@ -379,13 +379,20 @@ class Engine:
                     grads[s][k] = summed[s]
             norms = [jax.device_put(self._norm_fn(s)(grads[s]), tr.first_device) for s in tr.local_stages]
         n = sums_treedef.num_leaves
-        seed = 1.0 if self._sv is None else jax.device_put(self._sv[1], tr.first_device)
+        seed = self._one() if self._sv is None else jax.device_put(self._sv[1], tr.first_device)
         vec = tr.all_processes_sum(self._assemble(None if total is None else jax.device_put(total, tr.first_device),
                                                   norms, seed, n))
         for s in tr.local_stages:
             params[s], opt_state[s], state[s] = self._update_fn(s)(params[s], opt_state[s], grads[s], state[s],
                                                                    tr.put(vec, s))
         return params, opt_state, state, vec  # [Sums..., squared norm, seed]
+
+    def _one(self) -> jax.Array:
+        """1.0 on the first local device, made once: the seed of a step without a loss scaler (a Python float
+        would be copied to the device at every step)."""
+        if "one" not in self._scalars:
+            self._scalars["one"] = jax.device_put(jnp.ones((), jnp.float32), self.transport.first_device)
+        return self._scalars["one"]
 
     def _parts_of(self, s: int) -> list[int]:
         return [v for v in range(self.module.num_parts) if self.module.stage_of(v) == s]

@@ -123,13 +123,19 @@ def state_parts(tx, module, stage: int, parts: list[tuple]) -> StateParts:
 
 
 def opt_layout(tx: optax.GradientTransformation, module, stage: int | None):
-    """(outer treedef of tx's state with each parameter-shaped subtree as one leaf, which outer leaves those are)."""
-    treedef = module.param_treedef if stage is None else stage_treedef(module, stage)
-    idx = range(len(module.param_paths)) if stage is None else module.stage_params[stage]
-    abstract = _tree(module, stage, [module.param_specs[j] for j in idx])
-    state = jax.eval_shape(tx.init, abstract)
-    leaves, outer = jax.tree.flatten(state, is_leaf=_param_like(treedef))
-    return outer, [_param_like(treedef)(x) for x in leaves], leaves
+    """(outer treedef of tx's state with each parameter-shaped subtree as one leaf, which outer leaves those are,
+    those leaves abstract), of the whole model (stage None) or one stage: computed once (unplace asks at every
+    checkpoint and export)."""
+    def make():
+        treedef = module.param_treedef if stage is None else stage_treedef(module, stage)
+        idx = range(len(module.param_paths)) if stage is None else module.stage_params[stage]
+        abstract = _tree(module, stage, [module.param_specs[j] for j in idx])
+        state = jax.eval_shape(tx.init, abstract)
+        leaves, outer = jax.tree.flatten(state, is_leaf=_param_like(treedef))
+        return outer, [_param_like(treedef)(x) for x in leaves], leaves
+
+    outer, kinds, leaves = _cached(module, "opt_layout", (tx,), (stage,), make)
+    return outer, list(kinds), list(leaves)
 
 
 def check_layout(tx: optax.GradientTransformation, module) -> None:

@@ -320,8 +320,9 @@ class DistributedDataParallel:
         check_placed(rows, Rows, "DistributedDataParallel")
         self._batch_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), rows)
         state, metrics = self._step(placed, rows)
-        if self.spmd == "pmap":
-            metrics = jax.tree.map(lambda m: m[0], metrics)
+        if self.spmd == "pmap":  # every device holds the same (psummed) values: the first local device's, taken
+            # as they are (m[0] would gather each one through an eager program with a host index, every step)
+            metrics = jax.tree.map(lambda m: m.addressable_data(0).reshape(()), metrics)
         return state, metrics
 
     def unplace(self, placed) -> TrainState:

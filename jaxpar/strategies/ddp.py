@@ -322,7 +322,7 @@ class DistributedDataParallel:
         state, metrics = self._step(placed, rows)
         if self.spmd == "pmap":  # every device holds the same (psummed) values: the first local device's, taken
             # as they are (m[0] would gather each one through an eager program with a host index, every step)
-            metrics = jax.tree.map(lambda m: m.addressable_data(0).reshape(()), metrics)
+            metrics = jax.tree.map(lambda m: m.addressable_data(0).reshape(m.shape[1:]), metrics)
         return state, metrics
 
     def unplace(self, placed) -> TrainState:

@@ -28,6 +28,8 @@ def build(name: str, model, tx):
         "zero3": lambda: jaxpar.ZeroRedundancy(model, tx, loss_fn=loss, stage=3, mesh=mesh),
         "pipeline": lambda: jaxpar.Pipeline(model, tx, loss_fn=loss, num_stages=2, micro_batches=2, schedule="1f1b",
                                             mesh=pipeline_mesh(2, 2)),
+        "pipeline-fp16": lambda: jaxpar.Pipeline(model, tx, loss_fn=loss, num_stages=2, micro_batches=2,
+                                                 schedule="zbh1", mesh=pipeline_mesh(4, 2)),
     }[name]()
 
 
@@ -49,10 +51,12 @@ class Traces:
         jax.monitoring.unregister_event_duration_listener(self)
 
 
-@pytest.mark.parametrize("name", ["single", "dp", "ddp", "ddp-pmap", "zero3", "pipeline"])
+@pytest.mark.parametrize("name", ["single", "dp", "ddp", "ddp-pmap", "zero3", "pipeline", "pipeline-fp16"])
 def test_a_warm_step_transfers_nothing_implicitly_and_unplace_traces_once(name):
     model = nnx.Sequential(nnx.Linear(8, 16, rngs=nnx.Rngs(0)), nnx.relu, nnx.Linear(16, 2, rngs=nnx.Rngs(1)))
     tx = optax.adam(optax.cosine_decay_schedule(1e-2, 10))
+    if name.endswith("fp16"):  # DeepSpeed's dynamic loss scaler: the pipeline's last stage seeds the backward with S
+        tx = jaxpar.loss_scaling(tx)
     strategy = build(name, model, tx)
     rng = np.random.default_rng(0)
     batch = {"x": rng.normal(size=(8, 8)).astype(np.float32), "y": rng.normal(size=(8, 2)).astype(np.float32)}

@@ -138,6 +138,10 @@ class Engine:
         self._add_up, self._assemble = self.jit(_add_up), self.jit(_assemble, static_argnums=3)
         self.scaled = False  # fp16's loss scaler: the last stage seeds the backward (run's `scale`)
         self._sv = None  # the loss scaler's [S, seed] on the last stage, during a step
+        # [S, 0] from S, and the seed from [S, seed]: one program each (an eager jnp.zeros, or an index given as
+        # a Python int, would copy a host value to a device every step)
+        self._seed_of = self.jit(lambda scale: jnp.stack([jnp.asarray(scale, jnp.float32), jnp.zeros(())]))
+        self._seed = self.jit(lambda sv: sv[1])
         self._plus = self.jit(lambda xs: sum(xs[1:], xs[0]))  # arrays of one layout added
         self.tx, self.needs_norm = optax.with_extra_args_support(tx), needs_norm
         self.state_specs: list = []
@@ -187,7 +191,7 @@ class Engine:
             if scale is None:
                 raise ValueError("this pipeline's optimizer scales the loss: pass run(..., scale=S), S the loss "
                                  "scaler's current scale (jaxpar.loss_scale.current of the last stage's state).")
-            self._sv = tr.put(jnp.stack([jnp.asarray(scale, jnp.float32), jnp.zeros((), jnp.float32)]), last)
+            self._sv = tr.put(self._seed_of(scale), last)
         self._p, self._batch, self._params, self._train = plan, batch, params, train
         self._state = {s: list(v) for s, v in state.items()}
         self._acc, self._stash, self._out, self._mail, self._sums = {}, {}, {}, {}, []
@@ -379,7 +383,7 @@ class Engine:
                     grads[s][k] = summed[s]
             norms = [jax.device_put(self._norm_fn(s)(grads[s]), tr.first_device) for s in tr.local_stages]
         n = sums_treedef.num_leaves
-        seed = self._one() if self._sv is None else jax.device_put(self._sv[1], tr.first_device)
+        seed = self._one() if self._sv is None else jax.device_put(self._seed(self._sv), tr.first_device)
         vec = tr.all_processes_sum(self._assemble(None if total is None else jax.device_put(total, tr.first_device),
                                                   norms, seed, n))
         for s in tr.local_stages:

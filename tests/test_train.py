@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 import train
+from test_step_costs import Traces
 
 # A small run on the embedded synthetic data: 3 steps of an MLP with a last batch of 40 - 32 = 8 samples.
 BASE = ["--model", "mlp", "--dataset", "synthetic", "--train-split", "train[:40]", "--eval-split", "test[:50]",
@@ -36,7 +37,6 @@ def reference():
 class NewPrograms:
     """Counts, per epoch of a train.py run, the programs JAX traced or lowered (each one a new program: compiled,
     or loaded from the compilation cache), keyed by the epoch the sampler was last set to."""
-    EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration")
 
     def __init__(self, monkeypatch):
         from jaxpar.data.sampler import DistributedSampler
@@ -51,7 +51,7 @@ class NewPrograms:
         monkeypatch.setattr(DistributedSampler, "set_epoch", mark)
 
     def __call__(self, event: str, duration: float, **kwargs) -> None:
-        if event in self.EVENTS:
+        if event in Traces.EVENTS:
             self.counts[self.epoch] = self.counts.get(self.epoch, 0) + 1
 
     def run(self, argv: list) -> dict:

@@ -16,7 +16,11 @@
 # with --no-deps and without build isolation (which would fetch setuptools), and nothing here imports
 # tensorflow-datasets (the text data is the standard library's sources). Its interpreter is `python3`.
 # MODEL, SEQ, BATCH, STEPS, VARIANTS, PLATFORM (cuda) and PYTHON change the workload, for a dry run on a CPU;
-# FLAG_SETS adds an XLA flag sweep (1c).
+# FLAG_SETS adds an XLA flag sweep (1c), SWEEP_SECS caps its time (default: all the budget left) and TOP lists more
+# of the profile's kernels. To spend a short lease on what has not run yet: SKIP names steps to leave out
+# (e.g. SKIP="bench_gpt tests_gpu tests_cpu"), and TRAIN the training runs of step 2 as strategy:precision
+# (e.g. TRAIN="pipeline:bf16 zero:bf16 single:fp16"; default: every strategy but tp in bf16, then single, ddp and
+# pipeline in fp16).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/jaxpar-gpu}
@@ -37,6 +41,10 @@ T0=$(date +%s)
 run() {
     local name=$1 need=$2 left
     shift 2
+    if [[ " ${SKIP:-} " == *" $name "* ]]; then
+        echo "left out" >"$OUT/$name.rc"
+        return
+    fi
     left=$((BUDGET - ($(date +%s) - T0)))
     if ((left < need)); then
         echo skipped >"$OUT/$name.rc"
@@ -55,30 +63,7 @@ $PY - <<'EOF' | tee "$OUT/devices.txt"
 import jax; print(f"jax {jax.__version__}: {jax.devices()}")
 EOF
 
-# 1. jaxpar vs PyTorch (torch.compile, flash attention) on the same weights and batch: the headline numbers
-run bench_gpt 120 $PY bench/gpt.py --model "$MODEL" --batch-size "$BATCH" --seq-len "$SEQ" --precision bf16 \
-    --rounds 3 --steps 10
-
-# 1b. where jaxpar's step spends its time on the GPU: jaxpar's step and a hand-written one, their kernels by kind,
-#     from jax.profiler traces (the first run's trace is kept in $OUT); VARIANTS=1,2,3,4,5,6 for all six (about
-#     a minute more: per-sample off, 16-bit adds, XLA attention, qkv as three products), VARIANTS=1,6 for the last
-run gpt_profile 90 $PY bench/gpt_profile.py --model "$MODEL" --batch-size "$BATCH" --seq-len "$SEQ" \
-    --variants "${VARIANTS:-1,5}" --save-trace "$OUT"
-
-# 1c. only with FLAG_SETS (FLAG_SETS=default: gpt_profile.py's list; or sets like "--xla_a=1 --xla_b=2;--xla_c=3"):
-#     jaxpar's default step under each set of XLA flags, each in its own process, against the baseline in the same
-#     sweep, twice over where time allows; it prints its table by 15 s before the budget's end, and the steps
-#     after it get the time it leaves (about a compile and a few seconds per set and pass: raise BUDGET)
-if [ -n "${FLAG_SETS:-}" ]; then
-    run xla_flags 90 $PY bench/gpt_profile.py --model "$MODEL" --batch-size "$BATCH" --seq-len "$SEQ" \
-        --xla-flag-sets="$FLAG_SETS" --rounds 2 --time-limit $((BUDGET - ($(date +%s) - T0) - 15))
-fi
-
-# 2. every strategy on one GPU: GPT-2 on the standard library's bytes, bf16; then fp16 with DeepSpeed's dynamic
-#    loss scaling (2**16, window 1000, hysteresis 2): the step's own seed and skip
-COMMON=(--model "$MODEL" --dataset text --seq-len "$SEQ" --batch-size "$BATCH" --optimizer adamw --lr 6e-4
-        --gamma 1.0 --steps "$STEPS" --eval-split 'test[:32]' --eval-batch-size "$BATCH" --log-every 10 --quiet
-        --report)
+# the training runs of step 2, checked before anything runs
 STRATS=$($PY -c "import jaxpar; print(' '.join(jaxpar.STRATEGIES))")
 one_device() {
     case $1 in
@@ -88,8 +73,46 @@ one_device() {
     esac
 }
 RUNS=()  # "strategy precision"
-for s in $STRATS; do [ "$s" = tp ] || RUNS+=("$s bf16"); done  # tp needs 2 devices: one GPU has no tensor group
-for s in single ddp pipeline; do RUNS+=("$s fp16"); done
+if [ -n "${TRAIN:-}" ]; then
+    for r in $TRAIN; do
+        if [[ ! " $STRATS " == *" ${r%%:*} "* || ! "${r#*:}" =~ ^(fp32|bf16|fp16)$ ]]; then
+            echo "TRAIN entry '$r': give strategy:precision, strategy one of $STRATS, precision fp32, bf16 or fp16" \
+                "(e.g. TRAIN=\"pipeline:bf16 single:fp16\")" >&2
+            exit 2
+        fi
+        RUNS+=("${r%%:*} ${r#*:}")
+    done
+else
+    for s in $STRATS; do [ "$s" = tp ] || RUNS+=("$s bf16"); done  # tp needs 2 devices: one GPU has no tensor group
+    for s in single ddp pipeline; do RUNS+=("$s fp16"); done
+fi
+
+# 1. jaxpar vs PyTorch (torch.compile, flash attention) on the same weights and batch: the headline numbers
+run bench_gpt 120 $PY bench/gpt.py --model "$MODEL" --batch-size "$BATCH" --seq-len "$SEQ" --precision bf16 \
+    --rounds 3 --steps 10
+
+# 1b. where jaxpar's step spends its time on the GPU: jaxpar's step and a hand-written one, their kernels by kind,
+#     from jax.profiler traces (the first run's trace is kept in $OUT); VARIANTS=1,2,3,4,5,6 for all six (about
+#     a minute more: per-sample off, 16-bit adds, XLA attention, qkv as three products), VARIANTS=1,6 for the last
+run gpt_profile 90 $PY bench/gpt_profile.py --model "$MODEL" --batch-size "$BATCH" --seq-len "$SEQ" \
+    --variants "${VARIANTS:-1,5}" --top "${TOP:-12}" --save-trace "$OUT"
+
+# 1c. only with FLAG_SETS (FLAG_SETS=default: gpt_profile.py's list; or sets like "--xla_a=1 --xla_b=2;--xla_c=3"):
+#     jaxpar's default step under each set of XLA flags, each in its own process, against the baseline in the same
+#     sweep, twice over where time allows; it prints its table by 15 s before the budget's end, and the steps
+#     after it get the time it leaves (about a compile and a few seconds per set and pass: raise BUDGET)
+if [ -n "${FLAG_SETS:-}" ]; then
+    cap=$((BUDGET - ($(date +%s) - T0) - 15))
+    [ -n "${SWEEP_SECS:-}" ] && ((SWEEP_SECS < cap)) && cap=$SWEEP_SECS
+    run xla_flags 90 $PY bench/gpt_profile.py --model "$MODEL" --batch-size "$BATCH" --seq-len "$SEQ" \
+        --xla-flag-sets="$FLAG_SETS" --rounds 2 --time-limit "$cap"
+fi
+
+# 2. every strategy on one GPU: GPT-2 on the standard library's bytes, bf16; then fp16 with DeepSpeed's dynamic
+#    loss scaling (2**16, window 1000, hysteresis 2): the step's own seed and skip
+COMMON=(--model "$MODEL" --dataset text --seq-len "$SEQ" --batch-size "$BATCH" --optimizer adamw --lr 6e-4
+        --gamma 1.0 --steps "$STEPS" --eval-split 'test[:32]' --eval-batch-size "$BATCH" --log-every 10 --quiet
+        --report)
 share=$($PY -c "print(round(0.9 / $PARALLEL, 2))")
 for ((i = 0; i < ${#RUNS[@]}; i += PARALLEL)); do
     for r in "${RUNS[@]:i:PARALLEL}"; do
@@ -114,7 +137,8 @@ run hf_gpt2 30 env JAX_PLATFORMS=cpu $PY examples/hf_gpt2.py "$OUT/hf_gpt2"
 run tests_cpu 300 $PY -m pytest -o addopts="-q" -n 8 -p no:cacheprovider tests
 
 # 6. one table
-OUT="$OUT" STRATS="$STRATS" PLATFORM="$PLATFORM" ELAPSED=$(($(date +%s) - T0)) BUDGET="$BUDGET" $PY - <<'EOF'
+TRAINED=$(for r in "${RUNS[@]}"; do read -r s p <<<"$r"; echo "$s$([ "$p" = fp16 ] && echo _fp16)"; done) \
+OUT="$OUT" PLATFORM="$PLATFORM" ELAPSED=$(($(date +%s) - T0)) BUDGET="$BUDGET" $PY - <<'EOF'
 import os, re
 out = os.environ["OUT"]
 read = lambda f: open(os.path.join(out, f)).read() if os.path.exists(os.path.join(out, f)) else ""
@@ -122,7 +146,8 @@ read = lambda f: open(os.path.join(out, f)).read() if os.path.exists(os.path.joi
 
 def status(name: str, ok: bool = True) -> str:
     rc, secs = read(f"{name}.rc").strip(), read(f"{name}.secs").strip()
-    return {"": "not run", "skipped": "skipped (time budget)", "124": f"TIMED OUT ({secs} s)"}.get(
+    return {"": "not run", "skipped": "skipped (time budget)", "left out": "left out (SKIP)",
+            "124": f"TIMED OUT ({secs} s)"}.get(
         rc, ("ok" if rc == "0" and ok else "FAILED") + (f" ({secs} s)" if secs else ""))
 
 
@@ -131,7 +156,7 @@ for name in ("tests_gpu", "tests_cpu"):
     log = read(f"{name}.log").strip().splitlines()
     where = os.environ["PLATFORM"] if name == "tests_gpu" else "cpu, 8 simulated devices"
     rows.append((f"pytest ({where})", status(name), log[-1] if log else "no output"))
-for s in [*(s for s in os.environ["STRATS"].split() if s != "tp"), "single_fp16", "ddp_fp16", "pipeline_fp16"]:
+for s in os.environ["TRAINED"].split():
     summary = [l for l in read(f"train_{s}.log").splitlines() if l.startswith("summary:")]
     if summary:
         kv = dict(re.findall(r"(\w+)=(\S+)", summary[-1]))

@@ -117,7 +117,7 @@ share=$($PY -c "print(round(0.9 / $PARALLEL, 2))")
 for ((i = 0; i < ${#RUNS[@]}; i += PARALLEL)); do
     for r in "${RUNS[@]:i:PARALLEL}"; do
         read -r s p <<<"$r"
-        name=train_$s$([ "$p" = fp16 ] && echo _fp16)
+        name=train_$s$([ "$p" = bf16 ] || echo "_$p")  # train_single (bf16), train_single_fp16, ...
         # shellcheck disable=SC2046
         XLA_PYTHON_CLIENT_MEM_FRACTION=$share run "$name" 45 $PY train.py --strategy "$s" "${COMMON[@]}" \
             $(one_device "$s") --precision "$p" --metrics-out "$OUT/$name.jsonl" &
@@ -137,7 +137,7 @@ run hf_gpt2 30 env JAX_PLATFORMS=cpu $PY examples/hf_gpt2.py "$OUT/hf_gpt2"
 run tests_cpu 300 $PY -m pytest -o addopts="-q" -n 8 -p no:cacheprovider tests
 
 # 6. one table
-TRAINED=$(for r in "${RUNS[@]}"; do read -r s p <<<"$r"; echo "$s$([ "$p" = fp16 ] && echo _fp16)"; done) \
+TRAINED=$(for r in "${RUNS[@]}"; do read -r s p <<<"$r"; echo "$s$([ "$p" = bf16 ] || echo "_$p")"; done) \
 OUT="$OUT" PLATFORM="$PLATFORM" ELAPSED=$(($(date +%s) - T0)) BUDGET="$BUDGET" $PY - <<'EOF'
 import os, re
 out = os.environ["OUT"]
@@ -166,8 +166,8 @@ for s in os.environ["TRAINED"].split():
     else:
         tail = read(f"train_{s}.log").strip().splitlines()
         detail = tail[-1][:160] if tail else "no output"
-    label = f"--strategy {s.removesuffix('_fp16')} --precision fp16" if s.endswith("fp16") else \
-        f"--strategy {s} --precision bf16"
+    strategy, _, precision = s.partition("_")
+    label = f"--strategy {strategy} --precision {precision or 'bf16'}"
     rows.append((f"train.py {label} (1 GPU)", status(f"train_{s}", bool(summary)), detail))
 interop = [l for l in read("hf_gpt2.log").splitlines() if l.startswith("| ") and "|---" not in l][1:]
 worst = max((float(l.rsplit("|", 2)[1]) for l in interop if "FAILED" not in l), default=float("nan"))

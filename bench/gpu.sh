@@ -2,8 +2,8 @@
 # One command for a machine with a GPU, inside a time budget, most valuable first: bench/gpt.py (jaxpar vs
 # torch.compile) on gpt2 124M, batch 16 x 1024 tokens, bf16; bench/gpt_profile.py (where jaxpar's step goes: its
 # GPU kernels by kind); every strategy in its 1-device configuration on GPT-2 (bf16, then fp16 with the loss
-# scaler); the GPT model tests on the GPU; GPT-2's state dicts to and from transformers (examples/hf_gpt2.py); the
-# CPU test suite if time is left; then one table. First run on an H100 on 2026-11-27 (README, Benchmarks).
+# scaler); the GPT model tests on the GPU; GPT-2's state dicts to and from transformers (examples/hf_gpt2.py, on the
+# CPU beside the training runs); the CPU test suite if time is left; then one table. First run on an H100 on 2026-11-27 (README, Benchmarks).
 #
 #     bash bench/gpu.sh                 # from the repository root; results also in $OUT (default /tmp/jaxpar-gpu)
 #     BUDGET=900 bash bench/gpu.sh      # seconds for all of it (default 480: the device tool's calls end at 600 s)
@@ -113,6 +113,10 @@ fi
 COMMON=(--model "$MODEL" --dataset text --seq-len "$SEQ" --batch-size "$BATCH" --optimizer adamw --lr 6e-4
         --gamma 1.0 --steps "$STEPS" --eval-split 'test[:32]' --eval-batch-size "$BATCH" --log-every 10 --quiet
         --report)
+# 4, beside step 2's first runs (it runs on the CPU, and they are not measurements): GPT-2 to and from
+#    transformers (the image has it), state-dict files and save_pretrained folders, by logits; last in the order,
+#    the budget used to cut it
+run hf_gpt2 30 env JAX_PLATFORMS=cpu $PY examples/hf_gpt2.py "$OUT/hf_gpt2" &
 share=$($PY -c "print(round(0.9 / $PARALLEL, 2))")
 for ((i = 0; i < ${#RUNS[@]}; i += PARALLEL)); do
     for r in "${RUNS[@]:i:PARALLEL}"; do
@@ -130,12 +134,10 @@ done
 run tests_gpu 200 env JAX_PLATFORMS="$PLATFORM" JAX_DEFAULT_MATMUL_PRECISION=highest $PY -m pytest -o addopts="-q" \
     -p no:cacheprovider tests/test_gpt.py -k "logits or state_dict or attention or layers or bf16 or size or init"
 
-# 4. GPT-2 to and from transformers (the image has it): state-dict files and save_pretrained folders, by logits
-run hf_gpt2 30 env JAX_PLATFORMS=cpu $PY examples/hf_gpt2.py "$OUT/hf_gpt2"
-
 # 5. the CPU suite (conftest.py simulates 8 CPU devices; CI runs it too), if the budget has room for it
 run tests_cpu 300 $PY -m pytest -o addopts="-q" -n 8 -p no:cacheprovider tests
 
+wait  # nothing is left running: step 4 ended with step 2's first runs
 # 6. one table
 TRAINED=$(for r in "${RUNS[@]}"; do read -r s p <<<"$r"; echo "$s$([ "$p" = bf16 ] || echo "_$p")"; done) \
 OUT="$OUT" PLATFORM="$PLATFORM" ELAPSED=$(($(date +%s) - T0)) BUDGET="$BUDGET" $PY - <<'EOF'

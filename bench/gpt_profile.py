@@ -30,6 +30,7 @@ XLA_FLAGS once, when its backend starts) with XLA_FLAGS the environment's plus t
 baseline first, --rounds times over (one round of --steps each; later passes load their programs from a compilation
 cache), and one table compares them: best tokens/s, the kernels by kind of the first pass, or why a set failed (a
 flag this jaxlib lacks aborts its process). --time-limit ends the sweep in time, the sets not reached said so.
+--sweep-variant N runs variant N instead of the defaults under every set (flags on top of a variant).
 """
 from __future__ import annotations
 
@@ -88,6 +89,8 @@ def parse(argv=None) -> argparse.Namespace:
                    "--xla-flag-sets='--xla_...' (with '=': a value starting with -- reads as an option)")
     p.add_argument("--time-limit", type=float, default=None, help="seconds for the whole flag sweep: a process "
                    "still running then is stopped, the sets not reached are reported so")
+    p.add_argument("--sweep-variant", type=int, default=None, help="the variant (1-based, as --variants) the flag "
+                   "sweep runs under every set (default 1: jaxpar's defaults), to try flags on top of a variant")
     args = p.parse_args(argv)
     for name in ("batch_size", "seq_len", "steps", "rounds"):
         if getattr(args, name) < 1:
@@ -104,8 +107,11 @@ def parse(argv=None) -> argparse.Namespace:
             p.error(f"--xla-flag-sets {args.xla_flag_sets!r}: give sets of --xla_* flags separated by ';', e.g. "
                     "'--xla_gpu_enable_cudnn_layer_norm=true;--xla_gpu_enable_triton_gemm=false', or 'default'")
         args.xla_flag_sets = list(sets)
-    elif args.time_limit is not None:
-        p.error("--time-limit bounds the flag sweep: give --xla-flag-sets too")
+    elif args.time_limit is not None or args.sweep_variant is not None:
+        given = "--time-limit" if args.time_limit is not None else "--sweep-variant"
+        p.error(f"{given} belongs to the flag sweep: give --xla-flag-sets too")
+    if args.sweep_variant is not None and not 1 <= args.sweep_variant <= len(VARIANTS):
+        p.error(f"--sweep-variant {args.sweep_variant}: give a number from 1 to {len(VARIANTS)} (see --variants)")
     if args.time_limit is not None and args.time_limit <= 0:
         p.error(f"--time-limit {args.time_limit} must be > 0 (seconds)")
     picked = (args.variants or ",".join(str(i + 1) for i in range(len(VARIANTS)))).split(",")
@@ -225,7 +231,8 @@ def sweep(args: argparse.Namespace) -> None:
                 out = os.path.join(tmp, f"run{r}-{i}.json")
                 cmd = [sys.executable, os.path.abspath(__file__), "--model", args.model, "--batch-size",
                        str(args.batch_size), "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--rounds",
-                       "1", "--trace-steps", str(args.trace_steps if r == 0 else 0), "--top", "0", "--variants", "1",
+                       "1", "--trace-steps", str(args.trace_steps if r == 0 else 0), "--top", "0", "--variants",
+                       str(args.sweep_variant or 1),
                        "--json", out] + (["--vocab-size", str(args.vocab_size)] if args.vocab_size else [])
                 t, result = time.monotonic(), {"runs": []}
                 try:
@@ -247,7 +254,8 @@ def sweep(args: argparse.Namespace) -> None:
                 print(f"pass {r + 1}, {name}: {runs[flags][-1]['tokens_per_s']:,.0f} tokens/s "
                       f"({took[flags]:.0f} s)", flush=True)
     head = next((rs[0] for rs in runs.values() if rs), None)
-    print(f"\nXLA flag sets: GPT {args.model}, batch {args.batch_size} x {args.seq_len}, bf16, jaxpar's default step"
+    print(f"\nXLA flag sets: GPT {args.model}, batch {args.batch_size} x {args.seq_len}, bf16, "
+          f"{head['run'] if head else VARIANTS[(args.sweep_variant or 1) - 1]}"
           + (f", jax {head['jax']} on {head['device']}" if head else "") + f"; XLA_FLAGS {base or '(unset)'} plus each "
           f"set; best of up to {args.rounds} passes x {args.steps} steps, the sets in turn; kernels of the first pass")
     cols = ("| XLA flags added | tokens/s | vs baseline | ms/step | MFU | GPU busy | GEMM ms | attention ms "

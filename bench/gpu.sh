@@ -16,7 +16,8 @@
 # with --no-deps and without build isolation (which would fetch setuptools), and nothing here imports
 # tensorflow-datasets (the text data is the standard library's sources). Its interpreter is `python3`.
 # MODEL, SEQ, BATCH, STEPS, VARIANTS, PLATFORM (cuda) and PYTHON change the workload, for a dry run on a CPU;
-# FLAG_SETS adds an XLA flag sweep (1c), SWEEP_SECS caps its time (default: all the budget left) and TOP lists more
+# FLAG_SETS adds an XLA flag sweep (1c), SWEEP_SECS caps its time (default: all the budget left), SWEEP_VARIANT runs
+# it on a variant of 1b (a number, as VARIANTS; default 1, jaxpar's defaults) and TOP lists more
 # of the profile's kernels. To spend a short lease on what has not run yet: SKIP names steps to leave out
 # (e.g. SKIP="bench_gpt tests_gpu tests_cpu"), and TRAIN the training runs of step 2 as strategy:precision
 # (e.g. TRAIN="pipeline:bf16 zero:bf16 single:fp16"; default: every strategy but tp in bf16, then single, ddp and
@@ -105,7 +106,7 @@ if [ -n "${FLAG_SETS:-}" ]; then
     cap=$((BUDGET - ($(date +%s) - T0) - 15))
     [ -n "${SWEEP_SECS:-}" ] && ((SWEEP_SECS < cap)) && cap=$SWEEP_SECS
     run xla_flags 90 $PY bench/gpt_profile.py --model "$MODEL" --batch-size "$BATCH" --seq-len "$SEQ" \
-        --xla-flag-sets="$FLAG_SETS" --rounds 2 --time-limit "$cap"
+        --xla-flag-sets="$FLAG_SETS" --rounds 2 --time-limit "$cap" ${SWEEP_VARIANT:+--sweep-variant "$SWEEP_VARIANT"}
 fi
 
 # 2. every strategy on one GPU: GPT-2 on the standard library's bytes, bf16; then fp16 with DeepSpeed's dynamic

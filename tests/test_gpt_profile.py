@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 from jaxpar import models
@@ -62,10 +63,23 @@ def test_qkv_as_three_products_has_the_fused_products_loss_and_gradients(monkeyp
 
 
 def test_flag_sweep_reports_an_unknown_flag_and_goes_on(capsys):
+    """Under --sweep-variant 3 (per_sample=False, 16-bit adds): the processes run that variant, as the header, which
+    reads their own record, says."""
     gpt_profile.main(["--model", "gpt-nano", "--seq-len", "16", "--batch-size", "2", "--steps", "1", "--rounds", "1",
-                      "--trace-steps", "0", "--xla-flag-sets=--xla_no_such_flag=true"])
-    rows = {line.split(" | ")[0][2:]: line.split(" | ")[1:] for line in capsys.readouterr().out.splitlines()
+                      "--trace-steps", "0", "--xla-flag-sets=--xla_no_such_flag=true", "--sweep-variant", "3"])
+    out = capsys.readouterr().out
+    rows = {line.split(" | ")[0][2:]: line.split(" | ")[1:] for line in out.splitlines()
             if line.startswith("| ") and "---" not in line}
     assert rows["--xla_no_such_flag=true"][0] == "FAILED: unknown flag on this jaxlib: --xla_no_such_flag=true"
     assert float(rows["(none: the baseline)"][0].replace(",", "")) > 0  # the baseline ran, in the same sweep
+    assert f"bf16, {gpt_profile.VARIANTS[2]}, jax " in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--xla-flag-sets", "default", "--sweep-variant", "7"], "--sweep-variant 7: give a number from 1 to 6"),
+    (["--sweep-variant", "2"], "--sweep-variant belongs to the flag sweep: give --xla-flag-sets too")])
+def test_sweep_variant_is_checked_before_anything_runs(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        gpt_profile.parse(argv)
+    assert message in capsys.readouterr().err
     assert gpt_profile.failure(1, "Traceback ...\nValueError: boom\n") == "FAILED (exit status 1): ValueError: boom"

@@ -32,10 +32,12 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
 MODES = ("dynamic", "static")
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,9 +55,15 @@ class LossScaleConfig:
         def bad(what, rule, fix):
             raise ValueError(f"{what} {rule}; {fix}.")
 
-        if not (self.loss_scale == 0 or (self.loss_scale > 0 and math.isfinite(self.loss_scale))):
-            bad(f"loss_scale={self.loss_scale}", "must be 0 (dynamic) or a finite scale > 0",
-                "pass 0 for DeepSpeed's dynamic scaling, or a fixed scale such as 128")
+        if not (self.loss_scale == 0 or 0 < self.loss_scale <= FLOAT32_MAX):  # the scale is held in float32
+            bad(f"loss_scale={self.loss_scale}", f"must be 0 (dynamic) or a scale > 0 that float32 holds (at most "
+                f"{FLOAT32_MAX:.4g})", "pass 0 for DeepSpeed's dynamic scaling, or a fixed scale such as 128")
+        if self.loss_scale:  # static: the dynamic scaler's settings would be read by nothing
+            given = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)[1:]
+                     if getattr(self, f.name) != f.default]
+            if given:
+                bad(", ".join(given), f"set(s) the dynamic scaler, but loss_scale={self.loss_scale} is a fixed "
+                    "scale", "drop them, or pass loss_scale=0 for dynamic scaling")
         if not 0 <= self.initial_scale_power <= 126:
             bad(f"initial_scale_power={self.initial_scale_power}", "must be in 0..126 (2**p a float32)",
                 "pass DeepSpeed's default 16, or a smaller power")

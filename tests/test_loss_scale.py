@@ -456,3 +456,19 @@ def test_train_py_fp16_skips_overflowing_steps_and_stops_at_the_minimum_scale(tm
     stop = re.escape(f"overflowed at step 1 at the minimum loss scale {2.0 ** power:g}")
     with pytest.raises(trainer.Diverged, match=stop):
         trainer.run(Config(**{**common, "min_loss_scale": 2.0 ** power, "warmup_steps": 0}, steps=2))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"loss_scale": 1e39}, "loss_scale=1e+39 must be 0 (dynamic) or a scale > 0 that float32 holds"),
+    ({"loss_scale": 128.0, "hysteresis": 1, "min_loss_scale": 4.0},
+     "hysteresis=1, min_loss_scale=4.0 set(s) the dynamic scaler, but loss_scale=128.0 is a fixed scale")])
+def test_a_config_that_float32_or_a_static_scale_cannot_honour_is_refused(kwargs, message):
+    """A static scale above float32's largest (it would be inf: every step skipped, the run's loss NaN), or the
+    dynamic scaler's settings beside a static scale (read by nothing), are refused in one line; a static scale at
+    float32's largest, and one alone, are taken."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LossScaleConfig(**kwargs)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        loss_scaling(optax.sgd(0.1), **{("static" if k == "loss_scale" else k): v for k, v in kwargs.items()})
+    assert LossScaleConfig(loss_scale=float(np.finfo(np.float32).max)).loss_scale > 3e38
+    assert not LossScaleConfig(loss_scale=128.0).dynamic

@@ -73,6 +73,7 @@ def test_flag_sweep_reports_an_unknown_flag_and_goes_on(capsys):
     assert rows["--xla_no_such_flag=true"][0] == "FAILED: unknown flag on this jaxlib: --xla_no_such_flag=true"
     assert float(rows["(none: the baseline)"][0].replace(",", "")) > 0  # the baseline ran, in the same sweep
     assert f"bf16, {gpt_profile.VARIANTS[2]}, jax " in out
+    assert gpt_profile.failure(1, "Traceback ...\nValueError: boom\n") == "FAILED (exit status 1): ValueError: boom"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -82,4 +83,3 @@ def test_sweep_variant_is_checked_before_anything_runs(argv, message, capsys):
     with pytest.raises(SystemExit):
         gpt_profile.parse(argv)
     assert message in capsys.readouterr().err
-    assert gpt_profile.failure(1, "Traceback ...\nValueError: boom\n") == "FAILED (exit status 1): ValueError: boom"

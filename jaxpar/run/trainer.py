@@ -181,14 +181,16 @@ def validate(cfg: Config) -> None:
     if cfg.steps is not None and cfg.steps < 1:
         raise ValueError(f"--steps {cfg.steps} must be >= 1 (or leave it out to run whole epochs).")
     defaults = Config()
+    changed = lambda fields: [f"--{f.replace('_', '-')}" for f in fields  # noqa: E731  (the flags given)
+                              if getattr(cfg, f) != getattr(defaults, f)]
     if cfg.precision == "fp16" and cfg.loss_scale:  # a static scale: the dynamic scaler's flags are read by nothing
-        given = [f"--{f.replace('_', '-')}" for f in LOSS_SCALE_FIELDS[1:] if getattr(cfg, f) != getattr(defaults, f)]
+        given = changed(LOSS_SCALE_FIELDS[1:])
         if given:
             raise ValueError(f"{', '.join(given)} set(s) the dynamic loss scaler, but --loss-scale {cfg.loss_scale} "
                              "is a fixed scale; drop them, or pass --loss-scale 0 for dynamic scaling.")
     scaler = loss_scale_config(cfg)  # fp16's loss scaler: its settings checked here, before any work
     if scaler is None:
-        given = [f"--{f.replace('_', '-')}" for f in LOSS_SCALE_FIELDS if getattr(cfg, f) != getattr(defaults, f)]
+        given = changed(LOSS_SCALE_FIELDS)
         if given:
             raise ValueError(f"{', '.join(given)} set(s) the loss scaler of --precision fp16, but --precision is "
                              f"{cfg.precision}; add --precision fp16, or drop them (bf16 and fp32 need no scaling).")

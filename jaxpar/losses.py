@@ -50,7 +50,9 @@ def cross_entropy(logits, batch, *, key: str = "y", ignore_index: int = IGNORE_I
     its `label_smoothing` too: (1 - e) x the target's -log p + e x the mean of -log p over the C classes); `logits`
     split by vocabulary over tensor ranks (VocabParallelLogits) go through Megatron's vocab_parallel_cross_entropy,
     never gathered. A target outside [0, C) other than `ignore_index` makes the loss NaN in every strategy (torch
-    raises; a jitted step cannot), and adds nothing to the gradient."""
+    raises; a jitted step cannot), and adds nothing to the gradient. A target that is not counted (ignore_index,
+    or mask 0) adds nothing to the loss whatever it holds (a pad id outside [0, C) too) and whatever its logits
+    hold (an inf or NaN in a padded row: the loss stays finite, and those logits' gradient is NaN, both as torch's)."""
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1] (torch's rule; 0 is plain "
                          "cross-entropy); pass e.g. --label-smoothing 0.1.")
@@ -64,7 +66,10 @@ def cross_entropy(logits, batch, *, key: str = "y", ignore_index: int = IGNORE_I
                          f"shape {tuple(y.shape)} + (classes,). It is the strategies' loss when none is given; for "
                          "other targets pass loss_fn=jaxpar.OutputLoss(jaxpar.mse) or a loss of your own.")
     w = _mask(batch, y.shape) * (y != ignore_index)
-    safe = jnp.where(y == ignore_index, 0, y)
+    counted = w != 0
+    classes = local.shape[-1] * (jax.lax.psum(1, logits.axis) if split else 1)
+    inside = (y >= 0) & (y < classes)
+    safe = jnp.where(counted & inside, y, 0)
     if split:
         nll = megatron.vocab_parallel_cross_entropy(local, safe, logits.axis)
         losses = megatron.vocab_parallel_cross_entropy(local, safe, logits.axis, label_smoothing) \
@@ -79,13 +84,18 @@ def cross_entropy(logits, batch, *, key: str = "y", ignore_index: int = IGNORE_I
         else:
             nll, predicted = nll_and_argmax(logits, safe)
             losses = nll
-    classes = local.shape[-1] * (jax.lax.psum(1, logits.axis) if split else 1)
-    losses = jnp.where((y != ignore_index) & ((y < 0) | (y >= classes)), jnp.nan, losses)
+    losses = jnp.where(counted & ~inside, jnp.nan, losses)
     correct = (predicted == y).astype(jnp.float32)
     metrics = {"accuracy": jnp.sum(w * correct)}
     if label_smoothing:  # the targets' own -log p, which bits per byte and perplexity are made of
-        metrics["nll"] = jnp.sum(w * jax.lax.stop_gradient(nll))
-    return LossOutput(jnp.sum(w * losses), jnp.sum(w), metrics)
+        metrics["nll"] = _counted_sum(w, jax.lax.stop_gradient(nll))
+    return LossOutput(_counted_sum(w, losses), jnp.sum(w), metrics)
+
+
+def _counted_sum(w: jax.Array, values: jax.Array) -> jax.Array:
+    """sum(w * values) over the positions with w != 0 only: a dropped position adds nothing, even an inf or NaN
+    (0 x inf is NaN), as torch skips an ignored target whatever its logits hold."""
+    return jnp.sum(jnp.where(w != 0, w * values, 0.0))
 
 
 cross_entropy.takes_vocab_parallel = True  # type: ignore[attr-defined]
@@ -146,7 +156,7 @@ def mse(outputs, batch, *, key: str = "y") -> LossOutput:
                          "element by element (reshape one of them).")
     w = _mask(batch, y.shape)
     err = (outputs.astype(jnp.float32) - y.astype(jnp.float32)) ** 2
-    return LossOutput(jnp.sum(w * err), jnp.sum(w), {})
+    return LossOutput(_counted_sum(w, err), jnp.sum(w), {})
 
 
 LOSSES = {"cross_entropy": cross_entropy, "mse": mse}

@@ -22,6 +22,8 @@ from flax import nnx
 import jaxpar
 from examples import lm, regression
 from jaxpar import Objective, OutputLoss, as_rows
+from jaxpar.comm.megatron import VocabParallelLogits
+from jax.sharding import PartitionSpec as P
 
 TX = optax.sgd(0.05, momentum=0.9)
 STEPS = 3
@@ -631,6 +633,66 @@ def test_cross_entropy_is_torchs(smoothing):
         assert "nll" not in out.metrics
     with pytest.raises(ValueError, match=r"label_smoothing=1.5 must be in \[0, 1\]"):
         jaxpar.cross_entropy(jnp.asarray(logits), {"y": jnp.asarray(y)}, label_smoothing=1.5)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "vocab-split"])
+def test_targets_that_are_not_counted_add_nothing_whatever_they_or_their_logits_hold(smoothing, split):
+    """A QA finding: a dropped position (ignore_index or mask 0) was computed against class 0 and multiplied by
+    its weight 0, so an inf or NaN in its logits (an fp16 overflow in a padded row, a banned class 0 at -inf), or
+    a pad id outside the classes under mask 0, made the whole loss NaN where torch skips the target. Now the loss,
+    the weight, the accuracy and the unsmoothed nll equal those of the counted rows alone (torch's reduction='sum'
+    over them), on whole logits and on logits split by vocabulary over 2 ranks (Megatron's path); a COUNTED target
+    outside the classes still makes the loss NaN."""
+    rng = np.random.default_rng(3)
+    logits = (rng.normal(size=(8, 8)) * 3).astype(np.float32)
+    y = rng.integers(0, 8, 8)
+    mask = np.ones(8, np.float32)
+    logits[0, 3], y[0] = np.inf, -100  # an overflowed row, ignored
+    logits[1, 0], y[1] = -np.inf, -100  # the stand-in class 0 banned at -inf, ignored
+    logits[2, 5], mask[2] = np.nan, 0.0  # a NaN row, masked
+    y[3], mask[3] = 999, 0.0  # pad ids outside the classes, masked
+    y[4], mask[4] = -1, 0.0
+    counted = np.arange(8) >= 5
+    kept = logits[counted]
+    logp = kept - kept.max(-1, keepdims=True)
+    logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
+    nll = -np.take_along_axis(logp, y[counted][:, None], -1)[:, 0]
+    want = ((1 - smoothing) * nll + smoothing * -logp.mean(-1)).sum()
+    assert np.isfinite(want)
+
+    def loss(logits, y, mask):
+        batch = {"y": jnp.asarray(y), "mask": jnp.asarray(mask)}
+        if not split:
+            out = jaxpar.cross_entropy(jnp.asarray(logits), batch, label_smoothing=smoothing)
+            return out.loss, out.weight, out.metrics
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("t",))
+        f = lambda l: jaxpar.cross_entropy(VocabParallelLogits(l, "t"), batch, label_smoothing=smoothing)  # noqa
+        out = jax.shard_map(lambda l: tuple(f(l)), mesh=mesh, in_specs=P(None, "t"), out_specs=P(),
+                            check_vma=False)(jnp.asarray(logits))
+        return out
+
+    got, weight, metrics = loss(logits, y, mask)
+    np.testing.assert_allclose(float(got), want, rtol=1e-5)
+    assert float(weight) == 3 and float(metrics["accuracy"]) == (kept.argmax(-1) == y[counted]).sum()
+    if smoothing:
+        np.testing.assert_allclose(float(metrics["nll"]), nll.sum(), rtol=1e-5)
+    with np.errstate(invalid="ignore"):  # the check can fail: weight 0 times these rows' terms was NaN
+        assert not np.isfinite(0.0 * logits[:3].max(-1)).all()
+    y[5] = 8  # counted, one past the last class
+    assert np.isnan(float(loss(logits, y, mask)[0]))
+
+
+def test_mse_elements_under_mask_0_add_nothing_whatever_they_hold():
+    """jaxpar.mse with batch["mask"]: a masked element's NaN or inf output leaves the loss the sum over
+    the counted elements (it was 0 x NaN, NaN)."""
+    out = np.array([[1.0, np.nan], [np.inf, 2.0]], np.float32)
+    y = np.array([[0.5, 1.0], [0.0, 1.5]], np.float32)
+    mask = np.array([[1.0, 0.0], [0.0, 1.0]], np.float32)
+    got = jaxpar.mse(jnp.asarray(out), {"y": jnp.asarray(y), "mask": jnp.asarray(mask)})
+    np.testing.assert_allclose(float(got.loss), 0.25 + 0.25, rtol=1e-6)
+    assert float(got.weight) == 2
+    assert np.isnan(float(jaxpar.mse(jnp.asarray(out), {"y": jnp.asarray(y)}).loss))  # unmasked: NaN, as torch's
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -57,8 +57,11 @@ def cross_entropy(logits, batch, *, key: str = "y", ignore_index: int = IGNORE_I
         raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1] (torch's rule; 0 is plain "
                          "cross-entropy); pass e.g. --label-smoothing 0.1.")
     y = _targets(batch, key)
-    if jnp.issubdtype(y.dtype, jnp.integer):  # uint8 targets: -100 would read 156, and class ids wrap past 255
-        y = y.astype(jnp.int32)
+    if not jnp.issubdtype(jnp.result_type(y), jnp.integer):  # bool would train as classes 0 and 1; torch raises
+        raise TypeError(f"cross_entropy: targets batch[{key!r}] of dtype {jnp.result_type(y)}; give integer class "
+                        "ids (e.g. y.astype(np.int32)); for soft or real-valued targets write a loss of your own, or "
+                        "use --loss mse.")
+    y = y.astype(jnp.int32)  # uint8 targets: -100 would read 156, and class ids wrap past 255
     split = isinstance(logits, megatron.VocabParallelLogits)
     local = logits.local if split else logits
     if local.shape[:-1] != y.shape:

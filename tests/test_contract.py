@@ -631,6 +631,9 @@ def test_cross_entropy_is_torchs(smoothing):
         np.testing.assert_allclose(float(out.metrics["nll"]), nll[counted].sum(), rtol=1e-5)
     else:
         assert "nll" not in out.metrics
+    for bad in (np.ones((4, 3), bool), y.astype(np.float32)):  # torch raises on both (QA: bool trained as 0 / 1)
+        with pytest.raises(TypeError, match=f"targets batch\\['y'\\] of dtype {bad.dtype}; give integer class ids"):
+            jaxpar.cross_entropy(jnp.asarray(logits), {"y": jnp.asarray(bad)})
     with pytest.raises(ValueError, match=r"label_smoothing=1.5 must be in \[0, 1\]"):
         jaxpar.cross_entropy(jnp.asarray(logits), {"y": jnp.asarray(y)}, label_smoothing=1.5)
 

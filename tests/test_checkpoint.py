@@ -138,8 +138,11 @@ def test_roundtrip_restores_typed_key_and_optimizer_count(npz, tmp_path):
 
 
 def test_resume_falls_back_past_a_damaged_newest_checkpoint(npz, uninterrupted, tmp_path, capsys):
-    """The newest step's files are damaged (a disk that lost them): --resume warns, naming the step, and goes on
-    from the newest readable one, ending bit-identical to the run that was never stopped."""
+    """The newest step's files are damaged (a disk that lost them): --resume warns in one line, naming the step,
+    sets its folder aside as 5.damaged and goes on from the newest readable one, ending bit-identical to the run
+    that was never stopped. Its own step 5 is written again (a QA finding: orbax writes no step at or below its
+    newest, and the save of step 5 was dropped in silence, so every resume went back to step 4), and the failed
+    read leaves no tracebacks (it printed hundreds: "Event loop is closed")."""
     ckpt = str(tmp_path / "ckpt")
     trainer.run(config(npz, checkpoint_dir=ckpt, checkpoint_every=2, checkpoint_keep=3), on_step=signal_at(5))
     assert sorted(int(d) for d in os.listdir(ckpt) if d.isdigit()) == [2, 4, 5]
@@ -147,11 +150,22 @@ def test_resume_falls_back_past_a_damaged_newest_checkpoint(npz, uninterrupted, 
         for f in files:  # every array file of step 5 truncated to nothing
             open(os.path.join(root, f), "wb").close()
     capsys.readouterr()
-    resumed = trainer.run(config(npz, checkpoint_dir=ckpt, resume=True))
+    resumed = trainer.run(config(npz, checkpoint_dir=ckpt, resume=True, checkpoint_every=1, checkpoint_keep=10))
     err = capsys.readouterr().err
     assert "checkpoint step 5" in err and "damaged" in err and "resuming from step 4" in err, err
+    assert f"the damaged step 5 is kept as {os.path.join(ckpt, '5.damaged')}" in err, err
+    assert len(err.strip().splitlines()) == 2 and "Traceback" not in err, err
     assert resumed["resumed_from"] == 4 and resumed["steps"] == N_STEPS
     assert_bit_identical(resumed["state"], uninterrupted("single"), "resumed from step 4")
+    assert sorted(d for d in os.listdir(ckpt) if not d.isdigit()) == ["5.damaged"]
+    assert sorted(int(d) for d in os.listdir(ckpt) if d.isdigit()) == [2, 4, 5, 6, 7]  # step 5 written anew
+    info = checkpoint.run_info(config(npz), resumed["state"])
+    again = checkpoint.Checkpointer(ckpt, info, resume=True)
+    again.steps = [5]  # step 5 itself reads in full now
+    assert int(again.restore(resumed["state"])[0].step) == 5
+    with pytest.raises(ValueError, match=r"holds a newer step, 7, and checkpoints go in increasing steps \(orbax "
+                                         r"wrote nothing for step 3\); pass a step above it"):
+        checkpoint.save_checkpoint(ckpt, resumed["state"], step=3)  # the library call said it saved
 
 
 def test_resume_under_another_strategy(npz, uninterrupted, tmp_path):

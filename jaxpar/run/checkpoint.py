@@ -239,17 +239,76 @@ def _restore_newest(directory: str, steps: list[int], specs: dict, template: Tra
     abstract = {"leaves": [np.zeros(shape, jax.numpy.dtype(dtype)) for shape, dtype in specs.values()]}
     damaged = []
     for step in steps:
+        reader = _manager(directory, read_only=True)
         try:
-            out = _manager(directory, read_only=True).restore(step, args=ocp.args.Composite(
+            out = reader.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
         except Exception as e:  # orbax raises many kinds for missing or truncated files
             damaged.append((step, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e) else ''}"))
+            _drain_stray_callbacks()
             continue
+        finally:
+            reader.close()
         for bad, why in damaged:
             print(f"jaxpar: warning: checkpoint step {bad} in {directory} is damaged ({why}); {verb} step "
                   f"{step}, the newest readable one.", file=sys.stderr)
         return (step, from_host(template, out["state"]["leaves"]), out["meta"]), damaged
     return None, damaged
+
+
+class _Drop:
+    """A stand-in for sys.stderr that drops what it is given and remembers when."""
+
+    def __init__(self):
+        import time
+
+        self.last = time.monotonic()
+
+    def write(self, text: str) -> int:
+        import time
+
+        self.last = time.monotonic()
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def _drain_stray_callbacks(quiet: float = 0.3, limit: float = 5.0) -> None:
+    """After a failed read: the file reads it had started still finish in tensorstore's threads and call back into
+    orbax's event loop, which the failure closed, and Python prints each "RuntimeError: Event loop is closed"
+    traceback to sys.stderr (hundreds, for one damaged checkpoint). Wait, sys.stderr dropping writes, until none
+    came for `quiet` seconds (at most `limit`): the damaged step is named in one line after."""
+    import sys
+    import time
+
+    drop, real = _Drop(), sys.stderr
+    sys.stderr = drop
+    try:
+        start = time.monotonic()
+        while time.monotonic() - drop.last < quiet and time.monotonic() - start < limit:
+            time.sleep(0.05)
+    finally:
+        sys.stderr = real
+
+
+def _set_aside(steps: list[int], directory: str) -> None:
+    """Rename the damaged step folders that a resume skipped to `<step>.damaged` (process 0; every process waits),
+    so that the run's new checkpoints at those steps can be written (orbax writes no step at or below its
+    newest) and the damaged files stay for inspection."""
+    import sys
+
+    from jax.experimental import multihost_utils
+
+    if jax.process_index() == 0:
+        for step in steps:
+            src = os.path.join(directory, str(step))
+            dst = next(f"{src}.damaged{'' if i == 0 else f'.{i}'}" for i in range(1000)
+                       if not os.path.exists(f"{src}.damaged{'' if i == 0 else f'.{i}'}"))
+            os.rename(src, dst)
+            print(f"jaxpar: note: the damaged step {step} is kept as {dst}; the run writes its own step {step} when "
+                  "it gets there.", file=sys.stderr)
+    multihost_utils.sync_global_devices("jaxpar: damaged checkpoints set aside")
 
 
 class Checkpointer:
@@ -293,6 +352,8 @@ class Checkpointer:
             raise ValueError(f"--resume: every checkpoint in --checkpoint-dir {self.directory!r} is damaged (step "
                              f"{damaged[0][0]}: {damaged[0][1]}); pass the folder of an intact run, or drop --resume.")
         self.latest = self.saved_step = found[0]
+        if damaged:
+            _set_aside([bad for bad, _ in damaged], self.directory)
         return found[1], found[2]["data"]
 
     def save(self, step: int, state: TrainState, data: dict) -> bool:
@@ -306,8 +367,11 @@ class Checkpointer:
         if self._mgr is None:
             self._mgr = _manager(self.directory, keep=self.keep)
         meta = {**self.info, "step": int(step), "data": data, "processes": jax.process_count()}
-        self._mgr.save(int(step), args=ocp.args.Composite(
-            state=ocp.args.StandardSave({"leaves": leaves}), meta=ocp.args.JsonSave(meta)))
+        if not self._mgr.save(int(step), args=ocp.args.Composite(
+                state=ocp.args.StandardSave({"leaves": leaves}), meta=ocp.args.JsonSave(meta))):
+            # orbax writes no step at or below its newest and says so only by returning False
+            raise RuntimeError(f"checkpoint step {step} was not written: --checkpoint-dir {self.directory!r} already "
+                               f"holds step {self._mgr.latest_step()}; pass another --checkpoint-dir.")
         self.saved_step = int(step)
         return True
 
@@ -365,10 +429,15 @@ def save_checkpoint(directory: str, state: TrainState, *, step: int | None = Non
         raise TypeError(f"save_checkpoint: data={data!r:.80} is not JSON ({e}); pass dicts, lists, strings, numbers "
                         "and None (numpy scalars as int() or float()).") from None
     manager = _manager(directory, keep=keep)
-    manager.save(int(step), args=ocp.args.Composite(state=ocp.args.StandardSave({"leaves": leaves}),
-                                                    meta=ocp.args.JsonSave(meta)))
-    manager.wait_until_finished()
-    manager.close()
+    try:
+        if not manager.save(int(step), args=ocp.args.Composite(state=ocp.args.StandardSave({"leaves": leaves}),
+                                                               meta=ocp.args.JsonSave(meta))):
+            raise ValueError(f"save_checkpoint: {directory!r} holds a newer step, {manager.latest_step()}, and "
+                             f"checkpoints go in increasing steps (orbax wrote nothing for step {step}); pass a step "
+                             "above it, or another directory.")
+        manager.wait_until_finished()
+    finally:
+        manager.close()
     return int(step)
 
 

@@ -398,11 +398,12 @@ class GPT(nnx.Module):
         return n - (math.prod(self.wpe.embedding.shape) if non_embedding else 0)
 
     def generate(self, prompt_BxT, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
-                 seed: int = 0, kv_cache: bool = True) -> np.ndarray:
+                 seed: int = 0, kv_cache: bool = True, vocab_limit: int | None = None) -> np.ndarray:
         """nanoGPT's generate: the prompt and `max_new_tokens` sampled tokens (jaxpar.models.gpt_generate); with a
-        KV cache while the context fits block_size (`kv_cache=False`: nanoGPT's recompute every step)."""
+        KV cache while the context fits block_size (`kv_cache=False`: nanoGPT's recompute every step); only tokens
+        below `vocab_limit` when given."""
         return gpt_generate.generate(self, prompt_BxT, max_new_tokens, temperature=temperature, top_k=top_k,
-                                     seed=seed, kv_cache=kv_cache)
+                                     seed=seed, kv_cache=kv_cache, vocab_limit=vocab_limit)
 
     # -- PyTorch state dicts (jaxpar.models.gpt_state_dict) -------------------------------------------------
 

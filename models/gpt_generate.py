@@ -31,8 +31,10 @@ from jaxpar.models.gpt_ops import causal_attention, dot_product_attention
 
 
 def generate(model, prompt_BxT, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
-             seed: int = 0, kv_cache: bool = True) -> np.ndarray:
-    """The prompt followed by `max_new_tokens` sampled tokens, [B, T + max_new_tokens] int32 (see the module)."""
+             seed: int = 0, kv_cache: bool = True, vocab_limit: int | None = None) -> np.ndarray:
+    """The prompt followed by `max_new_tokens` sampled tokens, [B, T + max_new_tokens] int32 (see the module).
+    `vocab_limit` V': only tokens below V' are drawn (the bytes, 256, for a model with a larger vocabulary trained
+    on byte-level text: its other ids mean nothing there)."""
     prompt = np.asarray(prompt_BxT)
     cfg = model.config
     if prompt.ndim != 2 or not np.issubdtype(prompt.dtype, np.integer) or prompt.shape[1] < 1:
@@ -46,6 +48,10 @@ def generate(model, prompt_BxT, max_new_tokens: int, *, temperature: float = 1.0
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 0.")
     if not temperature >= 0:
         raise ValueError(f"temperature={temperature} must be >= 0 (0: greedy; nanoGPT samples at 0.8).")
+    if vocab_limit is not None and (isinstance(vocab_limit, bool) or not isinstance(vocab_limit, (int, np.integer))
+                                    or not 1 <= vocab_limit <= cfg.vocab_size):
+        raise ValueError(f"vocab_limit={vocab_limit!r} must be an int in 1..{cfg.vocab_size} (the vocabulary), or "
+                         "None for every token.")
     if top_k is not None and not 1 <= top_k <= cfg.vocab_size:
         raise ValueError(f"top_k={top_k} must be in 1..{cfg.vocab_size} (the vocabulary), or None for every token.")
     b, t0 = prompt.shape
@@ -60,13 +66,15 @@ def generate(model, prompt_BxT, max_new_tokens: int, *, temperature: float = 1.0
     greedy = np.float32(temperature) == 0  # 0, or a temperature below float32's range (1e-46: 0 in float32)
     out = _generate(graphdef, state, jnp.asarray(tokens), jax.random.key(seed),
                     jnp.float32(1.0 if greedy else temperature),
-                    t0=t0, block_size=cfg.block_size, greedy=greedy, top_k=top_k, kv_cache=bool(kv_cache))
+                    t0=t0, block_size=cfg.block_size, greedy=greedy, top_k=top_k, kv_cache=bool(kv_cache),
+                    vocab_limit=None if vocab_limit in (None, cfg.vocab_size) else int(vocab_limit))
     return np.asarray(out)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "t0", "block_size", "greedy", "top_k", "kv_cache"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "t0", "block_size", "greedy", "top_k", "kv_cache",
+                                             "vocab_limit"))
 def _generate(graphdef, state, tokens_BxL, key, temperature, *, t0: int, block_size: int, greedy: bool,
-              top_k: int | None, kv_cache: bool):
+              top_k: int | None, kv_cache: bool, vocab_limit: int | None = None):
     """Positions t0.. of the buffer `tokens_BxL` filled (see the module); compiled once per model structure, prompt
     length, final length and sampling rule, so later calls with the same shapes run at once."""
     total = tokens_BxL.shape[1]
@@ -76,6 +84,8 @@ def _generate(graphdef, state, tokens_BxL, key, temperature, *, t0: int, block_s
 
     def put(tokens_BxL, t, logits_BxV, key):  # position t gets a token drawn from the logits at t - 1
         key, draw = jax.random.split(key)
+        if vocab_limit is not None:  # the ids at and above it are never drawn
+            logits_BxV = jnp.where(jnp.arange(logits_BxV.shape[-1]) < vocab_limit, logits_BxV, -jnp.inf)
         if greedy:
             nxt_B = jnp.argmax(logits_BxV, axis=-1)
         else:

@@ -195,7 +195,10 @@ def hf_config(cfg: GPTConfig) -> dict[str, Any]:
             "n_head": cfg.n_head, "n_inner": None, "activation_function": cfg.activation_function,
             "resid_pdrop": cfg.dropout,
             "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout, "layer_norm_epsilon": LN_EPS,
-            "initializer_range": 0.02, "tie_word_embeddings": True}
+            "initializer_range": 0.02, "tie_word_embeddings": True,
+            # GPT2Config's default bos/eos, 50256 ("<|endoftext|>"), only where the vocabulary holds it: a byte-level
+            # model's transformers warned on every load that the id is outside it (a QA finding)
+            **{k: 50256 if cfg.vocab_size > 50256 else None for k in ("bos_token_id", "eos_token_id")}}
 
 
 def activation_of(meta: Mapping[str, Any]) -> str | None:

@@ -184,7 +184,8 @@ def test_resume_to_more_steps_keeps_the_cosine_schedule_only_when_told(npz, tmp_
     start, 3 steps resumed to 5 are bit-identical to 5 uninterrupted steps. Resumed once more, the finished run
     says it has nothing left to train."""
     cosine = dict(lr_schedule="cosine", warmup_steps=1, gamma=Config().gamma, log_every=1)
-    whole = trainer.run(config(npz, steps=5, lr_decay_steps=5, **cosine))["state"]
+    whole_run = trainer.run(config(npz, steps=5, lr_decay_steps=5, **cosine))
+    whole = whole_run["state"]
     for decay, note in ((None, True), (5, False)):
         ckpt = str(tmp_path / f"ckpt{decay}")
         trainer.run(config(npz, steps=3, lr_decay_steps=decay, checkpoint_dir=ckpt, **cosine))
@@ -206,6 +207,19 @@ def test_resume_to_more_steps_keeps_the_cosine_schedule_only_when_told(npz, tmp_
     assert "the checkpoint is at step 5, and this run ends at step 5: nothing is left to train; raise --steps" in \
         capsys.readouterr().err  # a finished run resumed said nothing
     assert again["steps"] == 5 and all(np.array_equal(a, b) for a, b in zip(leaves(again["state"]), leaves(whole)))
+    assert again["epochs"] == whole_run["epochs"] == 2  # 5 steps of 4 a epoch (a QA finding: the resume said 1)
+
+
+def test_the_static_loss_scale_note_counts_this_sessions_steps(npz, tmp_path, capsys):
+    """fp16 at a static scale every step overflows: the note counts the skips of this session against its steps,
+    and the run's after a resume (a QA finding: "5 of 2 steps overflowed")."""
+    ckpt = str(tmp_path / "ckpt")
+    fp16 = dict(precision="fp16", loss_scale=2.0 ** 24, checkpoint_dir=ckpt)
+    trainer.run(config(npz, steps=3, **fp16))
+    assert "note: 3 of 3 steps overflowed at the static --loss-scale" in capsys.readouterr().err
+    resumed = trainer.run(config(npz, steps=5, resume=True, **fp16))
+    assert resumed["skipped_steps"] == 5
+    assert "note: 2 of 2 steps (of this session; 5 of 5 in the run) overflowed" in capsys.readouterr().err
 
 
 def test_resume_refuses_another_head_count_and_names_the_flags_that_change_the_state(npz, tmp_path):

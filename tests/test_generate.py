@@ -123,11 +123,49 @@ def test_draws_follow_the_tempered_softmax(model):
     ((PROMPT, -1), {}, "max_new_tokens=-1 must be an int >= 0"),
     ((PROMPT, 2), {"temperature": -0.5}, "temperature=-0.5 must be >= 0"),
     ((PROMPT, 2), {"top_k": 17}, r"top_k=17 must be in 1..16"),
+    ((PROMPT, 2), {"vocab_limit": 17}, r"vocab_limit=17 must be an int in 1..16"),
+    ((PROMPT, 2), {"vocab_limit": 0}, r"vocab_limit=0 must be an int in 1..16"),
 ])
 def test_bad_arguments_are_refused(model, args, kwargs, message):
     with pytest.raises(ValueError, match=message):
         model.generate(*args, **kwargs)
     np.testing.assert_array_equal(model.generate(PROMPT, 0), PROMPT)  # nothing to add: the prompt back
+
+
+def test_vocab_limit_draws_only_the_tokens_below_it(model):
+    """generate(vocab_limit=8) on a 16-token model: greedy is the step-by-step loop's argmax over the first 8
+    logits, sampling stays below 8, with and without the cache; unlimited, the same prompt draws tokens >= 8."""
+    assert (model.generate(PROMPT, 9, temperature=0) >= 8).any()  # the check can fail: the limit changes tokens
+    out = model.generate(PROMPT, 9, temperature=0, vocab_limit=8)
+    idx = PROMPT.copy()
+    for _ in range(9):
+        idx = np.concatenate([idx, last_logits(model, idx)[:, :8].argmax(-1)[:, None]], axis=1)
+    np.testing.assert_array_equal(out, idx)
+    for kv_cache in (True, False):
+        drawn = model.generate(np.repeat(PROMPT, 50, axis=0), 9, temperature=1.5, top_k=12, seed=2,
+                               kv_cache=kv_cache, vocab_limit=8)
+        assert drawn[:, 3:].max() < 8 and len(np.unique(drawn[:, 3:])) > 3
+
+
+def test_train_py_samples_bytes_from_a_model_with_a_larger_vocabulary():
+    """--sample prints bytes: a GPT whose vocabulary is larger than the 256 bytes (GPT-2's weights by --init-torch,
+    trained on --dataset text) draws only those (a QA finding: ids above 255 were printed as id % 256)."""
+    import optax
+
+    from jaxpar.config import Config
+    from jaxpar.run import trainer
+    from jaxpar.step import init_state
+
+    from test_gpt import scramble
+
+    big = scramble(gpt.GPT(gpt.GPTConfig(vocab_size=300, block_size=16, n_layer=2, n_head=2, n_embd=16),
+                           rngs=nnx.Rngs(params=0, dropout=1)), seed=4)
+    prompt = np.frombuffer(b"def ", np.uint8).astype(np.int32)[None]
+    assert (big.generate(prompt, 24, temperature=0) >= 256).any()  # the check can fail
+    cfg = Config(model="gpt-nano", dataset="text", sample=24, sample_temperature=0.0, sample_prompt="def ", seed=3)
+    got = trainer.sample_text(cfg, big, init_state(big, optax.sgd(0.1)))
+    want = big.generate(prompt, 24, temperature=0, vocab_limit=256)
+    assert got == bytes(want[0].astype(np.uint8).tolist()).decode("utf-8", errors="replace")
 
 
 def test_train_py_prints_a_sample_of_the_trained_model(tmp_path, capsys):

@@ -226,6 +226,9 @@ def test_bad_paths_get_one_line_errors(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["bad.npz", "empty"]  # checks write nothing
     with pytest.raises(ValueError, match="no biases.*--torch-layout nanogpt"):
         gpt.hf_config(gpt.GPTConfig.named("gpt-nano", bias=False))
+    for vocab, special in ((256, None), (50257, 50256), (50304, 50256)):  # <|endoftext|> only where the ids hold it
+        config = gpt.hf_config(gpt.GPTConfig.named("gpt-nano", vocab_size=vocab))
+        assert config["bos_token_id"] == config["eos_token_id"] == special, vocab
 
 
 def test_cli_exports_a_gpt_as_a_hf_folder_and_starts_from_it(tmp_path, corpus):  # noqa: F811

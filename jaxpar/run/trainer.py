@@ -821,9 +821,14 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
         if not ckpt.save(step, strategy.unplace(placed), data):
             raise Diverged(f"step {step} left non-finite parameters; not saved. " + _kept(cfg, ckpt))
 
-    clock, stopped, start_step, epoch_done = report.Clock(), None, step, True
+    def finished_epoch() -> bool:  # whether this rank's epoch has no batch left (else --steps ended it mid-epoch)
+        rest = len(sampler) - sampler.offset  # this rank's samples not yet trained on this epoch
+        return (rest // local_batch if cfg.drop_last else rest) == 0
+
+    # a resumed run that has nothing left to train counts its epochs as the run that saved it did
+    clock, stopped, start_step, epoch_done = report.Clock(), None, step, finished_epoch() if cfg.resume else True
     scaler = loss_scale_config(cfg)  # fp16: steps skipped on overflowing gradients advance no schedule
-    skipped = int(position.get("skipped", 0))
+    skipped = skipped_before = int(position.get("skipped", 0))
     last: dict[str, Any] = {}
     loss_sum, count = position["loss_sum"], position["count"]  # the epoch's running train loss
     try:
@@ -878,8 +883,7 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
                         "train_loss": loss_sum / count if count else float("nan")}
                 if stopped:
                     break
-                rest = len(sampler) - sampler.offset  # this rank's samples not yet trained on this epoch
-                epoch_done = (rest // local_batch if cfg.drop_last else rest) == 0  # else --steps ended it mid-epoch
+                epoch_done = finished_epoch()
                 if eval_set is not None:  # a strategy with evaluate() runs it where its weights are (pipeline)
                     on = getattr(strategy, "evaluate", None)
                     last.update(evaluate(eval_step, strategy.unplace(placed), eval_set, eval_batch_size(cfg),
@@ -912,7 +916,9 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
         if shared:  # evaluation partly measured training samples: the summary line and --metrics-out say so
             summary["eval_overlaps_train"] = shared
         if scaler is not None and not scaler.dynamic and skipped and main_process:  # it never lowers itself
-            print(f"jaxpar: note: {skipped} of {step - start_step} steps overflowed at the static --loss-scale "
+            print(f"jaxpar: note: {skipped - skipped_before} of {step - start_step} steps"
+                  + (f" (of this session; {skipped} of {step} in the run)" if skipped_before else "")
+                  + f" overflowed at the static --loss-scale "
                   f"{cfg.loss_scale:g} and were skipped (no update); lower --loss-scale, or pass --loss-scale 0 for "
                   "the dynamic scaler.", file=sys.stderr)
         summary.update(lm_summary(cfg, model, train_set, summary, devices_used(strategy)))
@@ -1075,14 +1081,16 @@ def export_torch(objective, state: TrainState, path: str, layout: str = "hf") ->
 
 def sample_text(cfg: Config, model: nnx.Module, state: TrainState) -> str:
     """--sample: the trained GPT's continuation of --sample-prompt (its UTF-8 bytes), decoded with replacement
-    characters where the bytes are not UTF-8 (jaxpar.models.gpt_generate; the run's seed draws)."""
+    characters where the bytes are not UTF-8 (jaxpar.models.gpt_generate; the run's seed draws). A model with a
+    larger vocabulary (GPT-2's weights by --init-torch) draws only the bytes, the ids the text trained it on (its
+    ids above 255 printed as id % 256 before, a QA finding)."""
     from jaxpar import models
 
     trained = models.gpt.GPT(model.config, rngs=nnx.Rngs(cfg.seed))  # unsplit, whatever the strategy did
     nnx.update(trained, state.params)
     prompt = np.frombuffer(cfg.sample_prompt.encode(), np.uint8).astype(np.int32)[None]
     out = trained.generate(prompt, cfg.sample, temperature=cfg.sample_temperature, top_k=cfg.sample_top_k,
-                           seed=cfg.seed)
+                           seed=cfg.seed, vocab_limit=256)
     return bytes(out[0].astype(np.uint8).tolist()).decode("utf-8", errors="replace")
 
 

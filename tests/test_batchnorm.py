@@ -148,6 +148,39 @@ def test_batch_mode_refuses_padding_and_sync_bn_refuses_dp_and_the_pipeline():
         pipe.init(jaxpar.init_state(bn_model(True), TX))
 
 
+def test_a_model_keeping_an_rngs_is_not_taken_for_synchronised_batch_norm():
+    """A QA finding: a model that keeps an nnx.Rngs with a default stream (noise drawn in __call__) was refused by
+    dp and the pipeline as "synchronised BatchNorm": Rngs answers any attribute, axis_name too, with that stream.
+    Now both train it, equal to the single step (per-sample noise keyed by the row, whatever the split)."""
+
+    class Noise(nnx.Module):
+        def __init__(self, rngs):
+            self.rngs = rngs
+
+        def __call__(self, x):
+            return x + 0.1 * jax.random.normal(self.rngs(), x.shape)
+
+    def make():
+        r = nnx.Rngs(0)
+        return nnx.Sequential(nnx.Linear(6, 8, rngs=r), Noise(nnx.Rngs(1)), nnx.relu, nnx.Linear(8, 3, rngs=r))
+
+    assert getattr(nnx.Rngs(1), "axis_name", None) is not None  # the check can fail: the stream answers
+    batch = {"x": np.random.default_rng(0).normal(size=(8, 6)).astype(np.float32),
+             "y": np.arange(8, dtype=np.int32) % 3}
+
+    def trained(strategy):
+        placed = strategy.init(jaxpar.init_state(make(), TX))
+        for _ in range(2):
+            placed, _ = strategy.step(placed, strategy.put_batch(batch))
+        return jax.tree.leaves(strategy.unplace(placed).params)
+
+    want = trained(jaxpar.SingleDevice(make(), TX))
+    for strategy in (jaxpar.DataParallel(make(), TX, device_ids=[0, 1]),
+                     jaxpar.Pipeline(make(), TX, num_stages=2, micro_batches=2)):
+        for a, b in zip(trained(strategy), want):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_ddp_broadcasts_the_buffers_not_the_frozen_weights():
     """torch's broadcast_buffers=True sends replica 0's buffers (BatchNorm's running statistics) every step, not
     the parameters: a frozen weight (left out of wrt) starts equal on every replica and stays so. The compiled

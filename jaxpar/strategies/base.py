@@ -160,7 +160,10 @@ def check_placed(batch: Any, kind: type, who: str) -> None:
 def refuse_sync_batch_norm(model: nnx.Module, who: str) -> None:
     """ValueError where the model has synchronised BatchNorm (an axis_name) that `who` cannot bind: as in torch,
     SyncBatchNorm needs the data-parallel strategies that see a global batch (DDP, ZeRO)."""
-    if any(getattr(node, "axis_name", None) for _, node in nnx.iter_graph(model)):
+    # only Modules: an nnx.Rngs answers any attribute it lacks with its default stream (truthy), and refused
+    # every model that keeps one (a QA finding: "synchronised BatchNorm" in a model without BatchNorm)
+    if any(isinstance(node, nnx.Module) and getattr(node, "axis_name", None) is not None
+           for _, node in nnx.iter_graph(model)):
         raise ValueError(f"the model has synchronised BatchNorm (an axis_name), which {who} cannot bind; as in "
                          "torch, SyncBatchNorm needs DistributedDataParallel (or ZeRO): use one of those, or leave "
                          "the model's BatchNorm unsynchronised (no jaxpar.sync_batch_norm).")

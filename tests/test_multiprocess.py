@@ -289,6 +289,33 @@ def test_killing_one_rank_stops_the_launcher(tmp_path):
         os.kill(pids["[rank 0"], 0)
 
 
+def test_a_rank_that_fails_alone_after_joining_ends_the_job_within_seconds(tmp_path):
+    """A QA finding: train.py's rank 1 refusing in one line (or raising) after joining the group exited through
+    JAX's shutdown barrier, where it waited 300 s for rank 0, itself waiting in the step's collectives for rank 1;
+    both then aborted and the launcher blamed rank 0 (SIGABRT). Now the failing rank leaves at once with its own
+    status (2 for a refusal), and the launcher stops the other and exits with it."""
+    script = tmp_path / "refuse_on_rank_1.py"
+    script.write_text("import os, sys\n"
+                      "from jaxpar import cli\n"
+                      "from jaxpar.run import trainer\n"
+                      "real = trainer.run\n"
+                      "def run(cfg, **kw):\n"
+                      "    if os.environ['RANK'] == '1':\n"
+                      "        import jax; jax.devices()  # joined, the backend up: rank 0 trains on alone\n"
+                      "        raise ValueError('rank 1 refuses after joining')\n"
+                      "    return real(cfg, **kw)\n"
+                      "trainer.run = run\n"
+                      "cli.main(sys.argv[1:])\n")
+    t0 = time.monotonic()
+    proc = launch(str(script), "--cpu-devices", "1", "--strategy", "ddp", "--model", "mlp", "--train-split",
+                  "train[:64]", "--eval-split", "", "--batch-size", "8", "--steps", "100000", "--optimizer", "sgd")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2, out
+    assert "[rank 1] train.py: error: rank 1 refuses after joining" in out, out
+    assert "jaxpar.launch: a process failed with status 2, a usage error" in out, out
+    assert time.monotonic() - t0 < 90, out  # it took 300 s and more
+
+
 def test_launcher_restarts_with_resume_and_reports_failure(tmp_path):
     """--max-restarts: the group restarts once (no checkpoint yet, so no --resume); without restarts the status
     comes back. Appending --resume once a checkpoint exists: test_launcher_environment_and_resume and

@@ -316,6 +316,26 @@ def test_a_rank_that_fails_alone_after_joining_ends_the_job_within_seconds(tmp_p
     assert time.monotonic() - t0 < 90, out  # it took 300 s and more
 
 
+def test_processes_that_load_different_data_are_refused(tmp_path):
+    """--data-path may differ between processes (each node mounts its files), its contents may not: a shorter copy
+    on rank 1 gave it fewer steps, and both ranks then hung in mismatched collectives without a word (a QA
+    finding). Now every rank refuses in one line, naming the sizes."""
+    long, short = tmp_path / "long.txt", tmp_path / "short.txt"
+    long.write_bytes(b"def f(x):\n    return x\n" * 250)
+    short.write_bytes(b"def f(x):\n    return x\n" * 125)
+    script = tmp_path / "short_on_rank_1.py"
+    script.write_text("import os, sys\n"
+                      "from jaxpar import cli\n"
+                      f"argv = sys.argv[1:] + (['--data-path', {str(short)!r}] if os.environ['RANK'] == '1' else [])\n"
+                      "cli.main(argv)\n")
+    proc = launch(str(script), "--cpu-devices", "1", "--strategy", "ddp", "--model", "gpt-nano", "--dataset", "text",
+                  "--seq-len", "32", "--batch-size", "8", "--epochs", "1", "--eval-split", "", "--optimizer", "sgd",
+                  "--data-path", str(long))
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2, out
+    assert "[rank 0] train.py: error: the processes loaded different data (train: 170, 85 samples" in out, out
+
+
 def test_launcher_restarts_with_resume_and_reports_failure(tmp_path):
     """--max-restarts: the group restarts once (no checkpoint yet, so no --resume); without restarts the status
     comes back. Appending --resume once a checkpoint exists: test_launcher_environment_and_resume and

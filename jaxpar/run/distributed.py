@@ -157,3 +157,24 @@ def check_same_config(cfg) -> None:
         here = ", ".join(f"{n}={fields[n]!r}" for n in differ[:3])
         raise ValueError(f"the processes were started with different flags: {flags} (this is process "
                          f"{jax.process_index()}, with {here}); start every process with the same command.")
+
+
+def check_same_data(**sizes: int) -> None:
+    """ValueError unless every process loaded data of the same sizes (`sizes`: name -> count; -1 for none): the
+    per-process paths (--data-path, --data-dir) may differ, their contents may not. A shorter file on one process
+    gave it fewer steps, and the others waited in the step's collectives for it without a word (a QA finding).
+    No-op alone."""
+    import jax
+
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    mine = np.array(list(sizes.values()), np.int64)
+    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), len(sizes))
+    differ = [name for i, name in enumerate(sizes) if len(set(every[:, i].tolist())) > 1]
+    if differ:
+        seen = "; ".join(f"{n}: " + ", ".join(str(int(v)) for v in every[:, list(sizes).index(n)]) for n in differ)
+        raise ValueError(f"the processes loaded different data ({seen} samples, process 0 first); give every "
+                         "process the same files (--data-path, --data-dir).")
+

@@ -754,6 +754,9 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
     except ValueError as e:
         raise ValueError(f"--eval-split {eval_split!r}: {str(e).rstrip('.')}; or pass --eval-split '' (that skips "
                          "evaluation).") from None
+    from jaxpar.run.distributed import check_same_data
+
+    check_same_data(train=len(train_set), eval=len(eval_set) if eval_set is not None else -1)
     shared = split_overlap(cfg.train_split, eval_split, cfg.dataset, {s: len(d) for s, d in (
         (cfg.train_split.strip(), train_set), (eval_split.strip(), eval_set)) if d is not None}, load) \
         if eval_set is not None else 0

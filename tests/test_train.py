@@ -444,6 +444,7 @@ def test_whole_shard_losses_refuse_the_samplers_wrap_around_copies(monkeypatch, 
     from jaxpar.run import distributed
 
     monkeypatch.setattr(distributed, "check_same_config", lambda cfg: None)  # no second process to compare with
+    monkeypatch.setattr(distributed, "check_same_data", lambda **sizes: None)
     with pytest.raises(ValueError, match="63 samples do not divide by the 2 processes: the sampler pads with 1 "
                                          "wrap-around copies, which would reach the batch statistics; pass "
                                          "--drop-last"):

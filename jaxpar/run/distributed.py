@@ -146,11 +146,8 @@ def check_same_config(cfg) -> None:
 
     if jax.process_count() == 1:
         return
-    from jax.experimental import multihost_utils
-
     fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in PER_PROCESS}
-    mine = np.array([zlib.crc32(repr(v).encode()) & 0x7FFFFFFF for v in fields.values()], np.int32)
-    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), len(fields))
+    every = _every_process([zlib.crc32(repr(v).encode()) & 0x7FFFFFFF for v in fields.values()])
     differ = [name for i, name in enumerate(fields) if len(set(every[:, i].tolist())) > 1]
     if differ:
         flags = ", ".join("--" + n.replace("_", "-") for n in differ)
@@ -168,13 +165,19 @@ def check_same_data(**sizes: int) -> None:
 
     if jax.process_count() == 1:
         return
-    from jax.experimental import multihost_utils
-
-    mine = np.array(list(sizes.values()), np.int64)
-    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), len(sizes))
+    every = _every_process(list(sizes.values()))
     differ = [name for i, name in enumerate(sizes) if len(set(every[:, i].tolist())) > 1]
     if differ:
         seen = "; ".join(f"{n}: " + ", ".join(str(int(v)) for v in every[:, list(sizes).index(n)]) for n in differ)
         raise ValueError(f"the processes loaded different data ({seen} samples, process 0 first); give every "
                          "process the same files (--data-path, --data-dir).")
+
+
+def _every_process(values: list[int]) -> np.ndarray:
+    """[processes, len(values)]: each process's `values` (int32), process 0 first."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    mine = np.array(values, np.int32)
+    return np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), len(values))
 

@@ -18,6 +18,12 @@ AdamW(6e-4, betas (0.9, 0.95), weight decay 0.1)):
   qkv as three products   the defaults, but q, k and v as three products x @ c_attn.kernel[:, i C:(i + 1) C] plus
                           the bias's slice instead of one product split in three (the same parameters and dtypes:
                           no [B, T, 3C] output to split, and the gradients concatenated are the kernel's, C x 3C)
+  without the fusions     the defaults as they were before jaxpar.models.fused and the one-pass cross-entropy:
+                          autodiff of gelu(add_wide(y, b)) (GPTConfig(bias_gelu_fusion=False)), the plain qkv bias
+                          add and split, the cross-entropy's max and exp-sum in two passes (TWO_PASS_NLL)
+  ... without one of them the defaults less one of the three (which of them the step gains)
+  per_sample=False, 16-bit bias/lookup, without the fusions: variant 3 before the fusions (the best of the
+                          third lease's runs, with --xla_gpu_enable_triton_gemm=false)
 The runs alternate round by round; tokens/s is each run's best round. Then each run's steps are traced with
 jax.profiler and its GPU kernels summed by kind (GEMMs, attention, the rest: XLA's fusions, copies), per step, and
 "GPU busy" is the part of the time from the traced steps' first kernel to their last in which some kernel ran: the
@@ -56,7 +62,9 @@ KIND_COLUMNS = ("GEMM", "attention", "other (fusions)", "copy")  # the tables' c
 
 
 VARIANTS = ("jaxpar (defaults)", "per_sample=False", "per_sample=False, 16-bit bias/lookup",
-            "per_sample=False, XLA attention", "plain NNX step (no jaxpar)", "jaxpar, qkv as three products")
+            "per_sample=False, XLA attention", "plain NNX step (no jaxpar)", "jaxpar, qkv as three products",
+            "jaxpar without the fusions", "jaxpar without the bias-GELU fusion", "jaxpar without the qkv bias-split",
+            "jaxpar with the two-pass cross-entropy", "per_sample=False, 16-bit bias/lookup, without the fusions")
 
 FLAG_SETS = (  # --xla-flag-sets default: XLA:GPU settings that change how the step's fusions and GEMMs are made
     "--xla_gpu_enable_cudnn_layer_norm=true",  # LayerNorms as cuDNN's norm kernels, not XLA's reduction fusions
@@ -79,7 +87,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--trace-steps", type=int, default=3, help="steps traced per run (0: no profile)")
     p.add_argument("--top", type=int, default=12, help="kernels listed for jaxpar's default run")
     p.add_argument("--variants", default=None, help="comma-separated 1-based numbers of the variants to run "
-                   "(default: all six, in the order above)")
+                   "(default: all, in the order above)")
     p.add_argument("--save-trace", default=None, help="a folder to copy the first run's trace into "
                    "(gpt_profile.xplane.pb: jax.profiler.ProfileData or TensorBoard's profile plugin reads it)")
     p.add_argument("--json", default=None, help="also write each run's numbers to this file (the flag sweep's "
@@ -204,6 +212,34 @@ def qkv_three_products(attn, x_BxTxC):
     return tuple(out)
 
 
+def two_pass_nll_and_argmax():
+    """jaxpar.losses.nll_and_argmax as it was before its one-pass forward: the argmax (and max) in one pass over
+    the logits, the sum of exp(x - max) in another; the same backward."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpar import losses
+
+    def fwd(logits, labels):
+        predicted = jnp.argmax(logits, axis=-1)
+        top = jnp.take_along_axis(logits, predicted[..., None], axis=-1).astype(jnp.float32)
+        log_sum = jnp.log(jnp.sum(jnp.exp(logits.astype(jnp.float32) - top), axis=-1))
+        picked = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0].astype(jnp.float32)
+        return (log_sum - (picked - top[..., 0]), predicted), (logits, labels, top[..., 0] + log_sum)
+
+    nll = jax.custom_vjp(lambda logits, labels: fwd(logits, labels)[0])
+    nll.defvjp(fwd, losses._nll_and_argmax_bwd)
+    return nll
+
+
+def plain_qkv(attn, x_BxTxC):
+    """CausalSelfAttention.qkv before fused.bias_split_heads: c_attn (its bias added) split by autodiff's rules."""
+    import jax.numpy as jnp
+
+    b, t, c = x_BxTxC.shape
+    return tuple(a.reshape(b, t, attn.n_head, c // attn.n_head) for a in jnp.split(attn.c_attn(x_BxTxC), 3, -1))
+
+
 def failure(rc: int, output: str) -> str:
     """Why a flag sweep's process gave no result, in one line, from its exit status and its output."""
     unknown = re.search(r"Unknown flags? in XLA_FLAGS: (.*)", output)  # XLA's abort when it starts its backend
@@ -288,7 +324,7 @@ def main(argv=None) -> None:
 
     import jaxpar
     from gpt import PlainStep
-    from jaxpar import models
+    from jaxpar import losses, models
     from jaxpar.models import gpt
     from jaxpar.run import flops
     from rounds import JaxparRun
@@ -303,28 +339,36 @@ def main(argv=None) -> None:
     state = jaxpar.init_state(model, tx)
     bf16, n = jnp.bfloat16, batch["x"].size
     plain_add, plain_take = (lambda x, b: x + b), (lambda table, ids: jnp.take(table, ids, axis=0))
-    wide, fused_qkv = (gpt.add_wide, gpt.take_wide), gpt.CausalSelfAttention.qkv
+    wide, fused_qkv, one_pass = (gpt.add_wide, gpt.take_wide), gpt.CausalSelfAttention.qkv, losses.nll_and_argmax
+    qkv_impl, two_pass = {"fused": fused_qkv, "three": qkv_three_products, "plain": plain_qkv}, two_pass_nll_and_argmax()
 
-    def patch(sixteen: bool, three: bool) -> None:  # the models module looks them up when a step is traced
+    def patch(sixteen: bool, qkv: str = "fused", ce_one_pass: bool = True) -> None:  # looked up when a step traces
         gpt.add_wide, gpt.take_wide = (plain_add, plain_take) if sixteen else wide
-        gpt.CausalSelfAttention.qkv = qkv_three_products if three else fused_qkv
+        gpt.CausalSelfAttention.qkv = qkv_impl[qkv]
+        losses.nll_and_argmax = one_pass if ce_one_pass else two_pass
 
     def timed(step_maker) -> JaxparRun:  # compiled and warmed up; a step once compiled never looks at `patch`
         return JaxparRun(step_maker, state, batch, args.steps, n)
 
     single = lambda m=model, **kw: jaxpar.SingleDevice(m, tx, compute_dtype=bf16, **kw)  # noqa: E731
-    variants = {  # name -> (build the run, 16-bit adds, q k v as three products)
-        VARIANTS[0]: (lambda: timed(single()), False, False),
-        VARIANTS[1]: (lambda: timed(single(per_sample=False)), False, False),
-        VARIANTS[2]: (lambda: timed(single(per_sample=False)), True, False),
-        VARIANTS[3]: (lambda: timed(single(build(attention="xla"), per_sample=False)), False, False),
-        VARIANTS[4]: (lambda: timed(PlainStep(model, tx, compute_dtype=bf16)), True, False),
-        VARIANTS[5]: (lambda: timed(single()), False, True),
+    unfused = lambda: build(bias_gelu_fusion=False)  # noqa: E731  (the same weights: the same seed)
+    variants = {  # name -> (build the run, patch's settings: 16-bit adds, the qkv, the one-pass cross-entropy)
+        VARIANTS[0]: (lambda: timed(single()), (False,)),
+        VARIANTS[1]: (lambda: timed(single(per_sample=False)), (False,)),
+        VARIANTS[2]: (lambda: timed(single(per_sample=False)), (True,)),
+        VARIANTS[3]: (lambda: timed(single(build(attention="xla"), per_sample=False)), (False,)),
+        VARIANTS[4]: (lambda: timed(PlainStep(model, tx, compute_dtype=bf16)), (True,)),
+        VARIANTS[5]: (lambda: timed(single()), (False, "three")),
+        VARIANTS[6]: (lambda: timed(single(unfused())), (False, "plain", False)),
+        VARIANTS[7]: (lambda: timed(single(unfused())), (False,)),
+        VARIANTS[8]: (lambda: timed(single()), (False, "plain")),
+        VARIANTS[9]: (lambda: timed(single()), (False, "fused", False)),
+        VARIANTS[10]: (lambda: timed(single(unfused(), per_sample=False)), (True, "plain", False)),
     }
     runs = {}
     for name in args.variants:
-        make, sixteen, three = variants[name]
-        patch(sixteen, three)
+        make, settings = variants[name]
+        patch(*settings)
         t = time.perf_counter()
         try:
             runs[name] = make()
@@ -332,7 +376,7 @@ def main(argv=None) -> None:
                   f"{runs[name].first_loss:.5f}", flush=True)
         except Exception as e:  # one variant's failure (an attention kernel this GPU lacks) is a row, not the end
             print(f"{name}: FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
-    patch(False, False)
+    patch(False)
     rates = {k: [] for k in runs}
     for _ in range(args.rounds):
         for k, run in runs.items():

@@ -11,19 +11,17 @@ AdamW(6e-4, betas (0.9, 0.95), weight decay 0.1)):
                           (jaxpar.precision.add_wide / take_wide), cuDNN attention
   per_sample=False        the loss over the whole batch at once
   + 16-bit bias/lookup    add_wide / take_wide replaced by the plain 16-bit add and lookup (their gradients then
-                          sum in bf16, as JAX does by default)
+                          sum in bf16, as JAX does by default; c_attn's, in fused.bias_split_heads, still sums
+                          in float32)
   + XLA attention         GPTConfig(attention="xla") instead of cuDNN's fused kernel
   plain NNX step          no jaxpar: nnx.split, the weights cast to bf16, the mean cross-entropy, optax (the
                           ceiling jaxpar's own code sits under)
   qkv as three products   the defaults, but q, k and v as three products x @ c_attn.kernel[:, i C:(i + 1) C] plus
                           the bias's slice instead of one product split in three (the same parameters and dtypes:
                           no [B, T, 3C] output to split, and the gradients concatenated are the kernel's, C x 3C)
-  without the fusions     the defaults as they were before jaxpar.models.fused and the one-pass cross-entropy:
-                          autodiff of gelu(add_wide(y, b)) (GPTConfig(bias_gelu_fusion=False)), the plain qkv bias
-                          add and split, the cross-entropy's max and exp-sum in two passes (TWO_PASS_NLL)
-  ... without one of them the defaults less one of the three (which of them the step gains)
-  per_sample=False, 16-bit bias/lookup, without the fusions: variant 3 before the fusions (the best of the
-                          third lease's runs, with --xla_gpu_enable_triton_gemm=false)
+  without the qkv bias-split  the defaults, but c_attn's bias add and split by autodiff (plain_qkv) instead of
+                          jaxpar.models.fused.bias_split_heads, which joins the q, k, v gradients once
+  per_sample=False, 16-bit bias/lookup, without the qkv bias-split: the same for variant 3
 The runs alternate round by round; tokens/s is each run's best round. Then each run's steps are traced with
 jax.profiler and its GPU kernels summed by kind (GEMMs, attention, the rest: XLA's fusions, copies), per step, and
 "GPU busy" is the part of the time from the traced steps' first kernel to their last in which some kernel ran: the
@@ -63,8 +61,7 @@ KIND_COLUMNS = ("GEMM", "attention", "other (fusions)", "copy")  # the tables' c
 
 VARIANTS = ("jaxpar (defaults)", "per_sample=False", "per_sample=False, 16-bit bias/lookup",
             "per_sample=False, XLA attention", "plain NNX step (no jaxpar)", "jaxpar, qkv as three products",
-            "jaxpar without the fusions", "jaxpar without the bias-GELU fusion", "jaxpar without the qkv bias-split",
-            "jaxpar with the two-pass cross-entropy", "per_sample=False, 16-bit bias/lookup, without the fusions")
+            "jaxpar without the qkv bias-split", "per_sample=False, 16-bit bias/lookup, without the qkv bias-split")
 
 FLAG_SETS = (  # --xla-flag-sets default: XLA:GPU settings that change how the step's fusions and GEMMs are made
     "--xla_gpu_enable_cudnn_layer_norm=true",  # LayerNorms as cuDNN's norm kernels, not XLA's reduction fusions
@@ -212,26 +209,6 @@ def qkv_three_products(attn, x_BxTxC):
     return tuple(out)
 
 
-def two_pass_nll_and_argmax():
-    """jaxpar.losses.nll_and_argmax as it was before its one-pass forward: the argmax (and max) in one pass over
-    the logits, the sum of exp(x - max) in another; the same backward."""
-    import jax
-    import jax.numpy as jnp
-
-    from jaxpar import losses
-
-    def fwd(logits, labels):
-        predicted = jnp.argmax(logits, axis=-1)
-        top = jnp.take_along_axis(logits, predicted[..., None], axis=-1).astype(jnp.float32)
-        log_sum = jnp.log(jnp.sum(jnp.exp(logits.astype(jnp.float32) - top), axis=-1))
-        picked = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0].astype(jnp.float32)
-        return (log_sum - (picked - top[..., 0]), predicted), (logits, labels, top[..., 0] + log_sum)
-
-    nll = jax.custom_vjp(lambda logits, labels: fwd(logits, labels)[0])
-    nll.defvjp(fwd, losses._nll_and_argmax_bwd)
-    return nll
-
-
 def plain_qkv(attn, x_BxTxC):
     """CausalSelfAttention.qkv before fused.bias_split_heads: c_attn (its bias added) split by autodiff's rules."""
     import jax.numpy as jnp
@@ -324,8 +301,8 @@ def main(argv=None) -> None:
 
     import jaxpar
     from gpt import PlainStep
-    from jaxpar import losses, models
-    from jaxpar.models import gpt
+    from jaxpar import models
+    from jaxpar.models import fused, gpt
     from jaxpar.run import flops
     from rounds import JaxparRun
 
@@ -339,31 +316,27 @@ def main(argv=None) -> None:
     state = jaxpar.init_state(model, tx)
     bf16, n = jnp.bfloat16, batch["x"].size
     plain_add, plain_take = (lambda x, b: x + b), (lambda table, ids: jnp.take(table, ids, axis=0))
-    wide, fused_qkv, one_pass = (gpt.add_wide, gpt.take_wide), gpt.CausalSelfAttention.qkv, losses.nll_and_argmax
-    qkv_impl, two_pass = {"fused": fused_qkv, "three": qkv_three_products, "plain": plain_qkv}, two_pass_nll_and_argmax()
+    wide, qkv_impl = (gpt.add_wide, gpt.take_wide), {"fused": gpt.CausalSelfAttention.qkv,
+                                                     "three": qkv_three_products, "plain": plain_qkv}
 
-    def patch(sixteen: bool, qkv: str = "fused", ce_one_pass: bool = True) -> None:  # looked up when a step traces
+    def patch(sixteen: bool, qkv: str = "fused") -> None:  # the models module looks them up when a step is traced
         gpt.add_wide, gpt.take_wide = (plain_add, plain_take) if sixteen else wide
+        fused.add_wide = gpt.add_wide  # the qkv bias-split's add (its bias gradient sums in float32 either way)
         gpt.CausalSelfAttention.qkv = qkv_impl[qkv]
-        losses.nll_and_argmax = one_pass if ce_one_pass else two_pass
 
     def timed(step_maker) -> JaxparRun:  # compiled and warmed up; a step once compiled never looks at `patch`
         return JaxparRun(step_maker, state, batch, args.steps, n)
 
     single = lambda m=model, **kw: jaxpar.SingleDevice(m, tx, compute_dtype=bf16, **kw)  # noqa: E731
-    unfused = lambda: build(bias_gelu_fusion=False)  # noqa: E731  (the same weights: the same seed)
-    variants = {  # name -> (build the run, patch's settings: 16-bit adds, the qkv, the one-pass cross-entropy)
+    variants = {  # name -> (build the run, patch's settings: 16-bit adds, the qkv)
         VARIANTS[0]: (lambda: timed(single()), (False,)),
         VARIANTS[1]: (lambda: timed(single(per_sample=False)), (False,)),
         VARIANTS[2]: (lambda: timed(single(per_sample=False)), (True,)),
         VARIANTS[3]: (lambda: timed(single(build(attention="xla"), per_sample=False)), (False,)),
         VARIANTS[4]: (lambda: timed(PlainStep(model, tx, compute_dtype=bf16)), (True,)),
         VARIANTS[5]: (lambda: timed(single()), (False, "three")),
-        VARIANTS[6]: (lambda: timed(single(unfused())), (False, "plain", False)),
-        VARIANTS[7]: (lambda: timed(single(unfused())), (False,)),
-        VARIANTS[8]: (lambda: timed(single()), (False, "plain")),
-        VARIANTS[9]: (lambda: timed(single()), (False, "fused", False)),
-        VARIANTS[10]: (lambda: timed(single(unfused(), per_sample=False)), (True, "plain", False)),
+        VARIANTS[6]: (lambda: timed(single()), (False, "plain")),
+        VARIANTS[7]: (lambda: timed(single(per_sample=False)), (True, "plain")),
     }
     runs = {}
     for name in args.variants:

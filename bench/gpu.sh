@@ -133,7 +133,7 @@ done
 # 3. the GPT model tests on the GPU itself (single-device ones; float32 matmuls at full precision, not TF32); on an
 #    H100 they took 185 s (each compiles its own programs), hence after the training runs
 run tests_gpu 200 env JAX_PLATFORMS="$PLATFORM" JAX_DEFAULT_MATMUL_PRECISION=highest $PY -m pytest -o addopts="-q" \
-    -p no:cacheprovider tests/test_gpt.py -k "logits or state_dict or attention or layers or bf16 or size or init"
+    -p no:cacheprovider tests/test_fused.py tests/test_gpt.py -k "split or logits or state_dict or attention or layers or bf16 or size or init"
 
 # 5. the CPU suite (conftest.py simulates 8 CPU devices; CI runs it too), if the budget has room for it
 run tests_cpu 300 $PY -m pytest -o addopts="-q" -n 8 -p no:cacheprovider tests

@@ -109,43 +109,22 @@ def nll_and_argmax(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax
     """(-log softmax(logits)[label] in float32, argmax(logits)) over the last axis; the same numbers as optax's
     softmax_cross_entropy_with_integer_labels on float32 logits and jnp.argmax, in fewer passes over the logits.
 
-    The logits stay in their own dtype (bf16 under mixed precision): one pass finds the max, its index and the sum
-    of exp(x - max) at once (an online softmax: the running sum rescaled when the max grows, `max_argmax_sumexp`),
-    and the backward, softmax - one_hot times the cotangent, reads them once more and writes the gradient in their
-    dtype. Autodiff of the float32 formula would write a float32 copy of the logits and keep it for the backward:
-    for GPT-2's 50,304 classes, 3.3 GB per 16 x 1024 tokens, about 5 ms of an H100's step in passes over it
-    (bench/gpt_profile.py). Reverse mode only, as any jax.custom_vjp: jax.grad and jax.hessian work, jax.jvp and
-    jax.jacfwd raise."""
+    The logits stay in their own dtype (bf16 under mixed precision): one pass finds the argmax (and so the max),
+    one sums exp(x - max) in float32, and the backward, softmax - one_hot times the cotangent, reads them once more
+    and writes the gradient in their dtype. Autodiff of the float32 formula would write a float32 copy of the logits
+    and keep it for the backward: for GPT-2's 50,304 classes, 3.3 GB per 16 x 1024 tokens, about 5 ms of an H100's
+    step in passes over it (bench/gpt_profile.py). Reverse mode only, as any jax.custom_vjp: jax.grad and
+    jax.hessian work, jax.jvp and jax.jacfwd raise."""
     return _nll_and_argmax_fwd(logits, labels)[0]
 
 
-def _online_softmax_combine(a, b):
-    """Two partial (max, index of the max, sum of exp(x - max)) into one. The max and index follow jnp.argmax's
-    comparison (a NaN wins; of equal values the lower index); each sum is rescaled to the new max (by 1 exactly
-    where its max is the new one, so -inf and inf rows give no NaN)."""
-    (m1, i1, s1), (m2, i2, s2) = a, b
-    first_val = (m1 > m2) | (m1 != m1)
-    first = first_val | ((m1 == m2) & (i1 < i2))
-    m = jnp.where(first_val, m1, m2)
-    scale = lambda mi: jnp.where(mi == m, 1.0, jnp.exp(mi - m))  # noqa: E731
-    return m, jnp.where(first, i1, i2), s1 * scale(m1) + s2 * scale(m2)
-
-
-def max_argmax_sumexp(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(max, argmax, sum of exp(x - max)) over the last axis in one reduction (one pass over `x`), float32, int32
-    and float32. jnp.argmax's index on ties and NaNs; the sum as two passes give it up to float32 rounding."""
-    x32 = x.astype(jnp.float32)
-    idx = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-    init = (jnp.array(-jnp.inf, jnp.float32), jnp.array(0, jnp.int32), jnp.array(0.0, jnp.float32))
-    return jax.lax.reduce((x32, idx, jnp.ones_like(x32)), init, _online_softmax_combine, (x.ndim - 1,))
-
-
 def _nll_and_argmax_fwd(logits, labels):
-    top, predicted, sum_exp = max_argmax_sumexp(logits)
-    log_sum = jnp.log(sum_exp)
+    predicted = jnp.argmax(logits, axis=-1)
+    top = jnp.take_along_axis(logits, predicted[..., None], axis=-1).astype(jnp.float32)  # the max
+    log_sum = jnp.log(jnp.sum(jnp.exp(logits.astype(jnp.float32) - top), axis=-1))
     picked = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0].astype(jnp.float32)
-    nll = log_sum - (picked - top)  # optax's order: -(log_softmax)[label]
-    return (nll, predicted), (logits, labels, top + log_sum)
+    nll = log_sum - (picked - top[..., 0])  # optax's order: -(log_softmax)[label]
+    return (nll, predicted), (logits, labels, top[..., 0] + log_sum)
 
 
 def _nll_and_argmax_bwd(res, cotangents):

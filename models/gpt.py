@@ -67,10 +67,7 @@ class GPTConfig:
     `activation_function`: the MLP's GELU, by transformers' name: gelu_new (GPT-2's tanh form) or gelu (the erf
     form, nanoGPT's nn.GELU()). `recompute_granularity` "selective": Megatron's selective recompute, each block's
     core attention (q k^T, softmax, dropout, the weighted sum of v) recomputed in the backward from q, k, v instead
-    of keeping its T x T weights; None keeps them (full recompute is the strategy's activation_checkpoint_interval).
-    `bias_gelu_fusion`: the MLP's bias add and GELU as one step with its own backward (Megatron's bias_gelu
-    fusion, on by default as there: jaxpar.models.fused.bias_gelu), which keeps the product for the backward
-    instead of the activation's intermediates; the same numbers, fewer passes over the 4C-wide activation."""
+    of keeping its T x T weights; None keeps them (full recompute is the strategy's activation_checkpoint_interval)."""
 
     vocab_size: int = 50257
     block_size: int = 1024
@@ -82,7 +79,6 @@ class GPTConfig:
     attention: str = "auto"
     recompute_granularity: str | None = None
     activation_function: str = "gelu_new"
-    bias_gelu_fusion: bool = True
 
     def __post_init__(self):
         for field in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -128,7 +124,7 @@ class Linear(nnx.Linear):
         return add_wide(*self.product(inputs, out_sharding))
 
     def product(self, inputs: jax.Array, out_sharding=None) -> tuple[jax.Array, jax.Array | None]:
-        """(inputs @ kernel, bias) in the layer's dtypes, the bias not added (a fused step after adds it)."""
+        """(inputs @ kernel, bias) in the layer's dtypes, the bias not added (a step of its own adds it)."""
         x, kernel, bias = self.promote_dtype((inputs, self.kernel[...], None if self.bias is None else
                                               self.bias[...]), dtype=self.dtype)
         kwargs = {"out_sharding": out_sharding}
@@ -236,7 +232,6 @@ class MLP(nnx.Module):
         self.c_proj = _linear(4 * cfg.n_embd, cfg.n_embd, cfg, 0.02 / math.sqrt(2 * cfg.n_layer), rngs)
         self.dropout = nnx.Dropout(cfg.dropout, rngs=rngs)
         self.approximate = ACTIVATIONS[cfg.activation_function]  # the tanh GELU (else erf)
-        self.bias_gelu_fusion = cfg.bias_gelu_fusion
 
     def tensor_layout(self) -> dict[tuple, tuple[str, int]]:
         out = {("c_fc", "kernel"): ("columns", 1), ("c_proj", "kernel"): ("rows", 0)}
@@ -249,11 +244,7 @@ class MLP(nnx.Module):
             h = jax.nn.gelu(megatron.column_linear(self.c_fc, x), approximate=self.approximate)
             y = megatron.row_linear(self.c_proj, h, self.tensor_axis, 1 if sp else None)
             return sequence_dropout(self.dropout, y, self.tensor_axis, sp)
-        if self.bias_gelu_fusion and self.c_fc.bias is not None:
-            h = fused.bias_gelu(*self.c_fc.product(x), self.approximate)
-        else:
-            h = jax.nn.gelu(self.c_fc(x), approximate=self.approximate)
-        return self.dropout(self.c_proj(h))
+        return self.dropout(self.c_proj(jax.nn.gelu(self.c_fc(x), approximate=self.approximate)))
 
 
 class Block(nnx.Module):

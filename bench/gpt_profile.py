@@ -11,17 +11,13 @@ AdamW(6e-4, betas (0.9, 0.95), weight decay 0.1)):
                           (jaxpar.precision.add_wide / take_wide), cuDNN attention
   per_sample=False        the loss over the whole batch at once
   + 16-bit bias/lookup    add_wide / take_wide replaced by the plain 16-bit add and lookup (their gradients then
-                          sum in bf16, as JAX does by default; c_attn's, in fused.bias_split_heads, still sums
-                          in float32)
+                          sum in bf16, as JAX does by default)
   + XLA attention         GPTConfig(attention="xla") instead of cuDNN's fused kernel
   plain NNX step          no jaxpar: nnx.split, the weights cast to bf16, the mean cross-entropy, optax (the
                           ceiling jaxpar's own code sits under)
   qkv as three products   the defaults, but q, k and v as three products x @ c_attn.kernel[:, i C:(i + 1) C] plus
                           the bias's slice instead of one product split in three (the same parameters and dtypes:
                           no [B, T, 3C] output to split, and the gradients concatenated are the kernel's, C x 3C)
-  without the qkv bias-split  the defaults, but c_attn's bias add and split by autodiff (plain_qkv) instead of
-                          jaxpar.models.fused.bias_split_heads, which joins the q, k, v gradients once
-  per_sample=False, 16-bit bias/lookup, without the qkv bias-split: the same for variant 3
 The runs alternate round by round; tokens/s is each run's best round. Then each run's steps are traced with
 jax.profiler and its GPU kernels summed by kind (GEMMs, attention, the rest: XLA's fusions, copies), per step, and
 "GPU busy" is the part of the time from the traced steps' first kernel to their last in which some kernel ran: the
@@ -60,8 +56,7 @@ KIND_COLUMNS = ("GEMM", "attention", "other (fusions)", "copy")  # the tables' c
 
 
 VARIANTS = ("jaxpar (defaults)", "per_sample=False", "per_sample=False, 16-bit bias/lookup",
-            "per_sample=False, XLA attention", "plain NNX step (no jaxpar)", "jaxpar, qkv as three products",
-            "jaxpar without the qkv bias-split", "per_sample=False, 16-bit bias/lookup, without the qkv bias-split")
+            "per_sample=False, XLA attention", "plain NNX step (no jaxpar)", "jaxpar, qkv as three products")
 
 FLAG_SETS = (  # --xla-flag-sets default: XLA:GPU settings that change how the step's fusions and GEMMs are made
     "--xla_gpu_enable_cudnn_layer_norm=true",  # LayerNorms as cuDNN's norm kernels, not XLA's reduction fusions
@@ -84,7 +79,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--trace-steps", type=int, default=3, help="steps traced per run (0: no profile)")
     p.add_argument("--top", type=int, default=12, help="kernels listed for jaxpar's default run")
     p.add_argument("--variants", default=None, help="comma-separated 1-based numbers of the variants to run "
-                   "(default: all, in the order above)")
+                   "(default: all six, in the order above)")
     p.add_argument("--save-trace", default=None, help="a folder to copy the first run's trace into "
                    "(gpt_profile.xplane.pb: jax.profiler.ProfileData or TensorBoard's profile plugin reads it)")
     p.add_argument("--json", default=None, help="also write each run's numbers to this file (the flag sweep's "
@@ -209,14 +204,6 @@ def qkv_three_products(attn, x_BxTxC):
     return tuple(out)
 
 
-def plain_qkv(attn, x_BxTxC):
-    """CausalSelfAttention.qkv before fused.bias_split_heads: c_attn (its bias added) split by autodiff's rules."""
-    import jax.numpy as jnp
-
-    b, t, c = x_BxTxC.shape
-    return tuple(a.reshape(b, t, attn.n_head, c // attn.n_head) for a in jnp.split(attn.c_attn(x_BxTxC), 3, -1))
-
-
 def failure(rc: int, output: str) -> str:
     """Why a flag sweep's process gave no result, in one line, from its exit status and its output."""
     unknown = re.search(r"Unknown flags? in XLA_FLAGS: (.*)", output)  # XLA's abort when it starts its backend
@@ -302,7 +289,7 @@ def main(argv=None) -> None:
     import jaxpar
     from gpt import PlainStep
     from jaxpar import models
-    from jaxpar.models import fused, gpt
+    from jaxpar.models import gpt
     from jaxpar.run import flops
     from rounds import JaxparRun
 
@@ -316,32 +303,28 @@ def main(argv=None) -> None:
     state = jaxpar.init_state(model, tx)
     bf16, n = jnp.bfloat16, batch["x"].size
     plain_add, plain_take = (lambda x, b: x + b), (lambda table, ids: jnp.take(table, ids, axis=0))
-    wide, qkv_impl = (gpt.add_wide, gpt.take_wide), {"fused": gpt.CausalSelfAttention.qkv,
-                                                     "three": qkv_three_products, "plain": plain_qkv}
+    wide, fused_qkv = (gpt.add_wide, gpt.take_wide), gpt.CausalSelfAttention.qkv
 
-    def patch(sixteen: bool, qkv: str = "fused") -> None:  # the models module looks them up when a step is traced
+    def patch(sixteen: bool, three: bool) -> None:  # the models module looks them up when a step is traced
         gpt.add_wide, gpt.take_wide = (plain_add, plain_take) if sixteen else wide
-        fused.add_wide = gpt.add_wide  # the qkv bias-split's add (its bias gradient sums in float32 either way)
-        gpt.CausalSelfAttention.qkv = qkv_impl[qkv]
+        gpt.CausalSelfAttention.qkv = qkv_three_products if three else fused_qkv
 
     def timed(step_maker) -> JaxparRun:  # compiled and warmed up; a step once compiled never looks at `patch`
         return JaxparRun(step_maker, state, batch, args.steps, n)
 
     single = lambda m=model, **kw: jaxpar.SingleDevice(m, tx, compute_dtype=bf16, **kw)  # noqa: E731
-    variants = {  # name -> (build the run, patch's settings: 16-bit adds, the qkv)
-        VARIANTS[0]: (lambda: timed(single()), (False,)),
-        VARIANTS[1]: (lambda: timed(single(per_sample=False)), (False,)),
-        VARIANTS[2]: (lambda: timed(single(per_sample=False)), (True,)),
-        VARIANTS[3]: (lambda: timed(single(build(attention="xla"), per_sample=False)), (False,)),
-        VARIANTS[4]: (lambda: timed(PlainStep(model, tx, compute_dtype=bf16)), (True,)),
-        VARIANTS[5]: (lambda: timed(single()), (False, "three")),
-        VARIANTS[6]: (lambda: timed(single()), (False, "plain")),
-        VARIANTS[7]: (lambda: timed(single(per_sample=False)), (True, "plain")),
+    variants = {  # name -> (build the run, 16-bit adds, q k v as three products)
+        VARIANTS[0]: (lambda: timed(single()), False, False),
+        VARIANTS[1]: (lambda: timed(single(per_sample=False)), False, False),
+        VARIANTS[2]: (lambda: timed(single(per_sample=False)), True, False),
+        VARIANTS[3]: (lambda: timed(single(build(attention="xla"), per_sample=False)), False, False),
+        VARIANTS[4]: (lambda: timed(PlainStep(model, tx, compute_dtype=bf16)), True, False),
+        VARIANTS[5]: (lambda: timed(single()), False, True),
     }
     runs = {}
     for name in args.variants:
-        make, settings = variants[name]
-        patch(*settings)
+        make, sixteen, three = variants[name]
+        patch(sixteen, three)
         t = time.perf_counter()
         try:
             runs[name] = make()
@@ -349,7 +332,7 @@ def main(argv=None) -> None:
                   f"{runs[name].first_loss:.5f}", flush=True)
         except Exception as e:  # one variant's failure (an attention kernel this GPU lacks) is a row, not the end
             print(f"{name}: FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
-    patch(False)
+    patch(False, False)
     rates = {k: [] for k in runs}
     for _ in range(args.rounds):
         for k, run in runs.items():

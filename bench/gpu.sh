@@ -93,7 +93,7 @@ run bench_gpt 120 $PY bench/gpt.py --model "$MODEL" --batch-size "$BATCH" --seq-
     --rounds 3 --steps 10
 
 # 1b. where jaxpar's step spends its time on the GPU: jaxpar's step and a hand-written one, their kernels by kind,
-#     from jax.profiler traces (the first run's trace is kept in $OUT); VARIANTS=1,2,3,4,5,6 for the first six (about
+#     from jax.profiler traces (the first run's trace is kept in $OUT); VARIANTS=1,2,3,4,5,6 for all six (about
 #     a minute more: per-sample off, 16-bit adds, XLA attention, qkv as three products), VARIANTS=1,6 for the last
 run gpt_profile 90 $PY bench/gpt_profile.py --model "$MODEL" --batch-size "$BATCH" --seq-len "$SEQ" \
     --variants "${VARIANTS:-1,5}" --top "${TOP:-12}" --save-trace "$OUT"
@@ -133,7 +133,7 @@ done
 # 3. the GPT model tests on the GPU itself (single-device ones; float32 matmuls at full precision, not TF32); on an
 #    H100 they took 185 s (each compiles its own programs), hence after the training runs
 run tests_gpu 200 env JAX_PLATFORMS="$PLATFORM" JAX_DEFAULT_MATMUL_PRECISION=highest $PY -m pytest -o addopts="-q" \
-    -p no:cacheprovider tests/test_fused.py tests/test_gpt.py -k "split or logits or state_dict or attention or layers or bf16 or size or init"
+    -p no:cacheprovider tests/test_gpt.py -k "logits or state_dict or attention or layers or bf16 or size or init"
 
 # 5. the CPU suite (conftest.py simulates 8 CPU devices; CI runs it too), if the budget has room for it
 run tests_cpu 300 $PY -m pytest -o addopts="-q" -n 8 -p no:cacheprovider tests

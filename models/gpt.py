@@ -40,7 +40,7 @@ from flax import nnx
 from jaxpar.comm import megatron
 from jaxpar.models.gpt_ops import (CPU_QUERY_BLOCK, attention_impl, causal_attention,  # noqa: F401
                                    linear_dot_general, matmul, matmul_t)
-from jaxpar.models import fused, gpt_generate
+from jaxpar.models import gpt_generate
 from jaxpar.precision import LOW, add_wide, take_wide
 from jaxpar.recompute import recompute_call
 
@@ -121,17 +121,12 @@ class Linear(nnx.Linear):
     def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
         if self.bias is None or jnp.dtype(self.bias.dtype) not in LOW and jnp.dtype(inputs.dtype) not in LOW:
             return super().__call__(inputs, out_sharding)
-        return add_wide(*self.product(inputs, out_sharding))
-
-    def product(self, inputs: jax.Array, out_sharding=None) -> tuple[jax.Array, jax.Array | None]:
-        """(inputs @ kernel, bias) in the layer's dtypes, the bias not added (a step of its own adds it)."""
-        x, kernel, bias = self.promote_dtype((inputs, self.kernel[...], None if self.bias is None else
-                                              self.bias[...]), dtype=self.dtype)
+        x, kernel, bias = self.promote_dtype((inputs, self.kernel[...], self.bias[...]), dtype=self.dtype)
         kwargs = {"out_sharding": out_sharding}
         if self.preferred_element_type is not None:
             kwargs["preferred_element_type"] = self.preferred_element_type
-        return self.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=self.precision,
-                                **kwargs), bias
+        y = self.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=self.precision, **kwargs)
+        return add_wide(y, bias)
 
 
 def _linear(n_in: int, n_out: int, cfg: GPTConfig, std: float, rngs: nnx.Rngs) -> Linear:
@@ -175,11 +170,8 @@ class CausalSelfAttention(nnx.Module):
         return self.resid_dropout(self.c_proj(y_BxTxNxH.reshape(b, t, c)))
 
     def qkv(self, x_BxTxC: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """q, k, v [B, T, heads, head size] from the fused c_attn (the unsplit model's): its bias added and the
-        split as one step (fused.bias_split_heads: the gradients joined once in the backward)."""
+        """q, k, v [B, T, heads, head size] from the fused c_attn (the unsplit model's)."""
         b, t, c = x_BxTxC.shape
-        if self.c_attn.bias is not None:
-            return fused.bias_split_heads(*self.c_attn.product(x_BxTxC), self.n_head)
         return tuple(a.reshape(b, t, self.n_head, c // self.n_head) for a in jnp.split(self.c_attn(x_BxTxC), 3, -1))
 
     def _core_attention(self, q_BxTxNxH, k_BxTxNxH, v_BxTxNxH) -> jax.Array:

@@ -77,7 +77,7 @@ def test_flag_sweep_reports_an_unknown_flag_and_goes_on(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--xla-flag-sets", "default", "--sweep-variant", "9"], "--sweep-variant 9: give a number from 1 to 8"),
+    (["--xla-flag-sets", "default", "--sweep-variant", "7"], "--sweep-variant 7: give a number from 1 to 6"),
     (["--sweep-variant", "2"], "--sweep-variant belongs to the flag sweep: give --xla-flag-sets too")])
 def test_sweep_variant_is_checked_before_anything_runs(argv, message, capsys):
     with pytest.raises(SystemExit):

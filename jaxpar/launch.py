@@ -13,10 +13,11 @@ With --max-restarts R the whole group is restarted up to R times; a restart appe
 its last checkpoint) only when the script's --checkpoint-dir got a newer checkpoint during this launch, so a folder
 that held an earlier run's checkpoints is never continued unasked. Exit status 2 (a usage error: argparse's, or
 train.py's one-line refusals) is not restarted, since every attempt would repeat it. SIGINT / SIGTERM to the launcher
-stop every process the same way; on Linux the processes are also killed (SIGKILL) when the launcher dies, even of
-SIGKILL: no checkpoint is saved then (JAX's runtime catches SIGTERM, and a rank waiting in a collective for a dead
-peer never sees it).
-A --master-port already in use on this node is refused in one line before any process starts. A rank that JAX
+stop every process the same way (a second one SIGKILLs them at once); on Linux the processes are also killed
+(SIGKILL) when the launcher dies, even of SIGKILL: no checkpoint is saved then (JAX's runtime catches SIGTERM, and a
+rank waiting in a collective for a dead peer never sees it).
+A script that is not a file and a --master-port already in use on this node are refused in one line before any
+process starts. A rank that JAX
 aborts because not every process joined in time (its C++ fatal log, DEADLINE_EXCEEDED on RegisterTask) gets one line
 at the end that says which nodes to start.
 """
@@ -64,6 +65,9 @@ def check(args: argparse.Namespace) -> None:
                          "on one node (a free one is chosen).")
     if not args.term_timeout >= 0:
         raise ValueError(f"--term-timeout {args.term_timeout} must be >= 0 (seconds between SIGTERM and SIGKILL).")
+    if not args.module and not os.path.isfile(args.script):
+        raise ValueError(f"the script {args.script!r} is not a file (from {os.getcwd()}); give the training script's "
+                         "path, e.g. train.py, or a module with -m (python -m jaxpar.launch -m pkg.train).")
 
 
 def is_local(addr: str) -> bool:
@@ -223,11 +227,12 @@ class Group:
                 return 0
             time.sleep(poll_s)
 
-    def stop(self, timeout_s: float) -> None:
-        """SIGTERM every live process (group), SIGKILL what is left after `timeout_s`, then reap them."""
+    def stop(self, timeout_s: float, hurry=lambda: False) -> None:
+        """SIGTERM every live process (group), SIGKILL what is left after `timeout_s` (or as soon as `hurry()`:
+        a second Ctrl-C), then reap them."""
         self._signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
-        while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
+        while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline and not hurry():
             time.sleep(0.05)
         self._signal(signal.SIGKILL)
         for p in self.procs:
@@ -280,18 +285,22 @@ def run(args: argparse.Namespace) -> int:
 
     def on_signal(sig, frame):
         stopping.append(sig)
-        raise KeyboardInterrupt
+        if len(stopping) == 1:
+            raise KeyboardInterrupt
+        if len(stopping) == 2:  # a second Ctrl-C while the processes stop: SIGKILL now (stop() sees it), no traceback
+            print("jaxpar.launch: a second signal: killing every process now", file=sys.stderr, flush=True)
 
+    hurry = lambda: len(stopping) > 1  # noqa: E731
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for restart in range(args.max_restarts + 1):
             group = Group(args, restart, at_start)
             try:
                 code = group.wait()
+                group.stop(args.term_timeout, hurry)
             except KeyboardInterrupt:
-                group.stop(args.term_timeout)
-                return 128 + (stopping[0] if stopping else signal.SIGINT)
-            group.stop(args.term_timeout)
+                group.stop(args.term_timeout, hurry)
+                return 128 + stopping[0]
             if code == 0:
                 return 0
             if code == 2:

@@ -5,6 +5,7 @@ in one line (the one test whose ranks import JAX). Launches that train: tests/te
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -153,3 +154,47 @@ def test_a_node_whose_peers_never_join_ends_with_one_line_that_says_so(tmp_path)
         f"jaxpar.launch: not every one of the 2 processes joined at 127.0.0.1:{port} within 2 s (JAXPAR_JOIN_TIMEOUT), "
         "so JAX aborted this node's; start every node (--nnodes 2, each --node-rank once) with the same --master-addr "
         "and --master-port, or raise JAXPAR_JOIN_TIMEOUT."), out.stderr[-2000:]
+
+
+def test_a_script_that_is_not_there_is_refused_before_any_process_starts(tmp_path):
+    """It started every rank, each failed with python's "can't open file", and the launcher reported rank 0's
+    status 2 (a QA finding)."""
+    out = launch(str(tmp_path / "trian.py"), "--strategy", "ddp")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stdout == "" and out.stderr.count("\n") == 1, out.stdout + out.stderr
+    assert out.stderr.startswith(f"jaxpar.launch: error: the script '{tmp_path / 'trian.py'}' is not a file"), out.stderr
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the test reads /proc")
+def test_a_second_ctrl_c_kills_the_ranks_at_once_without_a_traceback(tmp_path):
+    """Ranks that ignore SIGTERM get SIGKILL after --term-timeout (60 s here); a second SIGINT to the launcher kills
+    them at once. Before, it raised KeyboardInterrupt inside the stop: a two-part traceback (a QA finding)."""
+    script = tmp_path / "stubborn.py"
+    script.write_text("import os, signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                      "print('pid', os.getpid(), flush=True)\ntime.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-m", "jaxpar.launch", "--term-timeout", "60", "--nproc-per-node", "2",
+                             str(script)], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    pids: list[int] = []
+    try:
+        while len(pids) < 2:
+            line = proc.stdout.readline()
+            assert line, "the launcher ended before its ranks started"
+            if " pid " in line:
+                pids.append(int(line.split()[-1]))
+        proc.send_signal(signal.SIGINT)
+        time.sleep(1.0)
+        assert proc.poll() is None and all(_alive(p) for p in pids)  # the first one waits out the ranks' SIGTERM
+        t = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=20)
+        assert time.monotonic() - t < 10, "the second Ctrl-C did not kill the ranks at once"
+        assert proc.returncode == 128 + signal.SIGINT, err
+        assert "Traceback" not in err, err
+        assert "jaxpar.launch: a second signal: killing every process now" in err, err
+        assert not any(_alive(p) for p in pids)
+    finally:
+        proc.kill()
+        for p in pids:
+            if _alive(p):
+                os.kill(p, 9)

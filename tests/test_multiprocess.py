@@ -243,6 +243,25 @@ def test_train_py_two_processes_equal_one_process_and_one_device(tmp_path):
         np.testing.assert_allclose(two[k], one[k], rtol=1e-5, atol=1e-6)
 
 
+def test_train_py_pipeline_across_two_processes_takes_a_batch_the_process_count_does_not_divide(tmp_path):
+    """Every process of the pipeline reads the whole batch (stage 0 its inputs, the last stage its targets), so a
+    batch of 3 on 2 processes is the pipeline's to split into micro-batches: it was refused as not divisible by
+    the processes (a QA finding). Equal to the single step on the same 3-row batches."""
+    import train
+
+    common = ["--model", "mlp", "--train-split", "train[:12]", "--eval-split", "", "--batch-size", "3",
+              "--optimizer", "sgd", "--quiet"]
+    proc = launch("train.py", "--cpu-devices", "1", "--strategy", "pipeline", "--num-stages", "2",
+                  "--micro-batches", "3", *common, "--export-torch", str(tmp_path / "pipe.npz"))
+    train.main(["--strategy", "single", *common, "--export-torch", str(tmp_path / "one.npz")])
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and "processes=2" in out, out
+    pipe, one = np.load(tmp_path / "pipe.npz"), np.load(tmp_path / "one.npz")
+    assert sorted(pipe) == sorted(one) and len(one) == 4
+    for k in one:
+        np.testing.assert_allclose(pipe[k], one[k], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("flags,match", [
     ((["--seed", "0"], ["--seed", "1"]), r"the processes were started with different flags: --seed \(this is process "
                                          r"[01], with seed=[01]\); start every process with the same command"),

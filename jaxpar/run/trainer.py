@@ -738,7 +738,7 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
     check_same_config(cfg)  # every process runs the same command
     nproc, rank = jax.process_count(), jax.process_index()
     main_process = rank == 0
-    if cfg.batch_size % nproc:
+    if cfg.batch_size % nproc and not whole_batch(cfg.strategy):  # the pipeline: every process reads all of it
         raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by the {nproc} processes; "
                          f"use a multiple of {nproc}.")
     model_name = cfg.model if cfg.model in data_lib.MODELS else None  # built-ins decide shapes; user models not

@@ -93,7 +93,7 @@ run bench_gpt 120 $PY bench/gpt.py --model "$MODEL" --batch-size "$BATCH" --seq-
     --rounds 3 --steps 10
 
 # 1b. where jaxpar's step spends its time on the GPU: jaxpar's step and a hand-written one, their kernels by kind,
-#     from jax.profiler traces (the first run's trace is kept in $OUT); VARIANTS=1,2,3,4,5,6 for all six (about
+#     from jax.profiler traces (the first run's trace is kept in $OUT); VARIANTS=1,2,3,4,5,6 for the first six (about
 #     a minute more: per-sample off, 16-bit adds, XLA attention, qkv as three products), VARIANTS=1,6 for the last
 run gpt_profile 90 $PY bench/gpt_profile.py --model "$MODEL" --batch-size "$BATCH" --seq-len "$SEQ" \
     --variants "${VARIANTS:-1,5}" --top "${TOP:-12}" --save-trace "$OUT"

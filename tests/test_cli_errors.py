@@ -150,6 +150,10 @@ CASES = [
      ["--eval-split 'test': x holds token -5", "fix the file"]),
     ("negative targets other than ignore_index", ["--model", "gpt-nano", "--data-path", "{targets_neg_npz}"],
      ["y holds target -1", "-100 (torch's ignore_index; nanoGPT's -1 is not)"]),
+    # a user's model with an nnx.Embed trained on the negative id (the table's 62nd row), a QA finding
+    ("negative token ids, a user's embedding", ["--model", "examples.lm:TinyLM", "--model-kwargs", '{{"vocab": 64}}',
+                                                "--loss", "cross_entropy", "--data-path", "{tokens_neg_npz}"],
+     ["x holds token -1", "token ids must be >= 0 (the model's nnx.Embed would read a negative one"]),
     ("negative seed", ["--seed", "-1"], ["--seed -1 must be >= 0", "--seed 0"]),
     ("no stages", ["--strategy", "pipeline", "--model", "mlp", "--num-stages", "0"],
      ["--num-stages 0 must be >= 1", "pass a positive count"]),

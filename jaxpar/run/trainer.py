@@ -446,7 +446,34 @@ def make_model(cfg: Config, train_set, eval_set=None) -> nnx.Module:
             raise ValueError(f"--init-torch: {type(model).__name__} has no load_torch_state_dict(state_dict) "
                              "method to read a PyTorch state dict with; define one, or drop --init-torch.")
         model.load_torch_state_dict(weights.read(cfg.init_torch, "--init-torch")[0])
+    if any(isinstance(m, nnx.Embed) for _, m in nnx.iter_graph(model)):  # integer inputs index its table
+        check_token_ids(cfg, train_set, eval_set, targets=False)
     return model
+
+
+def check_token_ids(cfg: Config, train_set, eval_set, targets: bool) -> None:
+    """ValueError where token ids index an embedding (integer `x` of the data sets: npz tokens) and one is negative,
+    which nnx.Embed would silently read as a row from the table's end; with `targets` (the GPTs' cross-entropy)
+    also a target below 0 other than torch's ignore_index -100 (else the loss is NaN at the first step)."""
+    from jaxpar.losses import IGNORE_INDEX
+
+    for flag, data in (("--train-split", train_set), ("--eval-split", eval_set)):  # eval rows index it too
+        x = getattr(data, "x", None) if data is not None and len(data) else None
+        if x is None or not np.issubdtype(np.asarray(x).dtype, np.integer):
+            continue
+        split = getattr(data, "split", "")
+        x_min = int(np.min(x))
+        y = np.asarray(data.y) if targets else np.zeros(1, np.int64)
+        y_bad = (y < 0) & (y != IGNORE_INDEX)
+        if x_min < 0 or y_bad.any():
+            what = f"x holds token {x_min}" if x_min < 0 else f"y holds target {int(y[y_bad][0])}"
+            if targets:
+                rule = (f"token ids must be >= 0 and targets >= 0 or {IGNORE_INDEX} (torch's ignore_index; nanoGPT's "
+                        f"-1 is not); fix the file: set ignored targets to {IGNORE_INDEX}, tokens to ids in [0, vocab).")
+            else:
+                rule = ("token ids must be >= 0 (the model's nnx.Embed would read a negative one as a row from the "
+                        "table's end); fix the file: tokens to ids in [0, vocab).")
+            raise ValueError(f"--dataset {cfg.dataset} {flag} {split!r}: {what}; {rule}")
 
 
 def gpt_model(cfg: Config, train_set, eval_set=None) -> nnx.Module:
@@ -461,23 +488,9 @@ def gpt_model(cfg: Config, train_set, eval_set=None) -> nnx.Module:
                          f"gives x {x.shape[1:]} {x.dtype}; use --dataset text, or npz with integer x and y [N, T].")
     seq_len = x.shape[1]
     vocab = getattr(train_set, "vocab_size", None)
-    if vocab is None:  # npz tokens: ids index the embedding (a negative one would silently read a row from the
-        # end) and targets must be classes or torch's ignore_index -100 (else the loss is NaN at the first step)
-        from jaxpar.losses import IGNORE_INDEX
-
-        vocab = 0
-        for flag, data in (("--train-split", train_set), ("--eval-split", eval_set)):  # eval rows index it too
-            if data is None or not len(data):
-                continue
-            split = getattr(data, "split", "")
-            x_min, y = int(np.min(data.x)), np.asarray(data.y)
-            y_bad = (y < 0) & (y != IGNORE_INDEX)
-            if x_min < 0 or y_bad.any():
-                what = f"x holds token {x_min}" if x_min < 0 else f"y holds target {int(y[y_bad][0])}"
-                raise ValueError(f"--dataset {cfg.dataset} {flag} {split!r}: {what}; token ids must be >= 0 and "
-                                 f"targets >= 0 or {IGNORE_INDEX} (torch's ignore_index; nanoGPT's -1 is not); fix the "
-                                 f"file: set ignored targets to {IGNORE_INDEX}, tokens to ids in [0, vocab).")
-            vocab = max(vocab, 1 + int(max(np.max(data.x), np.max(y))))
+    if vocab is None:  # npz tokens: the vocabulary is the largest id + 1, of the inputs and the targets
+        check_token_ids(cfg, train_set, eval_set, targets=True)
+        vocab = max(1 + int(max(np.max(d.x), np.max(d.y))) for d in (train_set, eval_set) if d is not None and len(d))
     options = dict(n_head=cfg.n_head, dropout=cfg.dropout, recompute_granularity=cfg.recompute_granularity,
                    activation_function=cfg.activation_function)
     if not cfg.init_torch:

@@ -170,6 +170,10 @@ def main(argv=None) -> list[str]:
     args = p.parse_args(argv)
     if not (args.runs or args.allreduce or args.schedule):
         p.error("nothing to draw: pass run files, --allreduce FILE or --schedule NAME")
+    missing = [f for f in [*args.runs, args.allreduce] if f and not os.path.isfile(f)]
+    if missing:
+        p.error(f"{missing[0]!r} is not a file; pass train.py's --metrics-out files (a shell pattern that matched "
+                "nothing stays as written)")
     os.makedirs(args.out, exist_ok=True)
     written = []
     if args.runs:

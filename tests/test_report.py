@@ -74,7 +74,7 @@ def test_report_table(runs, capsys):
     assert "pipeline bubble  25.0 % of 12 ticks (1f1b)" in pipe
 
 
-def test_plot_draws_every_chart(runs, tmp_path):
+def test_plot_draws_every_chart(runs, tmp_path, capsys):
     ar = tmp_path / "allreduce.jsonl"
     ar.write_text("".join(json.dumps({"algorithm": a, "bytes": b, "busbw": bw}) + "\n"
                           for a in ("psum", "ring") for b, bw in ((1 << 10, 0.1), (1 << 20, 2.0), (1 << 24, 3.5))))
@@ -90,6 +90,9 @@ def test_plot_draws_every_chart(runs, tmp_path):
                                                                     runs["ddp"][1]: "ddp"}
     with pytest.raises(ValueError, match="no {'algorithm', 'bytes', 'busbw'} records"):
         plot.plot_busbw([{"x": 1}], str(tmp_path / "x.png"))
+    with pytest.raises(SystemExit):  # a pattern that matched nothing (runs/*.jsonl): one line, not a traceback
+        plot.main(["--out", out, str(tmp_path / "runs" / "*.jsonl")])
+    assert "runs/*.jsonl' is not a file; pass train.py's --metrics-out files" in capsys.readouterr().err
 
 
 def test_fresh_run_starts_metrics_out_anew_and_resume_appends(runs, tmp_path, capsys):

@@ -39,6 +39,9 @@ import time
 STRATEGIES = ("ddp", "zero-1", "zero-2", "zero-3")
 
 
+PNG = "docs/img/zero_memory.png"  # the README's figure
+
+
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
@@ -55,12 +58,17 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timed rounds per strategy, alternating; the best counts")
     p.add_argument("--frozen", default="gpt2", help="GPT configs for the fine-tune table: every block's attention "
                    "and MLP frozen (left out of wrt), held per device under stages 2 and 3 ('' for none)")
-    p.add_argument("--png", default="docs/img/zero_memory.png", help="the plot ('' for none)")
+    p.add_argument("--png", default=None, help=f"the plot ('' for none; default {PNG} when the memory and time "
+                   "tables run their default configs, none otherwise: a partial run does not overwrite the figure)")
     p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
                    help="also the TP step's temporaries without and with Megatron's sequence parallelism")
     p.add_argument("--parallel-output", action=argparse.BooleanOptionalAction, default=True,
                    help="also the TP step's temporaries with the logits gathered and split into the loss")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.png is None:
+        full = (args.memory, args.time) == (p.get_default("memory"), p.get_default("time"))
+        args.png = PNG if full else ""
+    return args
 
 
 def strategy(name: str, objective, tx, devices: int, batch_size: int | None = None):

@@ -94,6 +94,25 @@ def test_dp_master_holds_more_and_loss_on_device_shrinks_the_gap():
     assert "MiB more than the fullest other device" in gathered[0]["master_extra"]
 
 
+def test_dp_report_measures_a_full_batch_not_the_short_last_one():
+    """An epoch's short last batch (3 rows on N devices) reaches 3 devices and gathers 3 rows of logits: the report
+    measured it, a smaller master excess over fewer devices (a QA finding). It measures the largest batch."""
+    def report(row_counts):
+        model = WideLinear(nnx.Rngs(0))
+        rng = np.random.default_rng(0)
+        dp = DataParallel(model, optax.sgd(0.1), device_ids=list(range(N)))
+        placed = dp.init(init_state(model, optax.sgd(0.1)))
+        for rows in row_counts:
+            batch = {"x": rng.normal(size=(rows, 5)).astype(np.float32),
+                     "y": rng.integers(0, CLASSES, rows).astype(np.int32)}
+            placed, _ = dp.step(placed, dp.put_batch(batch))
+        return dp.report(placed)
+
+    full, short, both = report([BATCH]), report([3]), report([BATCH, 3])
+    assert full["master_extra_bytes"] > short["master_extra_bytes"] + 3 * CLASSES * 4  # the check can fail
+    assert both["master_extra_bytes"] == full["master_extra_bytes"]
+
+
 def test_replicated_spmd_step_holds_the_same_on_every_device():
     """The DDP contrast: one SPMD step with replicated params and a sharded batch leaves equal bytes per device."""
     mesh = make_mesh(N)

@@ -846,3 +846,8 @@ def test_bench_zero_counts_the_pipelines_step_end_bytes_on_every_stage():
     sent = {k: r["hlo_sent"] for k, r in rows.items()}
     # ZeRO-1 by reduce-scatter sends the pipeline's own bytes (the ZeRO paper's claim); by all-reduce, more
     assert 0 < sent["pipeline"] <= sent["pipeline + zero-1"] < sent["pipeline + zero-1, all-reduce"]
+    # the README's figure is drawn by the full run only: a partial one (the README's own --memory gpt2,gpt2-medium
+    # --time '') overwrote it with its few rows (a QA finding)
+    assert bench.parse([]).png == bench.PNG
+    assert bench.parse(["--memory", "gpt2,gpt2-medium", "--time", ""]).png == ""
+    assert bench.parse(["--time", "", "--png", "x.png"]).png == "x.png"

@@ -206,7 +206,8 @@ class DataParallel:
         check_placed(batch, Rows, "DataParallel")
         mark = self._tracker.mark if self._tracker else (lambda label: None)
         show = self.print_shapes and self._tracker is None  # a measuring step (report) prints nothing
-        self._last_batch = batch  # for report(): one measured step over it
+        if self._last_batch is None or batch.mask.shape[0] > self._last_batch.mask.shape[0]:
+            self._last_batch = batch  # for report(): one measured step over the largest batch (not a short last one)
         sizes = tuple(chunk_sizes(batch.mask.shape[0], len(self.devices)))
         devices = self.devices[:len(sizes)]
         scale = loss_scale.current(state.opt_state)  # fp16: the loss scale S, None without a scaler
@@ -292,7 +293,8 @@ class DataParallel:
         }
 
     def report(self, state: TrainState) -> dict:
-        """Per-device bytes at the step's peak, measured on one extra step over the last batch (state unchanged)."""
+        """Per-device bytes at the step's peak, measured on one extra step (state unchanged) over the largest batch
+        it stepped on: a full one, where the epoch's short last batch would reach fewer devices."""
         if self._last_batch is None:
             return {"devices": len(self.devices)}
         return self.measure(state, self._last_batch)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 
 from jaxpar.config import Config
@@ -39,7 +40,8 @@ def _field_help() -> dict[str, str]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="train.py", description="jaxpar: parallel training strategies in JAX.",
+    prog = "jaxpar-train" if os.path.basename(sys.argv[0]) == "jaxpar-train" else "train.py"  # the console script
+    p = argparse.ArgumentParser(prog=prog, description="jaxpar: parallel training strategies in JAX.",
                                 allow_abbrev=False)
     defaults, helps = Config(), _field_help()
     for f in dataclasses.fields(Config):

@@ -248,6 +248,9 @@ def test_resume_refuses_another_head_count_and_names_the_flags_that_change_the_s
     notes = checkpoint.check_compatible(sgd, {**sgd, "default_lr": 1e-3}, "d")
     assert notes == ["the default --lr was 0.01, now 0.001 (torch's); pass --lr 0.01 to continue its trajectory"]
     assert checkpoint.check_compatible({**sgd, "default_lr": 1e-3}, {**sgd, "default_lr": 1e-3}, "d") == []
+    given = {**sgd, "default_lr": 1e-3, "config": {"lr": 0.01}}  # --lr given on resume: "was None" read as a value
+    assert checkpoint.check_compatible({**sgd, "default_lr": 1e-3}, given, "d") == \
+        ["--lr was the default (0.001), now 0.01"]
     ckpt = str(tmp_path / "ckpt")
     trainer.run(config(npz, steps=2, checkpoint_dir=ckpt))
     with pytest.raises(ValueError, match="holds a checkpoint of model 'mlp' with .*, but this run has .*; pass "

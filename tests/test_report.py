@@ -160,3 +160,11 @@ def test_report_memory_leaves_out_train_pys_own_copies():
             if line.startswith("memory cpu:")}
     assert len(live) == 4 and live["cpu:1"] == live["cpu:2"] == live["cpu:3"] > 0
     assert live["cpu:0"] - live["cpu:1"] < 0.5 * live["cpu:1"], live
+
+
+def test_summary_line_says_null_where_metrics_out_does():
+    """A run of 2 steps has no timed step: --metrics-out writes null, the summary line printed nan (a QA finding)."""
+    from jaxpar.run import trainer
+
+    line = trainer.summary_line({"strategy": "single", "steps": 2, "samples_per_s": float("nan"), "time_s": 1.25})
+    assert line == "summary: strategy=single steps=2 samples_per_s=null time_s=1.25"

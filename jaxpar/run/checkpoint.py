@@ -194,7 +194,11 @@ def check_compatible(meta: dict, info: dict, directory: str) -> list[str]:
     old, new = meta.get("config", {}), info["config"]
     same_decay = None not in (meta.get("decay_steps"), info["decay_steps"]) and \
         meta["decay_steps"] == info["decay_steps"]  # --lr-decay-steps given as the old run's own end: the same
-    changed = [f"--{f.replace('_', '-')} was {old[f]!r}, now {new[f]!r}" for f in TRAJECTORY_FIELDS
+    def shown(f, v, default_lr):  # a flag left at its default reads so (None would look like a value)
+        return repr(v) if v is not None else f"the default ({default_lr})" if f == "lr" and default_lr else "unset"
+
+    changed = [f"--{f.replace('_', '-')} was {shown(f, old[f], meta.get('default_lr'))}, now "
+               f"{shown(f, new.get(f), info.get('default_lr'))}" for f in TRAJECTORY_FIELDS
                if f in old and old[f] != new.get(f) and not (f == "lr_decay_steps" and same_decay)]
     if "lr" in old and old["lr"] is None and new.get("lr") is None:  # both at the default: did it change?
         was = meta.get("default_lr", LEGACY_DEFAULT_LR.get(meta["optimizer"], info.get("default_lr")))

@@ -1114,6 +1114,6 @@ def summary_line(s: dict) -> str:
     evals = tuple(k for k in s if k.startswith("eval_"))
     keys = ("strategy", "model", "devices", "processes", "steps", "skipped_steps", "epochs", "train_loss", *evals,
             "unigram_bits_per_byte", "samples_per_s", "tokens_per_s", "mfu", "time_s")
-    return "summary: " + " ".join(f"{k}={s[k]:.4g}" if isinstance(s[k], float) else f"{k}={s[k]}"
-                                  for k in keys if k in s)
+    shown = lambda v: ("null" if not math.isfinite(v) else f"{v:.4g}") if isinstance(v, float) else v  # noqa: E731
+    return "summary: " + " ".join(f"{k}={shown(s[k])}" for k in keys if k in s)  # null as in --metrics-out
 

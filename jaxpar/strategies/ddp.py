@@ -329,10 +329,11 @@ class DistributedDataParallel:
         return unreplicate(placed, self.spmd)
 
     def describe(self) -> str:
-        buckets = "?" if self.plan is None else len(self.plan)
+        buckets = "buckets planned at init" if self.plan is None else \
+            f"{len(self.plan)} bucket{'s' if len(self.plan) != 1 else ''}"
         comm = self.grad_comm_dtype or "fp32"
         return (f"{DATA} mesh of {self.mesh.size} devices ({processes()}), {self.spmd}, "
-                f"allreduce={self.allreduce}, {buckets} buckets (cap {self.bucket_cap_mb:g} MB), "
+                f"allreduce={self.allreduce}, {buckets} (cap {self.bucket_cap_mb:g} MB), "
                 f"overlap={'on' if self.overlap else 'off'}, grad_accum={self.grad_accum}, comm {comm}")
 
     def hlo(self, placed) -> str:

@@ -356,8 +356,8 @@ class ZeroRedundancy:
                                                        for i in self.plan.leaves])
 
     def describe(self) -> str:
-        groups = "?" if self.plan is None else f"{len(self.plan.groups)} groups, {self.plan.shard_size:,} " \
-                                                "elements per device"
+        groups = "groups planned at init" if self.plan is None else \
+            f"{len(self.plan.groups)} groups, {self.plan.shard_size:,} elements per device"
         how = f", {self.reduce}" if self.stage == 1 else ""
         if self.stage == 3:
             how = ", every weight in one fetch" if self.fetch == "model" else ", prefetch" if self.prefetch else ""

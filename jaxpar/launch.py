@@ -17,9 +17,8 @@ stop every process the same way (a second one SIGKILLs them at once); on Linux t
 (SIGKILL) when the launcher dies, even of SIGKILL: no checkpoint is saved then (JAX's runtime catches SIGTERM, and a
 rank waiting in a collective for a dead peer never sees it).
 A script that is not a file and a --master-port already in use on this node are refused in one line before any
-process starts. A rank that JAX
-aborts because not every process joined in time (its C++ fatal log, DEADLINE_EXCEEDED on RegisterTask) gets one line
-at the end that says which nodes to start.
+process starts. A rank that JAX aborts because not every process joined in time (its C++ fatal log,
+DEADLINE_EXCEEDED on RegisterTask) gets one line at the end that says which nodes to start.
 """
 from __future__ import annotations
 

@@ -103,8 +103,6 @@ def _leave(code: int) -> None:
     step's collectives for it, before both aborted and the launcher blamed the wrong rank (a QA finding). The
     launcher sees this exit status and stops the others within seconds."""
     if _joined():
-        import os
-
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

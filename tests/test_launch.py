@@ -82,15 +82,14 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def rank_pids(proc: subprocess.Popen, count: int) -> list[int]:
-    """The pids the launcher's `count` ranks print ("pid N"), read off its output as they start."""
-    pids = []
+def read_rank_pids(proc: subprocess.Popen, pids: list[int], count: int) -> None:
+    """Append to `pids` the pids the launcher's `count` ranks print ("pid N") as they start (the caller's finally
+    kills those read so far if the launcher ends first)."""
     while len(pids) < count:
         line = proc.stdout.readline()
         assert line, "the launcher ended before its ranks started"
         if " pid " in line:
             pids.append(int(line.split()[-1]))
-    return pids
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
@@ -104,7 +103,7 @@ def test_ranks_die_with_a_sigkilled_launcher(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     pids: list[int] = []
     try:
-        pids += rank_pids(proc, 2)
+        read_rank_pids(proc, pids, 2)
         proc.kill()  # SIGKILL: no handler of the launcher's runs
         proc.wait(timeout=10)
         deadline = time.monotonic() + 5
@@ -184,7 +183,7 @@ def test_a_second_ctrl_c_kills_the_ranks_at_once_without_a_traceback(tmp_path):
                             text=True)
     pids: list[int] = []
     try:
-        pids += rank_pids(proc, 2)
+        read_rank_pids(proc, pids, 2)
         proc.send_signal(signal.SIGINT)
         time.sleep(1.0)
         assert proc.poll() is None and all(_alive(p) for p in pids)  # the first one waits out the ranks' SIGTERM

@@ -180,4 +180,3 @@ def _every_process(values: list[int]) -> np.ndarray:
 
     mine = np.array(values, np.int32)
     return np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), len(values))
-

@@ -18,11 +18,6 @@ AdamW(6e-4, betas (0.9, 0.95), weight decay 0.1)):
   qkv as three products   the defaults, but q, k and v as three products x @ c_attn.kernel[:, i C:(i + 1) C] plus
                           the bias's slice instead of one product split in three (the same parameters and dtypes:
                           no [B, T, 3C] output to split, and the gradients concatenated are the kernel's, C x 3C)
-  GELU keeping only its input  variant 3, but the MLP's bias add and GELU with a backward that keeps only
-                          y + b (gelu_keeping_input): every op of the forward's GELU then has one user, the form
-                          XLA's GEMM rewriter fuses into a cuBLASLt epilogue (BIAS_GELU_AUX, writing y + b beside the
-                          activation) under XLA_FLAGS=--xla_gpu_enable_cublaslt=true; the bias's gradient sums in
-                          float32
 The runs alternate round by round; tokens/s is each run's best round. Then each run's steps are traced with
 jax.profiler and its GPU kernels summed by kind (GEMMs, attention, the rest: XLA's fusions, copies), per step, and
 "GPU busy" is the part of the time from the traced steps' first kernel to their last in which some kernel ran: the
@@ -61,8 +56,7 @@ KIND_COLUMNS = ("GEMM", "attention", "other (fusions)", "copy")  # the tables' c
 
 
 VARIANTS = ("jaxpar (defaults)", "per_sample=False", "per_sample=False, 16-bit bias/lookup",
-            "per_sample=False, XLA attention", "plain NNX step (no jaxpar)", "jaxpar, qkv as three products",
-            "per_sample=False, 16-bit bias/lookup, GELU keeping only its input")
+            "per_sample=False, XLA attention", "plain NNX step (no jaxpar)", "jaxpar, qkv as three products")
 
 FLAG_SETS = (  # --xla-flag-sets default: XLA:GPU settings that change how the step's fusions and GEMMs are made
     "--xla_gpu_enable_cudnn_layer_norm=true",  # LayerNorms as cuDNN's norm kernels, not XLA's reduction fusions
@@ -190,40 +184,6 @@ def profile(run, steps: int, save: str | None = None) -> tuple[dict, list, float
         return kernel_table(d, steps)
 
 
-def gelu_keeping_input():
-    """mlp_call(mlp, x), MLP.__call__ for the variant "GELU keeping only its input": c_fc's product, its bias
-    added in the product's dtype, then jax.nn.gelu, under a custom_vjp whose residual is y + b alone (autodiff of
-    gelu keeps its tanh as well, a second user of each intermediate, which the rewriter's pattern refuses); the
-    backward runs gelu's own VJP again from y + b."""
-    import functools
-
-    import jax
-    import jax.numpy as jnp
-
-    @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-    def bias_gelu(y, b, approximate):
-        return jax.nn.gelu(y + b.astype(y.dtype), approximate=approximate)
-
-    def fwd(y, b, approximate):
-        pre = y + b.astype(y.dtype)
-        return jax.nn.gelu(pre, approximate=approximate), (pre, b)
-
-    def bwd(approximate, res, g):
-        pre, b = res
-        (dpre,) = jax.vjp(lambda p: jax.nn.gelu(p, approximate=approximate), pre)[1](g)
-        return dpre, jnp.sum(dpre.astype(jnp.float32), axis=tuple(range(dpre.ndim - 1))).astype(b.dtype)
-
-    bias_gelu.defvjp(fwd, bwd)
-
-    def mlp_call(mlp, x):
-        lin = mlp.c_fc
-        x, kernel, bias = lin.promote_dtype((x, lin.kernel[...], lin.bias[...]), dtype=lin.dtype)
-        y = lin.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=lin.precision)
-        return mlp.dropout(mlp.c_proj(bias_gelu(y, bias, mlp.approximate)))
-
-    return mlp_call
-
-
 def qkv_three_products(attn, x_BxTxC):
     """CausalSelfAttention.qkv (the variant "qkv as three products" puts it there): q, k and v as three products
     x @ c_attn.kernel[:, i C:(i + 1) C] plus the bias's slice, each [B, T, heads, head size], in place of one product
@@ -343,12 +303,11 @@ def main(argv=None) -> None:
     state = jaxpar.init_state(model, tx)
     bf16, n = jnp.bfloat16, batch["x"].size
     plain_add, plain_take = (lambda x, b: x + b), (lambda table, ids: jnp.take(table, ids, axis=0))
-    wide, fused_qkv, mlp_call = (gpt.add_wide, gpt.take_wide), gpt.CausalSelfAttention.qkv, gpt.MLP.__call__
+    wide, fused_qkv = (gpt.add_wide, gpt.take_wide), gpt.CausalSelfAttention.qkv
 
-    def patch(sixteen: bool, three: bool, gelu: bool = False) -> None:  # looked up when a step is traced
+    def patch(sixteen: bool, three: bool) -> None:  # the models module looks them up when a step is traced
         gpt.add_wide, gpt.take_wide = (plain_add, plain_take) if sixteen else wide
         gpt.CausalSelfAttention.qkv = qkv_three_products if three else fused_qkv
-        gpt.MLP.__call__ = gelu_keeping_input() if gelu else mlp_call
 
     def timed(step_maker) -> JaxparRun:  # compiled and warmed up; a step once compiled never looks at `patch`
         return JaxparRun(step_maker, state, batch, args.steps, n)
@@ -361,12 +320,11 @@ def main(argv=None) -> None:
         VARIANTS[3]: (lambda: timed(single(build(attention="xla"), per_sample=False)), False, False),
         VARIANTS[4]: (lambda: timed(PlainStep(model, tx, compute_dtype=bf16)), True, False),
         VARIANTS[5]: (lambda: timed(single()), False, True),
-        VARIANTS[6]: (lambda: timed(single(per_sample=False)), True, False, True),
     }
     runs = {}
     for name in args.variants:
-        make, *settings = variants[name]
-        patch(*settings)
+        make, sixteen, three = variants[name]
+        patch(sixteen, three)
         t = time.perf_counter()
         try:
             runs[name] = make()

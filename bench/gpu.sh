@@ -95,8 +95,7 @@ run bench_gpt 120 $PY bench/gpt.py --model "$MODEL" --batch-size "$BATCH" --seq-
 # 1b. where jaxpar's step spends its time on the GPU: jaxpar's step and a hand-written one, their kernels by kind,
 #     from jax.profiler traces (the first run's trace is kept in $OUT); VARIANTS=1,2,3,4,5,6 for the first six (about
 #     a minute more: per-sample off, 16-bit adds, XLA attention, qkv as three products), VARIANTS=1,6 for qkv as
-#     three products alone, VARIANTS=3,7 for the GELU in the form of a cuBLASLt epilogue (with
-#     XLA_FLAGS=--xla_gpu_enable_cublaslt=true; the README's fourth lease)
+#     three products alone (BATCH=64, llm.c's micro-batch, changes every step of this script: the fifth lease)
 run gpt_profile 90 $PY bench/gpt_profile.py --model "$MODEL" --batch-size "$BATCH" --seq-len "$SEQ" \
     --variants "${VARIANTS:-1,5}" --top "${TOP:-12}" --save-trace "$OUT"
 

@@ -18,6 +18,9 @@ AdamW(6e-4, betas (0.9, 0.95), weight decay 0.1)):
   qkv as three products   the defaults, but q, k and v as three products x @ c_attn.kernel[:, i C:(i + 1) C] plus
                           the bias's slice instead of one product split in three (the same parameters and dtypes:
                           no [B, T, 3C] output to split, and the gradients concatenated are the kernel's, C x 3C)
+  GELU by autodiff        the defaults, but the MLP's bias add and GELU as jaxpar had them before bias_gelu: the
+                          bias added in float32 (add_wide), then jax.nn.gelu differentiated by JAX (its tanh kept for
+                          the backward, so no cuBLASLt epilogue takes the GELU)
 The runs alternate round by round; tokens/s is each run's best round. Then each run's steps are traced with
 jax.profiler and its GPU kernels summed by kind (GEMMs, attention, the rest: XLA's fusions, copies), per step, and
 "GPU busy" is the part of the time from the traced steps' first kernel to their last in which some kernel ran: the
@@ -56,7 +59,8 @@ KIND_COLUMNS = ("GEMM", "attention", "other (fusions)", "copy")  # the tables' c
 
 
 VARIANTS = ("jaxpar (defaults)", "per_sample=False", "per_sample=False, 16-bit bias/lookup",
-            "per_sample=False, XLA attention", "plain NNX step (no jaxpar)", "jaxpar, qkv as three products")
+            "per_sample=False, XLA attention", "plain NNX step (no jaxpar)", "jaxpar, qkv as three products",
+            "jaxpar, GELU by autodiff")
 
 FLAG_SETS = (  # --xla-flag-sets default: XLA:GPU settings that change how the step's fusions and GEMMs are made
     "--xla_gpu_enable_cudnn_layer_norm=true",  # LayerNorms as cuDNN's norm kernels, not XLA's reduction fusions
@@ -184,6 +188,14 @@ def profile(run, steps: int, save: str | None = None) -> tuple[dict, list, float
         return kernel_table(d, steps)
 
 
+def mlp_autodiff_gelu(mlp, x):
+    """MLP.__call__ for the variant "GELU by autodiff": c_fc (its bias added by add_wide), then jax.nn.gelu, whose
+    backward JAX derives (jaxpar's MLP before models.gpt_ops.bias_gelu)."""
+    import jax
+
+    return mlp.dropout(mlp.c_proj(jax.nn.gelu(mlp.c_fc(x), approximate=mlp.approximate)))
+
+
 def qkv_three_products(attn, x_BxTxC):
     """CausalSelfAttention.qkv (the variant "qkv as three products" puts it there): q, k and v as three products
     x @ c_attn.kernel[:, i C:(i + 1) C] plus the bias's slice, each [B, T, heads, head size], in place of one product
@@ -303,11 +315,12 @@ def main(argv=None) -> None:
     state = jaxpar.init_state(model, tx)
     bf16, n = jnp.bfloat16, batch["x"].size
     plain_add, plain_take = (lambda x, b: x + b), (lambda table, ids: jnp.take(table, ids, axis=0))
-    wide, fused_qkv = (gpt.add_wide, gpt.take_wide), gpt.CausalSelfAttention.qkv
+    wide, fused_qkv, mlp_call = (gpt.add_wide, gpt.take_wide), gpt.CausalSelfAttention.qkv, gpt.MLP.__call__
 
-    def patch(sixteen: bool, three: bool) -> None:  # the models module looks them up when a step is traced
+    def patch(sixteen: bool, three: bool, gelu: bool = False) -> None:  # looked up when a step is traced
         gpt.add_wide, gpt.take_wide = (plain_add, plain_take) if sixteen else wide
         gpt.CausalSelfAttention.qkv = qkv_three_products if three else fused_qkv
+        gpt.MLP.__call__ = mlp_autodiff_gelu if gelu else mlp_call
 
     def timed(step_maker) -> JaxparRun:  # compiled and warmed up; a step once compiled never looks at `patch`
         return JaxparRun(step_maker, state, batch, args.steps, n)
@@ -320,11 +333,12 @@ def main(argv=None) -> None:
         VARIANTS[3]: (lambda: timed(single(build(attention="xla"), per_sample=False)), False, False),
         VARIANTS[4]: (lambda: timed(PlainStep(model, tx, compute_dtype=bf16)), True, False),
         VARIANTS[5]: (lambda: timed(single()), False, True),
+        VARIANTS[6]: (lambda: timed(single()), False, False, True),
     }
     runs = {}
     for name in args.variants:
-        make, sixteen, three = variants[name]
-        patch(sixteen, three)
+        make, *settings = variants[name]
+        patch(*settings)
         t = time.perf_counter()
         try:
             runs[name] = make()

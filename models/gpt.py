@@ -38,7 +38,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.comm import megatron
-from jaxpar.models.gpt_ops import (CPU_QUERY_BLOCK, attention_impl, causal_attention,  # noqa: F401
+from jaxpar.models.gpt_ops import (CPU_QUERY_BLOCK, attention_impl, bias_gelu, causal_attention,  # noqa: F401
                                    linear_dot_general, matmul, matmul_t)
 from jaxpar.models import gpt_generate
 from jaxpar.precision import LOW, add_wide, take_wide
@@ -121,12 +121,17 @@ class Linear(nnx.Linear):
     def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
         if self.bias is None or jnp.dtype(self.bias.dtype) not in LOW and jnp.dtype(inputs.dtype) not in LOW:
             return super().__call__(inputs, out_sharding)
-        x, kernel, bias = self.promote_dtype((inputs, self.kernel[...], self.bias[...]), dtype=self.dtype)
+        return add_wide(*self.product(inputs, out_sharding))
+
+    def product(self, inputs: jax.Array, out_sharding=None) -> tuple[jax.Array, jax.Array | None]:
+        """(inputs @ kernel, the bias), both in the dtype __call__ computes in: the layer before its bias add."""
+        x, kernel, bias = self.promote_dtype((inputs, self.kernel[...], self.bias[...] if self.bias is not None
+                                              else None), dtype=self.dtype)
         kwargs = {"out_sharding": out_sharding}
         if self.preferred_element_type is not None:
             kwargs["preferred_element_type"] = self.preferred_element_type
-        y = self.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=self.precision, **kwargs)
-        return add_wide(y, bias)
+        return self.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=self.precision,
+                                **kwargs), bias
 
 
 def _linear(n_in: int, n_out: int, cfg: GPTConfig, std: float, rngs: nnx.Rngs) -> Linear:
@@ -236,7 +241,9 @@ class MLP(nnx.Module):
             h = jax.nn.gelu(megatron.column_linear(self.c_fc, x), approximate=self.approximate)
             y = megatron.row_linear(self.c_proj, h, self.tensor_axis, 1 if sp else None)
             return sequence_dropout(self.dropout, y, self.tensor_axis, sp)
-        return self.dropout(self.c_proj(jax.nn.gelu(self.c_fc(x), approximate=self.approximate)))
+        if self.c_fc.bias is None:
+            return self.dropout(self.c_proj(jax.nn.gelu(self.c_fc(x), approximate=self.approximate)))
+        return self.dropout(self.c_proj(bias_gelu(*self.c_fc.product(x), self.approximate)))
 
 
 class Block(nnx.Module):

@@ -3,6 +3,7 @@
     y = matmul(x, w)                 # x @ w; its weight gradient is one NN GEMM over every token
     logits = matmul_t(x, table)      # x @ table^T (the tied head), the same way
     y = causal_attention(q, k, v)    # jax.nn.dot_product_attention(is_causal=True), in query blocks on CPUs
+    h = bias_gelu(y, b)              # gelu(y + b), its backward from y + b alone (a GPU GEMM's epilogue form)
 
 Why: XLA:CPU lowers a dot whose contracting dimension is an operand's major one (every weight gradient,
 x^T dy summed over tokens) outside YNNPACK, at about half the rate of a plain GEMM, after copying an operand into a
@@ -10,6 +11,8 @@ transposed layout; and its attention materialises the T x T scores and their gra
 The tests check values and gradients against the plain calls (and the whole backward against torch autograd).
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -72,6 +75,33 @@ def linear_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_el
         return matmul(lhs, rhs)
     return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                                preferred_element_type=preferred_element_type, **kwargs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def bias_gelu(y: jax.Array, b: jax.Array, approximate: bool = True) -> jax.Array:
+    """jax.nn.gelu(y + b), b broadcast over y's leading axes and added in y's dtype; b's gradient sums in float32.
+
+    The backward keeps y + b alone and runs gelu's VJP again from it (behind an optimization barrier, so XLA's CSE
+    cannot merge that with the forward). Autodiff of gelu keeps its tanh too, a second user of the forward's ops;
+    with one user each, XLA:GPU's GEMM rewriter runs the add and the tanh GELU inside the product's cuBLASLt
+    epilogue (BIAS_GELU_AUX, writing y + b beside) under XLA_FLAGS=--xla_gpu_enable_cublaslt=true."""
+    return jax.nn.gelu(y + b.astype(y.dtype), approximate=approximate)
+
+
+def _bias_gelu_fwd(y, b, approximate):
+    pre = y + b.astype(y.dtype)
+    return jax.nn.gelu(pre, approximate=approximate), (pre, b)
+
+
+def _bias_gelu_bwd(approximate, res, g):
+    pre, b = res
+    _, vjp = jax.vjp(functools.partial(jax.nn.gelu, approximate=approximate), jax.lax.optimization_barrier(pre))
+    (dpre,) = vjp(g)
+    db = jnp.sum(dpre.astype(jnp.float32), axis=tuple(range(dpre.ndim - b.ndim))).astype(b.dtype)
+    return dpre, db
+
+
+bias_gelu.defvjp(_bias_gelu_fwd, _bias_gelu_bwd)
 
 
 def cudnn_attention_supported(device: jax.Device | None = None) -> bool:

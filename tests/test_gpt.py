@@ -122,6 +122,36 @@ def test_cpu_matmuls_have_plain_gradients(vmapped):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("approximate", [True, False])
+def test_bias_gelu_is_gelu_of_the_sum_and_keeps_only_the_sum(approximate):
+    """gpt.bias_gelu(y, b) == gelu(y + b) with the same gradients (float32; under vmap too); its backward keeps
+    y + b and b alone (autodiff of gelu keeps its tanh and more: the GEMM epilogue's form needs one user per op);
+    in bf16 b's gradient sums in float32 (bf16 autodiff's does not)."""
+    rng = np.random.default_rng(0)
+    y, g = (jnp.asarray(rng.normal(size=(3, 5, 8)), jnp.float32) for _ in range(2))
+    b = jnp.asarray(rng.normal(size=(8,)), jnp.float32)
+    plain = lambda y, b: jax.nn.gelu(y + b, approximate=approximate)  # noqa: E731
+    ours = lambda y, b: gpt.bias_gelu(y, b, approximate)  # noqa: E731
+    for vmapped in (False, True):
+        wrap = (lambda fn: jax.vmap(fn, in_axes=(0, None))) if vmapped else (lambda fn: fn)
+        want = jax.value_and_grad(lambda y, b: jnp.sum(wrap(plain)(y, b) * g), argnums=(0, 1))(y, b)
+        got = jax.jit(jax.value_and_grad(lambda y, b: jnp.sum(wrap(ours)(y, b) * g), argnums=(0, 1)))(y, b)
+        for a, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(a, w, rtol=1e-5, atol=1e-6)
+    kept = lambda fn: [x.shape for x in jax.tree.leaves(jax.vjp(fn, y, b)[1])]  # noqa: E731  the residuals
+    assert sorted(kept(ours)) == [(3, 5, 8), (8,)] and len(kept(plain)) > 2
+
+    y16, b16, g16 = (a.astype(jnp.bfloat16) for a in (y * 30, b, g))  # 15 rows: bf16 sums round visibly
+    db = jax.grad(lambda b: jnp.sum(gpt.bias_gelu(y16, b, approximate).astype(jnp.float32) * g16))(b16)
+    dpre = jax.grad(lambda p: jnp.sum(jax.nn.gelu(p, approximate=approximate).astype(jnp.float32) * g16))(
+        y16 + b16)
+    exact = jnp.sum(dpre.astype(jnp.float32), axis=(0, 1)).astype(jnp.bfloat16)
+    autodiff = jax.grad(lambda b: jnp.sum(jax.nn.gelu(y16 + b, approximate=approximate).astype(jnp.float32)
+                                          * g16))(b16)
+    assert db.dtype == jnp.bfloat16 and not np.array_equal(np.float32(autodiff), np.float32(exact))
+    np.testing.assert_array_equal(np.float32(db), np.float32(exact))
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_cpu_matmuls_of_16_bit_operands_accumulate_in_float32(dtype):
     """gpt.matmul / matmul_t of 16-bit operands on CPUs, the forward and both gradients: every product asks for a

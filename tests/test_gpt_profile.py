@@ -1,5 +1,5 @@
-"""bench/gpt_profile.py on a CPU: its "qkv as three products" variant computes what the fused product computes, and
-its XLA flag sweep reports a flag this jaxlib lacks in one line and goes on."""
+"""bench/gpt_profile.py on a CPU: its "qkv as three products" and "GELU by autodiff" variants compute what the
+model computes, and its XLA flag sweep reports a flag this jaxlib lacks in one line and goes on."""
 import os
 import sys
 
@@ -62,6 +62,23 @@ def test_qkv_as_three_products_has_the_fused_products_loss_and_gradients(monkeyp
         np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=1e-2, atol=1e-2)
 
 
+def test_gelu_by_autodiff_is_the_mlp_before_bias_gelu(monkeypatch):
+    """The variant "GELU by autodiff" (the MLP as it was before models.gpt_ops.bias_gelu) has the model's loss and
+    gradients (float32), and the model's MLP runs bias_gelu while the variant's does not."""
+    model = nano_with_biases()
+    for block in model.h:  # c_fc's bias random too
+        block.mlp.c_fc.bias[...] = jnp.asarray(np.random.default_rng(3).normal(0, 0.5, block.mlp.c_fc.bias.shape))
+    tokens = np.random.default_rng(0).integers(0, 64, (2, 17), dtype=np.int32)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    loss, grads, jaxpr = loss_grads_and_jaxpr(model, x, y)
+    monkeypatch.setattr(gpt.MLP, "__call__", gpt_profile.mlp_autodiff_gelu)
+    loss7, grads7, jaxpr7 = loss_grads_and_jaxpr(model, x, y)
+    assert "name=bias_gelu" in jaxpr and "name=bias_gelu" not in jaxpr7, "the patch did not take"
+    np.testing.assert_allclose(loss7, loss, rtol=1e-6)
+    for (path, g), g7 in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads7)):
+        np.testing.assert_allclose(g7, g, rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+
+
 def test_flag_sweep_reports_an_unknown_flag_and_goes_on(capsys):
     """Under --sweep-variant 3 (per_sample=False, 16-bit adds): the processes run that variant, as the header, which
     reads their own record, says."""
@@ -77,7 +94,7 @@ def test_flag_sweep_reports_an_unknown_flag_and_goes_on(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--xla-flag-sets", "default", "--sweep-variant", "7"], "--sweep-variant 7: give a number from 1 to 6"),
+    (["--xla-flag-sets", "default", "--sweep-variant", "8"], "--sweep-variant 8: give a number from 1 to 7"),
     (["--sweep-variant", "2"], "--sweep-variant belongs to the flag sweep: give --xla-flag-sets too")])
 def test_sweep_variant_is_checked_before_anything_runs(argv, message, capsys):
     with pytest.raises(SystemExit):

@@ -238,12 +238,17 @@ class MLP(nnx.Module):
         if self.tensor_axis is not None:
             sp = self.sequence_parallel
             x = megatron.gather_sequence(x, self.tensor_axis, 1) if sp else megatron.f(x, self.tensor_axis)
-            h = jax.nn.gelu(megatron.column_linear(self.c_fc, x), approximate=self.approximate)
+            h = self._gelu(*megatron.column_linear(self.c_fc, x, skip_bias_add=True))
             y = megatron.row_linear(self.c_proj, h, self.tensor_axis, 1 if sp else None)
             return sequence_dropout(self.dropout, y, self.tensor_axis, sp)
-        if self.c_fc.bias is None:
-            return self.dropout(self.c_proj(jax.nn.gelu(self.c_fc(x), approximate=self.approximate)))
-        return self.dropout(self.c_proj(bias_gelu(*self.c_fc.product(x), self.approximate)))
+        return self.dropout(self.c_proj(self._gelu(*self.c_fc.product(x))))
+
+    def _gelu(self, y: jax.Array, bias: jax.Array | None) -> jax.Array:
+        """GELU(y + bias): with a bias, gpt_ops.bias_gelu (Megatron's bias-GELU fusion: on a GPU, c_fc's cuBLASLt
+        epilogue)."""
+        if bias is None:
+            return jax.nn.gelu(y, approximate=self.approximate)
+        return bias_gelu(y, bias, self.approximate)
 
 
 class Block(nnx.Module):

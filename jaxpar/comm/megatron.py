@@ -234,10 +234,15 @@ def g(x: jax.Array, axis: str | None) -> jax.Array:
     return x if axis is None else reduce_from_tensor_region(x, axis)
 
 
-def column_linear(linear, x: jax.Array) -> jax.Array:
-    """``x @ kernel + bias`` of an nnx.Linear whose kernel [in, out/T] and bias [out/T] hold this rank's columns."""
+def column_linear(linear, x: jax.Array, skip_bias_add: bool = False):
+    """``x @ kernel + bias`` of an nnx.Linear whose kernel [in, out/T] and bias [out/T] hold this rank's columns.
+    `skip_bias_add` (Megatron's ColumnParallelLinear flag, for its fused bias-GELU): ``(x @ kernel, bias)``, the
+    bias (None without one) in the product's dtype, left for the caller to add."""
     y = jnp.dot(x, linear.kernel[...].astype(x.dtype))
-    return y if linear.bias is None else add_wide(y, linear.bias[...].astype(y.dtype))
+    bias = None if linear.bias is None else linear.bias[...].astype(y.dtype)
+    if skip_bias_add:
+        return y, bias
+    return y if bias is None else add_wide(y, bias)
 
 
 def row_linear(linear, x: jax.Array, axis: str | None, sequence_dim: int | None = None) -> jax.Array:

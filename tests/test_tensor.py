@@ -363,6 +363,21 @@ def test_vocab_parallel_cross_entropy_equals_the_whole_one(smoothing):
     np.testing.assert_allclose(grad, whole_grad, rtol=1e-5, atol=1e-7)
 
 
+def test_vocab_parallel_argmax_finds_the_first_nan_as_jnp_argmax():
+    """Rows with NaN logits (a diverged step): the split argmax is jnp.argmax's, the first NaN's index, also where a
+    later rank holds the row's largest finite value and where two ranks hold NaNs (it was int32's max before)."""
+    mesh = Mesh(np.array(jax.devices()[:4]), (TENSOR,))
+    logits = jax.random.normal(jax.random.key(0), (4, 12))
+    logits = logits.at[0, 5].set(jnp.nan).at[0, 11].set(50.0)  # NaN on rank 1, the max on rank 3
+    logits = logits.at[1, 10].set(jnp.nan).at[1, 4].set(jnp.nan)  # NaNs on ranks 3 and 1
+    logits = logits.at[2].set(jnp.nan)  # all NaN; row 3 finite
+    got = jax.jit(jax.shard_map(lambda z: megatron.vocab_parallel_argmax(z, TENSOR), mesh=mesh,
+                                in_specs=P(None, TENSOR), out_specs=P(), check_vma=False))(logits)
+    want = jnp.argmax(logits, -1)
+    assert want.tolist()[:3] == [5, 4, 0]
+    np.testing.assert_array_equal(got, want)
+
+
 def test_parallel_output_keeps_the_logits_split():
     """With the default cross-entropy the head's logits stay split by vocabulary into the loss: the compiled step
     has no all-gather within the tensor groups, Megatron's 2L+1 all-reduces each way of [tokens, C] activations,

@@ -7,6 +7,9 @@
 #
 #     bash bench/gpu.sh                 # from the repository root; results also in $OUT (default /tmp/jaxpar-gpu)
 #     BUDGET=900 bash bench/gpu.sh      # seconds for all of it (default 480: the device tool's calls end at 600 s)
+#     XLA_FLAGS="--xla_gpu_enable_triton_gemm=false --xla_gpu_enable_cublaslt=true" bash bench/gpu.sh
+#                                       # jaxpar's fastest GPT step on an H100 (README: the fifth lease); XLA reads
+#                                       # the flags, torch does not
 #
 # The benchmark runs alone; the training runs go PARALLEL (default 3) at a time, each with that share of the GPU's
 # memory (compiling, most of a short run, is CPU work), so their tokens/s are not a measurement: bench/gpt.py is.

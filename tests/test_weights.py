@@ -298,8 +298,10 @@ def test_a_gpt_file_keeps_the_head_count_its_weights_do_not_show(tmp_path, corpu
     want = logits_of(model, x)
     data = datasets.load("text", "train", data_path=corpus, seq_len=16)
     three_d = dict(model="gpt-nano", dataset="text", strategy="pipeline", num_stages=2, tensor_parallel=2)
-    with pytest.raises(ValueError, match="--model gpt-nano has 3 heads, which --tensor-parallel 2 does not split"):
-        trainer.validate(Config(**three_d))
+    tp = dict(model="gpt-nano", dataset="text", strategy="tp", tensor_parallel=2)
+    for settings in (three_d, tp):  # before any model is built
+        with pytest.raises(ValueError, match="--model gpt-nano has 3 heads, which --tensor-parallel 2 does not split"):
+            trainer.validate(Config(**settings))
     for name in GPT_FILES:
         path = str(tmp_path / name)
         weights.write(sd, path, meta=gpt.file_meta(cfg), nanogpt=layout == "nanogpt")
@@ -307,7 +309,8 @@ def test_a_gpt_file_keeps_the_head_count_its_weights_do_not_show(tmp_path, corpu
         loaded = trainer.gpt_model(Config(model="gpt-nano", dataset="text", init_torch=path), data)
         assert loaded.config.n_head == 6, name
         np.testing.assert_array_equal(logits_of(loaded, x), want)
-        trainer.validate(Config(**three_d, init_torch=path))  # 6 heads split over 2 tensor ranks (the config's 3 not)
+        for settings in (three_d, tp):  # 6 heads split over 2 tensor ranks (the config's 3 do not)
+            trainer.validate(Config(**settings, init_torch=path))
         refused = f"--n-head 3 differs from the n_head=6 --init-torch {re.escape(repr(path))}.*drop --n-head"
         with pytest.raises(ValueError, match=refused):
             trainer.gpt_model(Config(model="gpt-nano", dataset="text", init_torch=path, n_head=3), data)

@@ -106,12 +106,13 @@ def validate(cfg: Config) -> None:
             fit = stages * tp * max(1, cfg.num_devices // (stages * tp))
             raise ValueError(f"--num-devices {cfg.num_devices} must be a multiple of --num-stages x --tensor-parallel "
                              f"= {stages} x {tp} (D x S x T); use --num-devices {fit}.")
-        if cfg.model in models.GPT_NAMES and not (cfg.init_torch and cfg.n_head is None):  # else the file's count
-            heads = models.GPTConfig.named(cfg.model, n_head=cfg.n_head).n_head  # (the stage plan checks that one)
-            if heads % tp:
-                raise ValueError(f"--model {cfg.model} has {heads} heads, which --tensor-parallel {tp} does not split "
-                                 f"evenly; use a --tensor-parallel dividing {heads} (or --n-head a multiple of {tp}).")
     splits = cfg.strategy == "tp" or (cfg.strategy == "pipeline" and cfg.tensor_parallel > 1)
+    tp = cfg.tensor_parallel
+    if splits and tp >= 2 and cfg.model in models.GPT_NAMES and not (cfg.init_torch and cfg.n_head is None):
+        heads = models.GPTConfig.named(cfg.model, n_head=cfg.n_head).n_head  # (else the file's: the strategy checks)
+        if heads % tp:
+            raise ValueError(f"--model {cfg.model} has {heads} heads, which --tensor-parallel {tp} does not split "
+                             f"evenly; use a --tensor-parallel dividing {heads} (or --n-head a multiple of {tp}).")
     if splits and cfg.model in models.NAMES and cfg.model not in models.GPT_NAMES:  # before the data loads
         raise ValueError(f"--model {cfg.model} has no module that tensor parallelism can split (none defines "
                          f"tensor_layout()); use a GPT ({', '.join(models.GPT_NAMES[:3])}, ...) or a model of your own "

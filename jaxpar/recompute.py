@@ -50,13 +50,15 @@ def recomputed(run):
 
 def recompute_call(fn, modules, *args: Any) -> Any:
     """`fn(modules, *args)` whose backward recomputes it from `args` and the modules' saved state (weights, RNG
-    counts, batch statistics); the modules' RNG streams and statistics advance as a plain call's would."""
+    counts, batch statistics); every state the call changes or adds other than the weights (RNG streams, batch
+    statistics, the user's own nnx.Variables, values sown as nnx.Intermediate, which a loss may differentiate)
+    comes out as a plain call's would."""
     graphdef, state = nnx.split(modules)
     leaves, treedef = jax.tree.flatten(state)
 
     def run(leaves, args):
         merged = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-        return fn(merged, *args), nnx.state(merged, nnx.Any(nnx.RngState, nnx.BatchStat))
+        return fn(merged, *args), nnx.state(merged, nnx.Not(nnx.Param))
 
     y, changed = recomputed(run)(leaves, args)
     nnx.update(modules, changed)

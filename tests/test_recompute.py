@@ -3,7 +3,10 @@ that keep only their input and run again in the backward. With dropout on, every
 it gives the parameters of the single step that keeps every activation; the compiled step holds less. Megatron's
 selective recompute (GPTConfig.recompute_granularity="selective", the core attention) likewise, in every strategy
 the pipeline included."""
+import functools
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -176,3 +179,72 @@ def test_refusals():
     model = problem()[0]
     jaxpar.Objective.of(model, activation_checkpoint_interval=1)
     assert type(model) is gpt.GPT  # the user's model is left as it is
+
+
+class Penalised(nnx.Module):
+    """A layer whose forward sows a penalty on its activations (an auxiliary loss, which the loss pops), and keeps
+    their running mean in a plain nnx.Variable that feeds its output, with a call counter beside it."""
+
+    def __init__(self, n_in: int, n_out: int, seed: int, buffers: bool):
+        self.lin = nnx.Linear(n_in, n_out, rngs=nnx.Rngs(seed))
+        self.buffers = buffers  # without them the forward changes nothing row by row (per_sample=True takes it)
+        self.mean = nnx.Variable(jnp.zeros((n_out,)))
+        self.calls = nnx.Variable(jnp.zeros((), jnp.int32))
+
+    def __call__(self, x):
+        h = jnp.tanh(self.lin(x) - self.mean[...])
+        if self.buffers:
+            self.mean[...] = 0.9 * self.mean[...] + 0.1 * jax.lax.stop_gradient(h).mean(0)
+            self.calls[...] += 1
+        self.sow(nnx.Intermediate, "penalty", jnp.sum(h ** 2))
+        return h
+
+
+def penalised_model(buffers: bool = True) -> nnx.Module:
+    return nnx.Sequential(Penalised(6, 16, 0, buffers), Penalised(16, 8, 1, buffers),
+                          nnx.Linear(8, 3, rngs=nnx.Rngs(2)))
+
+
+def penalised_loss(model, batch, weight=0.1):
+    out = model(batch["x"])
+    penalty = sum(jax.tree.leaves(nnx.pop(model, nnx.Intermediate)))  # the sown values, taken off the model
+    return jnp.sum((out - batch["y"]) ** 2) + weight * penalty, batch["y"].size
+
+
+def penalised_batches():
+    rng = np.random.default_rng(0)
+    return [{"x": rng.normal(size=(8, 6)).astype(np.float32), "y": rng.normal(size=(8, 3)).astype(np.float32)}
+            for _ in range(2)]
+
+
+def train_penalised(make, buffers: bool = True):
+    """(parameters, the rest of the model state) after two steps of `make(model)`."""
+    model = penalised_model(buffers)
+    s = make(model)
+    placed = s.init(jaxpar.init_state(model, optax.sgd(0.1)))
+    for batch in penalised_batches():
+        placed, _ = s.step(placed, s.put_batch(batch))
+    out = s.unplace(placed)
+    return [np.asarray(a) for a in jax.tree.leaves(out.params)], [np.asarray(a) for a in jax.tree.leaves(
+        out.model_state)]
+
+
+SOW_OUTSIDE_CAPTURE = "ignore:Using 'Module.sow\\(\\)' outside of 'nnx.capture\\(\\)' is deprecated"  # flax 0.12
+
+
+@pytest.mark.filterwarnings(SOW_OUTSIDE_CAPTURE)
+def test_recompute_keeps_what_the_forward_sows_and_the_users_own_variables():
+    """Recomputed segments (interval 1 and 2) give what the forward changes besides RNG and BatchStat as the plain
+    call does: values sown as nnx.Intermediate reach the loss (and its gradient), a plain nnx.Variable's running
+    mean and a counter advance (both were dropped, silently)."""
+    tx = optax.sgd(0.1)
+    single = lambda interval, loss=penalised_loss: lambda m: jaxpar.SingleDevice(  # noqa: E731
+        m, tx, loss_fn=loss, per_sample=False, activation_checkpoint_interval=interval)
+    params, state = train_penalised(single(0))
+    no_penalty, _ = train_penalised(single(0, functools.partial(penalised_loss, weight=0.0)))
+    assert max(float(np.abs(a - b).max()) for a, b in zip(params, no_penalty)) > 1e-3  # the penalty matters
+    assert [int(a) for a in state if a.ndim == 0] == [2, 2]  # each Penalised ran once a step
+    for interval in (1, 2):
+        got_params, got_state = train_penalised(single(interval))
+        for a, b in zip(got_params + got_state, params + state):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7, err_msg=f"interval {interval}")

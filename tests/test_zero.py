@@ -851,3 +851,26 @@ def test_bench_zero_counts_the_pipelines_step_end_bytes_on_every_stage():
     assert bench.parse([]).png == bench.PNG
     assert bench.parse(["--memory", "gpt2,gpt2-medium", "--time", ""]).png == ""
     assert bench.parse(["--time", "", "--png", "x.png"]).png == "x.png"
+
+
+@pytest.mark.parametrize("fetch", ["layer", "model"])
+def test_stage_3_keeps_what_the_forward_sows_for_the_loss(fetch):
+    """A penalty the layers sow (nnx.Intermediate) and the loss pops and adds, an auxiliary loss's form: ZeRO-3's
+    fetched forward passes it to the loss as the single step's does, per sample (the default) and over the batch
+    (per sample it was dropped, and the penalty silently left out)."""
+    from test_recompute import SOW_OUTSIDE_CAPTURE, penalised_loss, train_penalised
+
+    import warnings
+    warnings.filterwarnings(*SOW_OUTSIDE_CAPTURE.split(":", 1))
+    tx = optax.sgd(0.1)
+    loss = functools.partial(penalised_loss, weight=0.1)
+    for per_sample in (True, False):  # no running means: each device's would be over its own rows, as DDP's
+        train = functools.partial(train_penalised, buffers=False)
+        want, _ = train(lambda m: jaxpar.SingleDevice(m, tx, loss_fn=loss, per_sample=per_sample))
+        unpenalised, _ = train(lambda m: jaxpar.SingleDevice(
+            m, tx, loss_fn=functools.partial(penalised_loss, weight=0.0), per_sample=per_sample))
+        assert max(float(np.abs(a - b).max()) for a, b in zip(want, unpenalised)) > 1e-3  # the penalty matters
+        got, _ = train(lambda m: jaxpar.ZeroRedundancy(m, tx, loss_fn=loss, stage=3, fetch=fetch,
+                                                       per_sample=per_sample, mesh=jaxpar.make_mesh(4)))
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=f"per_sample={per_sample}")

@@ -221,7 +221,9 @@ def fetch_call(layer: nnx.Module, x: Any, after: Any, link: jax.Array, s: Settin
                                        False)
 
     (y, new_rest), link = batched(lp, fz, x, rest, after, link)
-    nnx.update(layer, nnx.filter_state(new_rest, nnx.RngState))  # per sample: only draws may change
+    # per sample the step keeps only the draws, but values sown in this forward (nnx.Intermediate) reach the loss,
+    # which may pop and differentiate them (an auxiliary loss)
+    nnx.update(layer, nnx.filter_state(new_rest, nnx.Any(nnx.RngState, nnx.Intermediate)))
     return y, link
 
 

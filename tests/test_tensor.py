@@ -363,6 +363,36 @@ def test_vocab_parallel_cross_entropy_equals_the_whole_one(smoothing):
     np.testing.assert_allclose(grad, whole_grad, rtol=1e-5, atol=1e-7)
 
 
+def test_a_loss_that_reads_split_weights_is_refused_and_one_that_does_not_trains_as_single():
+    """A loss(model, batch) may read the weights outside the model's __call__ (a weight-norm penalty), where each
+    rank holds its slices: the split check runs for such losses by default and refuses it in one line naming the
+    loss (it trained on with another loss and other weights); a loss(model, batch) on the outputs alone trains as
+    the single step does."""
+    def penalised(m, batch):
+        out = jaxpar.cross_entropy(m(batch["x"]), batch)
+        norm = jnp.sqrt(sum(jnp.sum(w ** 2) for w in jax.tree.leaves(nnx.state(m, nnx.Param))))
+        return out.loss + 0.1 * norm * out.weight, out.weight
+
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), (DATA, TENSOR))
+    strategy = TensorParallel(model(dropout=0.0), TX, tensor_parallel=2, mesh=mesh, loss_fn=penalised)
+    placed = strategy.init(jaxpar.init_state(model(dropout=0.0), TX))
+    with pytest.raises(ValueError, match=r"computes another model .* or the loss reads a split weight outside the "
+                                         r"model's __call__ \(a weight penalty\)"):
+        strategy.step(placed, strategy.put_batch(batches()[0]))
+
+    plain = lambda m, batch: jaxpar.cross_entropy(m(batch["x"]), batch)[:2]  # noqa: E731
+    got = []
+    for make in (lambda m: jaxpar.SingleDevice(m, TX, loss_fn=plain),
+                 lambda m: TensorParallel(m, TX, tensor_parallel=2, mesh=mesh, loss_fn=plain)):
+        s = make(model(dropout=0.0))
+        placed = s.init(jaxpar.init_state(model(dropout=0.0), TX))
+        for batch in batches()[:2]:
+            placed, _ = s.step(placed, s.put_batch(batch))
+        got.append(jax.tree.leaves(s.unplace(placed).params))
+    for a, b in zip(*got):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_vocab_parallel_argmax_finds_the_first_nan_as_jnp_argmax():
     """Rows with NaN logits (a diverged step): the split argmax is jnp.argmax's, the first NaN's index, also where a
     later rank holds the row's largest finite value and where two ranks hold NaNs (it was int32's max before)."""

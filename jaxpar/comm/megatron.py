@@ -215,16 +215,18 @@ _xent.defvjp(_xent_fwd, _xent_bwd)
 
 def vocab_parallel_argmax(logits_local: jax.Array, axis: str) -> jax.Array:
     """jnp.argmax over the whole vocabulary of logits split over `axis` (the first index on ties, and the first NaN
-    where a row has one, as jnp.argmax): an all-reduce max of the values and an all-reduce min of the indices that
-    reach it."""
+    where a row has one, as jnp.argmax): an all-reduce max of the values (the cross-entropy's own, which XLA then
+    shares) and an all-reduce min of the indices that reach it, a rank's NaN ranked before any value (an all-reduce
+    max may drop a NaN: XLA:CPU's does)."""
     logits_local = lax.stop_gradient(logits_local)  # an index: nothing to differentiate (pmax has no derivative)
     v = logits_local.shape[-1]
+    total = v * lax.axis_size(axis)
     best = jnp.max(logits_local, axis=-1)  # NaN where this rank's part of the row has one
-    nan_here = jnp.isnan(best)
-    reaches = jnp.where(lax.pmax(nan_here.astype(jnp.int32), axis) > 0, nan_here,
-                        best == lax.pmax(jnp.where(nan_here, -jnp.inf, best), axis))
-    index = jnp.argmax(logits_local, axis=-1).astype(jnp.int32) + lax.axis_index(axis) * v
-    return lax.pmin(jnp.where(reaches, index, jnp.iinfo(jnp.int32).max), axis)
+    index = jnp.argmax(logits_local, axis=-1).astype(jnp.int32) + lax.axis_index(axis) * v  # its first NaN if any
+    ranked = jnp.where(jnp.isnan(best), index, jnp.where(best == lax.pmax(best, axis), index + total,
+                                                         jnp.iinfo(jnp.int32).max))
+    found = lax.pmin(ranked, axis)
+    return jnp.where(found >= total, found - total, found)
 
 
 def f(x: jax.Array, axis: str | None) -> jax.Array:

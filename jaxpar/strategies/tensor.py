@@ -48,7 +48,7 @@ from jaxpar.batch import Rows, as_rows, check_unpadded, num_rows, pad_rows, roun
 from jaxpar.comm import cost as comm_cost
 from jaxpar.config import Config
 from jaxpar.mesh import DATA, TENSOR
-from jaxpar.objective import Objective, advance_rng, metrics_of
+from jaxpar.objective import Objective, OutputLoss, advance_rng, metrics_of
 from jaxpar.step import TrainState, apply_updates, squared_norm
 from jaxpar.strategies import zero_optim
 from jaxpar.strategies.base import LayersCheck, check_batch_size, check_placed, check_state, from_process_0
@@ -191,9 +191,10 @@ class TensorParallel:
     `TensorParallel(model, tx, tensor_parallel=2, loss_fn=...)`. A copy of the model has its splittable modules
     (those with `tensor_layout()`; jaxpar.models.gpt's blocks) pointed at the TENSOR axis. `check_split`: run the
     first batch's first rows through one tensor group and through the unsplit model before the first step, and
-    refuse a split that computes something else (a module that declares a split but never joins its ranks);
-    None: only when a splitting module comes from outside jaxpar (its own are tested), False: never (a model too
-    big for one device)."""
+    refuse a split that computes something else (a module that declares a split but never joins its ranks, or a
+    loss(model, batch) that reads a split weight outside the model's __call__); None: only when a splitting module
+    comes from outside jaxpar (its own are tested) or the loss takes the model, False: never (a model too big for
+    one device)."""
 
     name = "tp"
 
@@ -260,7 +261,9 @@ class TensorParallel:
             raise ValueError(f"check_split={check_split!r}: pass True (check every model's split on the first "
                              "batch), False (never) or None (only modules from outside jaxpar).")
         self.foreign = sorted(set(foreign_split(model)))
-        self.check_split = bool(self.foreign) if check_split is None else check_split
+        # a loss(model, batch) may read split weights outside the model's __call__, where each rank sees its slice
+        self.model_loss = not isinstance(self.objective.loss_fn, OutputLoss)
+        self.check_split = bool(self.foreign) or self.model_loss if check_split is None else check_split
         self._split_check: tuple | None = None  # (params, model_state): armed by init, run by put_batch, once
         self._rows_check = LayersCheck()
 
@@ -507,7 +510,11 @@ def check_split_computes(strategy: TensorParallel, params, model_state, rows: Ro
                          f"declares a split in tensor_layout() ({modules}) must join its ranks, megatron.f before a "
                          "column split and megatron.g (or row_linear) after a row split, and a dropout on a split "
                          "tensor must draw the whole tensor's mask (jaxpar.comm.megatron.split_dropout), not its "
-                         "slice's on every rank; or pass check_split=False.")
+                         "slice's on every rank"
+                         + ("; or the loss reads a split weight outside the model's __call__ (a weight penalty), "
+                            "where each rank sees its slice: compute it inside the model's __call__, or write the "
+                            "loss on the model's outputs (jaxpar.OutputLoss)" if strategy.model_loss else "")
+                         + "; or pass check_split=False.")
 
 
 def resolve_parallel_output(parallel_output: bool | None, loss_fn) -> bool:

@@ -505,7 +505,7 @@ def test_bad_batches_are_named_before_any_work():
                                                           "samples, not a batch.*default_collate"),
              ({"x": x, "y": np.array(["a", "b", "c", "d"])}, "leaf \\['y'\\] holds text, not numbers"),
              ("some text", "leaf <root> holds text, not numbers.*encode text as token ids")]
-    model = regression.make_model(8, 16, 2, 0.3, rngs=nnx.Rngs(0))
+    model, donating = regression.make_model(8, 16, 2, 0.3, rngs=nnx.Rngs(0)), []
     for strategy in (jaxpar.SingleDevice(objective, TX), jaxpar.DistributedDataParallel(objective, TX),
                      jaxpar.ZeroRedundancy(objective, TX, stage=3, mesh=jaxpar.make_mesh(2)),
                      jaxpar.DataParallel(objective, TX, device_ids=[0, 1]),
@@ -517,6 +517,15 @@ def test_bad_batches_are_named_before_any_work():
         name = type(strategy).__name__  # a raw batch handed to step(): it failed deep inside ('mask', 'sharding')
         with pytest.raises(TypeError, match=f"{name}.step\\(\\) got a dict batch, not what {name}.put_batch returns"):
             strategy.step(strategy.init(jaxpar.init_state(model, TX)), {"x": x, "y": y})
+        # a state an earlier step consumed (a retry, a notebook cell run twice): the process died (DDP, ZeRO)
+        placed, rows = strategy.init(jaxpar.init_state(model, TX)), strategy.put_batch({"x": x, "y": y})
+        strategy.step(placed, rows)
+        if any(isinstance(a, jax.Array) and a.is_deleted() for a in jax.tree.leaves(placed)):  # it donates
+            donating.append(name)
+            with pytest.raises(ValueError, match=f"{name}.step\\(\\) got a placed state that an earlier step "
+                                                 "consumed.*pass the state the last step returned"):
+                strategy.step(placed, rows)
+    assert donating == ["DistributedDataParallel", "ZeroRedundancy", "Pipeline"]
     with pytest.raises(TypeError, match="the objective takes Rows .* not a dict; pass jaxpar.as_rows\\(batch\\)"):
         jaxpar.make_eval_step(objective)(*jaxpar.init_state(model, TX)[::2], {"x": x, "y": y})
 

@@ -150,11 +150,17 @@ def from_process_0(state: TrainState) -> TrainState:
     return from_host(state, got)  # jax arrays (writable Variables), typed keys rewrapped
 
 
-def check_placed(batch: Any, kind: type, who: str) -> None:
-    """TypeError unless step() got the batch `who`.put_batch returns (a raw dict or array failed deep inside)."""
+def check_placed(batch: Any, kind: type, who: str, state: Any = None) -> None:
+    """TypeError unless step() got the batch `who`.put_batch returns (a raw dict or array failed deep inside);
+    ValueError if the placed `state` is one an earlier step consumed (its buffers donated to that step: running
+    on them crashed the process on XLA:CPU's multi-device meshes)."""
     if not isinstance(batch, kind):
         raise TypeError(f"{who}.step() got a {type(batch).__name__} batch, not what {who}.put_batch returns; pass "
                         "placed, metrics = strategy.step(placed, strategy.put_batch(batch)).")
+    if any(isinstance(a, jax.Array) and a.is_deleted() for a in jax.tree.leaves(state)):
+        raise ValueError(f"{who}.step() got a placed state that an earlier step consumed (the step donates its "
+                         "buffers); pass the state the last step returned (placed, metrics = strategy.step(placed, "
+                         "rows)), or place it again with strategy.init(state).")
 
 
 def refuse_sync_batch_norm(model: nnx.Module, who: str) -> None:

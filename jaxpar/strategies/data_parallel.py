@@ -203,7 +203,7 @@ class DataParallel:
         return jax.device_put(rows, self.master)
 
     def step(self, state: TrainState, batch: Rows):
-        check_placed(batch, Rows, "DataParallel")
+        check_placed(batch, Rows, "DataParallel", state)
         mark = self._tracker.mark if self._tracker else (lambda label: None)
         show = self.print_shapes and self._tracker is None  # a measuring step (report) prints nothing
         if self._last_batch is None or batch.mask.shape[0] > self._last_batch.mask.shape[0]:

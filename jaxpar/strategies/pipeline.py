@@ -404,7 +404,7 @@ class Pipeline:
     # -- the step ------------------------------------------------------------------------------------------
 
     def step(self, placed: PipelineState, batch: Batch) -> tuple[PipelineState, dict]:
-        check_placed(batch, Batch, "Pipeline")
+        check_placed(batch, Batch, "Pipeline", placed)
         plan = self.engine.plan(batch.layout, self.schedule)
         scale = self._scale(placed.opt_state)  # fp16's loss scale S this step runs at (None without a scaler)
         last = self.module.stage_of(self.module.num_parts - 1)

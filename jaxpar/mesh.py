@@ -34,6 +34,9 @@ def check_divisible(value: int, by: int, what: str, by_what: str, fix: str) -> N
 
 def check_data_mesh(mesh, who: str) -> None:
     """ValueError unless `mesh` is one DATA axis (what data parallelism shards the batch and the state over)."""
+    if not hasattr(mesh, "axis_names") or not hasattr(mesh, "devices"):
+        count = mesh if isinstance(mesh, int) and not isinstance(mesh, bool) else "num_devices"
+        raise TypeError(f"{who} got mesh={mesh!r}, not a jax.sharding.Mesh; pass mesh=jaxpar.make_mesh({count}).")
     if tuple(mesh.axis_names) != (DATA,):
         raise ValueError(f"{who} runs on a 1-D mesh of axis {DATA!r}, got axes {dict(mesh.shape)}; build it with "
                          f"jaxpar.make_mesh(num_devices) (a pipeline's data axis: Pipeline(..., zero_stage=1)).")

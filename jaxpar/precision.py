@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 PRECISIONS = {"fp32": None, "bf16": jnp.bfloat16, "fp16": jnp.float16}
@@ -48,12 +49,29 @@ def compute_dtype(precision: str):
     return PRECISIONS[precision]
 
 
+def check_compute_dtype(dtype) -> None:
+    """ValueError unless `dtype` is a floating dtype the step can compute in: bfloat16, float16, float32, or float64
+    where JAX has 64-bit enabled (else it computes in float32, JAX warning once)."""
+    fix = "pass jnp.bfloat16 or jnp.float16 (16-bit compute, float32 master weights), jnp.float32, or None"
+    try:
+        d = jnp.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"compute_dtype={dtype!r} is not a dtype JAX knows; {fix}.") from None
+    allowed = [jnp.dtype(t) for t in (jnp.bfloat16, jnp.float16, jnp.float32)]
+    if d == jnp.dtype(np.float64) and not jax.config.read("jax_enable_x64"):
+        raise ValueError("compute_dtype=float64, but JAX's 64-bit mode is off, so the step would compute in "
+                         f"float32; enable it (jax.config.update('jax_enable_x64', True)) first, or {fix}.")
+    if d not in allowed and d != jnp.dtype(np.float64):
+        raise ValueError(f"compute_dtype={d.name} is not a floating dtype to compute in; {fix}.")
+
+
 def check_model(model: nnx.Module, dtype) -> None:
     """ValueError where an nnx.Embed of `model` computes in another dtype than `dtype` (the compute dtype): its
     output, and the layers after it, would run in float32 (a bf16 Embed under float16 too, by promotion) while the
     run says 16-bit."""
     if dtype is None:
         return
+    check_compute_dtype(dtype)
     for path, m in nnx.iter_graph(model):
         if isinstance(m, nnx.Embed) and m.dtype is not None and jnp.dtype(m.dtype) != jnp.dtype(dtype):
             where = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in path).lstrip(".")

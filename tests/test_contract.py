@@ -492,6 +492,37 @@ def test_a_state_of_another_optimizer_or_model_is_refused_at_init():
         jaxpar.SingleDevice(objective, TX).init(wide)
 
 
+def test_bad_strategy_arguments_are_named_at_construction():
+    """QA findings: a compute dtype JAX does not know or cannot compute in failed inside put_batch (float64 trained
+    in float32), mesh=4 raised an AttributeError, an option the strategy lacks was blamed on Objective.of, a state
+    without the strategy's wrt was told to do what it had done, and the profile partition named another class."""
+    model = regression.make_model(8, 16, 2, 0.3, rngs=nnx.Rngs(0))
+    fix = "pass jnp.bfloat16 or jnp.float16 .*, jnp.float32, or None"
+    for dtype, match in (("bf16", f"compute_dtype='bf16' is not a dtype JAX knows; {fix}"),
+                         (jnp.int8, f"compute_dtype=int8 is not a floating dtype to compute in; {fix}"),
+                         (jnp.float64, "compute_dtype=float64, but JAX's 64-bit mode is off")):
+        with pytest.raises(ValueError, match=match):
+            jaxpar.SingleDevice(model, TX, compute_dtype=dtype)
+    for make in (lambda: jaxpar.DistributedDataParallel(model, TX, mesh=4),
+                 lambda: jaxpar.ZeroRedundancy(model, TX, stage=1, mesh=4)):
+        with pytest.raises(TypeError, match="got mesh=4, not a jax.sharding.Mesh; pass mesh=jaxpar.make_mesh\\(4\\)"):
+            make()
+    for make, who in ((lambda: jaxpar.DistributedDataParallel(model, TX, micro_batches=4), "DistributedDataParallel"),
+                      (lambda: jaxpar.Pipeline(model, TX, bucket_cap_mb=1), "Pipeline"),
+                      (lambda: jaxpar.TensorParallel(lm.TinyLM(rngs=nnx.Rngs(0)), TX, bucket_cap_mb=1),
+                       "TensorParallel")):
+        with pytest.raises(TypeError, match=f"{who}\\(\\) got an unexpected keyword argument '.*'; besides its own "
+                                            "options it takes the objective's \\(activation_checkpoint_interval"):
+            make()
+    kernels = nnx.All(nnx.Param, nnx.PathContains("kernel"))
+    strategy = jaxpar.SingleDevice(model, TX, wrt=kernels)
+    with pytest.raises(ValueError, match="jaxpar.init_state\\(model, tx, wrt=.*\\) \\(or wrt=strategy.objective\\)"):
+        strategy.init(jaxpar.init_state(model, TX))
+    strategy.init(jaxpar.init_state(model, TX, wrt=strategy.objective))  # the fix it names
+    with pytest.raises(ValueError, match="pass example_input=.* to jaxpar.Pipeline or PipelineModule"):
+        jaxpar.Pipeline(model, TX, partition_method="profile")
+
+
 def test_bad_batches_are_named_before_any_work():
     _, loss, batches, objective, _ = problem("regression")
     x, y = batches[0].data["x"][:4], batches[0].data["y"][:4]

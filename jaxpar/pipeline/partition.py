@@ -117,6 +117,7 @@ def partition(method: str, num_parts: int, *, names: Sequence[str], params: Call
     if method == "profile":
         if profile is None:
             raise ValueError("partition_method='profile' needs an example input to cost the layers; "
-                             "pass example_input=... to PipelineModule.")
+                             "pass example_input=... (one batch's model input: a row or a few) to jaxpar.Pipeline or "
+                             "PipelineModule.")
         return balanced(profile(), num_parts)
     raise ValueError(f"partition_method={method!r} is not known; use one of {', '.join(METHODS)}.")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import weakref
 from typing import Any, Iterable, Protocol
 
@@ -97,6 +98,8 @@ def check_state(state: TrainState, tx, objective: Objective | None = None) -> No
     check_tx(tx)
     if objective is not None and objective.shapes is not None:
         fix = "build the state with jaxpar.init_state(model, tx) of the model given to the strategy"
+        if objective.wrt is not nnx.Param:  # the state must hold what the strategy trains
+            fix += f", with its wrt: jaxpar.init_state(model, tx, wrt={objective.wrt!r}) (or wrt=strategy.objective)"
         for name, have, want in zip(("params", "model_state"), (state.params, state.model_state), objective.shapes):
             _check_tree(f"state.{name}", have, want, "the strategy's model has", fix, by_path=True,
                         dtypes=name == "params")
@@ -291,7 +294,20 @@ def objective_of(model: nnx.Module | Objective, loss_fn=None, **kwargs) -> Objec
             raise ValueError("an Objective already holds its loss and options; pass either an Objective, or the "
                              "model with loss_fn=... and options.")
         return model.check_trains()
+    caller = inspect.currentframe().f_back.f_locals.get("self")
+    check_objective_options(type(caller).__name__ if caller is not None else "the strategy", kwargs)
     return Objective.of(model, loss_fn, **kwargs).check_trains()
+
+
+def check_objective_options(who: str, options: dict) -> None:
+    """TypeError naming the strategy `who` for an option neither it nor Objective.of takes (the strategies pass
+    their other keywords on to Objective.of, whose own error named Objective.of, which the user never called)."""
+    known = set(inspect.signature(Objective.of).parameters) - {"cls", "model", "loss_fn"}
+    for key in options:
+        if key not in known:
+            raise TypeError(f"{who}() got an unexpected keyword argument {key!r}; besides its own options it "
+                            f"takes the objective's ({', '.join(sorted(known))}); check the spelling, or pass "
+                            f"{key} to the strategy that has it.")
 
 
 def cfg_objective(model: nnx.Module, loss_fn, cfg) -> Objective:

@@ -42,8 +42,8 @@ from jaxpar.pipeline.transfer import Transport
 from jaxpar.step import TrainState
 from jaxpar.strategies.tensor import TensorParallel, check_split_computes, foreign_split
 from jaxpar.strategies.zero1 import is_stage
-from jaxpar.strategies.base import (LayersCheck, check_batch_size, check_placed, check_state, check_tx, from_process_0,
-                                    processes, refuse_sync_batch_norm)
+from jaxpar.strategies.base import (LayersCheck, check_batch_size, check_objective_options, check_placed, check_state,
+                                    check_tx, from_process_0, processes, refuse_sync_batch_norm)
 
 __all__ = ["Batch", "LayerSpec", "Pipeline", "PipelineModule", "PipelineState", "TiedLayerSpec", "build",
            "pipeline_mesh"]
@@ -163,6 +163,7 @@ class Pipeline:
         # PipelineModule was cut already, and one that disagrees with it is refused (it would be ignored)
         cut = {"num_stages": num_stages, "virtual_stages": virtual_stages, "partition_method": partition_method,
                "activation_checkpoint_interval": activation_checkpoint_interval, "seed": seed}
+        check_objective_options("Pipeline", objective_options)
         if isinstance(model, PipelineModule):
             check_module_args(model, cut, example_input, objective_options)
             objective_options.setdefault("wrt", model.wrt)

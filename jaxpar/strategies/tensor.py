@@ -51,7 +51,8 @@ from jaxpar.mesh import DATA, TENSOR
 from jaxpar.objective import Objective, OutputLoss, advance_rng, metrics_of
 from jaxpar.step import TrainState, apply_updates, squared_norm
 from jaxpar.strategies import zero_optim
-from jaxpar.strategies.base import LayersCheck, check_batch_size, check_placed, check_state, from_process_0
+from jaxpar.strategies.base import (LayersCheck, check_batch_size, check_objective_options, check_placed,
+                                    check_state, from_process_0)
 from jaxpar.strategies.ddp import from_replica_0, local_devices, psum_sums
 from jaxpar.strategies.zero1 import is_stage
 
@@ -237,6 +238,7 @@ class TensorParallel:
                              f"a node): use {fix}.")
         model = nnx.clone(model)  # its own copy, pointed at the tensor axis below: the user's model stays as it is
         wrt = objective_options.get("wrt", nnx.Param)
+        check_objective_options("TensorParallel", objective_options)
         self.eval_objective = Objective.of(model, loss_fn, **objective_options)  # unsplit: jaxpar.evaluate's
         self.plan = tensor_plan(model, tensor_parallel, wrt)
         self.state_plan = tensor_plan(model, tensor_parallel, wrt, rest=True)  # frozen weights

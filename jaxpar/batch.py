@@ -55,6 +55,10 @@ def num_rows(batch: PyTree, what: str = "batch") -> int:
             raise ValueError(f"{what} leaf {jax.tree_util.keystr(path) or '<root>'} holds "
                              f"{'text' if kind != 'O' else 'Python objects'}, not numbers; every leaf needs a numeric "
                              "array with a leading batch axis: encode text as token ids first.")
+        if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            raise ValueError(f"{what} leaf {jax.tree_util.keystr(path) or '<root>'} holds typed PRNG keys, which the "
+                             "batch's host arrays cannot hold; pass their raw data, jax.random.key_data(keys), and "
+                             "jax.random.wrap_key_data(...) them back inside the loss.")
         shape = np.shape(leaf)
         if not shape and any(isinstance(k, jax.tree_util.SequenceKey) for k in path):
             raise ValueError(f"{what} leaf {jax.tree_util.keystr(path)} is a Python scalar inside a list: the {what} "

@@ -535,7 +535,9 @@ def test_bad_batches_are_named_before_any_work():
              ([{"x": x[i], "y": y[i]} for i in range(4)], "a list of 4 dicts with the same keys \\('x', 'y'\\): "
                                                           "samples, not a batch.*default_collate"),
              ({"x": x, "y": np.array(["a", "b", "c", "d"])}, "leaf \\['y'\\] holds text, not numbers"),
-             ("some text", "leaf <root> holds text, not numbers.*encode text as token ids")]
+             ("some text", "leaf <root> holds text, not numbers.*encode text as token ids"),
+             ({"x": x, "y": y, "key": jax.random.split(jax.random.key(0), 4)},
+              "leaf \\['key'\\] holds typed PRNG keys.*jax.random.key_data\\(keys\\)")]
     model, donating = regression.make_model(8, 16, 2, 0.3, rngs=nnx.Rngs(0)), []
     for strategy in (jaxpar.SingleDevice(objective, TX), jaxpar.DistributedDataParallel(objective, TX),
                      jaxpar.ZeroRedundancy(objective, TX, stage=3, mesh=jaxpar.make_mesh(2)),

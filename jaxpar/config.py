@@ -20,7 +20,7 @@ class Config:
     eval_split: str | None = None  # tfds split syntax, e.g. 'test[8000:]'; '' skips; default 'test' where there is one
     image_size: int | None = None  # resize images to this side (alexnet: 64 by default, 224 in DeepSpeed's tutorial)
     conv_impl: str | None = None  # chunked | im2col | xla: convnet's and alexnet's conv (default chunked on CPUs, else xla)
-    seq_len: int = 256  # --dataset text: window length in bytes (tokens); at most the GPT's block size
+    seq_len: int = 256  # --dataset text: window length in bytes (tokens); a new GPT's block size (--init-torch: <= its)
     # GPT models (gpt2, gpt2-medium, ..., gpt-mini, gpt-micro, gpt-nano, gpt-cpu: jaxpar.models.gpt)
     n_head: int | None = None  # attention heads (default: the config name's); must divide the width
     dropout: float = 0.0  # GPT dropout rate (nanoGPT pretrains with 0.0)

@@ -28,6 +28,7 @@ def files(tmp_path_factory):
     np.savez(root / "eval_neg.npz", x=tok, y=tok, x_test=np.where(tok == tok[0, 0], -5, tok), y_test=tok)
     np.savez(root / "tokens_neg.npz", x=np.where(tok == tok[0, 0], -1, tok), y=tok)
     np.savez(root / "targets_neg.npz", x=tok, y=np.where(tok == tok[0, 0], -1, tok))
+    np.savez(root / "tokens_short_y.npz", x=tok, y=tok[:, 1:])
     images, labels = rng.integers(0, 256, (20, 28, 28), np.uint8), rng.integers(0, 10, 20).astype(np.uint8)
     for name, cut in (("mnist_ok", None), ("mnist_truncated", -100), ("mnist_corrupt", 0)):
         folder = root / name
@@ -48,8 +49,8 @@ def files(tmp_path_factory):
     ckpt = str(root / "linear_ckpt")
     trainer.run(Config(model="linear", dataset="npz", data_path=str(root / "ok.npz"), eval_split="", batch_size=16,
                        steps=1, quiet=True, checkpoint_dir=ckpt))
-    names = ("ok.npz", "no_y.npz", "tokens_neg.npz", "targets_neg.npz", "eval_neg.npz", "mnist_ok", "mnist_truncated",
-             "mnist_corrupt", "mnist_no_labels", "empty", "a_file")
+    names = ("ok.npz", "no_y.npz", "tokens_neg.npz", "targets_neg.npz", "eval_neg.npz", "tokens_short_y.npz",
+             "mnist_ok", "mnist_truncated", "mnist_corrupt", "mnist_no_labels", "empty", "a_file")
     return {k.replace(".", "_"): str(root / k) for k in names} | {"ckpt": ckpt, "root": str(root)}
 
 
@@ -148,6 +149,15 @@ CASES = [
     ("negative token ids in the eval split", ["--model", "gpt-nano", "--data-path", "{eval_neg_npz}",
                                                "--eval-split", "test"],
      ["--eval-split 'test': x holds token -5", "fix the file"]),
+    # QA findings: flags that were taken and ignored, and a fix the CLI itself refuses (--model-kwargs for a GPT)
+    ("torch layout without an export", ["--model", "gpt-nano", "--dataset", "text", "--torch-layout", "nanogpt",
+                                        "--export-torch", ""],  # (in place of the harness's export path)
+     ["--torch-layout nanogpt would be ignored: nothing is exported without --export-torch"]),
+    ("no parallel output without a split", ["--model", "gpt-nano", "--dataset", "text", "--strategy", "pipeline",
+                                            "--no-parallel-output"],
+     ["--no-parallel-output would be ignored: no vocabulary is split without --tensor-parallel >= 2"]),
+    ("a GPT's targets shorter than its tokens", ["--model", "gpt-nano", "--data-path", "{tokens_short_y_npz}"],
+     ["does not fit the data", "pass data whose shapes fit it (npz: x and y token arrays of the same [N, T]"]),
     ("negative targets other than ignore_index", ["--model", "gpt-nano", "--data-path", "{targets_neg_npz}"],
      ["y holds target -1", "-100 (torch's ignore_index; nanoGPT's -1 is not)"]),
     # a user's model with an nnx.Embed trained on the negative id (the table's 62nd row), a QA finding

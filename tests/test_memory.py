@@ -130,3 +130,13 @@ def test_replicated_spmd_step_holds_the_same_on_every_device():
     new_w = step(w, x)
     held = memory.diff(memory.live_bytes(devices), base)
     assert len(set(held.values())) == 1 and held[devices[0]] == new_w.nbytes
+
+
+def test_pipeline_memory_sizes_typed_prng_keys():
+    """The pipeline's memory table counts a typed PRNG key's bytes (a selective recompute's residuals hold dropout
+    keys; `--report` failed on them after training, a QA finding), beside plain arrays and shapes."""
+    from jaxpar.pipeline.memory import _bytes
+
+    keys = jax.random.split(jax.random.key(0), 3)
+    tree = {"keys": keys, "a": np.zeros(4, np.float32), "s": jax.ShapeDtypeStruct((2,), keys.dtype)}
+    assert _bytes(tree) == 3 * keys.dtype.itemsize + 16 + 2 * keys.dtype.itemsize

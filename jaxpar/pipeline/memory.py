@@ -24,7 +24,9 @@ MiB = 2 ** 20
 
 
 def _bytes(tree) -> int:
-    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
+    """Bytes of the arrays (or shapes) of `tree`; a typed PRNG key counts its dtype's bytes (a selective recompute's
+    residuals hold dropout keys: np.dtype cannot size them, and --report failed after training)."""
+    return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(tree))
 
 
 def device_params(pipe, s: int) -> list:

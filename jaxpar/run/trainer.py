@@ -305,6 +305,10 @@ def check_flags_are_read(cfg: Config) -> None:
                (("adam_beta1", "adam_beta2"), cfg.optimizer in ("adam", "adamw"),
                 f"--optimizer {cfg.optimizer} has no betas (Adam's and AdamW's)"),
                (("checkpoint_keep",), bool(cfg.checkpoint_dir), "no --checkpoint-dir is given (nothing is saved)"),
+               (("torch_layout",), bool(cfg.export_torch), "nothing is exported without --export-torch (--init-torch "
+                                                             "reads either layout)"),
+               (("parallel_output",), cfg.strategy == "tp" or cfg.tensor_parallel > 1,
+                "no vocabulary is split without --tensor-parallel >= 2"),
                (("eval_batch_size",), cfg.eval_split != "", "--eval-split '' skips evaluation"),
                (("sample_temperature", "sample_top_k", "sample_prompt"), bool(cfg.sample),
                 "nothing is sampled without --sample N"),
@@ -604,10 +608,15 @@ def check_fits(objective, state: TrainState, train_set, cfg: Config) -> None:
         jax.eval_shape(lambda p, m, r: objective.sums(p, m, r)[0], state.params, state.model_state, rows)
     except (TypeError, ValueError, KeyError, IndexError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first.split(" It is the strategies' loss when none is given")[0].rstrip(".")  # a library hint
         shapes = jax.tree.map(lambda a: tuple(np.shape(a)), rows.data)
+        from jaxpar import models
+
+        fix = ("data whose shapes fit it" + (" (npz: x and y token arrays of the same [N, T], y being x shifted "
+                                             "by one)" if cfg.model in models.GPT_NAMES else "")
+               if cfg.model in models.NAMES else "--model-kwargs (or data) whose shapes agree")
         raise ValueError(f"--model {cfg.model} with --loss {cfg.loss or 'cross_entropy'} does not fit the data "
-                         f"(two rows: {shapes}): {type(e).__name__}: {first}; pass --model-kwargs (or data) whose "
-                         "shapes agree.") from None
+                         f"(two rows: {shapes}): {type(e).__name__}: {first}; pass {fix}.") from None
 
 
 def _norm_of(metrics: dict) -> dict:

@@ -789,3 +789,14 @@ def test_a_language_models_evaluation_batch_defaults_to_its_training_batch():
     assert eval_batch_size(Config(model=f"{__name__}:nothing", dataset="text", batch_size=8)) == 8
     assert eval_batch_size(Config(model="convnet", batch_size=64)) == 1000
     assert eval_batch_size(Config(model="gpt2", batch_size=16, eval_batch_size=4)) == 4
+
+
+def test_profile_partition_of_a_gpt_through_the_cli(corpus):
+    """--partition-method profile on a GPT costs its layers on one window of token ids (it built a 1024-long float
+    input from the image default and was refused for every GPT, a QA finding), and trains."""
+    from jaxpar import cli
+
+    out = cli.main(["--model", "gpt-nano", "--dataset", "text", "--data-path", corpus, "--seq-len", "16",
+                    "--batch-size", "8", "--steps", "1", "--eval-split", "", "--strategy", "pipeline",
+                    "--num-devices", "2", "--partition-method", "profile", "--quiet"])
+    assert np.isfinite(out["train_loss"]) and out["strategy"] == "pipeline"

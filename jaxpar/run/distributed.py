@@ -125,11 +125,25 @@ def initialize(cfg=None, env: Mapping[str, str] | None = None) -> Rendezvous | N
                              "once) with the same --master-addr and --master-port.") from None
         raise
     per = collections.Counter(d.process_index for d in jax.devices())
+    _barrier("jaxpar_backends_up", timeout)
     if len(set(per.values())) > 1:  # a global batch split by process would not line up with the devices
         counts = ", ".join(f"process {p} has {n}" for p, n in sorted(per.items()))
         raise ValueError(f"every process must have the same number of devices, but {counts}; pass the same "
                          "--cpu-devices (or make as many accelerators visible) on every node.")
     return rdv
+
+
+def _barrier(name: str, timeout_s: float) -> None:
+    """Every process here before any goes on. A process that raises and exits takes the coordination service (process
+    0's) with it, and a peer still starting its backend then failed inside JAX's gRPC ("Connection reset by peer")
+    instead of printing the same one-line refusal (seen under load in the device-count check)."""
+    try:
+        from jax._src import distributed as jax_distributed  # the client behind jax.distributed.initialize
+        client = jax_distributed.global_state.client
+    except (ImportError, AttributeError):
+        return
+    if client is not None:
+        client.wait_at_barrier(name, int(timeout_s * 1000))
 
 
 # flags that may differ between processes: paths (each node may mount the same files elsewhere) and what only

@@ -569,9 +569,12 @@ def build(model: nnx.Module, tx: optax.GradientTransformation, cfg: Config, loss
         from jaxpar import models
 
         first = list(model.layers)[0]
-        shape = (first.in_features,) if hasattr(first, "in_features") else \
-            models.input_shape(cfg.model, image_size=cfg.image_size)
-        example = jax.ShapeDtypeStruct((1,) + tuple(shape), jnp.float32)
+        if isinstance(model, models.GPT):  # token ids, one window of the run's length (not the image default)
+            example = jax.ShapeDtypeStruct((1, model.config.block_size), jnp.int32)
+        else:
+            shape = (first.in_features,) if hasattr(first, "in_features") else \
+                models.input_shape(cfg.model, image_size=cfg.image_size)
+            example = jax.ShapeDtypeStruct((1,) + tuple(shape), jnp.float32)
     return Pipeline(model, tx, loss_fn=loss_fn, num_stages=cfg.num_stages, micro_batches=cfg.micro_batches,
                     schedule=cfg.schedule, virtual_stages=cfg.virtual_stages, partition_method=cfg.partition_method,
                     activation_checkpoint_interval=cfg.activation_checkpoint_interval,

@@ -153,7 +153,7 @@ class DataParallel:
         if jax.process_count() > 1:
             raise ValueError(f"strategy='dp' runs in one process, but jax.process_count()={jax.process_count()}; "
                              "use --strategy ddp across processes.")
-        self.objective = objective_of(model, loss_fn, **objective_options)
+        self.objective = objective_of(model, loss_fn, who="DataParallel", **objective_options)
         if not loss_on_device:
             self.objective.output_loss()  # gathering the outputs needs the loss on outputs: fail now, not mid-step
         self.tx, self.output_device, self.loss_on_device, self.print_shapes = tx, output_device, loss_on_device, \

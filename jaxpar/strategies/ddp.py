@@ -263,7 +263,7 @@ class DistributedDataParallel:
         self._layers_check = LayersCheck()  # armed by init where the layers run instead of __call__
         check_options(allreduce=allreduce, spmd=spmd, grad_accum=grad_accum, grad_comm_dtype=grad_comm_dtype,
                       bucket_cap_mb=bucket_cap_mb)
-        self.objective = objective_of(model, loss_fn, **objective_options)
+        self.objective = objective_of(model, loss_fn, who="DistributedDataParallel", **objective_options)
         if leaf_order is None and isinstance(model, nnx.Module):
             leaf_order = ddp_overlap.forward_leaf_order(model, self.objective.wrt)
         self.tx, self.mesh = tx, mesh or make_mesh()

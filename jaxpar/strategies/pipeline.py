@@ -568,10 +568,10 @@ def build(model: nnx.Module, tx: optax.GradientTransformation, cfg: Config, loss
     if cfg.partition_method == "profile":
         from jaxpar import models
 
-        first = list(model.layers)[0]
         if isinstance(model, models.GPT):  # token ids, one window of the run's length (not the image default)
             example = jax.ShapeDtypeStruct((1, model.config.block_size), jnp.int32)
         else:
+            first = list(model.layers)[0]
             shape = (first.in_features,) if hasattr(first, "in_features") else \
                 models.input_shape(cfg.model, image_size=cfg.image_size)
             example = jax.ShapeDtypeStruct((1,) + tuple(shape), jnp.float32)

@@ -34,7 +34,7 @@ class SingleDevice:
         if jax.process_count() > 1:
             raise ValueError(f"strategy='single' runs in one process, but jax.process_count()={jax.process_count()}; "
                              "use --strategy ddp or pipeline across processes.")
-        self.objective = objective_of(model, loss_fn, **objective_options)
+        self.objective = objective_of(model, loss_fn, who="SingleDevice", **objective_options)
         self.tx = tx
         self.device = device or jax.local_devices()[0]
         mesh = Mesh(np.array([self.device]), (DATA,))

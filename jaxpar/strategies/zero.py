@@ -191,7 +191,7 @@ class ZeroRedundancy:
             raise ValueError(f"fetch={fetch!r} (--zero-fetch) is not known; use 'layer' (stage 3 gathers each of the "
                              "model's `layers` as it runs them) or 'model' (every weight at once, the model's own "
                              "__call__).")
-        self.objective = objective_of(model, loss_fn, **objective_options)
+        self.objective = objective_of(model, loss_fn, who="ZeroRedundancy", **objective_options)
         if stage == 3 and self.objective.activation_checkpoint_interval:
             raise ValueError(f"ZeRO stage 3 runs each layer under its own fetching recomputation, so "
                              f"activation_checkpoint_interval={self.objective.activation_checkpoint_interval} would "

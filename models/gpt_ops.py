@@ -141,22 +141,71 @@ def cpu_score_count(t: int) -> int:
 
 def causal_attention(q_BxTxNxH: jax.Array, k_BxTxNxH: jax.Array, v_BxTxNxH: jax.Array,
                      setting: str = "auto") -> jax.Array:
-    """softmax(q k^T / sqrt(H), causal) v through `jax.nn.dot_product_attention`: one call on GPUs (cuDNN's fused
-    kernel for bf16/fp16); on CPUs in query blocks of about CPU_QUERY_BLOCK rows, each over its key prefix only.
+    """softmax(q k^T / sqrt(H), causal) v: on GPUs one `jax.nn.dot_product_attention` call (cuDNN's fused kernel
+    for bf16/fp16); on CPUs in query blocks of about CPU_QUERY_BLOCK rows, each over its key prefix only, through
+    `_causal_block` (its own backward).
 
-    XLA:CPU materialises the T x T scores and their gradients (memory-bound passes); the blocks skip most of the
-    masked upper triangle: at T=256 in 4 blocks, 35 % less attention time than one causal call (bench/gpt.py)."""
+    XLA:CPU materialises the scores and their gradients (memory-bound passes); the blocks skip most of the masked
+    upper triangle (at T=256 in 4 blocks, 35 % less attention time than one causal call), and `_causal_block`'s
+    backward makes fewer passes over them than autodiff of jax's (about 25 % less again, bench/kernels.py)."""
     impl = attention_impl(setting, q_BxTxNxH.dtype, q_BxTxNxH.shape[-1])
-    bounds = query_blocks(q_BxTxNxH.shape[-3]) if jax.default_backend() == "cpu" else [0, q_BxTxNxH.shape[-3]]
-    if len(bounds) == 2:
+    if jax.default_backend() != "cpu":
         return dot_product_attention(q_BxTxNxH, k_BxTxNxH, v_BxTxNxH, is_causal=True, implementation=impl)
-    out = []
-    for lo, hi in zip(bounds[:-1], bounds[1:]):  # rows lo:hi see keys 0:hi, key j <= row i
-        rows, keys = jax.lax.broadcasted_iota(int, (hi - lo, hi), 0), jax.lax.broadcasted_iota(int, (hi - lo, hi), 1)
-        mask_1x1xQxK = (keys <= rows + lo)[None, None]  # in the graph: a constant would be (hi - lo) x hi bytes
-        out.append(dot_product_attention(q_BxTxNxH[..., lo:hi, :, :], k_BxTxNxH[..., :hi, :, :],
-                                         v_BxTxNxH[..., :hi, :, :], mask=mask_1x1xQxK, implementation=impl))
-    return jnp.concatenate(out, axis=-3)
+    if q_BxTxNxH.dtype == jnp.float16:  # XLA:CPU has no float16 product accumulated in float32
+        f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+        return causal_attention(f32(q_BxTxNxH), f32(k_BxTxNxH), f32(v_BxTxNxH), setting).astype(jnp.float16)
+    bounds = query_blocks(q_BxTxNxH.shape[-3])
+    return jnp.concatenate([_causal_block(q_BxTxNxH[..., lo:hi, :, :], k_BxTxNxH[..., :hi, :, :],
+                                          v_BxTxNxH[..., :hi, :, :], lo)  # rows lo:hi see keys 0:hi
+                            for lo, hi in zip(bounds[:-1], bounds[1:])], axis=-3)
+
+
+def _causal_probs(q_BxQxNxH: jax.Array, k_BxKxNxH: jax.Array, lo: int) -> jax.Array:
+    """float32 softmax(q k^T / sqrt(H)) of query rows lo:lo+Q against keys 0:K, key j <= row i (as
+    jax.nn.dot_product_attention's XLA path: scores and softmax in float32)."""
+    q_len, k_len, h = q_BxQxNxH.shape[-3], k_BxKxNxH.shape[-3], q_BxQxNxH.shape[-1]
+    s_BxNxQxK = jnp.einsum("...qnh,...knh->...nqk", q_BxQxNxH, k_BxKxNxH, preferred_element_type=jnp.float32)
+    rows = jax.lax.broadcasted_iota(int, (q_len, k_len), 0) + lo  # in the graph: a constant would be Q x K bytes
+    scaled_BxNxQxK = s_BxNxQxK * np.float32(1 / np.sqrt(h))
+    s_BxNxQxK = jnp.where(jax.lax.broadcasted_iota(int, (q_len, k_len), 1) <= rows, scaled_BxNxQxK, -jnp.inf)
+    e_BxNxQxK = jnp.exp(s_BxNxQxK - jnp.max(s_BxNxQxK, axis=-1, keepdims=True))
+    return e_BxNxQxK / jnp.sum(e_BxNxQxK, axis=-1, keepdims=True)
+
+
+def _pv(p_BxNxQxK: jax.Array, v_BxKxNxH: jax.Array) -> jax.Array:
+    """The heads' outputs p v, p rounded to v's dtype and accumulated in float32."""
+    return jnp.einsum("...nqk,...knh->...qnh", p_BxNxQxK.astype(v_BxKxNxH.dtype), v_BxKxNxH,
+                      preferred_element_type=jnp.float32).astype(v_BxKxNxH.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _causal_block(q_BxQxNxH: jax.Array, k_BxKxNxH: jax.Array, v_BxKxNxH: jax.Array, lo: int) -> jax.Array:
+    """Causal attention of query rows lo:lo+Q over keys 0:K. The backward keeps the float32 probabilities p and
+    the output o, and forms the scores' gradient as p (dp - rowsum(do o)), flash attention's identity (rowsum(p dp)
+    over the keys equals rowsum(do o) over the head): one pass over the scores where autodiff of a softmax makes
+    three."""
+    return _pv(_causal_probs(q_BxQxNxH, k_BxKxNxH, lo), v_BxKxNxH)
+
+
+def _causal_block_fwd(q, k, v, lo):
+    p = _causal_probs(q, k, lo)
+    o = _pv(p, v)
+    return o, (q, k, v, o, p)
+
+
+def _causal_block_bwd(lo, res, do_BxQxNxH):
+    q, k, v, o, p_BxNxQxK = res
+    f32 = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
+    dv = f32("...nqk,...qnh->...knh", p_BxNxQxK.astype(do_BxQxNxH.dtype), do_BxQxNxH)
+    dp_BxNxQxK = f32("...qnh,...knh->...nqk", do_BxQxNxH, v)
+    delta_BxQxN = jnp.sum(do_BxQxNxH.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # not a product: f32
+    delta_BxNxQx1 = jnp.swapaxes(delta_BxQxN, -1, -2)[..., None]
+    ds_BxNxQxK = (p_BxNxQxK * (dp_BxNxQxK - delta_BxNxQx1) * np.float32(1 / np.sqrt(q.shape[-1]))).astype(q.dtype)
+    dq, dk = f32("...nqk,...knh->...qnh", ds_BxNxQxK, k), f32("...nqk,...qnh->...knh", ds_BxNxQxK, q)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+_causal_block.defvjp(_causal_block_fwd, _causal_block_bwd)
 
 
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, **kwargs) -> jax.Array:

@@ -266,8 +266,9 @@ def test_sequence_beyond_block_size_and_bad_heads_are_refused():
 
 @pytest.mark.parametrize("t", [200, 256])
 def test_blocked_cpu_attention_equals_one_causal_call(t):
-    """On CPUs the queries go in blocks over their key prefixes (4 blocks at T=256, uneven at 200): the same
-    values and gradients as one jax.nn.dot_product_attention(is_causal=True)."""
+    """On CPUs the queries go in blocks over their key prefixes (4 blocks at T=256, uneven at 200), each with its
+    own backward (flash attention's rowsum(do o) for the softmax's): the same values and gradients as one
+    jax.nn.dot_product_attention(is_causal=True) differentiated by JAX."""
     q, k, v, dy = (jnp.asarray(np.random.default_rng(i).normal(size=(2, t, 2, 8)), jnp.float32) for i in range(4))
     one = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
     value_and_vjp = lambda fn: jax.jit(lambda *a: (fn(*a[:3]), jax.vjp(fn, *a[:3])[1](a[3])))  # noqa: E731
@@ -276,6 +277,34 @@ def test_blocked_cpu_attention_equals_one_causal_call(t):
     for a, b in zip(blocked[1], whole[1]):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     assert t // gpt.CPU_QUERY_BLOCK >= 3  # really blocked
+    # bf16: products of bf16 operands accumulated in float32, softmax in float32, as jax's; within bf16's rounding
+    # of the float32 result, and no further from it than jax's own bf16 call
+    low = [a.astype(jnp.bfloat16) for a in (q, k, v, dy)]
+    blocked16, whole16 = value_and_vjp(gpt.causal_attention)(*low), value_and_vjp(one)(*low)
+    assert {a.dtype for a in jax.tree.leaves(blocked16)} == {jnp.dtype(jnp.bfloat16)}
+    for ours, jaxs, exact in zip(jax.tree.leaves(blocked16), jax.tree.leaves(whole16), jax.tree.leaves(whole)):
+        err = np.abs(np.asarray(ours, np.float32) - np.asarray(exact))
+        assert err.max() <= 0.05 * np.abs(np.asarray(exact)).max(), err.max()
+        assert err.mean() <= 1.5 * np.abs(np.asarray(jaxs, np.float32) - np.asarray(exact)).mean()
+
+
+def test_blocked_cpu_attention_keeps_the_probabilities_alone_for_its_backward():
+    """Its residuals per block: q, k, v, the output and the float32 probabilities; no scores, masks or
+    exponentials beside them (autodiff of the softmax keeps more)."""
+    from jax.ad_checkpoint import print_saved_residuals
+    import contextlib
+    import io
+
+    q, k, v = (jnp.asarray(np.random.default_rng(i).normal(size=(1, 256, 2, 8)), jnp.float32) for i in range(3))
+    for fn, most in [(gpt.causal_attention, 4), (lambda *a: jax.nn.dot_product_attention(*a, is_causal=True), 0)]:
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            print_saved_residuals(lambda q, k, v: fn(q, k, v).sum(), q, k, v)
+        squares = [line for line in printed.getvalue().splitlines()  # [..., queries, keys] residuals
+                   if (m := re.search(r"\[(?:\d+,)+(\d+),(\d+)\]", line)) and min(map(int, m.groups())) >= 64]
+        if most:
+            assert len(squares) == most, printed.getvalue()  # one probability block per query block
+        else:
+            assert len(squares) > 1, printed.getvalue()  # the check can fail: autodiff keeps more than one
 
 
 def test_a_sequence_whose_attention_scores_cannot_fit_is_refused_before_anything_is_built(monkeypatch):

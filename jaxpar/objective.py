@@ -308,6 +308,12 @@ class Objective:
     def replace(self, **changes) -> "Objective":
         return dataclasses.replace(self, **changes)
 
+    @property
+    def sequential(self) -> bool:
+        """Whether the model is an nnx.Sequential, whose layers take an earlier layer's tuple (dict) output as
+        *args (**kwargs): where a strategy runs the `layers` itself, it does the same."""
+        return issubclass(self.eval_graphdef.nodes[0].type, nnx.Sequential)
+
     # -- state ---------------------------------------------------------------------------------------------
 
     def split(self, model: nnx.Module) -> tuple[nnx.State, nnx.State]:

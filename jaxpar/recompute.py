@@ -65,17 +65,20 @@ def recompute_call(fn, modules, *args: Any) -> Any:
     return y
 
 
-def run_segments(layers, x: Any, interval: int) -> Any:
-    """The composition of `layers` on `x`, each `interval` of them recomputed in the backward."""
+def run_segments(layers, x: Any, interval: int, unpack: bool = False) -> Any:
+    """The composition of `layers` on `x`, each `interval` of them recomputed in the backward; `unpack`:
+    nnx.Sequential's convention (a layer's tuple or dict output is the next one's *args or **kwargs)."""
+    from jaxpar.pipeline.module import call_layer
+
     layers = list(layers)
     for lo in range(0, len(layers), interval):
         segment = layers[lo:lo + interval]
         segment_modules = [layer for layer in segment if isinstance(layer, nnx.Module)]  # others: functions
 
-        def compose(merged_modules, x, segment=segment):
+        def compose(merged_modules, x, segment=segment, lo=lo):
             modules = iter(merged_modules)
-            for layer in segment:
-                x = (next(modules) if isinstance(layer, nnx.Module) else layer)(x)
+            for i, layer in enumerate(segment, lo):
+                x = call_layer(next(modules) if isinstance(layer, nnx.Module) else layer, x, unpack, i)
             return x
 
         x = recompute_call(compose, segment_modules, x)
@@ -86,7 +89,7 @@ def _call(self, *args, **kwargs):
     if len(args) != 1 or kwargs:
         raise ValueError(f"activation checkpointing runs {type(self).__name__}'s layers on ONE input; it was called "
                          f"with {len(args)} positional and {len(kwargs)} keyword arguments. Use interval 0.")
-    return run_segments(self.layers, args[0], type(self)._recompute_interval)
+    return run_segments(self.layers, args[0], type(self)._recompute_interval, isinstance(self, nnx.Sequential))
 
 
 _CLASSES: dict = {}

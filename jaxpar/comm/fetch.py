@@ -28,6 +28,7 @@ Objective, its per-sample RNG and the user's loss run unchanged. A model without
 from __future__ import annotations
 
 import collections
+import functools
 import math
 from typing import Any, Callable, NamedTuple
 
@@ -271,6 +272,8 @@ def _has_pieces(layer) -> bool:
 
 
 def _fetching_call(self, *args, **kwargs):
+    from jaxpar.pipeline.module import call_layer
+
     s: Settings = type(self)._zero3
     layers = None if s.whole else getattr(self, "layers", None)
     link = jnp.zeros((), jnp.float32)
@@ -283,12 +286,14 @@ def _fetching_call(self, *args, **kwargs):
     frozen = [{id(v): tuple(p) for p, v in nnx.iter_graph(layer) if is_tagged(p, v) and not trained(p, v)}
               if i in with_params else {} for i, layer in enumerate(layers)]
     held = collections.Counter(k for f in frozen for k in f)
+    unpack = isinstance(self, nnx.Sequential)  # its layers take an earlier one's tuple as *args, as the pipeline's
     for i, layer in enumerate(layers):
+        call = functools.partial(call_layer, unpack=unpack, index=i)
         if i in with_params:
             shared = frozenset(p for k, p in frozen[i].items() if held[k] > 1)
-            y, link = fetch_call(layer, x, prev, link, s, lambda m, v: m(v), i == with_params[-1], shared)
+            y, link = fetch_call(layer, x, prev, link, s, call, i == with_params[-1], shared)
         else:
-            y = layer(x)
+            y = call(layer, x)
         prev, x = x, y
     return x
 

@@ -145,12 +145,20 @@ class Segment(NamedTuple):
     remat: bool
 
 
+def call_layer(layer, x, unpack: bool, index: int):
+    """layer(x), the model's layer number `index`; where `unpack` (nnx.Sequential's convention), a tuple or dict
+    that an earlier layer returned is this one's *args or **kwargs (the first layer takes the model's input)."""
+    if unpack and index and isinstance(x, tuple):
+        return layer(*x)
+    if unpack and index and isinstance(x, dict):
+        return layer(**x)
+    return layer(x)
+
+
 def apply_layers(layers, x, unpack: bool, first: int = 0):
-    """`layers` applied in turn to x (layer index `first` onward); where `unpack` (nnx.Sequential's convention), a
-    tuple or dict output is the next layer's *args or **kwargs."""
+    """`layers` applied in turn to x (layer index `first` onward), as `call_layer` calls each."""
     for i, layer in enumerate(layers, first):
-        x = layer(*x) if unpack and i and isinstance(x, tuple) else \
-            layer(**x) if unpack and i and isinstance(x, dict) else layer(x)
+        x = call_layer(layer, x, unpack, i)
     return x
 
 

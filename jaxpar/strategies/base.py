@@ -254,7 +254,7 @@ def arm_first_batch(objective: Objective, state: TrainState, check: LayersCheck)
     n = objective.activation_checkpoint_interval
     if n:
         check.arm(objective, state, f"activation_checkpoint_interval={n} runs the model's",
-                  "use activation_checkpoint_interval 0")
+                  "use activation_checkpoint_interval 0", objective.sequential)
 
 
 def _first_gap(a, b) -> str:

@@ -287,7 +287,7 @@ class ZeroRedundancy:
         if self.stage == 3 and self._fetches_layers:
             self._layers_check.arm(self.objective, state, "ZeRO stage 3 fetches each layer's weights as it runs the "
                                    "model's", "pass ZeroRedundancy(..., fetch='model') (--zero-fetch model: one "
-                                   "fetch of every weight)")
+                                   "fetch of every weight)", self.objective.sequential)
         _, kinds, outer = zero_optim.layouts(self.tx, state.params)
         opt = [zero_optim.flat_tree(self._place_flat(x)) if kind else replicate(x, self.mesh)
                for x, kind in zip(zero_optim.to_flat(self.tx, self.plan, state.params, state.opt_state), kinds)]

@@ -874,3 +874,52 @@ def test_stage_3_keeps_what_the_forward_sows_for_the_loss(fetch):
                                                        per_sample=per_sample, mesh=jaxpar.make_mesh(4)))
         for a, b in zip(got, want):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=f"per_sample={per_sample}")
+
+
+def test_capture_around_a_list_under_the_whole_model_fetch_is_refused_in_one_line():
+    """nnx.capture on a model holding an nnx.List breaks the state's pytree (google/flax#5571: the capture's slot
+    beside the list's int keys); fetch='model' refuses it, naming the workaround; the per-layer fetch, whose
+    layers hold no list, trains as the single step does."""
+    class Block(nnx.Module):
+        def __init__(self, seed):
+            self.lin = nnx.Linear(4, 4, rngs=nnx.Rngs(seed))
+
+        def __call__(self, x):
+            h = self.lin(x)
+            self.sow(nnx.Intermediate, "aux", jnp.mean(h ** 2))
+            return jnp.tanh(h)
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.layers = nnx.List([Block(0), Block(1)])
+
+        def __call__(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    def loss_fn(model, batch):  # the sown values through nnx.capture, an auxiliary loss
+        y, sown = nnx.capture(model, nnx.Intermediate)(batch["x"])
+        aux = sum(jnp.sum(v) for v in jax.tree.leaves(sown))
+        return jnp.sum((y - batch["y"]) ** 2) + 0.1 * aux * y.shape[0], jnp.asarray(y.shape[0], jnp.float32)
+
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(8, 4)).astype(np.float32), "y": rng.normal(size=(8, 4)).astype(np.float32)}
+    tx = optax.sgd(0.1)
+
+    def trained(make):
+        model = Model()
+        s = make(jaxpar.Objective.of(model, loss_fn))
+        placed = s.init(jaxpar.init_state(model, tx))
+        for _ in range(3):
+            placed, _ = s.step(placed, s.put_batch(batch))
+        return jax.tree.leaves(s.unplace(placed).params)
+
+    with pytest.raises(ValueError, match=r"^nnx.capture around a model whose layers is an nnx.List .*flax#5571.*"
+                                         r"nnx.pop\(model, nnx.Intermediate\).*fetch='layer'\)\."):
+        trained(lambda o: jaxpar.ZeroRedundancy(o, tx, stage=3, mesh=jaxpar.make_mesh(2), fetch="model"))
+    want = trained(lambda o: jaxpar.SingleDevice(o, tx))
+    assert max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+               for a, b in zip(want, jax.tree.leaves(nnx.state(Model(), nnx.Param)))) > 1e-3  # the weights move
+    for a, b in zip(trained(lambda o: jaxpar.ZeroRedundancy(o, tx, stage=3, mesh=jaxpar.make_mesh(2))), want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

@@ -146,6 +146,19 @@ def _refuse_changed(given: list, after, shared: frozenset | None) -> None:
                              "values: use jax.checkpoint on a pure function there, or ZeRO stage 1 or 2.")
 
 
+def _refuse_captured_lists(layer: nnx.Module, s: Settings) -> None:
+    """ValueError where `layer` runs inside nnx.capture and holds an nnx.List: flax (0.12) adds its capture slot
+    to the list, whose state's keys then mix ints and a name that JAX cannot sort (google/flax#5571)."""
+    for path, node in nnx.iter_graph(layer):
+        if isinstance(node, nnx.List) and hasattr(node, "__captures__"):
+            where = "/".join(map(str, path)) or type(layer).__name__
+            raise ValueError(f"nnx.capture around a model whose {where} is an nnx.List cannot pass through ZeRO "
+                             "stage 3's fetch: flax adds the capture's slot to the list, whose keys then mix "
+                             "ints and a name JAX cannot sort (google/flax#5571); sow with self.sow(...) and read "
+                             "the values with nnx.pop(model, nnx.Intermediate) in the loss instead"
+                             + (", or fetch per layer (fetch='layer')." if s.whole else "."))
+
+
 def _unit(graphdef, call: Callable, s: Settings, axes, last: bool, shared: frozenset = frozenset()):
     """The custom_vjp of one layer `(pieces, frozen pieces, x, rest, after, link) -> ((y, rest'), link)`; `axes`:
     vmap in_axes of (x, rest) when the call runs over a batch of samples, None when it runs once. A forward that
@@ -198,6 +211,7 @@ def fetch_call(layer: nnx.Module, x: Any, after: Any, link: jax.Array, s: Settin
     """`call(layer, x)` with the layer's weights gathered from their pieces (forward and backward); its frozen
     weights (partitioned model state) are gathered too, without a gradient; `shared`: the paths of those that
     another layer holds too."""
+    _refuse_captured_lists(layer, s)
     graphdef, lp, fz, rest = nnx.split(layer, s.wrt, is_tagged, ...)
     if not s.per_sample:
         (y, new_rest), link = _unit(graphdef, call, s, None, last)(lp, fz, x, rest, after, link)

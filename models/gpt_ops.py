@@ -142,29 +142,26 @@ def cpu_score_count(t: int) -> int:
 def causal_attention(q_BxTxNxH: jax.Array, k_BxTxNxH: jax.Array, v_BxTxNxH: jax.Array,
                      setting: str = "auto") -> jax.Array:
     """softmax(q k^T / sqrt(H), causal) v: on GPUs one `jax.nn.dot_product_attention` call (cuDNN's fused kernel
-    for bf16/fp16); on CPUs in query blocks of about CPU_QUERY_BLOCK rows, each over its key prefix only, through
-    `_causal_block` (its own backward).
+    for bf16/fp16); on CPUs `_blocked_attention`, in query blocks of about CPU_QUERY_BLOCK rows, each over its key
+    prefix only, with its own backward.
 
     XLA:CPU materialises the scores and their gradients (memory-bound passes); the blocks skip most of the masked
-    upper triangle (at T=256 in 4 blocks, 35 % less attention time than one causal call), and `_causal_block`'s
-    backward makes fewer passes over them than autodiff of jax's (about 25 % less again, bench/kernels.py)."""
+    upper triangle (at T=256 in 4 blocks, 35 % less attention time than one causal call), and the backward makes
+    fewer passes over them than autodiff of jax's call."""
     impl = attention_impl(setting, q_BxTxNxH.dtype, q_BxTxNxH.shape[-1])
     if jax.default_backend() != "cpu":
         return dot_product_attention(q_BxTxNxH, k_BxTxNxH, v_BxTxNxH, is_causal=True, implementation=impl)
     if q_BxTxNxH.dtype == jnp.float16:  # XLA:CPU has no float16 product accumulated in float32
         f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
-        return causal_attention(f32(q_BxTxNxH), f32(k_BxTxNxH), f32(v_BxTxNxH), setting).astype(jnp.float16)
-    bounds = query_blocks(q_BxTxNxH.shape[-3])
-    return jnp.concatenate([_causal_block(q_BxTxNxH[..., lo:hi, :, :], k_BxTxNxH[..., :hi, :, :],
-                                          v_BxTxNxH[..., :hi, :, :], lo)  # rows lo:hi see keys 0:hi
-                            for lo, hi in zip(bounds[:-1], bounds[1:])], axis=-3)
+        return _blocked_attention(f32(q_BxTxNxH), f32(k_BxTxNxH), f32(v_BxTxNxH)).astype(jnp.float16)
+    return _blocked_attention(q_BxTxNxH, k_BxTxNxH, v_BxTxNxH)
 
 
-def _causal_probs(q_BxQxNxH: jax.Array, k_BxKxNxH: jax.Array, lo: int) -> jax.Array:
+def _causal_probs(q_BxNxQxH: jax.Array, k_BxNxKxH: jax.Array, lo: int) -> jax.Array:
     """float32 softmax(q k^T / sqrt(H)) of query rows lo:lo+Q against keys 0:K, key j <= row i (as
     jax.nn.dot_product_attention's XLA path: scores and softmax in float32)."""
-    q_len, k_len, h = q_BxQxNxH.shape[-3], k_BxKxNxH.shape[-3], q_BxQxNxH.shape[-1]
-    s_BxNxQxK = jnp.einsum("...qnh,...knh->...nqk", q_BxQxNxH, k_BxKxNxH, preferred_element_type=jnp.float32)
+    q_len, k_len, h = q_BxNxQxH.shape[-2], k_BxNxKxH.shape[-2], q_BxNxQxH.shape[-1]
+    s_BxNxQxK = jnp.einsum("...qh,...kh->...qk", q_BxNxQxH, k_BxNxKxH, preferred_element_type=jnp.float32)
     rows = jax.lax.broadcasted_iota(int, (q_len, k_len), 0) + lo  # in the graph: a constant would be Q x K bytes
     scaled_BxNxQxK = s_BxNxQxK * np.float32(1 / np.sqrt(h))
     s_BxNxQxK = jnp.where(jax.lax.broadcasted_iota(int, (q_len, k_len), 1) <= rows, scaled_BxNxQxK, -jnp.inf)
@@ -172,40 +169,54 @@ def _causal_probs(q_BxQxNxH: jax.Array, k_BxKxNxH: jax.Array, lo: int) -> jax.Ar
     return e_BxNxQxK / jnp.sum(e_BxNxQxK, axis=-1, keepdims=True)
 
 
-def _pv(p_BxNxQxK: jax.Array, v_BxKxNxH: jax.Array) -> jax.Array:
-    """The heads' outputs p v, p rounded to v's dtype and accumulated in float32."""
-    return jnp.einsum("...nqk,...knh->...qnh", p_BxNxQxK.astype(v_BxKxNxH.dtype), v_BxKxNxH,
-                      preferred_element_type=jnp.float32).astype(v_BxKxNxH.dtype)
+def _products(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """einsum accumulated in float32 (bf16 operands as jax's attention multiplies them)."""
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _causal_block(q_BxQxNxH: jax.Array, k_BxKxNxH: jax.Array, v_BxKxNxH: jax.Array, lo: int) -> jax.Array:
-    """Causal attention of query rows lo:lo+Q over keys 0:K. The backward keeps the float32 probabilities p and
-    the output o, and forms the scores' gradient as p (dp - rowsum(do o)), flash attention's identity (rowsum(p dp)
-    over the keys equals rowsum(do o) over the head): one pass over the scores where autodiff of a softmax makes
-    three."""
-    return _pv(_causal_probs(q_BxQxNxH, k_BxKxNxH, lo), v_BxKxNxH)
+@jax.custom_vjp
+def _blocked_attention(q_BxTxNxH: jax.Array, k_BxTxNxH: jax.Array, v_BxTxNxH: jax.Array) -> jax.Array:
+    """Causal attention in query blocks (`query_blocks`: rows lo:hi against keys 0:hi), computed head-major
+    ([B, N, T, H]: one transpose of q, k, v in, of the output out, so no block copies its rows out of the
+    interleaved heads). The backward keeps q, k, v, the output o and each block's float32 probabilities p, and
+    forms the scores' gradient as p (dp - rowsum(do o)), flash attention's identity (rowsum(p dp) over the keys
+    equals rowsum(do o) over the head): one pass over the scores where autodiff of a softmax makes three; each
+    block's key and value gradients add into the prefix they cover."""
+    return _blocked_fwd(q_BxTxNxH, k_BxTxNxH, v_BxTxNxH)[0]
 
 
-def _causal_block_fwd(q, k, v, lo):
-    p = _causal_probs(q, k, lo)
-    o = _pv(p, v)
-    return o, (q, k, v, o, p)
+def _blocked_fwd(q_BxTxNxH, k_BxTxNxH, v_BxTxNxH):
+    q, k, v = (jnp.swapaxes(a, -3, -2) for a in (q_BxTxNxH, k_BxTxNxH, v_BxTxNxH))  # [B, N, T, H]
+    bounds = query_blocks(q.shape[-2])
+    probs, outs = [], []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        p_BxNxQxK = _causal_probs(q[..., lo:hi, :], k[..., :hi, :], lo)
+        probs.append(p_BxNxQxK)
+        outs.append(_products("...qk,...kh->...qh", p_BxNxQxK.astype(v.dtype), v[..., :hi, :]).astype(v.dtype))
+    o_BxNxTxH = jnp.concatenate(outs, axis=-2)
+    return jnp.swapaxes(o_BxNxTxH, -3, -2), (q, k, v, o_BxNxTxH, probs)
 
 
-def _causal_block_bwd(lo, res, do_BxQxNxH):
-    q, k, v, o, p_BxNxQxK = res
-    f32 = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
-    dv = f32("...nqk,...qnh->...knh", p_BxNxQxK.astype(do_BxQxNxH.dtype), do_BxQxNxH)
-    dp_BxNxQxK = f32("...qnh,...knh->...nqk", do_BxQxNxH, v)
-    delta_BxQxN = jnp.sum(do_BxQxNxH.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # not a product: f32
-    delta_BxNxQx1 = jnp.swapaxes(delta_BxQxN, -1, -2)[..., None]
-    ds_BxNxQxK = (p_BxNxQxK * (dp_BxNxQxK - delta_BxNxQx1) * np.float32(1 / np.sqrt(q.shape[-1]))).astype(q.dtype)
-    dq, dk = f32("...nqk,...knh->...qnh", ds_BxNxQxK, k), f32("...nqk,...qnh->...knh", ds_BxNxQxK, q)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+def _blocked_bwd(res, do_BxTxNxH):
+    q, k, v, o, probs = res
+    t, scale = q.shape[-2], np.float32(1 / np.sqrt(q.shape[-1]))
+    do = jnp.swapaxes(do_BxTxNxH, -3, -2)
+    delta_BxNxTx1 = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1, keepdims=True)  # not a product
+    bounds = query_blocks(t)
+    dqs, dk, dv = [], 0.0, 0.0
+    for (lo, hi), p_BxNxQxK in zip(zip(bounds[:-1], bounds[1:]), probs):
+        do_i = do[..., lo:hi, :]
+        dp_BxNxQxK = _products("...qh,...kh->...qk", do_i, v[..., :hi, :])
+        ds_BxNxQxK = (p_BxNxQxK * (dp_BxNxQxK - delta_BxNxTx1[..., lo:hi, :]) * scale).astype(q.dtype)
+        dqs.append(_products("...qk,...kh->...qh", ds_BxNxQxK, k[..., :hi, :]))
+        prefix = [(0, 0)] * (q.ndim - 2) + [(0, t - hi), (0, 0)]  # keys 0:hi of t
+        dk = dk + jnp.pad(_products("...qk,...qh->...kh", ds_BxNxQxK, q[..., lo:hi, :]), prefix)
+        dv = dv + jnp.pad(_products("...qk,...qh->...kh", p_BxNxQxK.astype(do.dtype), do_i), prefix)
+    grads = (jnp.concatenate(dqs, axis=-2), dk, dv)
+    return tuple(jnp.swapaxes(g, -3, -2).astype(a.dtype) for g, a in zip(grads, (q, k, v)))
 
 
-_causal_block.defvjp(_causal_block_fwd, _causal_block_bwd)
+_blocked_attention.defvjp(_blocked_fwd, _blocked_bwd)
 
 
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, **kwargs) -> jax.Array:

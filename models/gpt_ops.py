@@ -147,7 +147,8 @@ def causal_attention(q_BxTxNxH: jax.Array, k_BxTxNxH: jax.Array, v_BxTxNxH: jax.
 
     XLA:CPU materialises the scores and their gradients (memory-bound passes); the blocks skip most of the masked
     upper triangle (at T=256 in 4 blocks, 35 % less attention time than one causal call), and the backward makes
-    fewer passes over them than autodiff of jax's call."""
+    fewer passes over them than autodiff of jax's call (gpt-cpu: 0.85x torch eager single, 0.88x DDP; 0.82x, 0.80x
+    before; README)."""
     impl = attention_impl(setting, q_BxTxNxH.dtype, q_BxTxNxH.shape[-1])
     if jax.default_backend() != "cpu":
         return dot_product_attention(q_BxTxNxH, k_BxTxNxH, v_BxTxNxH, is_causal=True, implementation=impl)

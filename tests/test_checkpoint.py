@@ -259,6 +259,25 @@ def test_resume_refuses_another_head_count_and_names_the_flags_that_change_the_s
         trainer.run(config(npz, steps=3, checkpoint_dir=ckpt, resume=True, grad_clip=1.0))
 
 
+def test_resume_with_data_flags_that_move_the_saved_position_is_refused_naming_them(npz, tmp_path):
+    """The sampler's saved offset counts samples of an epoch whose indices the training set's size, shuffling and
+    drop_last define: a resume with another of those is refused in one line naming the flag (it was the sampler's
+    library message, suggesting set_epoch, which no flag sets); the same flags resume."""
+    small = str(tmp_path / "small.npz")
+    with np.load(npz) as f:
+        np.savez(small, x=f["x"][:48], y=f["y"][:48])
+    ckpt = str(tmp_path / "ckpt")
+    trainer.run(config(npz, steps=2, checkpoint_dir=ckpt))
+    dataset = r"num_samples=60, this run has num_samples=48 \(from --dataset / --data-path / --train-split\)"
+    for flags, names in (({"data_path": small}, dataset),
+                         ({"drop_last": True}, r"drop_last=False, this run has drop_last=True \(from --drop-last\)"),
+                         ({"shuffle": False}, r"shuffle=True, this run has shuffle=False \(from --no-shuffle\)")):
+        with pytest.raises(ValueError, match=r"^--resume: the checkpoint's data position was taken with " + names +
+                           r", so its offset would name other samples; resume with the data flags"):
+            trainer.run(config(npz, steps=3, checkpoint_dir=ckpt, resume=True, **flags))
+    assert trainer.run(config(npz, steps=3, checkpoint_dir=ckpt, resume=True))["resumed_from"] == 2
+
+
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     x = np.random.default_rng(1).normal(size=(64, 12)).astype(np.float32)
     x[40] = np.nan  # batch 3 (rows 32..47, no shuffle): step 3's loss is NaN
@@ -529,3 +548,34 @@ def test_library_save_and_restore_resume_bit_identically_under_any_strategy(tmp_
     info = {"model": "gpt-micro", "n_head": None, "leaves": {}, "config": {}, "decay_steps": None}
     with pytest.raises(ValueError, match="a state that jaxpar.save_checkpoint wrote, not a train.py run"):
         checkpoint.check_compatible(checkpoint.read_meta(d, 4), info, d)
+
+
+def test_a_placed_state_split_over_devices_is_refused_by_save_and_init(tmp_path):
+    """TensorParallel's placed state is a TrainState of the model's shapes whose qkv columns are reordered across
+    the ranks, ZeRO's holds shards: saved as the model, or placed again, it would be another model (a QA finding:
+    logits 0.086 off after a restore). Both refuse a state split over devices; a replicated one (DDP's) is the
+    model and saves as it (the premise: TP's placed weights really differ from the model's)."""
+    import optax
+
+    import jaxpar
+    tx = optax.adam(1e-3)
+    model = _tiny_gpt()
+    state = jaxpar.init_state(model, tx)
+    tp = jaxpar.TensorParallel(_tiny_gpt(), tx, tensor_parallel=2)
+    placed = tp.init(state)
+    moved = [float(np.abs(np.asarray(a) - np.asarray(b)).max())
+             for a, b in zip(jax.tree.leaves(placed.params), jax.tree.leaves(state.params))]
+    assert max(moved) > 1e-3  # its layout is not the model's
+    zero = jaxpar.ZeroRedundancy(_tiny_gpt(), tx, stage=3, mesh=jaxpar.make_mesh(2))
+    for name, strategy, p in (("tp", tp, placed), ("zero3", zero, zero.init(state))):
+        with pytest.raises(TypeError, match=r"save_checkpoint: state\.params.* is split over devices .*pass "
+                                            r"strategy\.unplace\(placed\)"):
+            jaxpar.save_checkpoint(str(tmp_path / name), p)
+        with pytest.raises(ValueError, match=r"state\.params.* is split over devices: a strategy's placed state"
+                                             r".*pass strategy\.unplace\(placed\)"):
+            strategy.init(p)
+    ddp = jaxpar.DistributedDataParallel(_tiny_gpt(), tx, mesh=jaxpar.make_mesh(2))
+    assert jaxpar.save_checkpoint(str(tmp_path / "ddp"), ddp.init(state)) == 0  # replicated: the model itself
+    restored, _ = jaxpar.restore_checkpoint(str(tmp_path / "ddp"), state)
+    for a, b in zip(jax.tree.leaves(restored.params), jax.tree.leaves(state.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

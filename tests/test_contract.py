@@ -559,6 +559,16 @@ def test_bad_batches_are_named_before_any_work():
                                                  "consumed.*pass the state the last step returned"):
                 strategy.step(placed, rows)
     assert donating == ["DistributedDataParallel", "ZeroRedundancy", "Pipeline"]
+    # a batch another strategy placed (on one device, against a state on 2 or 8): JAX's "incompatible devices"
+    single = jaxpar.SingleDevice(objective, TX)
+    one = single.put_batch({"x": x, "y": y})
+    for strategy in (jaxpar.DistributedDataParallel(objective, TX),
+                     jaxpar.ZeroRedundancy(objective, TX, stage=3, mesh=jaxpar.make_mesh(2))):
+        name = type(strategy).__name__
+        with pytest.raises(ValueError, match=f"{name}.step\\(\\) got a batch on 1 device\\(s\\) other than its "
+                                             "state's [28]: placed by another strategy's put_batch"):
+            strategy.step(strategy.init(jaxpar.init_state(model, TX)), one)
+    single.step(single.init(jaxpar.init_state(model, TX)), one)  # its own batch: taken
     with pytest.raises(TypeError, match="the objective takes Rows .* not a dict; pass jaxpar.as_rows\\(batch\\)"):
         jaxpar.make_eval_step(objective)(*jaxpar.init_state(model, TX)[::2], {"x": x, "y": y})
 

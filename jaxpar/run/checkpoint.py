@@ -408,6 +408,12 @@ def save_checkpoint(directory: str, state: TrainState, *, step: int | None = Non
     if spread is not None:  # a placed state across processes: no process holds it whole
         raise TypeError(f"save_checkpoint: state{spread} is spread over processes (a placed state); pass "
                         "strategy.unplace(placed), the canonical state every process holds whole.")
+    from jaxpar.strategies.base import split_leaf
+
+    split = split_leaf(state)
+    if split is not None:  # ZeRO's shards, tensor parallelism's slices (its qkv columns reordered): not the model
+        raise TypeError(f"save_checkpoint: state{split} is split over devices (a strategy's placed state, in its "
+                        "own layout); pass strategy.unplace(placed), the canonical state every strategy restores.")
     step = int(state.step) if step is None else step
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
         raise ValueError(f"save_checkpoint: step={step!r}, but it must be a whole number >= 0; pass step=N or "

@@ -886,7 +886,9 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
                                            "(every row or token masked out), so its mean loss and the update are "
                                            "NaN; stopped. " + _kept(cfg, ckpt) + " Drop such rows from the data.")
                         raise Diverged(f"the training loss became {loss} at step {step} (epoch {epoch}); stopped. "
-                                       + _kept(cfg, ckpt) + " Lower --lr, or check the data for NaN values.")
+                                       + _kept(cfg, ckpt) + " Lower --lr, or check the data for NaN values and for "
+                                       "class targets outside the model's outputs (cross-entropy gives NaN for a "
+                                       "label >= its number of classes).")
                     else:  # a skipped step's loss is not counted
                         loss_sum, count = loss_sum + loss * weight, count + weight
                     bar.update(1)
@@ -1063,6 +1065,14 @@ def overlap_warning(train: str, evals: str, shared: int, dataset: str, n_train: 
 def sampler_state(saved: dict, sampler) -> dict:
     """The checkpoint's sampler position for this run's sampler; another process count gets the same GLOBAL
     position (samples consumed by all ranks together), as the global batch is the same."""
+    flags = {"num_samples": "--dataset / --data-path / --train-split", "shuffle": "--no-shuffle",
+             "drop_last": "--drop-last"}  # what define an epoch's indices, so the saved offset's meaning
+    for key, flag in flags.items():
+        if key in saved and saved[key] != getattr(sampler, key):
+            raise ValueError(f"--resume: the checkpoint's data position was taken with {key}={saved[key]!r}, this "
+                             f"run has {key}={getattr(sampler, key)!r} (from {flag}), so its offset would name other "
+                             "samples; resume with the data flags the checkpoint was written with, or drop --resume "
+                             "to start a new run.")
     if saved["num_replicas"] == sampler.num_replicas:
         return saved
     old = saved["num_replicas"]

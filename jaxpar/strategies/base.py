@@ -86,6 +86,13 @@ def evaluate(strategy: Any, placed: Any, batches: Iterable) -> dict[str, float]:
     return {k: float(v) for k, v in metrics_of(totals).items()}
 
 
+def split_leaf(tree) -> str | None:
+    """The path of the first jax.Array leaf of `tree` that is split over devices (its sharding not fully
+    replicated: a ZeRO shard, a tensor-parallel slice), or None. A canonical state is whole on every device."""
+    return next((jax.tree_util.keystr(p) for p, a in jax.tree_util.tree_flatten_with_path(tree)[0]
+                 if isinstance(a, jax.Array) and not a.sharding.is_fully_replicated), None)
+
+
 def check_state(state: TrainState, tx, objective: Objective | None = None) -> None:
     """ValueError unless the state is one of the strategy's model and optimizer: params and model_state with the
     tree and shapes of the model the objective was made from, opt_state what `tx` makes for them (as
@@ -95,6 +102,10 @@ def check_state(state: TrainState, tx, objective: Objective | None = None) -> No
     if not isinstance(state, TrainState):
         raise TypeError(f"the state is {type(state).__name__}, not a jaxpar.TrainState (params, opt_state, "
                         "model_state, step); build it with jaxpar.init_state(model, tx).")
+    split = split_leaf(state)
+    if split is not None:
+        raise ValueError(f"state{split} is split over devices: a strategy's placed state (its own layout: "
+                         "shards, reordered columns), not a canonical one; pass strategy.unplace(placed).")
     check_tx(tx)
     if objective is not None and objective.shapes is not None:
         fix = "build the state with jaxpar.init_state(model, tx) of the model given to the strategy"
@@ -153,10 +164,12 @@ def from_process_0(state: TrainState) -> TrainState:
     return from_host(state, got)  # jax arrays (writable Variables), typed keys rewrapped
 
 
-def check_placed(batch: Any, kind: type, who: str, state: Any = None) -> None:
+def check_placed(batch: Any, kind: type, who: str, state: Any = None, same_devices: bool = False) -> None:
     """TypeError unless step() got the batch `who`.put_batch returns (a raw dict or array failed deep inside);
     ValueError if the placed `state` is one an earlier step consumed (its buffers donated to that step: running
-    on them crashed the process on XLA:CPU's multi-device meshes)."""
+    on them crashed the process on XLA:CPU's multi-device meshes), or, with `same_devices` (strategies whose
+    batch and state live on the same devices), if the batch is on other devices than the state (another
+    strategy's put_batch: JAX's "incompatible devices" deep inside jit)."""
     if not isinstance(batch, kind):
         raise TypeError(f"{who}.step() got a {type(batch).__name__} batch, not what {who}.put_batch returns; pass "
                         "placed, metrics = strategy.step(placed, strategy.put_batch(batch)).")
@@ -168,6 +181,12 @@ def check_placed(batch: Any, kind: type, who: str, state: Any = None) -> None:
         raise ValueError(f"{who}.step() got a placed state that an earlier step consumed (the step donates its "
                          "buffers); pass the state the last step returned (placed, metrics = strategy.step(placed, "
                          "rows)), or place it again with strategy.init(state).")
+    if same_devices and probes and isinstance(probes[0], jax.Array):  # a batch another strategy placed
+        first = next((a for a in jax.tree.leaves(batch) if isinstance(a, jax.Array)), None)
+        if first is not None and first.sharding.device_set != probes[0].sharding.device_set:
+            raise ValueError(f"{who}.step() got a batch on {len(first.sharding.device_set)} device(s) other than "
+                             f"its state's {len(probes[0].sharding.device_set)}: placed by another strategy's "
+                             "put_batch; pass this strategy's: strategy.step(placed, strategy.put_batch(batch)).")
 
 
 def refuse_sync_batch_norm(model: nnx.Module, who: str) -> None:

@@ -317,7 +317,7 @@ class DistributedDataParallel:
     def step(self, placed, rows):
         if self._step is None:
             raise ValueError("DistributedDataParallel.step() before init(); call placed = ddp.init(state) first.")
-        check_placed(rows, Rows, "DistributedDataParallel", placed)
+        check_placed(rows, Rows, "DistributedDataParallel", placed, same_devices=True)
         self._batch_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), rows)
         state, metrics = self._step(placed, rows)
         if self.spmd == "pmap":  # every device holds the same (psummed) values: the first local device's, taken

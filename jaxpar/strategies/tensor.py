@@ -412,7 +412,7 @@ class TensorParallel:
         return jax.jit(step, donate_argnums=0)
 
     def step(self, placed: TrainState, rows: Rows):
-        check_placed(rows, Rows, "TensorParallel", placed)
+        check_placed(rows, Rows, "TensorParallel", placed, same_devices=True)
         self._batch_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), rows)
         return self._step(placed, rows)
 

@@ -329,7 +329,7 @@ class ZeroRedundancy:
     def step(self, placed, rows):
         if self._step is None:
             raise ValueError("ZeroRedundancy.step() before init(); call placed = zero.init(state) first.")
-        check_placed(rows, Rows, "ZeroRedundancy", placed)
+        check_placed(rows, Rows, "ZeroRedundancy", placed, same_devices=True)
         self._batch_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), rows)
         return self._step(placed, rows)
 

@@ -55,7 +55,7 @@ class SingleDevice:
         return jax.device_put(rows, self.device)
 
     def step(self, state: TrainState, rows: Rows):
-        check_placed(rows, Rows, "SingleDevice", state, same_devices=True)
+        check_placed(rows, Rows, "SingleDevice", state)
         return self._step(state, rows)
 
     def unplace(self, state: TrainState) -> TrainState:

@@ -156,6 +156,12 @@ CASES = [
     ("no parallel output without a split", ["--model", "gpt-nano", "--dataset", "text", "--strategy", "pipeline",
                                             "--no-parallel-output"],
      ["--no-parallel-output would be ignored: no vocabulary is split without --tensor-parallel >= 2"]),
+    ("dropout out of range", ["--model", "gpt-nano", "--dataset", "text", "--dropout", "1.5"],
+     ["--dropout 1.5 must be in [0, 1)", "pass e.g. --dropout 0.1"]),  # named dropout=1.5, no flag, no fix
+    ("interleaved with one chunk", ["--strategy", "pipeline", "--schedule", "interleaved"],  # ran 1F1B quietly
+     ["--schedule interleaved needs --virtual-stages >= 2", "pass --virtual-stages 2, or --schedule 1f1b"]),
+    ("a text split selecting nothing", ["--model", "gpt-nano", "--dataset", "text", "--train-split", "train[:0]"],
+     ["split 'train[:0]' selects no windows", "windows of --seq-len tokens)", "choose a non-empty slice"]),
     ("a GPT's targets shorter than its tokens", ["--model", "gpt-nano", "--data-path", "{tokens_short_y_npz}"],
      ["does not fit the data", "pass data whose shapes fit it (npz: x and y token arrays of the same [N, T]"]),
     ("negative targets other than ignore_index", ["--model", "gpt-nano", "--data-path", "{targets_neg_npz}"],
@@ -411,3 +417,21 @@ def test_export_torch_of_a_model_without_torch_names_is_refused_before_training(
     mlp = jaxpar.get_model("mlp")
     assert trainer.prepare_outputs(cfg, jaxpar.init_state(mlp, jaxpar.make_optimizer("sgd", 0.1)), mlp) is None
     assert not os.listdir(tmp_path)  # nothing written
+
+
+def test_a_batch_the_processes_do_not_divide_is_refused_before_joining(monkeypatch, files, capsys):
+    """Under a launcher (torch's variables here) --batch-size 7 over 2 processes is refused by validate(): it was
+    refused in run(), after every rank had joined the group."""
+    from jaxpar.run import distributed
+
+    def join(*a, **k):
+        raise AssertionError("joined the group before refusing the batch size")
+
+    monkeypatch.setattr(distributed, "initialize", join)
+    for name, value in dict(WORLD_SIZE="2", RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29555").items():
+        monkeypatch.setenv(name, value)
+    out = outputs(files, "batch over processes")
+    argv = [a.format(**files) for a in BASE] + ["--strategy", "ddp", "--batch-size", "7"]
+    code, err = run_main(argv + [a for kv in out.items() for a in kv], capsys)
+    check_answer(code, err, ["--batch-size 7 must be divisible by the 2 processes", "use a multiple of 2"])
+    assert not any(os.path.exists(p) for p in out.values())

@@ -560,6 +560,7 @@ def test_bad_input_is_refused_before_any_work():
         (dict(schedule="pipedream"), "schedule 'pipedream' is not known"),
         (dict(schedule="forward"), "schedule='forward' has no backward and cannot train"),
         (dict(virtual_stages=2), "virtual_stages=2 needs schedule='interleaved'"),
+        (dict(schedule="interleaved"), "schedule='interleaved' needs virtual_stages >= 2"),  # ran 1F1B quietly
         (dict(schedule="zbv"), "schedule='zbv' runs two model chunks per stage in a V; got virtual_stages=1"),
         (dict(num_stages=7), "num_stages x virtual_stages=7 parts cannot be cut from 6 layers"),
         (dict(loss_fn=lambda m, b: (jnp.sum(m(b["x"])), 1.0)), "needs the loss on the model's outputs"),

@@ -103,6 +103,7 @@ def test_batches_and_resume_mid_epoch():
     (dict(num_samples=10, rank=-1), "rank=-1"),
     (dict(num_samples=10, seed=-3), "seed=-3 must be an integer >= 0"),
     (dict(num_samples=2.5), "num_samples=2.5"),
+    (dict(num_samples=10.0), "num_samples=10.0 must be an integer >= 1; pass the dataset's length \\(an int"),
 ])
 def test_invalid_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):

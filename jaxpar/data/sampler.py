@@ -47,7 +47,8 @@ class DistributedSampler:
         if hasattr(num_samples, "__len__") and not isinstance(num_samples, (str, bytes)) and not (
                 isinstance(num_samples, np.ndarray) and num_samples.ndim == 0):  # an array dataset: its rows
             num_samples = len(num_samples)  # torch's DistributedSampler(dataset, ...)
-        self.num_samples = _check_int("num_samples", num_samples, 1, ">= 1", "the dataset must not be empty.")
+        self.num_samples = _check_int("num_samples", num_samples, 1, ">= 1", "pass the dataset's length (an int, "
+                                     "of a non-empty dataset) or the dataset itself.")
         if num_replicas is None or rank is None:  # torch's: the process group's (here jax.distributed's) size, rank
             import jax
 

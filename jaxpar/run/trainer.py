@@ -85,7 +85,10 @@ def validate(cfg: Config) -> None:
             raise ValueError(f"--model-kwargs is for --model MODULE:NAME; the built-in {cfg.model!r} takes its "
                              "sizes from the data; drop --model-kwargs.")
         model_kwargs_of(cfg)
-    if cfg.model in models.GPT_NAMES:  # heads vs width, dropout range: before any data is read
+    if not 0.0 <= cfg.dropout < 1.0:
+        raise ValueError(f"--dropout {cfg.dropout} must be in [0, 1) (the probability of zeroing a unit, torch's "
+                         "nn.Dropout p); pass e.g. --dropout 0.1, or 0.0 (nanoGPT pretrains without).")
+    if cfg.model in models.GPT_NAMES:  # heads vs width: before any data is read
         models.GPTConfig.named(cfg.model, n_head=cfg.n_head, dropout=cfg.dropout,
                                activation_function=cfg.activation_function)
     if not 0.0 <= cfg.label_smoothing <= 1.0:
@@ -263,6 +266,21 @@ def validate(cfg: Config) -> None:
     if cfg.checkpoint_keep < 1:
         raise ValueError(f"--checkpoint-keep {cfg.checkpoint_keep} must be >= 1; pass how many complete "
                          "checkpoints to keep.")
+    if cfg.strategy == "pipeline" and cfg.schedule == "interleaved" and cfg.virtual_stages == 1:
+        raise ValueError("--schedule interleaved needs --virtual-stages >= 2 model chunks per stage (with 1 its "
+                         "ticks are 1F1B's); pass --virtual-stages 2, or --schedule 1f1b.")
+    from jaxpar.run import distributed
+
+    group = distributed.detect()  # the process count the launcher set, before joining (run() checks it again)
+    if group is not None and group.num_processes:
+        check_process_batch(cfg, group.num_processes)
+
+
+def check_process_batch(cfg: Config, nproc: int) -> None:
+    """Every process reads an equal share of --batch-size (the pipeline: every process all of it)."""
+    if cfg.batch_size % nproc and not whole_batch(cfg.strategy):
+        raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by the {nproc} processes; "
+                         f"use a multiple of {nproc}.")
 
 
 # Flags that only some strategies read: given to another, they would be accepted and silently ignored
@@ -761,9 +779,7 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
     check_same_config(cfg)  # every process runs the same command
     nproc, rank = jax.process_count(), jax.process_index()
     main_process = rank == 0
-    if cfg.batch_size % nproc and not whole_batch(cfg.strategy):  # the pipeline: every process reads all of it
-        raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by the {nproc} processes; "
-                         f"use a multiple of {nproc}.")
+    check_process_batch(cfg, nproc)
     model_name = cfg.model if cfg.model in data_lib.MODELS else None  # built-ins decide shapes; user models not
     load = lambda split: data_lib.load(cfg.dataset, split, data_dir=cfg.data_dir, data_path=cfg.data_path,  # noqa
                                        model=model_name, image_size=cfg.image_size, seed=cfg.seed,

@@ -235,6 +235,9 @@ class Pipeline:
             fix = ("build the PipelineModule with virtual_stages=2, placement='v'" if model is module else
                    "pass virtual_stages=2 (--virtual-stages 2)")
             raise ValueError(f"schedule='zbv' runs two model chunks per stage in a V; got virtual_stages={V}; {fix}.")
+        if schedule == "interleaved" and V == 1:  # the generator's V=1 is 1F1B: not what was asked for
+            raise ValueError("schedule='interleaved' needs virtual_stages >= 2 model chunks per stage (got 1, whose "
+                             "ticks are 1F1B's); pass virtual_stages=2 (--virtual-stages 2), or schedule='1f1b'.")
         if V > 1 and schedule not in ("interleaved", "zbv"):
             raise ValueError(f"virtual_stages={V} needs schedule='interleaved' or 'zbv' (model chunks); got "
                              f"{schedule!r}.")

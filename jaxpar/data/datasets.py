@@ -291,6 +291,8 @@ def _npz(split: str, path: str | None) -> tuple[np.ndarray, np.ndarray, int | No
             raise DataError(f"{path!r}: {kx} has shape {x.shape} and dtype {x.dtype}; expected [N, ...] rows: "
                             "[N, F] vectors, [N, H, W(, C)] images (uint8 0..255 or float, already normalised), or "
                             "integer tokens [N, T].")
+        if len(x) == 0 and split.startswith(s):  # (refused as "selecting no samples", naming a slice to choose)
+            raise DataError(f"{path!r}: {kx} has shape {x.shape}, no rows; write the file with at least one sample.")
         if y.ndim < 1 or len(y) != len(x) or not (np.issubdtype(y.dtype, np.number) or y.dtype == np.bool_):
             raise DataError(f"{path!r}: {ky} has shape {y.shape} and dtype {y.dtype}; expected numeric targets "
                             f"with one entry per row of {kx} ([{len(x)}, ...]).")

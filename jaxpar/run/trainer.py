@@ -541,8 +541,13 @@ def gpt_model(cfg: Config, train_set, eval_set=None) -> nnx.Module:
                   file=sys.stderr)
     model = models.from_torch_state_dict(cfg.model, state_dict, seed=cfg.seed, **options)
     if seq_len > model.config.block_size:
-        raise ValueError(f"--seq-len {seq_len} is beyond the block size {model.config.block_size} of --init-torch's "
-                         f"model (its position table); use --seq-len <= {model.config.block_size}.")
+        block = model.config.block_size
+        if cfg.dataset == "npz":  # the sequences' length is the file's (--seq-len is the text dataset's)
+            raise ValueError(f"--data-path {cfg.data_path!r} holds sequences of {seq_len} tokens, beyond the block "
+                             f"size {block} of --init-torch's model (its position table); write the file's x and y "
+                             f"as [N, T] with T <= {block}.")
+        raise ValueError(f"--seq-len {seq_len} is beyond the block size {block} of --init-torch's model (its "
+                         f"position table); use --seq-len <= {block}.")
     if vocab > model.config.vocab_size:
         raise ValueError(f"the data holds token {vocab - 1}, beyond the vocabulary of --init-torch's model "
                          f"({model.config.vocab_size}); use data tokenized for that model.")

@@ -33,9 +33,12 @@ def _materialized(a: jax.Array) -> jax.Array:
     """a, written to memory before the transposed copy reads it. XLA:CPU removes optimization barriers before it
     fuses, and fuses an elementwise producer (a LayerNorm's output, the loss's softmax gradient) into the transpose,
     re-evaluating it in strided order: 4.7 ms against 1.5 for the copy alone at gpt-cpu's [4096, 256] on one
-    thread. A conditional is a fusion boundary XLA keeps; its other branch, taken only when a[0, 0] is NaN, is all
-    NaN, so NaN stays NaN."""
-    return jax.lax.cond(a[0, 0] == a[0, 0], lambda v: v, lambda v: jnp.full_like(v, jnp.nan), a)
+    thread. A conditional is a fusion boundary XLA keeps; its predicate (x == x or x != x) is always true, but XLA
+    does not know it, and the other branch never runs."""
+    if a.size == 0:
+        return a
+    first = a.reshape(-1)[0]
+    return jax.lax.cond((first == first) | (first != first), lambda v: v, lambda v: -v, a)
 
 
 @jax.custom_batching.custom_vmap

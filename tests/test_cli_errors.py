@@ -30,6 +30,7 @@ def files(tmp_path_factory):
     np.savez(root / "targets_neg.npz", x=tok, y=np.where(tok == tok[0, 0], -1, tok))
     np.savez(root / "tokens_short_y.npz", x=tok, y=tok[:, 1:])
     np.savez(root / "no_rows.npz", x=x[:0], y=x[:0, 0])
+    np.savez(root / "tokens_odd.npz", x=tok[:, :15], y=tok[:, 1:])
     images, labels = rng.integers(0, 256, (20, 28, 28), np.uint8), rng.integers(0, 10, 20).astype(np.uint8)
     for name, cut in (("mnist_ok", None), ("mnist_truncated", -100), ("mnist_corrupt", 0)):
         folder = root / name
@@ -50,7 +51,7 @@ def files(tmp_path_factory):
     ckpt = str(root / "linear_ckpt")
     trainer.run(Config(model="linear", dataset="npz", data_path=str(root / "ok.npz"), eval_split="", batch_size=16,
                        steps=1, quiet=True, checkpoint_dir=ckpt))
-    names = ("ok.npz", "no_rows.npz", "no_y.npz", "tokens_neg.npz", "targets_neg.npz", "eval_neg.npz", "tokens_short_y.npz",
+    names = ("ok.npz", "no_rows.npz", "tokens_odd.npz", "no_y.npz", "tokens_neg.npz", "targets_neg.npz", "eval_neg.npz", "tokens_short_y.npz",
              "mnist_ok", "mnist_truncated", "mnist_corrupt", "mnist_no_labels", "empty", "a_file")
     return {k.replace(".", "_"): str(root / k) for k in names} | {"ckpt": ckpt, "root": str(root)}
 
@@ -159,6 +160,18 @@ CASES = [
      ["--no-parallel-output would be ignored: no vocabulary is split without --tensor-parallel >= 2"]),
     ("an npz without rows", ["--data-path", "{no_rows_npz}"],  # was "split 'train' selects no samples; choose a
      ["no_rows.npz': x has shape (0, 5), no rows", "write the file with at least one sample"]),  # slice"
+    # QA round 47: refused when the first step was traced, after the start line (and --metrics-out reset)
+    ("sequence parallel over an odd --seq-len", ["--model", "gpt-nano", "--dataset", "text", "--strategy", "tp",
+                                                 "--tensor-parallel", "2", "--sequence-parallel", "--seq-len", "15"],
+     ["--seq-len 15 does not split over --tensor-parallel 2 ranks", "use a --seq-len that is a multiple of 2"]),
+    ("sequence parallel over odd npz sequences", ["--model", "gpt-nano", "--data-path", "{tokens_odd_npz}",
+                                                  "--strategy", "tp", "--tensor-parallel", "2", "--sequence-parallel",
+                                                  "--n-head", "4"],
+     ["holds sequences of 15 tokens, which do not split over --tensor-parallel 2",  # it named --seq-len, which
+      "write x and y as [N, T] with T a multiple of 2"]),  # npz refuses
+    ("more stages than devices", ["--model", "mlp", "--strategy", "pipeline", "--num-devices", "4", "--num-stages",
+                                  "6"],  # it advised --num-devices 6 on 4 devices
+     ["num_devices=4 must be a multiple of num_stages=6", "use --num-stages dividing 4 (1, 2, 4)"]),
     ("dropout out of range", ["--model", "gpt-nano", "--dataset", "text", "--dropout", "1.5"],
      ["--dropout 1.5 must be in [0, 1)", "pass e.g. --dropout 0.1"]),  # named dropout=1.5, no flag, no fix
     ("interleaved with one chunk", ["--strategy", "pipeline", "--schedule", "interleaved"],  # ran 1F1B quietly

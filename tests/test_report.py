@@ -111,6 +111,27 @@ def test_fresh_run_starts_metrics_out_anew_and_resume_appends(runs, tmp_path, ca
     assert [r["event"] for r in read(path)].count("start") == 2 and "held" not in capsys.readouterr().err
 
 
+def test_a_run_refused_at_its_first_step_leaves_metrics_out_as_it_was(runs, tmp_path, monkeypatch):
+    """A refusal raised while the first step is traced (QA: sequence parallelism over an odd length, before it had
+    its own check) came after --metrics-out was opened: an earlier run's records were replaced by a start record."""
+    from jaxpar.strategies.single import SingleDevice
+
+    path = str(tmp_path / "m.jsonl")
+    with open(runs["single"][1]) as f, open(path, "w") as g:
+        g.write(f.read())
+    before = open(path).read()
+
+    def refuse(self, placed, batch):
+        raise ValueError("refused while the step is traced")
+
+    monkeypatch.setattr(SingleDevice, "step", refuse)
+    cfg = Config(model="mlp", dataset="npz", data_path=os.path.join(runs["root"], "d.npz"), batch_size=16, steps=1,
+                 eval_split="", quiet=True, log_every=1, metrics_out=path)
+    with pytest.raises(ValueError, match="refused while the step is traced"):
+        trainer.run(cfg)
+    assert open(path).read() == before and "start" in before
+
+
 def test_plot_draws_each_run_of_a_file_apart(runs, tmp_path):
     """A file holding two fresh runs (an older train.py appended them) is two lines and two throughput bars, never
     one spliced curve; a resumed run's records continue the run before it."""

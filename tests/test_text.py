@@ -68,8 +68,10 @@ def test_a_folder_says_which_files_it_leaves_out(tmp_path, capsys):
     (tmp_path / "engine.h").write_bytes(b"H" * 3000)
     (tmp_path / "engine.cpp").write_bytes(b"C" * 9000)
     assert bytes(np.asarray(text.corpus(str(tmp_path)))) == b"H" * 3000
+    assert bytes(np.asarray(text.corpus(str(tmp_path)))) == b"H" * 3000  # the eval split's load: no second note
     err = capsys.readouterr().err
     assert "skipping 1 other(s), 9,000 bytes (e.g. 'engine.cpp')" in err and "or one file" in err
+    assert err.count("skipping") == 1, err
 
 
 def test_unigram_entropy():

@@ -15,6 +15,7 @@ site-packages left out (Python 3.11: 1,790 files, 31.5 MB).
 """
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import math
@@ -51,11 +52,16 @@ def _folder_files(path: str) -> list[str]:
     text = [f for f in files if f.endswith(TEXT_SUFFIXES)]
     skipped = [f for f in files if f not in set(text)] if text else []
     if skipped:  # say so: a folder of .cpp (or .jsonl) files beside a few .h (or a README.md) would train on those
-        size = sum(os.path.getsize(f) for f in skipped)
-        print(f"jaxpar: --data-path {path!r}: reading its {len(text)} file(s) ending in {', '.join(TEXT_SUFFIXES)}; "
-              f"skipping {len(skipped)} other(s), {size:,} bytes (e.g. {os.path.relpath(skipped[0], path)!r}); pass "
-              "a folder holding only the files to train on, or one file.", file=sys.stderr)
+        _note_skipped(path, len(text), len(skipped), sum(os.path.getsize(f) for f in skipped),
+                      os.path.relpath(skipped[0], path))
     return text or files
+
+
+@functools.cache  # once a run: each split's load reads the folder
+def _note_skipped(path: str, n_text: int, n_skipped: int, size: int, example: str) -> None:
+    print(f"jaxpar: --data-path {path!r}: reading its {n_text} file(s) ending in {', '.join(TEXT_SUFFIXES)}; "
+          f"skipping {n_skipped} other(s), {size:,} bytes (e.g. {example!r}); pass a folder holding only the files to "
+          "train on, or one file.", file=sys.stderr)
 
 
 def corpus(path: str | None = None) -> np.ndarray:

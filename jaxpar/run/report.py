@@ -25,22 +25,39 @@ from typing import Any, Iterable
 
 class MetricsWriter:
     """JSON lines written to `path`: a fresh run starts the file anew (a note on stderr when it held records), a
-    resumed run (`append`) continues it; a no-op without a path."""
+    resumed run (`append`) continues it; a no-op without a path. The file is opened at `begin()` -- train.py calls
+    it once the first step has run, so a run refused while its step is traced leaves an earlier run's file as it
+    was -- and the records before it wait in memory; `close()` writes them unless told to drop them."""
 
     def __init__(self, path: str | None, append: bool = False):
-        if path and not append and os.path.isfile(path) and os.path.getsize(path):
-            print(f"jaxpar: note: --metrics-out {path} held an earlier run's records; this run (no --resume) starts "
-                  "it anew. Pass another file to keep both.", file=sys.stderr)
-        self.f = open(path, "a" if append else "w") if path else None
+        self.path, self.append, self.f, self.pending = path, append, None, []
+
+    def begin(self) -> None:
+        if not self.path or self.f is not None:
+            return
+        if not self.append and os.path.isfile(self.path) and os.path.getsize(self.path):
+            print(f"jaxpar: note: --metrics-out {self.path} held an earlier run's records; this run (no --resume) "
+                  "starts it anew. Pass another file to keep both.", file=sys.stderr)
+        self.f = open(self.path, "a" if self.append else "w")
+        pending, self.pending = self.pending, []
+        for record in pending:
+            self.write(record)
 
     def write(self, record: dict) -> None:
-        if self.f:
+        if self.path and self.f is None:
+            self.pending.append(record)
+        elif self.f:
             # strict JSON (RFC 8259 has no NaN/Infinity; JSON.parse, pandas' engines and jq<1.7 reject them): a
             # value that is not a finite number (samples_per_s before any timed step, an fp16 epoch of skips) is null
             self.f.write(json.dumps(_finite(record), default=_plain, allow_nan=False) + "\n")
             self.f.flush()
 
-    def close(self) -> None:
+    def close(self, keep_pending: bool = True) -> None:
+        """Close the file; records not yet written go to it (`begin()` first), or are dropped (keep_pending=False:
+        the run failed before its first step, and the file stays as it was)."""
+        if keep_pending and self.pending:
+            self.begin()
+        self.pending = []
         if self.f:
             self.f.close()
             self.f = None

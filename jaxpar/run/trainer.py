@@ -101,6 +101,10 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"--sequence-parallel splits the tokens over the tensor ranks of --strategy tp or pipeline "
                          f"with --tensor-parallel >= 2 (got --strategy {cfg.strategy}, --tensor-parallel "
                          f"{cfg.tensor_parallel}); use both, or drop --sequence-parallel.")
+    if cfg.sequence_parallel and cfg.dataset == "text" and cfg.seq_len % cfg.tensor_parallel:  # npz: gpt_model
+        raise ValueError(f"--seq-len {cfg.seq_len} does not split over --tensor-parallel {cfg.tensor_parallel} ranks "
+                         "(--sequence-parallel gives each its share of every sequence's tokens); use a --seq-len "
+                         f"that is a multiple of {cfg.tensor_parallel}, or drop --sequence-parallel.")
     if cfg.strategy == "pipeline" and cfg.tensor_parallel != 1:  # 3-D: D x S x T devices, heads split over T
         tp, stages = cfg.tensor_parallel, cfg.num_stages
         if tp < 1:
@@ -510,6 +514,11 @@ def gpt_model(cfg: Config, train_set, eval_set=None) -> nnx.Module:
         raise ValueError(f"--model {cfg.model} reads token sequences (integer x [N, T]), but --dataset {cfg.dataset} "
                          f"gives x {x.shape[1:]} {x.dtype}; use --dataset text, or npz with integer x and y [N, T].")
     seq_len = x.shape[1]
+    if cfg.sequence_parallel and cfg.dataset == "npz" and seq_len % cfg.tensor_parallel:  # text: validate()
+        raise ValueError(f"--data-path {cfg.data_path!r} holds sequences of {seq_len} tokens, which do not split over "
+                         f"--tensor-parallel {cfg.tensor_parallel} ranks (--sequence-parallel gives each its share of "
+                         f"every sequence's tokens); write x and y as [N, T] with T a multiple of "
+                         f"{cfg.tensor_parallel}, or drop --sequence-parallel.")
     vocab = getattr(train_set, "vocab_size", None)
     if vocab is None:  # npz tokens: the vocabulary is the largest id + 1, of the inputs and the targets
         check_token_ids(cfg, train_set, eval_set, targets=True)
@@ -878,6 +887,7 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
     skipped = skipped_before = int(position.get("skipped", 0))
     last: dict[str, Any] = {}
     loss_sum, count = position["loss_sum"], position["count"]  # the epoch's running train loss
+    completed = False
     try:
         with StopSignals(enabled=ckpt is not None) as signals:
             while step < total_steps and stopped is None:
@@ -887,6 +897,7 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
                            disable=cfg.quiet or not main_process or not sys.stderr.isatty())  # no bar in logs
                 for batch in loader:
                     placed, metrics = strategy.step(placed, batch)
+                    writer.begin()  # the step traced and ran: from here on --metrics-out is this run's
                     step += 1
                     loss, n = float(metrics["loss"]), float(metrics["samples"])  # reads back: the step is done
                     weight = float(metrics["weight"])
@@ -990,8 +1001,9 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
             export_torch(objective, final, cfg.export_torch, cfg.torch_layout)
         writer.write({"event": "summary", **{k: v for k, v in summary.items() if k not in ("report", "memory")},
                       "summary": summary_line(summary)})
+        completed = True
     finally:
-        writer.close()
+        writer.close(keep_pending=completed)  # a run that failed before its first step leaves the file alone
         if ckpt is not None:
             ckpt.close()  # waits for an asynchronous save: the last good checkpoint is complete on disk
     if main_process:

@@ -337,3 +337,20 @@ def test_tfds_unprepared_offline_error(tmp_path):
     assert isinstance(e.value, ValueError)
     with pytest.raises(DataError, match="not a folder"):
         load("cifar10", data_dir=str(tmp_path / "missing"))
+
+
+def test_uint8_token_sequences_stay_integers(tmp_path):
+    """Byte tokens stored as uint8 [N, T] were read as float32 vectors: a GPT then refused the file as "not integer",
+    and a user's nnx.Embed failed in flax. uint8 images still become normalised float32."""
+    from jaxpar.config import Config
+    from jaxpar.run import trainer
+
+    t = np.random.default_rng(0).integers(0, 200, (4, 17))
+    np.savez(tmp_path / "tok8.npz", x=t[:, :-1].astype(np.uint8), y=t[:, 1:].astype(np.uint8))
+    data = load("npz", "train", data_path=str(tmp_path / "tok8.npz"), model=None)
+    assert data.x.dtype == np.uint8 and np.array_equal(data.x, t[:, :-1])
+    model = trainer.gpt_model(Config(model="gpt-nano", dataset="npz"), data)
+    assert model.config.vocab_size == int(t.max()) + 1 and model.config.block_size == 16
+    np.savez(tmp_path / "img8.npz", x=np.full((4, 8, 8), 255, np.uint8), y=np.arange(4))
+    images = load("npz", "train", data_path=str(tmp_path / "img8.npz"), model=None)
+    assert images.x.dtype == np.float32 and images.x.shape == (4, 8, 8, 1)

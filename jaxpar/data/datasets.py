@@ -164,8 +164,9 @@ def _linear_weights(n_in: int, n_out: int) -> np.ndarray:
 
 def _prepare(x: np.ndarray, model: str | None, image_size: int | None, normalise: bool, what: str) -> np.ndarray:
     """Images uint8 / float [0, 1] -> float32 resized, channel-replicated (AlexNet) and normalised; integer
-    arrays other than uint8 (token ids) pass through."""
-    if np.issubdtype(x.dtype, np.integer) and x.dtype != np.uint8:
+    arrays other than uint8 images (token ids: uint8 too when the rows are sequences [N, T] and no built-in model
+    takes them) pass through."""
+    if np.issubdtype(x.dtype, np.integer) and (x.dtype != np.uint8 or (model is None and x.ndim == 2)):
         if model is not None:
             raise DataError(f"{what} holds integer arrays ({x.dtype}, token ids?) but --model {model} takes float "
                             "images or vectors; use a --model MODULE:NAME of your own for token data.")

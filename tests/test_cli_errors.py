@@ -51,8 +51,8 @@ def files(tmp_path_factory):
     ckpt = str(root / "linear_ckpt")
     trainer.run(Config(model="linear", dataset="npz", data_path=str(root / "ok.npz"), eval_split="", batch_size=16,
                        steps=1, quiet=True, checkpoint_dir=ckpt))
-    names = ("ok.npz", "no_rows.npz", "tokens_odd.npz", "no_y.npz", "tokens_neg.npz", "targets_neg.npz", "eval_neg.npz", "tokens_short_y.npz",
-             "mnist_ok", "mnist_truncated", "mnist_corrupt", "mnist_no_labels", "empty", "a_file")
+    names = ("ok.npz", "no_rows.npz", "tokens_odd.npz", "no_y.npz", "tokens_neg.npz", "targets_neg.npz", "eval_neg.npz",
+             "tokens_short_y.npz", "mnist_ok", "mnist_truncated", "mnist_corrupt", "mnist_no_labels", "empty", "a_file")
     return {k.replace(".", "_"): str(root / k) for k in names} | {"ckpt": ckpt, "root": str(root)}
 
 

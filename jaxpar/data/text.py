@@ -139,8 +139,8 @@ def parse_split(spec: str, sizes: dict[str, int]) -> tuple[str, int, int]:
 
     lo, hi = bound(m.group(2), 0), bound(m.group(3), n)
     if hi <= lo:
-        raise TextError(f"split {spec!r} selects no windows ({name} has {n} windows of --seq-len tokens); choose a non-empty "
-                        "slice.")
+        raise TextError(f"split {spec!r} selects no windows ({name} has {n} windows of --seq-len tokens); choose a "
+                        "non-empty slice.")
     return name, lo, hi
 
 

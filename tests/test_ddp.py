@@ -263,3 +263,54 @@ def test_build_from_config():
     ddp = get_builder("ddp")(model, optax.sgd(0.1), cfg)
     assert (ddp.mesh.size, ddp.allreduce, ddp.overlap, ddp.share) == (2, "ring", False, 6)
     assert ddp.leaf_order == [0, 1, 2, 3]  # layers/0 then layers/2
+
+
+def test_buffers_of_replica_0_keep_their_dtype():
+    """A buffer the forward assigns comes from replica 0 by a psum of it and zeros; a bool buffer came back int32
+    from DDP, ZeRO and the pipeline's data replicas (QA), so its checkpoint no longer restored into the model's
+    template. Every dtype and value now equals SingleDevice's (the pipeline at one micro-batch: each micro-batch's
+    forward assigns the buffers, as DeepSpeed's does)."""
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    import jaxpar
+    from jaxpar.strategies.pipeline import pipeline_mesh
+
+    class Buffer(nnx.Variable):
+        pass
+
+    class Counting(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(4, 4, rngs=rngs)
+            self.flag, self.count = Buffer(jnp.array(False)), Buffer(jnp.array(250, jnp.uint8))
+
+        def __call__(self, x):
+            self.flag[...] = jnp.logical_not(self.flag[...])
+            self.count[...] = self.count[...] + 1
+            return self.lin(x)
+
+    def loss(outputs, batch):
+        return jnp.sum((outputs - batch["y"]) ** 2), outputs.size
+
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(8, 4)).astype(np.float32), "y": rng.normal(size=(8, 4)).astype(np.float32)}
+    tx = optax.sgd(0.1)
+    builders = {
+        "single": lambda m: jaxpar.SingleDevice(m, tx, loss_fn=jaxpar.OutputLoss(loss), per_sample=False),
+        "ddp": lambda m: jaxpar.DistributedDataParallel(m, tx, loss_fn=jaxpar.OutputLoss(loss), per_sample=False,
+                                                        mesh=jaxpar.make_mesh(4)),
+        "zero3": lambda m: jaxpar.ZeroRedundancy(m, tx, loss_fn=jaxpar.OutputLoss(loss), per_sample=False, stage=3),
+        "pipeline": lambda m: jaxpar.Pipeline(m, tx, loss_fn=jaxpar.OutputLoss(loss), per_sample=False,
+                                              num_stages=2, micro_batches=1, mesh=pipeline_mesh(4, num_stages=2)),
+    }
+    got = {}
+    for name, build in builders.items():
+        r = nnx.Rngs(0)
+        model = nnx.Sequential(Counting(r), nnx.relu, Counting(r))
+        strategy = build(model)
+        placed, _ = strategy.step(strategy.init(jaxpar.init_state(model, tx)), strategy.put_batch(batch))
+        buffers = strategy.unplace(placed).model_state["layers"][0]
+        got[name] = {k: (str(buffers[k][...].dtype), buffers[k][...].tolist()) for k in ("flag", "count")}
+    assert got["single"] == {"flag": ("bool", True), "count": ("uint8", 251)}
+    assert all(g == got["single"] for g in got.values()), got

@@ -85,7 +85,7 @@ def from_replica_0(tree: Any, axis_name, previous: Any) -> Any:
         if isinstance(v, nnx.RngState) or (isinstance(v, nnx.Param) and v.get_value() is old.get_value()):
             return v
         a = v.get_value()
-        return v.replace(lax.psum(jnp.where(first, a, jnp.zeros_like(a)), axis_name))
+        return v.replace(lax.psum(jnp.where(first, a, jnp.zeros_like(a)), axis_name).astype(a.dtype))  # bool: int
 
     return jax.tree.map(one, tree, previous, is_leaf=lambda x: isinstance(x, nnx.Variable))
 

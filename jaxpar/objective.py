@@ -301,6 +301,12 @@ class Objective:
                 raise ValueError(f"{type(model).__name__}'s variable {'/'.join(map(str, path))} holds a "
                                  f"{type(v.get_value()).__name__} ({v.get_value()!r}), not an array; give it an array: "
                                  f"{type(v).__name__}(jnp.asarray({v.get_value()!r})).")
+        for path, v in nnx.to_flat_state(nnx.split(model, wrt, ...)[1]):  # jax.grad: floating leaves only
+            if v.get_value() is not None and not jnp.issubdtype(v.get_value().dtype, jnp.inexact):
+                raise ValueError(f"{type(model).__name__}'s {'/'.join(map(str, path))} is a trained {type(v).__name__} "
+                                 f"of dtype {v.get_value().dtype}, which has no gradient; hold it in an nnx.Variable "
+                                 "of its own type (state the step carries, untrained), or pass wrt= a filter that "
+                                 "leaves it out.")
         shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), a.dtype), nnx.split(model, wrt, ...)[1:])
         return cls(graphdef, nnx.split(evaluated, wrt, ...)[0], loss_fn, wrt, bool(per_sample), rows_per_call,
                    compute_dtype, activation_checkpoint_interval, shapes, defaulted)

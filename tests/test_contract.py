@@ -631,6 +631,12 @@ def test_bad_contract_use_is_named():
     with pytest.raises(ValueError, match=r"Sequential's variable layers/0/scale holds a float \(3.0\), not an array; "
                                          r"give it an array: Param\(jnp.asarray\(3.0\)\)"):
         Objective.of(model)
+    model.layers[0].scale = nnx.Param(jnp.arange(2))  # an index table as a Param: each strategy failed at its first
+    with pytest.raises(ValueError, match="layers/0/scale is a trained Param of dtype int32, which has no gradient; "
+                                         "hold it in an nnx.Variable"):  # step, in JAX's words (QA)
+        jaxpar.DistributedDataParallel(model, optax.sgd(0.1), loss_fn=OutputLoss(regression.loss))
+    frozen = Objective.of(model, wrt=nnx.All(nnx.Param, nnx.Not(nnx.PathContains("scale"))))  # wrt leaves it out
+    assert "scale" not in str(jax.tree.structure(frozen.split(model)[0]))
     with pytest.raises(TypeError, match="return \\(loss_sum, weight_sum\\)"):
         Objective.of(regression.make_model(rngs=nnx.Rngs(0)), lambda m, b: 1.0).sums(
             state.params, state.model_state, batches[0])

@@ -99,7 +99,8 @@ def shard_plan(params: PyTree, num_devices: int, groups: Sequence[Sequence[int]]
     dtypes = {infos[i].dtype for i in listed}
     if len(dtypes) > 1:
         raise ValueError(f"the parameters mix dtypes {sorted(dtypes)}; ZeRO shards one flat vector of one dtype: "
-                         "keep the trained parameters in one dtype (float32 master weights, --precision for compute).")
+                         "keep the trained parameters in one dtype (float32 master weights; 16-bit compute by train.py's "
+                         "--precision, or Objective.of(..., compute_dtype=jnp.bfloat16) in the library).")
     out, offset = [], 0
     for g in groups:
         size = sum(_numel(infos[i]) for i in g)

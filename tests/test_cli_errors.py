@@ -206,6 +206,12 @@ CASES = [
     ("pipeline ZeRO-1, unknown reduction", ["--strategy", "pipeline", "--model", "mlp", "--num-devices", "4",
                                             "--zero-stage", "1", "--zero-reduce", "tree"],
      ["zero_reduce='tree'", "is not known", "reduce_scatter", "all_reduce"]),
+    ("pipeline ZeRO reduction without ZeRO-1", ["--strategy", "pipeline", "--model", "mlp", "--num-devices", "4",
+                                                "--zero-reduce", "all_reduce"],
+     ["--zero-reduce all_reduce", "--strategy pipeline runs without ZeRO", "add --zero-stage 1"]),
+    ("tp ZeRO reduction without ZeRO-1", ["--strategy", "tp", "--model", "gpt-micro", "--tensor-parallel", "2",
+                                          "--zero-reduce", "all_reduce"],
+     ["--zero-reduce all_reduce", "--strategy tp runs without ZeRO", "drop --zero-reduce"]),
     ("pipeline with ZeRO-2", ["--strategy", "pipeline", "--model", "mlp", "--zero-stage", "2"],
      ["zero_stage=2", "stage 0 or 1", "--strategy zero"]),
     ("unknown schedule", ["--strategy", "pipeline", "--model", "mlp", "--schedule", "zigzag"],
@@ -451,3 +457,7 @@ def test_a_batch_the_processes_do_not_divide_is_refused_before_joining(monkeypat
     code, err = run_main(argv + [a for kv in out.items() for a in kv], capsys)
     check_answer(code, err, ["--batch-size 7 must be divisible by the 2 processes", "use a multiple of 2"])
     assert not any(os.path.exists(p) for p in out.values())
+    for strategy in ("single", "dp"):  # one-process strategies: refused after joining, data and model (QA 49)
+        code, err = run_main([a.format(**files) for a in BASE] + ["--strategy", strategy], capsys)
+        check_answer(code, err, [f"--strategy {strategy} runs in one process, but the launcher started 2",
+                                 "use --strategy ddp"])

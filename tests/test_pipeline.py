@@ -274,6 +274,7 @@ def test_zero_1_refusals():
     for kw, match in [*[(dict(zero_stage=s), f"zero_stage={s!r}: the pipeline takes ZeRO stage 0 or 1")
                         for s in (2, True, np.True_, 1.0)],  # True == 1.0 == 1: each ran as stage 1
                       (dict(zero_stage=1, zero_reduce="tree"), "zero_reduce='tree' is not known"),
+                      (dict(zero_reduce="all_reduce"), "zero_reduce='all_reduce' sets how ZeRO-1 .* zero_stage is 0"),
                       (dict(zero_stage=1, tx=optax.lamb(1e-3)), "the optimizer is not elementwise")]:
         with pytest.raises(ValueError, match=match):
             Pipeline(model, kw.pop("tx", TX), loss_fn=loss, **kw)

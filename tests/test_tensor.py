@@ -469,6 +469,8 @@ def test_bad_sizes_are_named():
     for stage in (2, True, np.True_, 1.0):  # True == 1.0 == 1 in Python: each ran as stage 1, printed as given
         with pytest.raises(ValueError, match=f"zero_stage={stage!r}: tensor parallelism takes ZeRO stage 0 or 1"):
             TensorParallel(model(), TX, tensor_parallel=2, zero_stage=stage)
+    with pytest.raises(ValueError, match="zero_reduce='all_reduce' sets how ZeRO-1 .* zero_stage is 0 .*zero_stage=1"):
+        TensorParallel(model(), TX, tensor_parallel=2, zero_reduce="all_reduce")  # accepted and never read before
 
 
 def test_the_users_model_stays_whole_and_bad_layouts_are_refused():

@@ -149,6 +149,9 @@ def validate(cfg: Config) -> None:
     if cfg.zero_reduce is not None and cfg.strategy not in ("zero", "pipeline", "tp"):
         raise ValueError(f"--zero-reduce {cfg.zero_reduce} sets how ZeRO-1 reduces gradients under --strategy zero, "
                          f"tp or pipeline, not {cfg.strategy}; use one of those, or drop --zero-reduce.")
+    if cfg.zero_reduce is not None and cfg.strategy in ("pipeline", "tp") and not cfg.zero_stage:
+        raise ValueError(f"--zero-reduce {cfg.zero_reduce} sets how ZeRO-1 reduces gradients, but --strategy "
+                         f"{cfg.strategy} runs without ZeRO here; add --zero-stage 1, or drop --zero-reduce.")
     if cfg.zero_fetch is not None and (cfg.strategy, cfg.zero_stage) != ("zero", 3):
         stage = f"--zero-stage {cfg.zero_stage}" if cfg.zero_stage is not None else "its default stage"
         raise ValueError(f"--zero-fetch {cfg.zero_fetch} sets how ZeRO stage 3 gathers the weights, not --strategy "
@@ -281,7 +284,11 @@ def validate(cfg: Config) -> None:
 
 
 def check_process_batch(cfg: Config, nproc: int) -> None:
-    """Every process reads an equal share of --batch-size (the pipeline: every process all of it)."""
+    """The strategy runs across processes, and every process reads an equal share of --batch-size (the pipeline:
+    every process all of it)."""
+    if nproc > 1 and cfg.strategy in ("single", "dp"):
+        raise ValueError(f"--strategy {cfg.strategy} runs in one process, but the launcher started {nproc}; use "
+                         "--strategy ddp (or zero, tp, pipeline) across processes, or launch one process.")
     if cfg.batch_size % nproc and not whole_batch(cfg.strategy):
         raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by the {nproc} processes; "
                          f"use a multiple of {nproc}.")

@@ -183,6 +183,9 @@ class Pipeline:
         if zero_reduce not in ("reduce_scatter", "all_reduce"):
             raise ValueError(f"zero_reduce={zero_reduce!r} is not known; use reduce_scatter (DeepSpeed's default: each "
                              "replica gets its block of the summed gradient) or all_reduce (the whole gradient).")
+        if zero_reduce != "reduce_scatter" and not zero_stage:
+            raise ValueError(f"zero_reduce={zero_reduce!r} sets how ZeRO-1 reduces the gradients, but zero_stage is "
+                             f"{zero_stage!r} (no ZeRO): pass zero_stage=1 with it, or drop zero_reduce.")
         if mesh is not None and mesh.shape.get(TENSOR, 1) != T:
             raise ValueError(f"mesh {dict(mesh.shape)} must have a {TENSOR!r} axis of tensor_parallel={T}; build it "
                              "with jaxpar.strategies.pipeline.pipeline_mesh(devices, num_stages, tensor_parallel).")

@@ -211,6 +211,9 @@ class TensorParallel:
         if zero_reduce not in ("reduce_scatter", "all_reduce"):
             raise ValueError(f"zero_reduce={zero_reduce!r} is not known; use reduce_scatter (Megatron's distributed "
                              "optimizer) or all_reduce.")
+        if zero_reduce != "reduce_scatter" and not zero_stage:
+            raise ValueError(f"zero_reduce={zero_reduce!r} sets how ZeRO-1 reduces the gradients, but zero_stage is "
+                             f"{zero_stage!r} (no ZeRO): pass zero_stage=1 with it, or drop zero_reduce.")
         if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, (int, np.integer)):
             raise ValueError(f"tensor_parallel={tensor_parallel!r} must be an int >= 1; pass --tensor-parallel 2 or "
                              "more.")

@@ -212,6 +212,10 @@ CASES = [
     ("tp ZeRO reduction without ZeRO-1", ["--strategy", "tp", "--model", "gpt-micro", "--tensor-parallel", "2",
                                           "--zero-reduce", "all_reduce"],
      ["--zero-reduce all_reduce", "--strategy tp runs without ZeRO", "drop --zero-reduce"]),
+    ("pmap under ZeRO", ["--strategy", "zero", "--spmd", "pmap"],  # sent to zero by the dp refusal, then refused
+     ["--spmd pmap", "--strategy ddp", "not zero"]),                   # late by zero's builder
+    ("compressed gradients under ZeRO", ["--strategy", "zero", "--grad-comm-dtype", "bf16"],
+     ["--grad-comm-dtype bf16", "--strategy ddp", "not zero"]),
     ("pipeline with ZeRO-2", ["--strategy", "pipeline", "--model", "mlp", "--zero-stage", "2"],
      ["zero_stage=2", "stage 0 or 1", "--strategy zero"]),
     ("unknown schedule", ["--strategy", "pipeline", "--model", "mlp", "--schedule", "zigzag"],

@@ -275,6 +275,11 @@ def test_zero_1_refusals():
                         for s in (2, True, np.True_, 1.0)],  # True == 1.0 == 1: each ran as stage 1
                       (dict(zero_stage=1, zero_reduce="tree"), "zero_reduce='tree' is not known"),
                       (dict(zero_reduce="all_reduce"), "zero_reduce='all_reduce' sets how ZeRO-1 .* zero_stage is 0"),
+                      (dict(parallel_output=False), "parallel_output=False applies to the tensor-parallel split"),
+                      (dict(check_split=True), "check_split=True applies to the tensor-parallel split, but "
+                                               "tensor_parallel=1"),
+                      (dict(example_input=np.zeros((1, 4), np.float32)),
+                       "example_input is read by partition_method='profile' only .* not 'parameters'"),
                       (dict(zero_stage=1, tx=optax.lamb(1e-3)), "the optimizer is not elementwise")]:
         with pytest.raises(ValueError, match=match):
             Pipeline(model, kw.pop("tx", TX), loss_fn=loss, **kw)

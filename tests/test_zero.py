@@ -662,6 +662,14 @@ def test_stage_3_fetch_model_trains_an_embedding_and_head_around_layers():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match=r"fetch='layers' \(--zero-fetch\) is not known; use 'layer'"):
         jaxpar.ZeroRedundancy(EmbedLayersHead(nnx.Rngs(0)), tx, loss_fn=loss, stage=3, fetch="layers")
+    for kw, match in [(dict(stage=3, bucket_cap_mb=1.0),
+                       r"bucket_cap_mb=1.0 would be ignored: stage 3 .* \(no buckets\)"),
+                      (dict(stage=1, fetch="model"), "fetch='model' would be ignored: stage 1 fetches no weights"),
+                      (dict(stage=2, prefetch=False), "prefetch=False would be ignored: stage 2 fetches no weights"),
+                      (dict(stage=3, fetch="model", prefetch=False),
+                       "prefetch=False would be ignored: fetch='model' gathers every weight at once")]:
+        with pytest.raises(ValueError, match=match):  # accepted and never read before (QA 49)
+            jaxpar.ZeroRedundancy(EmbedLayersHead(nnx.Rngs(0)), tx, loss_fn=loss, **kw)
 
 
 def test_stage_3_partitions_frozen_weights_and_equals_single():

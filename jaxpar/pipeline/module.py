@@ -209,6 +209,9 @@ class PipelineModule:
         self.names = [getattr(type(l), "__name__", "layer") if isinstance(l, nnx.Module)
                       else getattr(l, "__name__", type(l).__name__) for l in self.layers]
         partition_lib.check_parts(len(self.layers), self.num_parts)
+        if example_input is not None and partition_method != "profile":
+            raise ValueError(f"example_input is read by partition_method='profile' only (it costs the layers), not "
+                             f"{partition_method!r}; pass partition_method='profile', or drop example_input.")
         self._canonical()
         self.bounds = partition_lib.partition(
             partition_method, self.num_parts, names=self.names, params=lambda: self.layer_params,

@@ -296,7 +296,7 @@ def check_process_batch(cfg: Config, nproc: int) -> None:
 
 # Flags that only some strategies read: given to another, they would be accepted and silently ignored
 STRATEGY_FLAGS = {"allreduce": ("ddp",), "overlap": ("ddp",), "bucket_cap_mb": ("ddp", "zero"),
-                  "grad_accum": ("ddp", "zero"), "grad_comm_dtype": ("ddp", "zero"), "spmd": ("ddp", "zero"),
+                  "grad_accum": ("ddp", "zero"), "grad_comm_dtype": ("ddp",), "spmd": ("ddp",),
                   "loss_on_device": ("dp",), "print_shapes": ("dp",), "output_device": ("dp",),
                   "tensor_parallel": ("tp", "pipeline"), "parallel_output": ("tp", "pipeline"),
                   "num_stages": ("pipeline",), "micro_batches": ("pipeline",), "schedule": ("pipeline",),

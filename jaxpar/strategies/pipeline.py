@@ -186,6 +186,10 @@ class Pipeline:
         if zero_reduce != "reduce_scatter" and not zero_stage:
             raise ValueError(f"zero_reduce={zero_reduce!r} sets how ZeRO-1 reduces the gradients, but zero_stage is "
                              f"{zero_stage!r} (no ZeRO): pass zero_stage=1 with it, or drop zero_reduce.")
+        for name, value in (("parallel_output", parallel_output), ("check_split", check_split)):
+            if value is not None and T == 1:  # as sequence_parallel below: nothing is split
+                raise ValueError(f"{name}={value!r} applies to the tensor-parallel split, but tensor_parallel=1; pass "
+                                 f"tensor_parallel >= 2 with it, or drop {name}.")
         if mesh is not None and mesh.shape.get(TENSOR, 1) != T:
             raise ValueError(f"mesh {dict(mesh.shape)} must have a {TENSOR!r} axis of tensor_parallel={T}; build it "
                              "with jaxpar.strategies.pipeline.pipeline_mesh(devices, num_stages, tensor_parallel).")

@@ -191,6 +191,17 @@ class ZeroRedundancy:
             raise ValueError(f"fetch={fetch!r} (--zero-fetch) is not known; use 'layer' (stage 3 gathers each of the "
                              "model's `layers` as it runs them) or 'model' (every weight at once, the model's own "
                              "__call__).")
+        unread = [(bucket_cap_mb != 25.0 and stage == 3, f"bucket_cap_mb={bucket_cap_mb!r}",
+                   "stage 3 gathers and reduces each leaf on its own (no buckets)"),
+                  (fetch != "layer" and stage != 3, f"fetch={fetch!r}",
+                   f"stage {stage} fetches no weights (stage 3's)"),
+                  (prefetch is not True and stage != 3, f"prefetch={prefetch!r}",
+                   f"stage {stage} fetches no weights (stage 3's)"),
+                  (prefetch is not True and fetch == "model", f"prefetch={prefetch!r}",
+                   "fetch='model' gathers every weight at once (no next layer to fetch ahead)")]
+        for bad, given, why in unread:  # accepted and never read, a setting the user would think in force
+            if bad:
+                raise ValueError(f"{given} would be ignored: {why}; drop it.")
         self.objective = objective_of(model, loss_fn, who="ZeroRedundancy", **objective_options)
         if stage == 3 and self.objective.activation_checkpoint_interval:
             raise ValueError(f"ZeRO stage 3 runs each layer under its own fetching recomputation, so "

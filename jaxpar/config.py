@@ -102,7 +102,7 @@ class Config:
     checkpoint_every: int = 0  # steps between checkpoints (0: only at the end and on SIGTERM/SIGINT)
     resume: bool = False  # continue from the latest complete checkpoint in --checkpoint-dir
     report: bool = False  # print the run report (memory, communication, schedule) at the end
-    log_every: int = 50  # steps between log lines / metrics records
+    log_every: int = 50  # steps between the progress bar's loss and --metrics-out's step records
     quiet: bool = False  # no progress bar or per-epoch lines (the summary line still prints)
     checkpoint_keep: int = 2  # complete checkpoints kept in --checkpoint-dir (older ones are deleted)
 

@@ -283,6 +283,8 @@ def test_zero_1_refusals():
                       (dict(zero_stage=1, tx=optax.lamb(1e-3)), "the optimizer is not elementwise")]:
         with pytest.raises(ValueError, match=match):
             Pipeline(model, kw.pop("tx", TX), loss_fn=loss, **kw)
+    assert "ZeRO-1 over one data replica (nothing to split)" in \
+        Pipeline(model, TX, loss_fn=loss, zero_stage=1).describe()  # S=2 on 2 devices: it said "over its 1 replicas"
     mask = jax.tree.map(lambda a: a.ndim > 1, nnx.state(model, nnx.Param))  # the whole model's tree: no stage's
     with pytest.raises(ValueError, match="the optimizer fails on stage 0's parameters alone .*adamw\\(mask=fn\\)"):
         Pipeline(model, optax.adamw(1e-3, mask=mask), loss_fn=loss)

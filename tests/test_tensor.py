@@ -471,6 +471,9 @@ def test_bad_sizes_are_named():
             TensorParallel(model(), TX, tensor_parallel=2, zero_stage=stage)
     with pytest.raises(ValueError, match="zero_reduce='all_reduce' sets how ZeRO-1 .* zero_stage is 0 .*zero_stage=1"):
         TensorParallel(model(), TX, tensor_parallel=2, zero_reduce="all_reduce")  # accepted and never read before
+    one = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), (DATA, TENSOR))  # ZeRO-1 over one replica says so
+    assert "ZeRO-1 over one data replica (nothing to split)" in \
+        TensorParallel(model(), TX, tensor_parallel=2, mesh=one, zero_stage=1).describe()
 
 
 def test_the_users_model_stays_whole_and_bad_layouts_are_refused():

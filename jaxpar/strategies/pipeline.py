@@ -538,7 +538,8 @@ class Pipeline:
                 f"{mod.num_stages} stages x {self.D} data replicas"
                 + (f", Megatron tensor parallelism over {self.tp} devices per stage" if self.tp > 1 else "")
                 + (f", ZeRO-1 (each stage's optimizer state split over its {self.D} replicas, gradients by "
-                   f"{self.zero_reduce.replace('_', '-')})" if self.zero_stage else "")
+                   f"{self.zero_reduce.replace('_', '-')})" if self.zero_stage and self.D > 1 else "")
+                + (", ZeRO-1 over one data replica (nothing to split)" if self.zero_stage and self.D == 1 else "")
                 + (", sequence parallel" if mod.sequence_parallel else "")
                 + (", logits split by vocabulary into the loss (parallel_output)" if self.parallel_output else "")
                 + (whole_note(mod.tensor_layouts) if mod.tensor_layouts else "")

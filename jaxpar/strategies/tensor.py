@@ -427,7 +427,8 @@ class TensorParallel:
                 f"({sum(lay.axis is not None for lay in self.plan)} split leaves), {self.data} data replicas"
                 + (", sequence parallel" if self.sequence_parallel else "")
                 + (f", ZeRO-1 (each tensor rank's optimizer state split over its {self.data} data replicas, "
-                   f"gradients by {self.zero_reduce.replace('_', '-')})" if self.zero_stage else "")
+                   f"gradients by {self.zero_reduce.replace('_', '-')})" if self.zero_stage and self.data > 1 else "")
+                + (", ZeRO-1 over one data replica (nothing to split)" if self.zero_stage and self.data == 1 else "")
                 + (", logits split by vocabulary into the loss (parallel_output)" if self.parallel_output else "")
                 + whole_note(self.plan))
 

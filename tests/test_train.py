@@ -438,8 +438,8 @@ def test_whole_shard_losses_refuse_the_samplers_wrap_around_copies(monkeypatch, 
 
     x = np.random.default_rng(0).normal(size=(63, 5)).astype(np.float32)
     np.savez(tmp_path / "d.npz", x=x, y=(x[:, 0] > 0).astype(np.int32))
-    cfg = Config(model="mlp", dataset="npz", data_path=str(tmp_path / "d.npz"), eval_split="", batch_size=16,
-                 steps=1, quiet=True, per_sample="off")
+    cfg = Config(strategy="ddp", model="mlp", dataset="npz", data_path=str(tmp_path / "d.npz"), eval_split="",
+                 batch_size=16, steps=1, quiet=True, per_sample="off")  # ddp: single runs in one process
     monkeypatch.setattr(jax, "process_count", lambda: 2)  # rank 0 of 2: 32 samples, batches of 8
     from jaxpar.run import distributed
 

@@ -461,7 +461,7 @@ def test_a_batch_the_processes_do_not_divide_is_refused_before_joining(monkeypat
     code, err = run_main(argv + [a for kv in out.items() for a in kv], capsys)
     check_answer(code, err, ["--batch-size 7 must be divisible by the 2 processes", "use a multiple of 2"])
     assert not any(os.path.exists(p) for p in out.values())
-    for strategy in ("single", "dp"):  # one-process strategies: refused after joining, data and model (QA 49)
+    for strategy in ("single", "dp"):  # one-process strategies: they were refused only after joining (QA 49)
         code, err = run_main([a.format(**files) for a in BASE] + ["--strategy", strategy], capsys)
         check_answer(code, err, [f"--strategy {strategy} runs in one process, but the launcher started 2",
                                  "use --strategy ddp"])

@@ -41,7 +41,7 @@ from jaxpar.pipeline.stage import Layout, act_spec
 from jaxpar.pipeline.transfer import Transport
 from jaxpar.step import TrainState
 from jaxpar.strategies.tensor import TensorParallel, check_split_computes, foreign_split
-from jaxpar.strategies.zero1 import is_stage
+from jaxpar.strategies.zero1 import check_reduce_is_read, is_stage
 from jaxpar.strategies.base import (LayersCheck, check_batch_size, check_objective_options, check_placed, check_state,
                                     check_tx, from_process_0, processes, refuse_sync_batch_norm)
 
@@ -183,9 +183,7 @@ class Pipeline:
         if zero_reduce not in ("reduce_scatter", "all_reduce"):
             raise ValueError(f"zero_reduce={zero_reduce!r} is not known; use reduce_scatter (DeepSpeed's default: each "
                              "replica gets its block of the summed gradient) or all_reduce (the whole gradient).")
-        if zero_reduce != "reduce_scatter" and not zero_stage:
-            raise ValueError(f"zero_reduce={zero_reduce!r} sets how ZeRO-1 reduces the gradients, but zero_stage is "
-                             f"{zero_stage!r} (no ZeRO): pass zero_stage=1 with it, or drop zero_reduce.")
+        check_reduce_is_read(zero_reduce, zero_stage)
         for name, value in (("parallel_output", parallel_output), ("check_split", check_split)):
             if value is not None and T == 1:  # as sequence_parallel below: nothing is split
                 raise ValueError(f"{name}={value!r} applies to the tensor-parallel split, but tensor_parallel=1; pass "

@@ -54,7 +54,7 @@ from jaxpar.strategies import zero_optim
 from jaxpar.strategies.base import (LayersCheck, check_batch_size, check_objective_options, check_placed,
                                     check_state, from_process_0)
 from jaxpar.strategies.ddp import from_replica_0, local_devices, psum_sums
-from jaxpar.strategies.zero1 import is_stage
+from jaxpar.strategies.zero1 import check_reduce_is_read, is_stage
 
 # split the output dim; the fused q|k|v output dim by heads; the input dim; an embedding table's rows (the
 # vocabulary), only when T divides them (else replicated: Megatron pads the vocabulary instead, which would change
@@ -211,9 +211,7 @@ class TensorParallel:
         if zero_reduce not in ("reduce_scatter", "all_reduce"):
             raise ValueError(f"zero_reduce={zero_reduce!r} is not known; use reduce_scatter (Megatron's distributed "
                              "optimizer) or all_reduce.")
-        if zero_reduce != "reduce_scatter" and not zero_stage:
-            raise ValueError(f"zero_reduce={zero_reduce!r} sets how ZeRO-1 reduces the gradients, but zero_stage is "
-                             f"{zero_stage!r} (no ZeRO): pass zero_stage=1 with it, or drop zero_reduce.")
+        check_reduce_is_read(zero_reduce, zero_stage)
         if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, (int, np.integer)):
             raise ValueError(f"tensor_parallel={tensor_parallel!r} must be an int >= 1; pass --tensor-parallel 2 or "
                              "more.")

@@ -56,6 +56,7 @@ from jaxpar.strategies.ddp import from_replica_0, local_devices, place_rows, psu
 STAGES = (1, 2, 3)
 REDUCES = ("reduce_scatter", "all_reduce")
 FETCHES = ("layer", "model")  # stage 3: a gather per layer of `layers`, or one of every weight
+BUCKET_CAP_MB = 25.0  # stages 1-2: the reduction groups' size, DDP's default bucket_cap_mb
 FORMULAS = {0: "(4+4+K) Psi", 1: "4 Psi + 4 Psi + K Psi/N", 2: "4 Psi + (4+K) Psi/N", 3: "(4+4+K) Psi/N"}
 
 
@@ -182,7 +183,8 @@ class ZeroRedundancy:
     name = "zero"
 
     def __init__(self, model: nnx.Module | Objective, tx: optax.GradientTransformation, *, stage: int = 1,
-                 loss_fn=None, mesh: Mesh | None = None, reduce: str = "reduce_scatter", bucket_cap_mb: float = 25.0,
+                 loss_fn=None, mesh: Mesh | None = None, reduce: str = "reduce_scatter",
+                 bucket_cap_mb: float = BUCKET_CAP_MB,
                  grad_accum: int = 1, batch_size: int | None = None, leaf_order: Sequence[int] | None = None,
                  prefetch: bool = True, fetch: str = "layer", **objective_options):
         self._layers_check = LayersCheck()  # armed by init where the layers run instead of __call__
@@ -191,7 +193,7 @@ class ZeroRedundancy:
             raise ValueError(f"fetch={fetch!r} (--zero-fetch) is not known; use 'layer' (stage 3 gathers each of the "
                              "model's `layers` as it runs them) or 'model' (every weight at once, the model's own "
                              "__call__).")
-        unread = [(bucket_cap_mb != 25.0 and stage == 3, f"bucket_cap_mb={bucket_cap_mb!r}",
+        unread = [(bucket_cap_mb != BUCKET_CAP_MB and stage == 3, f"bucket_cap_mb={bucket_cap_mb!r}",
                    "stage 3 gathers and reduces each leaf on its own (no buckets)"),
                   (fetch != "layer" and stage != 3, f"fetch={fetch!r}",
                    f"stage {stage} fetches no weights (stage 3's)"),

@@ -164,6 +164,13 @@ def is_stage(zero_stage: Any, stages: tuple) -> bool:
         zero_stage in stages
 
 
+def check_reduce_is_read(zero_reduce: str, zero_stage: Any) -> None:
+    """ValueError for a ZeRO-1 reduction asked of a strategy running without ZeRO (it would never be read)."""
+    if zero_reduce != "reduce_scatter" and not zero_stage:
+        raise ValueError(f"zero_reduce={zero_reduce!r} sets how ZeRO-1 reduces the gradients, but zero_stage is "
+                         f"{zero_stage!r} (no ZeRO): pass zero_stage=1 with it, or drop zero_reduce.")
+
+
 def _as_tree(plan: sh.ShardPlan) -> list:
     """The plan's leaves as ShapeDtypeStructs: a parameter tree's stand-in for the optimizer's state layout."""
     return [jax.ShapeDtypeStruct(info.shape, info.dtype) for info in plan.leaves]

@@ -59,3 +59,35 @@ def make_mesh(num_devices: int | None = None, pipe: int = 1, devices: Sequence |
     if pipe == 1:
         return Mesh(grid, (DATA,))
     return Mesh(grid.reshape(n // pipe, pipe), (DATA, PIPE))
+
+
+def straddler(n: int, block: int, per_process: int) -> list[int] | None:
+    """The processes of the first run of `block` consecutive devices, among the first `n` of jax.devices() (process
+    0's `per_process` devices, then process 1's, ...), that lies in more than one process; None when each run lies in
+    one. A tensor group (T consecutive devices) and a pipeline stage (n / S consecutive: `pipeline_mesh`) are runs."""
+    for k in range(n // block):
+        first, last = k * block // per_process, ((k + 1) * block - 1) // per_process
+        if first != last:
+            return list(range(first, last + 1))
+    return None
+
+
+def stage_fix(n: int, per_process: int, tensor_parallel: int = 1) -> str:
+    """How to keep every pipeline stage's D x T devices in one process, for the message of a layout that does not."""
+    T = tensor_parallel
+    fits = [s for s in range(1, n + 1) if n % (s * T) == 0 and per_process % (n // s) == 0]
+    if fits:
+        options = ", ".join(map(str, fits[:-1])) + (" or " if len(fits) > 1 else "") + str(fits[-1])
+        return (f"use --num-stages {options}, whose stages each fit in one process's {per_process} "
+                f"device{'s' if per_process > 1 else ''}")
+    return (f"give each process at least the {T} devices of one stage's tensor group (--cpu-devices {T} on CPUs), "
+            "or use --tensor-parallel 1")
+
+
+def tensor_group_error(tensor_parallel: int, procs: list[int], per_process: int) -> ValueError:
+    """The refusal of a tensor group whose devices lie in processes `procs` (each holding `per_process` devices)."""
+    T = tensor_parallel
+    fix = f"--tensor-parallel at most {per_process}, dividing it" if per_process >= 2 else \
+        f"at least {T} devices a process (--cpu-devices {T} on CPUs), or --strategy ddp"
+    return ValueError(f"--tensor-parallel {T} puts a tensor group on devices of processes {procs}; keep each group "
+                      f"within one process (Megatron keeps tensor parallelism within a node): use {fix}.")

@@ -465,3 +465,65 @@ def test_a_batch_the_processes_do_not_divide_is_refused_before_joining(monkeypat
         code, err = run_main([a.format(**files) for a in BASE] + ["--strategy", strategy], capsys)
         check_answer(code, err, [f"--strategy {strategy} runs in one process, but the launcher started 2",
                                  "use --strategy ddp"])
+
+
+def test_a_stage_or_tensor_group_across_processes_is_refused_before_joining(monkeypatch, capsys):
+    """Under a launcher with --cpu-devices known, a tensor group or pipeline stage that would lie on two processes'
+    devices is refused by validate(), not after every rank joined (QA 50), and the --num-stages it advises passes."""
+    from jaxpar.run import distributed, trainer
+
+    def join(*a, **k):
+        raise AssertionError("joined the group before refusing the layout")
+
+    monkeypatch.setattr(distributed, "initialize", join)
+    for name, value in dict(WORLD_SIZE="4", RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29555").items():
+        monkeypatch.setenv(name, value)
+    gpt = ["--model", "gpt-micro", "--dataset", "text", "--seq-len", "16", "--batch-size", "12", "--steps", "1",
+           "--quiet", "--eval-split", "", "--cpu-devices"]
+    cases = [(["1", "--strategy", "tp", "--tensor-parallel", "2"],
+              ["--tensor-parallel 2 puts a tensor group on devices of processes [0, 1]", "--cpu-devices 2"]),
+             (["1", "--strategy", "pipeline", "--num-stages", "2", "--tensor-parallel", "2"],
+              ["stage's 1 x 2 (D x T) devices on processes [0, 1]", "--cpu-devices 2"]),
+             (["1", "--strategy", "pipeline", "--num-stages", "2"],
+              ["--num-stages 2 over 4 processes of 1 device(s) puts a stage's 2 devices on processes [0, 1]",
+               "use --num-stages 4,"]),
+             (["2", "--strategy", "pipeline", "--num-stages", "2"],
+              ["stage's 4 devices on processes [0, 1]", "use --num-stages 4 or 8,"]),
+             (["4", "--strategy", "pipeline", "--num-stages", "2", "--tensor-parallel", "2"],
+              ["stage's 4 x 2 (D x T) devices on processes [0, 1]", "use --num-stages 4 or 8,"])]
+    for argv, patterns in cases:
+        code, err = run_main(gpt + argv, capsys)
+        check_answer(code, err, patterns)
+    for stages in (4, 8):  # the advice holds: those layouts pass, on 4 processes of 2 devices
+        trainer.check_process_layout(Config(strategy="pipeline", num_stages=stages), 4, 2)
+    trainer.check_process_layout(Config(strategy="pipeline", num_stages=4, tensor_parallel=2), 4, 4)
+    trainer.check_process_layout(Config(strategy="tp", tensor_parallel=2), 4, 2)
+
+
+def test_the_layout_check_follows_the_meshes_device_order():
+    """check_process_layout's rule (a tensor group: T consecutive devices; a stage: n / S consecutive) agrees with the
+    meshes the strategies build, on the 8 devices here as if processes held `per` devices each (process = id // per)."""
+    import jax
+    import numpy as np
+
+    from jaxpar.mesh import straddler
+    from jaxpar.strategies.pipeline import pipeline_mesh
+
+    devices = jax.devices()[:8]
+    index = {d: i for i, d in enumerate(devices)}
+    spans = lambda groups, per: any(len({index[d] // per for d in g}) > 1 for g in groups)  # noqa: E731
+    seen = set()
+    for per in (1, 2, 4, 8):
+        for S in (1, 2, 4, 8):
+            for T in (1, 2, 4):
+                if 8 % (S * T):
+                    continue
+                mesh = pipeline_mesh(devices, S, T)
+                stages = [mesh.devices[:, s].ravel() for s in range(S)]
+                seen.add(spans(stages, per))
+                assert spans(stages, per) == (straddler(8, 8 // S, per) is not None), (per, S, T)
+            if S == 1:  # tp: TensorParallel's build reshapes the devices to (D, T)
+                for T in (2, 4, 8):
+                    rows = np.array(devices).reshape(8 // T, T)
+                    assert spans(rows, per) == (straddler(8, T, per) is not None), (per, T)
+    assert seen == {True, False}  # both answers occur

@@ -26,7 +26,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.mesh import DATA, PIPE, TENSOR
+from jaxpar.mesh import DATA, PIPE, TENSOR, stage_fix
 
 PAIR, PROC = "pair", "proc"
 
@@ -79,9 +79,9 @@ class Transport:
         for s, devs in enumerate(self.devices):
             procs = {d.process_index for d in devs}
             if len(procs) > 1:
-                raise ValueError(f"stage {s}'s {len(devs)} devices span processes {sorted(procs)}; a "
-                                 "stage must live in one process: use --num-stages a multiple of the process count "
-                                 "(or DDP for pure data parallelism across processes).")
+                raise ValueError(f"stage {s}'s {len(devs)} devices span processes {sorted(procs)}; a stage must "
+                                 f"live in one process: {stage_fix(mesh.size, jax.local_device_count(), self.T)}; "
+                                 "or DDP for pure data parallelism across processes.")
             self.process.append(procs.pop())
         if TENSOR in mesh.axis_names:
             self.meshes = [Mesh(g, (DATA, TENSOR)) for g in grids]

@@ -281,6 +281,8 @@ def validate(cfg: Config) -> None:
     group = distributed.detect()  # the process count the launcher set, before joining (run() checks it again)
     if group is not None and group.num_processes:
         check_process_batch(cfg, group.num_processes)
+        if cfg.cpu_devices:  # each process's device count is known before joining only when simulated
+            check_process_layout(cfg, group.num_processes, cfg.cpu_devices)
 
 
 def check_process_batch(cfg: Config, nproc: int) -> None:
@@ -292,6 +294,24 @@ def check_process_batch(cfg: Config, nproc: int) -> None:
     if cfg.batch_size % nproc and not whole_batch(cfg.strategy):
         raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by the {nproc} processes; "
                          f"use a multiple of {nproc}.")
+
+
+def check_process_layout(cfg: Config, nproc: int, per_process: int) -> None:
+    """Before joining: refuse the tensor group or pipeline stage that would lie on devices of two processes, as
+    TensorParallel and the pipeline's Transport would after joining (jax.devices() lists the processes' devices
+    process by process; a tensor group is T consecutive devices, a stage --num-devices / --num-stages)."""
+    from jaxpar.mesh import stage_fix, straddler, tensor_group_error
+
+    n, T, S = cfg.num_devices or nproc * per_process, max(1, cfg.tensor_parallel), cfg.num_stages
+    if n > nproc * per_process:
+        return  # more devices than the processes hold: make_mesh's refusal says so
+    if cfg.strategy == "tp" and T >= 2 and n % T == 0 and (procs := straddler(n, T, per_process)):
+        raise tensor_group_error(T, procs, per_process)
+    if cfg.strategy == "pipeline" and n % (S * T) == 0 and (procs := straddler(n, n // S, per_process)):
+        shape = f"{n // (S * T)} x {T} (D x T)" if T > 1 else f"{n // S}"
+        raise ValueError(f"--num-stages {S} over {nproc} processes of {per_process} device(s) puts a stage's "
+                         f"{shape} devices on processes {procs}; a stage must live in one process: "
+                         f"{stage_fix(n, per_process, T)}; or --strategy ddp across processes.")
 
 
 # Flags that only some strategies read: given to another, they would be accepted and silently ignored

@@ -47,7 +47,7 @@ from jaxpar import loss_scale
 from jaxpar.batch import Rows, as_rows, check_unpadded, num_rows, pad_rows, round_up
 from jaxpar.comm import cost as comm_cost
 from jaxpar.config import Config
-from jaxpar.mesh import DATA, TENSOR
+from jaxpar.mesh import DATA, TENSOR, tensor_group_error
 from jaxpar.objective import Objective, OutputLoss, advance_rng, metrics_of
 from jaxpar.step import TrainState, apply_updates, squared_norm
 from jaxpar.strategies import zero_optim
@@ -229,14 +229,8 @@ class TensorParallel:
                             f"not a {type(model).__name__}.")
         spans = [row for row in self.mesh.devices if len({d.process_index for d in row}) > 1]
         if spans:  # each process feeds its own rows to its data ranks: a tensor group cannot straddle two
-            procs = sorted({d.process_index for d in spans[0]})
-            local = len(local_devices(self.mesh))
-            fix = f"--tensor-parallel at most {local}, dividing it" if local >= 2 else \
-                f"at least {tensor_parallel} devices a process (--cpu-devices {tensor_parallel} on CPUs), or " \
-                "--strategy ddp"
-            raise ValueError(f"--tensor-parallel {tensor_parallel} puts a tensor group on devices of processes "
-                             f"{procs}; keep each group within one process (Megatron keeps tensor parallelism within "
-                             f"a node): use {fix}.")
+            raise tensor_group_error(tensor_parallel, sorted({d.process_index for d in spans[0]}),
+                                     len(local_devices(self.mesh)))
         model = nnx.clone(model)  # its own copy, pointed at the tensor axis below: the user's model stays as it is
         wrt = objective_options.get("wrt", nnx.Param)
         check_objective_options("TensorParallel", objective_options)

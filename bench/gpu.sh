@@ -3,12 +3,12 @@
 # torch.compile) on gpt2 124M, batch 16 x 1024 tokens, bf16; bench/gpt_profile.py (where jaxpar's step goes: its
 # GPU kernels by kind); every strategy in its 1-device configuration on GPT-2 (bf16, then fp16 with the loss
 # scaler); the GPT model tests on the GPU; GPT-2's state dicts to and from transformers (examples/hf_gpt2.py, on the
-# CPU beside the training runs); the CPU test suite if time is left; then one table. First run on an H100 on 2026-11-27 (README, Benchmarks).
+# CPU beside the training runs); the CPU test suite if time is left; then one table. First run on an H100 on 2026-11-27 (docs/benchmarks.md).
 #
 #     bash bench/gpu.sh                 # from the repository root; results also in $OUT (default /tmp/jaxpar-gpu)
 #     BUDGET=900 bash bench/gpu.sh      # seconds for all of it (default 480: the device tool's calls end at 600 s)
 #     XLA_FLAGS="--xla_gpu_enable_triton_gemm=false --xla_gpu_enable_cublaslt=true" bash bench/gpu.sh
-#                                       # jaxpar's fastest GPT step on an H100 (README: the fifth lease); XLA reads
+#                                       # jaxpar's fastest GPT step on an H100 (docs/benchmarks.md: the fifth lease); XLA reads
 #                                       # the flags, torch does not
 #
 # The benchmark runs alone; the training runs go PARALLEL (default 3) at a time, each with that share of the GPU's

@@ -97,16 +97,41 @@ def _joined() -> bool:
     return jax.distributed.is_initialized()
 
 
+USAGE_WAIT_S = 5.0  # how long a refusing process waits for its peers to refuse too before it leaves
+
+
 def _leave(code: int) -> None:
     """Exit with `code`. A process in a jax.distributed group leaves at once (os._exit, output flushed): a normal
     exit runs JAX's shutdown barrier, where a rank that failed alone waited 300 s for the others, which wait in the
     step's collectives for it, before both aborted and the launcher blamed the wrong rank (a QA finding). The
-    launcher sees this exit status and stops the others within seconds."""
+    launcher sees this exit status and stops the others within seconds.
+
+    A usage error (status 2) after joining is the same on every process (they run one command on the same data), so
+    the processes first meet at a barrier (up to USAGE_WAIT_S) and process 0, whose coordination service the others
+    poll, leaves last: when it left first, the peers still on their way to the same refusal died in JAX's C++
+    ("the JAX distributed service detected fatal errors") with a stack trace around the one line (QA 50)."""
     if _joined():
         sys.stdout.flush()
         sys.stderr.flush()
+        if code == 2:
+            _leave_together()
         os._exit(code)
     raise SystemExit(code) from None
+
+
+def _leave_together() -> None:
+    import time
+
+    import jax
+
+    from jaxpar.run.distributed import _barrier
+
+    try:
+        _barrier("jaxpar_usage_error", USAGE_WAIT_S)
+    except Exception:  # a refusal of this process alone: the others are elsewhere, leave now
+        return
+    if jax.process_index() == 0:
+        time.sleep(0.5)  # the peers' os._exit first, while the service they poll still runs
 
 
 if __name__ == "__main__":

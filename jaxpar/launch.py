@@ -12,7 +12,8 @@ status (128 + signal for a killed one) within seconds: a rank stuck in a collect
 With --max-restarts R the whole group is restarted up to R times; a restart appends --resume (train.py continues from
 its last checkpoint) only when the script's --checkpoint-dir got a newer checkpoint during this launch, so a folder
 that held an earlier run's checkpoints is never continued unasked. Exit status 2 (a usage error: argparse's, or
-train.py's one-line refusals) is not restarted, since every attempt would repeat it. SIGINT / SIGTERM to the launcher
+train.py's one-line refusals) is not restarted, since every attempt would repeat it; the others get USAGE_GRACE_S
+to leave by themselves first (every rank refuses, and train.py's ranks leave together). SIGINT / SIGTERM to the launcher
 stop every process the same way (a second one SIGKILLs them at once); on Linux the processes are also killed
 (SIGKILL) when the launcher dies, even of SIGKILL: no checkpoint is saved then (JAX's runtime catches SIGTERM, and a
 rank waiting in a collective for a dead peer never sees it).
@@ -186,6 +187,9 @@ def _relay(stream, out, prefix: bytes, lock: threading.Lock, seen: set[bytes]) -
     stream.close()
 
 
+USAGE_GRACE_S = 2.0  # after a usage error, how long the others get to leave too (they left a barrier together)
+
+
 class Group:
     """The local processes of one attempt: started together, stopped together."""
 
@@ -221,6 +225,10 @@ class Group:
                 how = f"was killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() \
                     else f"exited with status {_status(code)}"
                 self.failure = f"rank {self.ranks[i]} (pid {self.procs[i].pid}) {how}"
+                if _status(code) == 2:  # a usage error: the others refuse too and leave together (cli._leave)
+                    deadline = time.monotonic() + USAGE_GRACE_S
+                    while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
+                        time.sleep(poll_s)
                 return _status(code)
             if all(c == 0 for c in codes):
                 return 0

@@ -335,6 +335,29 @@ def test_a_rank_that_fails_alone_after_joining_ends_the_job_within_seconds(tmp_p
     assert time.monotonic() - t0 < 90, out  # it took 300 s and more
 
 
+def test_a_refusal_every_rank_reaches_after_joining_is_one_line_from_each(tmp_path):
+    """A usage error every rank hits after joining, rank 1 two seconds after rank 0: each prints its one line and
+    leaves with status 2. Rank 0 left at once and took the coordination service along; rank 1, on its way to the same
+    refusal, died in JAX's C++ with a stack trace instead (QA 50). Now the ranks meet before leaving, rank 0 last."""
+    script = tmp_path / "refuse_late.py"
+    script.write_text("import os, sys, time\n"
+                      "from jaxpar import cli\n"
+                      "from jaxpar.run import trainer\n"
+                      "def run(cfg, **kw):\n"
+                      "    import jax; jax.devices()  # joined, the backend up\n"
+                      "    time.sleep(2.0 if os.environ['RANK'] == '1' else 0.0)\n"
+                      "    raise ValueError('every rank refuses after joining')\n"
+                      "trainer.run = run\n"
+                      "cli.main(sys.argv[1:])\n")
+    proc = launch(str(script), "--cpu-devices", "1", "--strategy", "ddp", "--model", "mlp", "--train-split",
+                  "train[:64]", "--eval-split", "", "--batch-size", "8", "--steps", "1", "--optimizer", "sgd")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2, out
+    for rank in (0, 1):
+        assert f"[rank {rank}] train.py: error: every rank refuses after joining" in out, out
+    assert "Terminating process" not in out and "stack trace" not in out, out
+
+
 def test_processes_that_load_different_data_are_refused(tmp_path):
     """--data-path may differ between processes (each node mounts its files), its contents may not: a shorter copy
     on rank 1 gave it fewer steps, and both ranks then hung in mismatched collectives without a word (a QA

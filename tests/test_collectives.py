@@ -71,6 +71,22 @@ def test_every_algorithm_equals_psum_and_its_twin(n, shape, dtype):
         assert not np.allclose(out[("ring", "sum")], xs), "the all-reduce must change the inputs"
 
 
+@pytest.mark.parametrize("n", [1, 3])
+def test_booleans_are_counted_as_psum_counts_them(n):
+    """bool + bool is a logical OR: the hand-written algorithms OR-ed a mask across devices where psum counts it
+    (int32; the mean a float32 fraction), a silent wrong number (QA 51). Their twins are checked the same way."""
+    xs = np.array([[True, True, False, True, False], [False, True, False, False, False],
+                   [True, True, False, False, True]])[:n]
+    out = run_all(xs)
+    count = xs.sum(0, dtype=np.int32)
+    assert n == 1 or (count > 1).any()  # a count above one, which an OR cannot give
+    for (alg, op), got in out.items():
+        want = count if op == "sum" else count / np.float32(n)
+        assert got.dtype == (np.int32 if op == "sum" else np.float32), (alg, op, got.dtype)
+        np.testing.assert_allclose(got, np.broadcast_to(want, got.shape), rtol=1e-6, err_msg=f"{alg} {op}")
+        np.testing.assert_allclose(C.REFERENCES[alg](xs, op), got, rtol=1e-6, err_msg=f"{alg} {op} twin")
+
+
 def test_comm_dtype_follows_torch_bf16_compress_hook():
     n = 4
     xs = per_device_inputs(n, (7,), np.float32)

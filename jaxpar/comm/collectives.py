@@ -10,7 +10,8 @@ bit-identical across devices (so replicas that apply it stay in lockstep). Rough
     psum_all_reduce              lax.psum: XLA's own all-reduce, the baseline
 
 The twins take the per-device inputs stacked as `xs[N, *shape]` and return the per-device outputs stacked the
-same way, adding in the same order as the device code, so float32 and integer results match bit for bit.
+same way, adding in the same order as the device code, so float32 and integer sums match bit for bit (a mean may
+differ in the last place: XLA divides by N as a multiply by 1/N). Booleans are counted, as lax.psum counts them.
 """
 from __future__ import annotations
 
@@ -31,6 +32,11 @@ _WIDENED = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 def _check_op(op: str) -> None:
     if op not in OPS:
         raise ValueError(f"op={op!r} is not an all-reduce op; use 'sum' or 'mean'.")
+
+
+def _summable(x):
+    """`x`, booleans as int32: lax.psum counts them (bool + bool would be a logical OR), and so do these."""
+    return x.astype(np.int32) if x.dtype == np.bool_ else x
 
 
 def _finish(total: jax.Array, n: int, op: str) -> jax.Array:
@@ -68,6 +74,7 @@ def ring_all_reduce(x: jax.Array, axis_name, op: str = "sum") -> jax.Array:
     than rolling the buffer by axis_index, a gather, or dynamic-update-slices into a buffer).
     """
     _check_op(op)
+    x = _summable(x)
     n = lax.axis_size(axis_name)
     if n == 1 or x.size == 0:
         return _finish(x, n, op)
@@ -100,6 +107,7 @@ def reduce_broadcast_all_reduce(x: jax.Array, axis_name, op: str = "sum", root: 
     (N-1) x S while the others move S each way; that bottleneck is the point of this algorithm.
     """
     _check_op(op)
+    x = _summable(x)
     n = lax.axis_size(axis_name)
     if not 0 <= root < n:
         raise ValueError(f"root={root} must be a device index on axis {axis_name!r} of size {n}; use 0..{n - 1}.")
@@ -125,6 +133,7 @@ def all_to_all_all_reduce(x: jax.Array, axis_name, op: str = "sum") -> jax.Array
     all N copies are held at once: N x S memory per device.
     """
     _check_op(op)
+    x = _summable(x)
     n = lax.axis_size(axis_name)
     if n == 1:
         return _finish(x, n, op)
@@ -258,7 +267,7 @@ def _finish_ref(total: np.ndarray, n: int, op: str) -> np.ndarray:
 
 
 def ring_all_reduce_ref(xs: np.ndarray, op: str = "sum") -> np.ndarray:
-    xs = np.asarray(xs)
+    xs = _summable(np.asarray(xs))
     n, shape, size = len(xs), xs.shape[1:], int(np.prod(xs.shape[1:], dtype=int))
     if n == 1 or size == 0:
         return _finish_ref(xs.copy(), n, op)
@@ -278,7 +287,7 @@ def ring_all_reduce_ref(xs: np.ndarray, op: str = "sum") -> np.ndarray:
 
 
 def reduce_broadcast_all_reduce_ref(xs: np.ndarray, op: str = "sum", root: int = 0) -> np.ndarray:
-    xs = np.asarray(xs)
+    xs = _summable(np.asarray(xs))
     n = len(xs)
     total = xs[root].copy()
     for k in range(1, n):
@@ -287,7 +296,7 @@ def reduce_broadcast_all_reduce_ref(xs: np.ndarray, op: str = "sum", root: int =
 
 
 def all_to_all_all_reduce_ref(xs: np.ndarray, op: str = "sum") -> np.ndarray:
-    xs = np.asarray(xs)
+    xs = _summable(np.asarray(xs))
     total = xs[0].copy()
     for j in range(1, len(xs)):
         total = total + xs[j]
@@ -296,7 +305,7 @@ def all_to_all_all_reduce_ref(xs: np.ndarray, op: str = "sum") -> np.ndarray:
 
 def psum_all_reduce_ref(xs: np.ndarray, op: str = "sum") -> np.ndarray:
     """XLA does not promise an order of additions: compare floats with a tolerance."""
-    xs = np.asarray(xs)
+    xs = _summable(np.asarray(xs))
     return _finish_ref(np.stack([xs.sum(0, dtype=xs.dtype)] * len(xs)), len(xs), op)
 
 

@@ -68,7 +68,7 @@ class Config:
     cpu_collectives: str = "gloo"  # gloo | mpi: CPU collectives across processes
     # DistributedDataParallel
     allreduce: str = "psum"  # psum | ring | reduce_broadcast | all_to_all
-    bucket_cap_mb: float = 25.0  # gradient bucket size (torch's bucket_cap_mb); 0 = one leaf per bucket
+    bucket_cap_mb: float | None = None  # gradient bucket size in MiB (torch's bucket_cap_mb): default 25 with a 1 MiB first bucket; a value given caps the first bucket too (torch's rule); 0 = one leaf per bucket
     overlap: bool = True  # issue each bucket's reduction from inside the backward pass
     grad_accum: int = 1  # micro-steps per optimizer step, reduced once (torch's no_sync)
     grad_comm_dtype: str | None = None  # bf16: compress gradients for communication

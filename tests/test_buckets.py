@@ -16,16 +16,51 @@ KiB = 1024
 
 def test_first_bucket_is_the_last_layers_and_closes_at_one_mib():
     sizes = [300 * KiB] * 10  # forward order: leaf 9 is the last layer
-    plan = plan_buckets(sizes, bucket_cap_mb=2)
+    plan = plan_buckets(sizes, bucket_cap_mb=2, first_bucket_mb=1)
     assert [list(b) for b in plan] == [[9, 8, 7, 6], [5, 4, 3, 2, 1, 0]]  # 1200 KiB >= 1 MiB closes bucket 0
     assert [b.nbytes for b in plan.buckets] == [1200 * KiB, 1800 * KiB]  # the rest stays under 2 MiB: left over
     assert plan.first_bucket_bytes == MiB and plan.bucket_cap_bytes == 2 * MiB
     assert [b.limit for b in plan.buckets] == [MiB, 2 * MiB]
 
 
+def test_a_cap_given_caps_the_first_bucket_too_as_torch_does():
+    """torch's BucketCapacityConfig (2.4 and later): bucket_cap_mb left at None is 25 MiB with a 1 MiB first bucket;
+    a cap given is the first bucket's limit too. jaxpar kept the 1 MiB first bucket for any cap (QA 51: torch DDP
+    with bucket_cap_mb=25 made one bucket of 6 x Linear(400, 400) where jaxpar made two)."""
+    sizes = [300 * KiB] * 10
+    default = plan_buckets(sizes)
+    assert list(default) == [(9, 8, 7, 6), (5, 4, 3, 2, 1, 0)]  # the first closes at 1200 KiB >= 1 MiB
+    assert (default.first_bucket_bytes, default.bucket_cap_bytes) == (MiB, 25 * MiB)
+    given = plan_buckets(sizes, bucket_cap_mb=2)
+    assert list(given) == [(9, 8, 7, 6, 5, 4, 3), (2, 1, 0)]  # the first closes at 2100 KiB >= 2 MiB
+    assert given.first_bucket_bytes == given.bucket_cap_bytes == 2 * MiB
+    assert list(plan_buckets(sizes, bucket_cap_mb=25)) == [tuple(range(9, -1, -1))]  # torch's DDP(bucket_cap_mb=25)
+    assert len(plan_buckets(sizes, bucket_cap_mb=float("inf"))) == 1
+    assert "unlimited" in str(plan_buckets(sizes, bucket_cap_mb=float("inf")))
+
+
+def test_plans_equal_the_buckets_torch_ddp_reduces():
+    """tests/fixtures/torch_buckets.json (tests/make_bucket_fixture.py): the buckets torch 2.13's DDP reduced, read
+    by a communication hook after its Reducer's rebuild, for four models x six caps (None: torch's default)."""
+    import json
+    import os
+
+    with open(os.path.join(os.path.dirname(__file__), "fixtures", "torch_buckets.json")) as f:
+        cases = json.load(f)["cases"]
+    assert len(cases) == 24
+    first_differs = 0
+    for case in cases:
+        plan = plan_buckets(case["nbytes"], bucket_cap_mb=case["bucket_cap_mb"])
+        assert [list(b) for b in plan] == case["buckets"], case
+        old_rule = plan_buckets(case["nbytes"], bucket_cap_mb=25 if case["bucket_cap_mb"] is None else
+                                case["bucket_cap_mb"], first_bucket_mb=1)  # a 1 MiB first bucket for every cap
+        first_differs += [list(b) for b in old_rule] != case["buckets"]
+    assert first_differs >= 3  # the cases tell the two rules apart
+
+
 def test_explicit_forward_order_is_reversed():
     sizes = [600 * KiB, 600 * KiB, 10, 600 * KiB]
-    plan = plan_buckets(sizes, bucket_cap_mb=25, order=[3, 0, 2, 1])  # forward: 3, 0, 2, 1
+    plan = plan_buckets(sizes, order=[3, 0, 2, 1])  # forward: 3, 0, 2, 1
     assert list(plan) == [(1, 2, 0), (3,)]
 
 
@@ -34,7 +69,7 @@ def test_a_leaf_is_never_split_and_a_cap_sized_leaf_opening_a_bucket_is_alone():
     plan = plan_buckets(sizes, bucket_cap_mb=10)
     assert list(plan) == [(5, 4, 3), (2, 1, 0)]  # torch: the leaf crossing the limit stays in its bucket
     assert sorted(i for b in plan for i in b) == list(range(len(sizes)))
-    alone = plan_buckets([100, 30 * MiB, 2 * MiB], bucket_cap_mb=10)
+    alone = plan_buckets([100, 30 * MiB, 2 * MiB], bucket_cap_mb=10, first_bucket_mb=1)
     assert list(alone) == [(2,), (1,), (0,)]  # 30 MiB opens a bucket: past the cap at once, closed alone
 
 
@@ -73,6 +108,11 @@ def test_bad_plans_name_the_fix():
         plan_buckets([1, 2, 3], order=[0, 1, 1])
     with pytest.raises(ValueError, match="bucket_cap_mb=-1"):
         plan_buckets([1, 2], bucket_cap_mb=-1)
+    for bad in ("25", True, float("nan")):  # a bare TypeError for the string (QA 51)
+        with pytest.raises(ValueError, match=r"bucket_cap_mb=.* must be a number of MiB >= 0 .* or leave it out"):
+            plan_buckets([1, 2], bucket_cap_mb=bad)
+    with pytest.raises(ValueError, match=r"order=\[0, 1.7\] must hold leaf indices"):  # was read as [0, 1]
+        plan_buckets([1, 2], order=[0, 1.7])
     with pytest.raises(ValueError, match="one dtype"):
         flatten_bucket([jnp.zeros(2), jnp.zeros(2, jnp.int32)])
     with pytest.raises(ValueError, match="buf.shape"):

@@ -250,6 +250,44 @@ def test_bad_options_name_the_fix():
         DistributedDataParallel(objective, tx, spmd="xmap")
 
 
+def test_a_plan_that_leaves_a_leaf_out_or_names_a_stranger_is_refused():
+    """make_ddp_step(plan=...) trained a leaf in no bucket unreduced, each replica with its own gradient, without a
+    word; a leaf index past the end failed with a bare IndexError under overlap (QA 51). Both are refused at trace
+    time in one line; a complete plan of the user's trains."""
+    from jaxpar.mesh import make_mesh
+    from jaxpar.strategies.ddp import make_ddp_step, place_rows, replicate
+
+    objective, tx, state, batches = problem()
+    n_leaves = len(leaves(state.params))
+    mesh = make_mesh(2)
+    placed, rows = replicate(state, mesh, "shard_map"), place_rows(take(batches[0], slice(0, 8)), mesh)
+    cases = [([list(range(n_leaves - 1))], rf"leaves \[{n_leaves - 1}\] in no bucket"),
+             ([list(range(n_leaves)), [0]], r"leaves \[0\] in two buckets"),
+             ([list(range(n_leaves + 1))], rf"names {n_leaves}, not a leaf index 0..{n_leaves - 1}")]
+    for plan, match in cases:
+        for overlap in (True, False):
+            step = make_ddp_step(objective, tx, mesh, plan=plan, overlap=overlap)
+            with pytest.raises(ValueError, match=match + ".*jaxpar.plan_buckets"):
+                step(replicate(state, mesh, "shard_map"), rows)
+    whole = make_ddp_step(objective, tx, mesh, plan=[list(range(n_leaves))[::-1]], overlap=True)
+    assert np.isfinite(float(whole(placed, rows)[1]["loss"]))
+
+
+def test_bucket_caps_torch_accepts_and_those_it_does_not():
+    """bucket_cap_mb=None is torch's default (25 MiB, the first bucket 1), float('inf') one bucket; a string or a
+    bool is refused in one line (QA 51: OverflowError for inf, TypeError for None and '25')."""
+    from jaxpar.strategies.ddp import DistributedDataParallel
+
+    objective, tx, state, _ = problem()
+    assert "cap 25 MiB, first 1 MiB" in DistributedDataParallel(objective, tx, bucket_cap_mb=None).describe()
+    ddp = DistributedDataParallel(objective, tx, bucket_cap_mb=float("inf"))
+    ddp.init(state)
+    assert len(ddp.plan) == 1 and "cap unlimited, first unlimited" in ddp.describe()
+    for bad in ("25", True):
+        with pytest.raises(ValueError, match=r"bucket_cap_mb=.* must be a number of MiB >= 0"):
+            DistributedDataParallel(objective, tx, bucket_cap_mb=bad)
+
+
 def test_build_from_config():
     import optax
     from flax import nnx

@@ -5,8 +5,9 @@
 
 torch's rule (Reducer::rebuild_buckets, i.e. the buckets DDP settles on after its first step): walk the leaves
 in the order their gradients become ready -- the REVERSE of the forward order, last layer first -- adding each
-leaf to the open bucket of its dtype; a bucket closes as soon as it holds >= its limit, 1 MiB for the first
-bucket of each dtype (so the first all-reduce starts early) and `bucket_cap_mb` after. A leaf is never split:
+leaf to the open bucket of its dtype; a bucket closes as soon as it holds >= its limit: `bucket_cap_mb`, and for
+the first bucket of each dtype 1 MiB when the cap is left at its default (25 MiB; so the first all-reduce starts
+early) or the cap itself when one is given (torch's BucketCapacityConfig, 2.4 and later). A leaf is never split:
 the leaf that crosses the limit stays in its bucket, so a bucket can exceed the cap, and a leaf at least the
 cap that opens a bucket is alone in it. bucket_cap_mb=0 gives one leaf per bucket. Buckets are listed in the
 order they become ready (the position of their last leaf).
@@ -27,6 +28,9 @@ import numpy as np
 from jaxpar.types import PyTree
 
 MiB = 1024 * 1024  # torch's bucket_cap_mb is in MiB
+BUCKET_CAP_MB = 25.0  # torch DDP's bucket_cap_mb when left at None
+FIRST_BUCKET_MB = 1.0  # torch's _DEFAULT_FIRST_BUCKET_BYTES: the first bucket's limit when the cap is the default
+UNLIMITED = 2**63 - 1  # the byte limit of a cap of float("inf"): one bucket per dtype
 Plan = Sequence[Sequence[int]]  # buckets of leaf indices: a BucketPlan, or any list of lists
 
 
@@ -74,6 +78,8 @@ class BucketPlan:
 
 
 def _mib(nbytes: int) -> str:
+    if nbytes >= UNLIMITED:
+        return "unlimited"
     if nbytes >= MiB:
         return f"{nbytes / MiB:.2f} MiB"
     return f"{nbytes / 1024:.1f} KiB" if nbytes >= 1024 else f"{nbytes} B"
@@ -106,24 +112,31 @@ def leaf_infos(tree_or_sizes: PyTree | Sequence[int]) -> tuple[LeafInfo, ...]:
     return tuple(out)
 
 
-def plan_buckets(tree_or_sizes: PyTree | Sequence[int], bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
-                 order: Sequence[int] | None = None) -> BucketPlan:
+def plan_buckets(tree_or_sizes: PyTree | Sequence[int], bucket_cap_mb: float | None = None,
+                 first_bucket_mb: float | None = None, order: Sequence[int] | None = None) -> BucketPlan:
     """torch DDP's buckets (see the module doc) for the leaves of a params pytree, or a list of byte sizes.
 
-    `order`: leaf indices in FORWARD order (default: flatten order); buckets fill in its reverse. The first
-    bucket's limit is min(first_bucket_mb, bucket_cap_mb), so bucket_cap_mb=0 puts every leaf alone.
+    `bucket_cap_mb` None: torch's default, 25 MiB with a 1 MiB first bucket; a cap given is the first bucket's
+    limit too, unless `first_bucket_mb` says otherwise (the first limit is min(first, cap), so bucket_cap_mb=0
+    puts every leaf alone; float("inf") makes one bucket per dtype). `order`: leaf indices in FORWARD order
+    (default: flatten order); buckets fill in its reverse.
     """
-    if not (bucket_cap_mb >= 0 and first_bucket_mb >= 0):
-        raise ValueError(f"bucket_cap_mb={bucket_cap_mb} and first_bucket_mb={first_bucket_mb} must be >= 0; "
-                         f"use 0 for one leaf per bucket.")
+    first_bucket_mb = (FIRST_BUCKET_MB if bucket_cap_mb is None else bucket_cap_mb) if first_bucket_mb is None \
+        else first_bucket_mb
+    bucket_cap_mb = BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
+    check_mib("bucket_cap_mb", bucket_cap_mb)
+    check_mib("first_bucket_mb", first_bucket_mb)
     infos = leaf_infos(tree_or_sizes)
     n = len(infos)
+    if order is not None and not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in order):
+        raise ValueError(f"order={list(order)} must hold leaf indices (ints); pass the leaves' positions in the "
+                         "forward order, or None for the flatten order.")
     order = list(range(n)) if order is None else [int(i) for i in order]
     if sorted(order) != list(range(n)):
         raise ValueError(f"order={order} must list each of the {n} leaf indices 0..{n - 1} once (forward order); "
                          f"build it from the model's layers or pass None for the flatten order.")
-    cap = int(bucket_cap_mb * MiB)
-    first = min(int(first_bucket_mb * MiB), cap)
+    cap, first = _bytes(bucket_cap_mb), _bytes(first_bucket_mb)
+    first = min(first, cap)
     ready = order[::-1]  # gradients become ready last layer first
     position = {leaf: p for p, leaf in enumerate(ready)}
     pending: dict[str, list[int]] = {}
@@ -140,6 +153,43 @@ def plan_buckets(tree_or_sizes: PyTree | Sequence[int], bucket_cap_mb: float = 2
     done += [Bucket(tuple(b), dt, filled[dt], limit[dt]) for dt, b in pending.items() if b]
     done.sort(key=lambda b: position[b.leaves[-1]])  # the order buckets become ready
     return BucketPlan(tuple(done), infos, cap, first)
+
+
+def cap_text(plan: BucketPlan | None, bucket_cap_mb: float | None) -> str:
+    """"cap 25 MiB, first 1 MiB": the limits a plan was (or will be) filled to, for describe()."""
+    if plan is not None:
+        return f"cap {_mib(plan.bucket_cap_bytes)}, first {_mib(plan.first_bucket_bytes)}"
+    if bucket_cap_mb is None:
+        return f"cap {BUCKET_CAP_MB:g} MiB, first {FIRST_BUCKET_MB:g} MiB"
+    return f"cap {bucket_cap_mb:g} MiB"
+
+
+def check_mib(name: str, value) -> None:
+    """ValueError unless `value` is a number of MiB >= 0 (inf: no limit)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not value >= 0:
+        raise ValueError(f"{name}={value!r} must be a number of MiB >= 0 (torch's rule); use 0 for one leaf per "
+                         "bucket, float('inf') for one bucket, or leave it out for torch's default (25, the first "
+                         "bucket 1).")
+
+
+def _bytes(mib: float) -> int:
+    return UNLIMITED if mib * MiB >= UNLIMITED else int(mib * MiB)
+
+
+def check_plan(plan: Plan, n_leaves: int) -> None:
+    """ValueError unless `plan` puts each of the `n_leaves` gradient leaves in exactly one bucket: a leaf left out
+    would not be all-reduced, and the replicas would drift apart without a word (a QA finding)."""
+    seen = [i for bucket in plan for i in bucket]
+    bad = [i for i in seen if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < n_leaves]
+    if bad:
+        raise ValueError(f"the bucket plan names {bad[0]!r}, not a leaf index 0..{n_leaves - 1}; plan on these "
+                         "gradients (jaxpar.plan_buckets(params)).")
+    twice = sorted({i for i in seen if seen.count(i) > 1})
+    missing = sorted(set(range(n_leaves)) - set(seen))
+    if twice or missing:
+        what = f"leaves {missing} in no bucket" if missing else f"leaves {twice} in two buckets"
+        raise ValueError(f"the bucket plan puts {what}; put each of the {n_leaves} gradient leaves in exactly one "
+                         "bucket (jaxpar.plan_buckets(params) does).")
 
 
 def flatten_bucket(leaves: Sequence[jax.Array]) -> jax.Array:

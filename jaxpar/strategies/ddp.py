@@ -34,7 +34,7 @@ from jaxpar import loss_scale
 from jaxpar.batch import Rows, as_rows, check_unpadded, num_rows, pad_rows, round_up, split_rows
 from jaxpar.comm import cost as comm_cost
 from jaxpar.comm import overlap as ddp_overlap
-from jaxpar.comm.buckets import BucketPlan, plan_buckets
+from jaxpar.comm.buckets import BucketPlan, cap_text, check_mib, check_plan, plan_buckets
 from jaxpar.comm.collectives import ALGORITHMS, all_reduce
 from jaxpar.config import Config
 from jaxpar.mesh import DATA, check_data_mesh, make_mesh
@@ -53,11 +53,11 @@ def make_reduce(algorithm: str, comm_dtype=None, axis_name: str = DATA) -> ddp_o
     return lambda flat: all_reduce(flat, axis_name, algorithm, "sum", comm_dtype)
 
 
-def bucket_plan(params: Params, bucket_cap_mb: float, order: Sequence[int] | None = None) -> BucketPlan:
+def bucket_plan(params: Params, bucket_cap_mb: float | None, order: Sequence[int] | None = None) -> BucketPlan:
     """torch's buckets over the leaves of `params`, first bucket = last layers (reduced first).
 
     `order` is the forward order of the leaves (ddp_overlap.forward_leaf_order); None: flatten order.
-    `bucket_cap_mb` 0 puts one leaf in each bucket.
+    `bucket_cap_mb` None: torch's default (25 MiB, the first bucket 1 MiB); 0 puts one leaf in each bucket.
     """
     return plan_buckets(params, bucket_cap_mb, order=order)
 
@@ -118,6 +118,7 @@ def ddp_body(objective: Objective, tx: optax.GradientTransformation, plan, reduc
         s = loss_scale.current(state.opt_state)
         leaves, treedef = jax.tree.flatten(state.params)
         buckets = plan(state.params) if callable(plan) else plan
+        check_plan(buckets, len(leaves))
         replica = lax.axis_index(axis_name)
 
         def local_loss(ps, mb, model_state, k, acc=None, hooked=False):
@@ -164,7 +165,7 @@ def ddp_body(objective: Objective, tx: optax.GradientTransformation, plan, reduc
 
 
 def make_ddp_step(objective: Objective, tx: optax.GradientTransformation, mesh: Mesh, *, allreduce: str = "psum",
-                  bucket_cap_mb: float = 25.0, overlap: bool = True, grad_accum: int = 1,
+                  bucket_cap_mb: float | None = None, overlap: bool = True, grad_accum: int = 1,
                   grad_comm_dtype: str | None = None, spmd: str = "shard_map",
                   plan: Sequence[Sequence[int]] | None = None, leaf_order: Sequence[int] | None = None,
                   compiler_options: dict | None = None):
@@ -197,8 +198,8 @@ def check_options(*, allreduce: str, spmd: str, grad_accum: int, grad_comm_dtype
         raise ValueError(f"grad_accum={grad_accum!r} must be an int >= 1; use 1 for no accumulation.")
     if grad_comm_dtype not in COMM_DTYPES:
         raise ValueError(f"grad_comm_dtype={grad_comm_dtype!r} is not known; use bf16, fp32 or leave it out.")
-    if not bucket_cap_mb >= 0:
-        raise ValueError(f"bucket_cap_mb={bucket_cap_mb} must be >= 0; use 0 for one leaf per bucket.")
+    if bucket_cap_mb is not None:
+        check_mib("bucket_cap_mb", bucket_cap_mb)
 
 
 # ---- placement: padding, sharding, replication ---------------------------------------------------------------
@@ -257,7 +258,8 @@ class DistributedDataParallel:
     name = "ddp"
 
     def __init__(self, model: nnx.Module | Objective, tx: optax.GradientTransformation, *, loss_fn=None,
-                 mesh: Mesh | None = None, allreduce: str = "psum", bucket_cap_mb: float = 25.0, overlap: bool = True,
+                 mesh: Mesh | None = None, allreduce: str = "psum", bucket_cap_mb: float | None = None,
+                 overlap: bool = True,
                  grad_accum: int = 1, grad_comm_dtype: str | None = None, spmd: str = "shard_map",
                  batch_size: int | None = None, leaf_order: Sequence[int] | None = None, **objective_options):
         self._layers_check = LayersCheck()  # armed by init where the layers run instead of __call__
@@ -333,7 +335,7 @@ class DistributedDataParallel:
             f"{len(self.plan)} bucket{'s' if len(self.plan) != 1 else ''}"
         comm = self.grad_comm_dtype or "fp32"
         return (f"{DATA} mesh of {self.mesh.size} devices ({processes()}), {self.spmd}, "
-                f"allreduce={self.allreduce}, {buckets} (cap {self.bucket_cap_mb:g} MB), "
+                f"allreduce={self.allreduce}, {buckets} ({cap_text(self.plan, self.bucket_cap_mb)}), "
                 f"overlap={'on' if self.overlap else 'off'}, grad_accum={self.grad_accum}, comm {comm}")
 
     def hlo(self, placed) -> str:

@@ -43,7 +43,7 @@ from jaxpar.batch import Rows, as_rows, check_unpadded, num_rows, pad_rows, roun
 from jaxpar.comm import cost as comm_cost
 from jaxpar.comm import fetch, overlap
 from jaxpar.comm import shards as sh
-from jaxpar.comm.buckets import plan_buckets
+from jaxpar.comm.buckets import check_mib, plan_buckets
 from jaxpar.config import Config
 from jaxpar.mesh import DATA, check_data_mesh, make_mesh
 from jaxpar.objective import Objective, advance_rng, check_wrt_within, metrics_of
@@ -56,7 +56,6 @@ from jaxpar.strategies.ddp import from_replica_0, local_devices, place_rows, psu
 STAGES = (1, 2, 3)
 REDUCES = ("reduce_scatter", "all_reduce")
 FETCHES = ("layer", "model")  # stage 3: a gather per layer of `layers`, or one of every weight
-BUCKET_CAP_MB = 25.0  # stages 1-2: the reduction groups' size, DDP's default bucket_cap_mb
 FORMULAS = {0: "(4+4+K) Psi", 1: "4 Psi + 4 Psi + K Psi/N", 2: "4 Psi + (4+K) Psi/N", 3: "(4+4+K) Psi/N"}
 
 
@@ -156,7 +155,7 @@ def zero_body(objective: Objective, tx, plan: sh.ShardPlan, stage: int, *, reduc
     return body
 
 
-def check_options(*, stage: int, reduce: str, grad_accum: int, bucket_cap_mb: float) -> None:
+def check_options(*, stage: int, reduce: str, grad_accum: int, bucket_cap_mb: float | None) -> None:
     if isinstance(stage, (bool, np.bool_)) or not isinstance(stage, numbers.Integral) or stage not in STAGES:
         # True == 1.0 == 1 in Python: each ran as stage 1, and printed as given
         raise ValueError(f"zero_stage={stage!r} is not a ZeRO stage; use 1 (optimizer state), 2 (+ gradients) or "
@@ -168,14 +167,14 @@ def check_options(*, stage: int, reduce: str, grad_accum: int, bucket_cap_mb: fl
                          "backward); drop --zero-reduce or use --zero-stage 1.")
     if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum < 1:
         raise ValueError(f"grad_accum={grad_accum!r} must be an int >= 1; use 1 for no accumulation.")
-    if not bucket_cap_mb >= 0:
-        raise ValueError(f"bucket_cap_mb={bucket_cap_mb} must be >= 0; use 0 for one leaf per bucket.")
+    if bucket_cap_mb is not None:
+        check_mib("bucket_cap_mb", bucket_cap_mb)
 
 
 class ZeroRedundancy:
     """DeepSpeed ZeRO on a 1-D DATA mesh: `ZeroRedundancy(model, tx, stage=2, loss_fn=..., mesh=...)` or
     `ZeroRedundancy(objective, tx, ...)`. `batch_size` (global) fixes every batch's padded shape (one compile);
-    `bucket_cap_mb` sizes the reduction groups of stages 1-2 (DDP's buckets); `prefetch` gathers stage 3's next
+    `bucket_cap_mb` sizes the reduction groups of stages 1-2 (DDP's buckets, None: torch's default); `prefetch` gathers stage 3's next
     layer one layer ahead. `fetch` (stage 3): "layer" gathers each of the model's `layers` as it runs them, in
     place of its __call__ (checked on the first batch to compute the same); "model" gathers every weight at once
     and runs the model's own __call__ (an embedding and head around `layers`, any model)."""
@@ -184,7 +183,7 @@ class ZeroRedundancy:
 
     def __init__(self, model: nnx.Module | Objective, tx: optax.GradientTransformation, *, stage: int = 1,
                  loss_fn=None, mesh: Mesh | None = None, reduce: str = "reduce_scatter",
-                 bucket_cap_mb: float = BUCKET_CAP_MB,
+                 bucket_cap_mb: float | None = None,
                  grad_accum: int = 1, batch_size: int | None = None, leaf_order: Sequence[int] | None = None,
                  prefetch: bool = True, fetch: str = "layer", **objective_options):
         self._layers_check = LayersCheck()  # armed by init where the layers run instead of __call__
@@ -193,7 +192,7 @@ class ZeroRedundancy:
             raise ValueError(f"fetch={fetch!r} (--zero-fetch) is not known; use 'layer' (stage 3 gathers each of the "
                              "model's `layers` as it runs them) or 'model' (every weight at once, the model's own "
                              "__call__).")
-        unread = [(bucket_cap_mb != BUCKET_CAP_MB and stage == 3, f"bucket_cap_mb={bucket_cap_mb!r}",
+        unread = [(bucket_cap_mb is not None and stage == 3, f"bucket_cap_mb={bucket_cap_mb!r}",
                    "stage 3 gathers and reduces each leaf on its own (no buckets)"),
                   (fetch != "layer" and stage != 3, f"fetch={fetch!r}",
                    f"stage {stage} fetches no weights (stage 3's)"),

@@ -180,6 +180,24 @@ def test_rule_5_wrong_stage_and_stale_steps():
         sch.validate(dataclasses.replace(s, grid=tuple(reversed(s.grid))))
 
 
+def test_malformed_tables_get_a_schedule_error_not_a_python_one():
+    """A tick with fewer cells than stages, a cell written as the grid prints it ("F0"), a count of 0: each is one
+    ScheduleError naming the tick, cell or count (they were IndexError / AttributeError, or accepted; QA 51)."""
+    base = sch.one_f_one_b(2, 2)
+    grid = [list(row) for row in base.grid]
+    cases = [(grid + [[None]], r"tick 6 has 1 grid cells for 2 stages; give every tick one cell per stage"),
+             (grid + [["F0", None]], r"stage 0 at tick 6 holds 'F0', not an Action or None; write it as "
+                                     r"Action.parse\('0F0'\)")]
+    for rows, match in cases:
+        with pytest.raises(ScheduleError, match=match):
+            sch.validate(dataclasses.replace(base, grid=tuple(map(tuple, rows)), steps=()))
+    with pytest.raises(ScheduleError, match=r"num_stages=0 must be an int >= 1; pass a positive count"):
+        sch.validate(sch.Schedule("empty", 0, 1, 1, ()))
+    with pytest.raises(ScheduleError, match=r"stage 1's instructions at tick 0 hold 'x', not an Action"):
+        sch.validate(dataclasses.replace(base, steps=((base.steps[0][0], ("x",)),) + base.steps[1:]))
+    assert sch.validate(base) is base
+
+
 def test_dry_run_detects_deadlock():
     c = sch.add_communication(sch.one_f_one_b(2, 3))
     steps = [list(map(list, row)) for row in c.steps]

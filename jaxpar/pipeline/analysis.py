@@ -44,7 +44,9 @@ def bubble_fraction(schedule: Schedule, costs: dict | None = None) -> float:
     """Idle time / (stages x makespan); ``costs`` None: idle slots of the grid (every action one tick).
 
     With V chunks a slot is 1/V of a full stage's forward or backward. GPipe and 1F1B give (S-1)/(M+S-1) under
-    either clock; interleaved (S-1)/(V*M+S-1) when M >= S; ZB-H1 (S-1)/(3M+S-1) under COSTS.
+    either clock; interleaved (S-1)/(V*M+S-1) when M >= S; ZB-H1 (S-1)/(3M+S-1) under COSTS when M >= S (with
+    fewer micro-batches the chain of one micro-batch's F, I and W through the stages outlasts 3M+S-1, and the
+    simulation gives more).
     """
     if costs is None:
         idle = sum(a is None for row in schedule.grid for a in row)
@@ -57,8 +59,9 @@ def bubble_fraction(schedule: Schedule, costs: dict | None = None) -> float:
 def peak_inflight(schedule: Schedule) -> list[int]:
     """Per stage, the most (micro-batch, chunk) activations held at once (forward ran, B or W not yet).
 
-    With V chunks each one is 1/V of a full stage's activations. 1F1B and ZB-H1: min(S - s, M) on stage s;
-    GPipe: M; forward-only: 1 (each is passed on and dropped).
+    With V chunks each one is 1/V of a full stage's activations. 1F1B: min(S - s, M) on stage s; ZB-H1: min(S, M)
+    on every stage (a micro-batch is held until its deferred W); GPipe: M; forward-only: 1 (each is passed on and
+    dropped).
     """
     if not schedule.training:
         return [1] * schedule.num_stages

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import numbers
 import re
 from collections import Counter
 from typing import NamedTuple, Sequence
@@ -344,6 +345,30 @@ def _dry_run(schedule: Schedule) -> None:
         raise ScheduleError(6, f"sends never received (kind, virtual stage, micro-batch): {left}", grid_text(schedule))
 
 
+def _check_table(schedule: Schedule) -> None:
+    """ScheduleError (rule 5, without the grid, which cannot be drawn) unless the counts are ints >= 1 and every tick
+    holds one cell per stage, each an Action or None, and one list of Actions per stage."""
+    S = schedule.num_stages
+    for name in ("num_stages", "num_microbatches", "virtual_stages"):
+        v = getattr(schedule, name)
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+            raise ScheduleError(5, f"{name}={v!r} must be an int >= 1; pass a positive count")
+    for t, row in enumerate(schedule.grid):
+        if len(row) != S:
+            raise ScheduleError(5, f"tick {t} has {len(row)} grid cells for {S} stages; give every tick one cell per "
+                                   "stage (None for a bubble)")
+        for s, a in enumerate(row):
+            if a is not None and not isinstance(a, Action):
+                raise ScheduleError(5, f"stage {s} at tick {t} holds {a!r}, not an Action or None; write it as "
+                                       f"Action.parse('{s}{a}') (stage, op, micro-batch)")
+    for t, row in enumerate(schedule.steps):
+        for s, ins in enumerate(row):
+            bad = [x for x in ins if not isinstance(x, Action)]
+            if bad:
+                raise ScheduleError(5, f"stage {s}'s instructions at tick {t} hold {bad[0]!r}, not an Action; "
+                                       "build them with Action(...) or Action.parse")
+
+
 def validate(schedule: Schedule) -> Schedule:
     """Check RULES 5, 1, then 2-4 tick by tick, then 6; return the schedule or raise ScheduleError.
 
@@ -354,6 +379,7 @@ def validate(schedule: Schedule) -> Schedule:
     def fail(rule: int, detail: str, cells):
         raise ScheduleError(rule, detail, grid_text(schedule, cells), cells)
 
+    _check_table(schedule)
     if len(schedule.steps) != schedule.num_ticks:
         fail(5, f"{len(schedule.steps)} instruction ticks for {schedule.num_ticks} grid ticks", [])
     where: dict[Action, list[tuple[int, int]]] = {}

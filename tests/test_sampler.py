@@ -97,17 +97,32 @@ def test_batches_and_resume_mid_epoch():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(num_samples=0), "num_samples=0 must be an integer >= 1"),
     (dict(num_samples=10, num_replicas=0), "num_replicas=0"),
     (dict(num_samples=10, num_replicas=4, rank=4), "rank=4 must be in \\[0, num_replicas=4\\)"),
     (dict(num_samples=10, rank=-1), "rank=-1"),
-    (dict(num_samples=10, seed=-3), "seed=-3 must be an integer >= 0"),
+    (dict(num_samples=10, seed=2**64), "seed=18446744073709551616 must be an integer in \\[-2\\*\\*63, 2\\*\\*64\\)"),
+    (dict(num_samples=10, seed=-2**63 - 1), "seed=-9223372036854775809 must be an integer in"),
+    (dict(num_samples=-1), "num_samples=-1 must be an integer >= 0"),
     (dict(num_samples=2.5), "num_samples=2.5"),
-    (dict(num_samples=10.0), "num_samples=10.0 must be an integer >= 1; pass the dataset's length \\(an int"),
+    (dict(num_samples=10.0), "num_samples=10.0 must be an integer >= 0; pass the dataset's length \\(an int"),
 ])
 def test_invalid_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DistributedSampler(**kwargs)
+
+
+def test_an_empty_dataset_and_a_negative_seed_are_taken_as_torch_takes_them():
+    """torch's DistributedSampler takes len 0 (no indices) and any int64 seed (QA 51: jaxpar refused both)."""
+    empty = DistributedSampler(0, 2, 1)
+    assert len(empty) == 0 and list(empty) == [] and empty.batch_plan(4) == [] and empty.real().size == 0
+    negative, zero = DistributedSampler(10, 2, 0, seed=-1), DistributedSampler(10, 2, 0, seed=0)
+    assert sorted(negative.indices().tolist() + DistributedSampler(10, 2, 1, seed=-1).indices().tolist()) == \
+        list(range(10))
+    assert negative.indices().tolist() != zero.indices().tolist()  # its own permutation
+    assert negative.indices().tolist() == DistributedSampler(10, 2, 0, seed=-1).indices().tolist()  # seeded
+    restored = DistributedSampler(10, 2, 0)
+    restored.load_state_dict(negative.state_dict())
+    assert restored.indices().tolist() == negative.indices().tolist()
 
 
 def test_load_state_dict_checks_the_settings():

@@ -24,6 +24,14 @@ def _check_int(name: str, value: Any, low: int, rule: str, fix: str) -> int:
     return int(value)
 
 
+def _seed(value: Any, fix: str) -> int:
+    """A seed torch.Generator.manual_seed takes: an int in [-2**63, 2**64)."""
+    seed = _check_int("seed", value, -2**63, "in [-2**63, 2**64) (torch's manual_seed)", fix)
+    if seed >= 2**64:
+        raise ValueError(f"seed={value!r} must be an integer in [-2**63, 2**64) (torch's manual_seed); {fix}")
+    return seed
+
+
 class DistributedSampler:
     """Which samples this rank reads, epoch by epoch, and how far into the epoch it is (`offset`).
     `num_samples`: the dataset's length, or the dataset itself (torch's first argument). `num_replicas` and
@@ -47,8 +55,8 @@ class DistributedSampler:
         if hasattr(num_samples, "__len__") and not isinstance(num_samples, (str, bytes)) and not (
                 isinstance(num_samples, np.ndarray) and num_samples.ndim == 0):  # an array dataset: its rows
             num_samples = len(num_samples)  # torch's DistributedSampler(dataset, ...)
-        self.num_samples = _check_int("num_samples", num_samples, 1, ">= 1", "pass the dataset's length (an int, "
-                                     "of a non-empty dataset) or the dataset itself.")
+        self.num_samples = _check_int("num_samples", num_samples, 0, ">= 0", "pass the dataset's length (an int) "
+                                     "or the dataset itself.")  # torch's takes an empty one: no indices
         if num_replicas is None or rank is None:  # torch's: the process group's (here jax.distributed's) size, rank
             import jax
 
@@ -70,7 +78,7 @@ class DistributedSampler:
         if self.rank >= self.num_replicas:
             raise ValueError(f"{rank=} must be in [0, {num_replicas=}); use this process's index "
                              f"(jax.process_index()) and the process count as num_replicas.")
-        self.seed = _check_int("seed", seed, 0, ">= 0", "numpy seeds must be non-negative.")
+        self.seed = _seed(seed, "pass e.g. seed=0.")
         self.shuffle, self.drop_last = bool(shuffle), bool(drop_last)
         self.epoch, self.offset = 0, 0
         self._ran_out = False  # a pass reached the epoch's end: the next pass starts over (torch's re-iteration)
@@ -107,7 +115,8 @@ class DistributedSampler:
     def indices(self) -> np.ndarray:
         """This rank's whole epoch of indices (int64 [len(self)]), ignoring the offset."""
         n = self.num_samples
-        order = np.random.default_rng((self.seed, self.epoch)).permutation(n) if self.shuffle else np.arange(n)
+        key = (self.seed % 2**64, self.epoch)  # numpy's seeds are >= 0: an int64 seed read as its uint64 bits
+        order = np.random.default_rng(key).permutation(n) if self.shuffle else np.arange(n)
         if self.drop_last:
             order = order[:self.total_size]
         elif self.total_size > n:  # wrap around, repeating the whole list when padding exceeds it (torch)
@@ -155,7 +164,7 @@ class DistributedSampler:
                 raise ValueError(f"state {key}={state[key]!r} differs from this sampler's {key}="
                                  f"{getattr(self, key)!r}, so its offset means other samples; resume with the "
                                  f"same data, process count and flags, or start the epoch over (set_epoch).")
-        self.seed = _check_int("seed", state.get("seed", self.seed), 0, ">= 0", "pass a state from state_dict().")
+        self.seed = _seed(state.get("seed", self.seed), "pass a state from state_dict().")
         self.epoch = _check_int("epoch", state["epoch"], 0, ">= 0", "pass a state from state_dict().")
         offset = state["offset"]
         self.offset = _check_int("offset", offset, 0, f"in [0, {len(self)}]", "pass a state from state_dict().")

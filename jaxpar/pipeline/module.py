@@ -2,11 +2,11 @@
 
 The layers are NNX modules or plain callables (``nnx.relu``, lambdas), of any kinds, from a model's flat
 ``layers`` sequence (`PipelineModule.from_model`, nnx.Sequential has one) or a list with LayerSpec /
-TiedLayerSpec entries (built into an nnx.Sequential). The partition is plain data computed once: ``bounds`` over
-the layers, one PART per virtual stage ``v = chunk * num_stages + stage``. Each part is a few SEGMENTS -- one
-layer each, or ``activation_checkpoint_interval`` layers run under jax.checkpoint -- and each segment is an
-``nnx.List`` of the model's own layer objects, split into its graphdef and the indices of its variables in the
-CANONICAL state (``nnx.split(model, wrt, ...)``, the tree every other strategy holds). Roughly::
+TiedLayerSpec entries (built into `Layers`, chained as DeepSpeed chains them). The partition is plain data
+computed once: ``bounds`` over the layers, one PART per virtual stage ``v = chunk * num_stages + stage``. Each
+part is a few SEGMENTS -- one layer each, or ``activation_checkpoint_interval`` layers run under jax.checkpoint --
+and each segment is an ``nnx.List`` of the model's own layer objects, split into its graphdef and the indices of
+its variables in the CANONICAL state (``nnx.split(model, wrt, ...)``, the tree every other strategy holds). Roughly::
 
     canonical params leaves  [w0 b0 | w3 b3 | w5 b5]          nnx.split(model, nnx.Param, ...)[1], flattened
     stage 0 owns             [0, 1, 2, 3]     stage 1 owns [4, 5]      (no padding: each stage its own leaves)
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -56,7 +57,11 @@ class LayerSpec:
             takes_rngs = False
         if takes_rngs and "rngs" not in kwargs:
             kwargs["rngs"] = nnx.Rngs(jax.random.fold_in(jax.random.key(seed), index))
-        return self.typename(*self.args, **kwargs)
+        try:
+            return self.typename(*self.args, **kwargs)
+        except TypeError as e:  # its arguments: name the layer, which the constructor's message cannot
+            raise TypeError(f"layer {index}: {_call(self.typename, self.args, self.kwargs)} failed: {e}; pass the "
+                            "class's arguments after it, as LayerSpec(cls, *args, **kwargs).") from e
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({getattr(self.typename, '__name__', self.typename)})"
@@ -71,6 +76,14 @@ class TiedLayerSpec(LayerSpec):
     def __init__(self, key: str, typename: type, *args, forward_fn: Callable | None = None,
                  tied_weight_attr: str = "weight", **kwargs):
         super().__init__(typename, *args, **kwargs)
+        if forward_fn is not None:
+            try:
+                inspect.signature(forward_fn).bind(None, None)
+            except TypeError:
+                raise TypeError(f"TiedLayerSpec {key!r}: forward_fn={forward_fn!r} must take (module, x), as "
+                                "DeepSpeed's does; e.g. forward_fn=lambda m, x: m.attend(x).") from None
+            except ValueError:  # a builtin without a signature: called as it is
+                pass
         self.key, self.forward_fn, self.tied_weight_attr = key, forward_fn, tied_weight_attr
 
 
@@ -145,6 +158,17 @@ class Segment(NamedTuple):
     remat: bool
 
 
+class Layers(nnx.Sequential):
+    """The model a PipelineModule builds from a list of layers: each takes the previous one's output as it is (a
+    tuple as ONE argument), as DeepSpeed's PipelineModule.forward chains them (Megatron-DeepSpeed's layers pass
+    (hidden, mask) on so); nnx.Sequential would spread a tuple over the next layer's arguments."""
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
 def call_layer(layer, x, unpack: bool, index: int):
     """layer(x), the model's layer number `index`; where `unpack` (nnx.Sequential's convention), a tuple or dict
     that an earlier layer returned is this one's *args or **kwargs (the first layer takes the model's input)."""
@@ -173,7 +197,7 @@ def _flat_paths(state) -> list[tuple]:
 class PipelineModule:
     """`model`'s layers cut into `num_stages` (x `virtual_stages`) contiguous parts; see the module docstring.
 
-    ``layers`` (a list: modules, callables, LayerSpec, TiedLayerSpec) builds an nnx.Sequential of them;
+    ``layers`` (a list: modules, callables, LayerSpec, TiedLayerSpec) builds `Layers` of them (DeepSpeed's chaining);
     `from_model` takes a model's own ``layers``. partition_method: parameters | uniform | type:REGEX | profile
     (needs ``example_input``, one sample: the compiler's flop estimate per layer).
     activation_checkpoint_interval N > 0: layers run in segments of N under jax.checkpoint, so a micro-batch
@@ -191,22 +215,30 @@ class PipelineModule:
                              "1 of stage s is virtual stage 2S-1-s)")
         for label, x, low in (("num_stages", num_stages, 1), ("virtual_stages", virtual_stages, 1),
                               ("activation_checkpoint_interval", activation_checkpoint_interval, 0)):
-            if not isinstance(x, int) or isinstance(x, bool) or x < low:
+            if not isinstance(x, numbers.Integral) or isinstance(x, bool) or x < low:
                 raise ValueError(f"{label}={x!r} must be an int >= {low}.")
+        num_stages, virtual_stages = int(num_stages), int(virtual_stages)
+        activation_checkpoint_interval = int(activation_checkpoint_interval)
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"loss_fn={loss_fn!r} is not callable; pass loss_fn(outputs, batch) -> (loss_sum, "
+                            "weight_sum), e.g. jaxpar.cross_entropy (DeepSpeed's takes (outputs, labels): here the "
+                            "labels are batch['y']).")
         if model is None and not len(layers):
             raise ValueError("PipelineModule got no layers; pass the model's layers in order (modules, callables, "
                              "LayerSpecs, TiedLayerSpecs), or PipelineModule.from_model(model, ...) for a model "
                              "with a `layers` list.")
         if model is None:
-            model = nnx.Sequential(*build_layers(layers, seed))
+            model = Layers(*build_layers(layers, seed))
             layers = list(model.layers)
         self.model, self.layers, self.loss_fn, self.wrt = model, list(layers), loss_fn, wrt
-        self.unpack = isinstance(model, nnx.Sequential)  # its convention: a tuple output is the next layer's *args
+        # nnx.Sequential's convention, a tuple output is the next layer's *args; DeepSpeed's (Layers): one argument
+        self.unpack = isinstance(model, nnx.Sequential) and not isinstance(model, Layers)
         self.num_stages, self.virtual_stages, self.placement = num_stages, virtual_stages, placement
         self.partition_method, self.interval, self.example_input = partition_method, activation_checkpoint_interval, \
             example_input
         self.seed = seed
-        self.names = [getattr(type(l), "__name__", "layer") if isinstance(l, nnx.Module)
+        self.names = [type(l.module).__name__ if isinstance(l, Tied)  # DeepSpeed's: a tied use by its class's name
+                      else getattr(type(l), "__name__", "layer") if isinstance(l, nnx.Module)
                       else getattr(l, "__name__", type(l).__name__) for l in self.layers]
         partition_lib.check_parts(len(self.layers), self.num_parts)
         if example_input is not None and partition_method != "profile":
@@ -271,13 +303,16 @@ class PipelineModule:
         self._param_of = {id(where[p]): j for j, p in enumerate(self.param_paths)}
         self._model_vars = {id(v) for v in where.values()}
         self._state_of = {id(where[p]): j for j, p in enumerate(self.state_paths)}
-        counted: set = set()
-        self.layer_params = []
-        for layer in self.layers:
-            own = {id(v): v for v in _variables(layer).values() if id(v) in self._param_of} \
-                if isinstance(layer, nnx.Module) else {}
-            self.layer_params.append(sum(math.prod(v.get_value().shape) for k, v in own.items() if k not in counted))
-            counted |= set(own)
+        # the parameters each layer uses, a tied one at every use (DeepSpeed's _count_layer_params builds every
+        # TiedLayerSpec: the last stage holds a copy of the table and runs its product too)
+        self._layer_sizes = [{id(v): math.prod(v.get_value().shape) for v in _variables(layer).values()
+                              if id(v) in self._param_of} if isinstance(layer, nnx.Module) else {}
+                             for layer in self.layers]
+        self.layer_params = [sum(sizes.values()) for sizes in self._layer_sizes]
+
+    def held_params(self, layers: Sequence[int]) -> int:
+        """The parameters layers `layers` hold between them, each (a tied one too) once."""
+        return sum({k: n for i in layers for k, n in self._layer_sizes[i].items()}.values())
 
     def _segments(self, v: int) -> list[Segment]:
         r = range(self.bounds[v], self.bounds[v + 1])
@@ -370,13 +405,13 @@ class PipelineModule:
 
     def describe(self) -> str:
         """The partition: per part, its layers and parameter count; tied parameters."""
-        lines = [f"PipelineModule: {len(self.layers)} layers, {sum(self.layer_params):,} params, "
+        lines = [f"PipelineModule: {len(self.layers)} layers, {self.held_params(range(len(self.layers))):,} params, "
                  f"{self.num_stages} stages x {self.virtual_stages} chunks, partition_method={self.partition_method!r}"
                  + (f", activation_checkpoint_interval={self.interval}" if self.interval else "")]
         for v in range(self.num_parts):
             r = range(self.bounds[v], self.bounds[v + 1])
             where = f"stage {self.stage_of(v)}" + (f" chunk {v // self.num_stages}" if self.virtual_stages > 1 else "")
-            lines.append(f"  {where}: layers {r.start}-{r.stop - 1} {sum(self.layer_params[i] for i in r):>12,} "
+            lines.append(f"  {where}: layers {r.start}-{r.stop - 1} {self.held_params(r):>12,} "
                          f"params  {' '.join(self.names[i] for i in r)}")
         for j, stages in self.tied.items():
             lines.append(f"  tied {'/'.join(map(str, self.param_paths[j]))} on stages {stages}")

@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from typing import Callable, Sequence
 
+import numpy as np
+
 METHODS = ("parameters", "uniform", "type:REGEX", "profile")
 
 
@@ -33,60 +35,74 @@ def uniform(num_layers: int, num_parts: int) -> list[int]:
     return bounds
 
 
-def _fits(weights: Sequence[float], num_parts: int, cap: float) -> bool:
-    """Whether a left-to-right greedy cut into <= num_parts parts keeps every part's weight <= cap."""
-    parts, total = 1, 0.0
-    for w in weights:
-        if w > cap:
-            return False
-        if total + w > cap:
-            parts, total = parts + 1, w
-        else:
-            total += w
-    return parts <= num_parts
-
-
-def bottleneck(weights: Sequence[float], num_parts: int) -> float:
-    """The smallest possible weight of the heaviest part (binary search over the candidate sums).
-
-    The optimum is the sum of some contiguous run of layers, so the search runs over those sums: exact, no eps.
-    """
-    prefix = [0.0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
-    n = len(weights)
-    candidates = sorted({prefix[j] - prefix[i] for i in range(n) for j in range(i + 1, n + 1)})
-    lo, hi = 0, len(candidates) - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if _fits(weights, num_parts, candidates[mid]):
-            hi = mid
-        else:
-            lo = mid + 1
-    return candidates[lo]
-
-
 def balanced(weights: Sequence[float], num_parts: int) -> list[int]:
-    """Contiguous parts minimising the heaviest part's weight (DeepSpeed's partition_balanced).
-
-    Among the optimal splits it takes the greedy left one (each part as many layers as fit under the bottleneck,
-    leaving one layer for every later part), as DeepSpeed's ``_lprobe`` does.
-    """
+    """DeepSpeed's partition_balanced (since 0.13): contiguous parts chosen by dynamic programming over (layers,
+    parts), each prefix split keeping the one whose heaviest part minus lightest part is smallest, the last such
+    split point on a tie -- the same bounds DeepSpeed gives (tests/fixtures/deepspeed_partitions.json). It spreads
+    layers of equal weight evenly (7 into 3: 3, 2, 2) and, behind a heavy embedding, the blocks over the other
+    stages. `parameters` and `type:REGEX` cut by it."""
     n = len(weights)
     check_parts(n, num_parts)
     if any(w < 0 for w in weights):
         raise ValueError(f"{list(weights)=} must be >= 0; a layer weight is a count or a cost")
-    cap = bottleneck(weights, num_parts)
-    bounds, start = [0], 0
-    for k in range(num_parts - 1):
-        end, total = start + 1, weights[start]  # a part holds at least one layer
-        while end < n - (num_parts - k - 1) and total + weights[end] <= cap:
-            total += weights[end]
-            end += 1
-        bounds.append(end)
-        start = end
-    bounds.append(n)
-    return bounds
+    if n == num_parts:
+        return uniform(n, num_parts)
+    m = num_parts
+    prefix = np.zeros(n + 1)
+    prefix[1:] = np.cumsum(np.asarray(weights, np.float64))
+    big, small = np.full((n + 1, m + 1), np.inf), np.full((n + 1, m + 1), np.inf)
+    cost, position = np.full((n + 1, m + 1), np.inf), np.zeros((n + 1, m + 1), int)
+    big[0, 0] = cost[0, 0] = 0.0
+    with np.errstate(invalid="ignore"):  # inf - inf: splits with an empty part, never kept
+        for i in range(1, n + 1):
+            last = prefix[i] - prefix[:i]  # the part k..i for every k < i
+            for j in range(1, min(i, m) + 1):
+                hi, lo = np.maximum(big[:i, j - 1], last), np.minimum(small[:i, j - 1], last)
+                c = hi - lo
+                if np.all(np.isnan(c)):
+                    continue
+                k = int(np.flatnonzero(c <= np.nanmin(c))[-1])  # DeepSpeed's: the last k as good as the best
+                cost[i, j], big[i, j], small[i, j], position[i, j] = c[k], hi[k], lo[k], k
+    bounds = [n]
+    for j in range(m, 0, -1):
+        bounds.append(int(position[bounds[-1], j]))
+    return bounds[::-1]
+
+
+def min_max(weights: Sequence[float], num_parts: int) -> list[int]:
+    """Contiguous parts minimising the heaviest part's weight (the step time of a pipeline whose stages cost
+    `weights`), the greedy left split among the optimal ones: `profile`'s cut. Exact: the optimum is the sum of a
+    contiguous run of layers, and every sum is taken as a difference of the same prefix sums."""
+    n = len(weights)
+    check_parts(n, num_parts)
+    if any(w < 0 for w in weights):
+        raise ValueError(f"{list(weights)=} must be >= 0; a layer weight is a count or a cost")
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    run = lambda a, b: prefix[b] - prefix[a]  # noqa: E731  (the weight of layers a..b-1)
+
+    def cut(cap: float) -> list[int] | None:  # the greedy left split under cap, or None when it needs more parts
+        bounds, start = [0], 0
+        for k in range(num_parts - 1):
+            if run(start, start + 1) > cap:
+                return None
+            end = start + 1  # a part holds at least one layer
+            while end < n - (num_parts - k - 1) and run(start, end + 1) <= cap:
+                end += 1
+            bounds.append(end)
+            start = end
+        return bounds + [n] if run(start, n) <= cap else None
+
+    candidates = sorted({run(i, j) for i in range(n) for j in range(i + 1, n + 1)})
+    lo, hi = 0, len(candidates) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if cut(candidates[mid]) is not None:
+            hi = mid
+        else:
+            lo = mid + 1
+    return cut(candidates[lo])
 
 
 def type_weights(names: Sequence[str], regex: str) -> list[int]:
@@ -108,16 +124,20 @@ def partition(method: str, num_parts: int, *, names: Sequence[str], params: Call
     """Bounds for `method`: parameters | uniform | type:REGEX | profile (the weights are computed on demand)."""
     n = len(names)
     check_parts(n, num_parts)
+    if not isinstance(method, str):
+        raise ValueError(f"partition_method={method!r} is not known; use one of {', '.join(METHODS)}.")
+    if not method.lower().startswith("type:"):
+        method = method.lower()  # DeepSpeed's _partition_layers lower-cases it ('Parameters' is 'parameters')
     if method == "uniform":
         return uniform(n, num_parts)
     if method == "parameters":
         return balanced(params(), num_parts)
-    if method.startswith("type:"):
+    if method.lower().startswith("type:"):
         return balanced(type_weights(names, method[len("type:"):]), num_parts)
     if method == "profile":
         if profile is None:
             raise ValueError("partition_method='profile' needs an example input to cost the layers; "
                              "pass example_input=... (one batch's model input: a row or a few) to jaxpar.Pipeline or "
                              "PipelineModule.")
-        return balanced(profile(), num_parts)
+        return min_max(profile(), num_parts)
     raise ValueError(f"partition_method={method!r} is not known; use one of {', '.join(METHODS)}.")

@@ -19,6 +19,7 @@ pipelining does: statistics per micro-batch, running averages updated micro-batc
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple, Sequence
 
 import jax
@@ -84,6 +85,22 @@ def pipeline_mesh(devices: int | Sequence | None = None, num_stages: int = 1, te
     grid = np.array(devices, dtype=object).reshape(num_stages, n // num_stages).T  # [DATA, PIPE]
     return make_mesh(devices=list(grid.ravel()), pipe=num_stages) if num_stages > 1 else \
         jax.sharding.Mesh(grid, (DATA, PIPE))
+
+
+def _module_loss(fn):
+    """A PipelineModule's loss_fn(outputs, batch), whose failure on the last stage's outputs says how jaxpar calls it:
+    a loss written for DeepSpeed, loss_fn(outputs, labels), failed deep inside JAX ("entry not a 2- or 3- tuple")."""
+    @functools.wraps(fn)
+    def loss(outputs, batch):
+        try:
+            return fn(outputs, batch)
+        except Exception as e:
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise ValueError(f"PipelineModule's loss_fn={getattr(fn, '__name__', fn)!r} failed on the last stage's "
+                             f"outputs ({type(e).__name__}: {first}); it is called as loss_fn(outputs, batch) with "
+                             "the whole batch (DeepSpeed's gets (outputs, labels): here the labels are batch['y']) "
+                             "and returns (loss_sum, weight_sum); jaxpar.cross_entropy is one.") from e
+    return loss
 
 
 class PipelineState(NamedTuple):
@@ -202,7 +219,8 @@ class Pipeline:
                 model, defaults.pop("num_stages"), placement=placement, example_input=example_input,
                 wrt=objective_options.get("wrt", nnx.Param), **defaults)
         if loss_fn is None and module.loss_fn is not None:
-            loss_fn = module.loss_fn if isinstance(module.loss_fn, OutputLoss) else OutputLoss(module.loss_fn)
+            loss_fn = module.loss_fn if isinstance(module.loss_fn, OutputLoss) else \
+                OutputLoss(_module_loss(module.loss_fn))
         self.module, self.tx, self.batch_size = module, tx, check_batch_size(batch_size)
         self.objective = Objective.of(module.model, loss_fn, **objective_options).check_trains()
         if isinstance(model, PipelineModule) and self.objective.compute_dtype is not None:

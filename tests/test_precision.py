@@ -180,7 +180,7 @@ def test_a_pipeline_built_before_its_embedding_was_fixed_computes_in_16_bits():
     tx = optax.sgd(0.1)
     module = PipelineModule([LayerSpec(nnx.Embed, 16, 8), LayerSpec(Probe, 8), LayerSpec(nnx.Linear, 8, 16)],
                             num_stages=2)
-    with pytest.raises(ValueError, match=r"Sequential.layers\[0\] is an nnx.Embed with dtype=float32"):
+    with pytest.raises(ValueError, match=r"Layers.layers\[0\] is an nnx.Embed with dtype=float32"):
         Pipeline(module, tx, micro_batches=2, compute_dtype=jnp.bfloat16)
     module.model.layers[0].dtype = None
     s = Pipeline(module, tx, micro_batches=2, compute_dtype=jnp.bfloat16)

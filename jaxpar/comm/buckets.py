@@ -165,7 +165,9 @@ def cap_text(plan: BucketPlan | None, bucket_cap_mb: float | None) -> str:
 
 
 def check_mib(name: str, value) -> None:
-    """ValueError unless `value` is a number of MiB >= 0 (inf: no limit)."""
+    """ValueError unless `value` is None (torch's default) or a number of MiB >= 0 (inf: no limit)."""
+    if value is None:
+        return
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not value >= 0:
         raise ValueError(f"{name}={value!r} must be a number of MiB >= 0 (torch's rule); use 0 for one leaf per "
                          "bucket, float('inf') for one bucket, or leave it out for torch's default (25, the first "

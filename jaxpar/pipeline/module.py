@@ -164,9 +164,7 @@ class Layers(nnx.Sequential):
     (hidden, mask) on so); nnx.Sequential would spread a tuple over the next layer's arguments."""
 
     def __call__(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
+        return apply_layers(self.layers, x, unpack=False)
 
 
 def call_layer(layer, x, unpack: bool, index: int):

@@ -51,8 +51,8 @@ def balanced(weights: Sequence[float], num_parts: int) -> list[int]:
     prefix = np.zeros(n + 1)
     prefix[1:] = np.cumsum(np.asarray(weights, np.float64))
     big, small = np.full((n + 1, m + 1), np.inf), np.full((n + 1, m + 1), np.inf)
-    cost, position = np.full((n + 1, m + 1), np.inf), np.zeros((n + 1, m + 1), int)
-    big[0, 0] = cost[0, 0] = 0.0
+    position = np.zeros((n + 1, m + 1), int)
+    big[0, 0] = 0.0
     with np.errstate(invalid="ignore"):  # inf - inf: splits with an empty part, never kept
         for i in range(1, n + 1):
             last = prefix[i] - prefix[:i]  # the part k..i for every k < i
@@ -62,7 +62,7 @@ def balanced(weights: Sequence[float], num_parts: int) -> list[int]:
                 if np.all(np.isnan(c)):
                     continue
                 k = int(np.flatnonzero(c <= np.nanmin(c))[-1])  # DeepSpeed's: the last k as good as the best
-                cost[i, j], big[i, j], small[i, j], position[i, j] = c[k], hi[k], lo[k], k
+                big[i, j], small[i, j], position[i, j] = hi[k], lo[k], k
     bounds = [n]
     for j in range(m, 0, -1):
         bounds.append(int(position[bounds[-1], j]))

@@ -198,8 +198,7 @@ def check_options(*, allreduce: str, spmd: str, grad_accum: int, grad_comm_dtype
         raise ValueError(f"grad_accum={grad_accum!r} must be an int >= 1; use 1 for no accumulation.")
     if grad_comm_dtype not in COMM_DTYPES:
         raise ValueError(f"grad_comm_dtype={grad_comm_dtype!r} is not known; use bf16, fp32 or leave it out.")
-    if bucket_cap_mb is not None:
-        check_mib("bucket_cap_mb", bucket_cap_mb)
+    check_mib("bucket_cap_mb", bucket_cap_mb)
 
 
 # ---- placement: padding, sharding, replication ---------------------------------------------------------------

@@ -167,8 +167,7 @@ def check_options(*, stage: int, reduce: str, grad_accum: int, bucket_cap_mb: fl
                          "backward); drop --zero-reduce or use --zero-stage 1.")
     if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum < 1:
         raise ValueError(f"grad_accum={grad_accum!r} must be an int >= 1; use 1 for no accumulation.")
-    if bucket_cap_mb is not None:
-        check_mib("bucket_cap_mb", bucket_cap_mb)
+    check_mib("bucket_cap_mb", bucket_cap_mb)
 
 
 class ZeroRedundancy:

@@ -283,8 +283,11 @@ def test_zb_h1_bubble_below_1f1b_at_4_stages_8_micro_batches():
     assert sch.bubble_fraction(z, sch.COSTS) == pytest.approx(3 / 27)
     assert sch.bubble_fraction(o, sch.COSTS) == pytest.approx(3 / 11)
     assert sch.peak_inflight(z) == [4, 4, 4, 4] and sch.peak_inflight(o) == [4, 3, 2, 1]
-    first = [a.cell for a in z.program(3)[:9]]  # the last stage: F I, W deferred while it may hold more
-    assert first == ["F0", "I0", "F1", "I1", "F2", "I2", "F3", "I3", "W0"]
+    # the authors' ZB-H1 (their Megatron-LM fork): 1F1B's order; stage s defers the W's of its first s micro-batches
+    # and of its last, the others follow their I at once; in the cool-down each I releases the oldest deferred W
+    assert [a.cell for a in z.program(0)] == "F0 F1 F2 F3 I0 W0 F4 I1 W1 F5 I2 W2 F6 I3 W3 F7 I4 W4 I5 W5 I6 W6 I7 W7".split()
+    assert [a.cell for a in z.program(1)] == "F0 F1 F2 I0 F3 I1 W1 F4 I2 W2 F5 I3 W3 F6 I4 W4 F7 I5 W0 I6 W5 I7 W6 W7".split()
+    assert [a.cell for a in z.program(3)] == "F0 I0 F1 I1 F2 I2 F3 I3 W3 F4 I4 W4 F5 I5 W5 F6 I6 W6 F7 I7 W0 W1 W2 W7".split()
 
 
 def test_split_backward_communication_and_rules():
@@ -370,6 +373,7 @@ def test_make_knows_the_new_schedules():
     assert sch.make("zbh1", 2, 3).name == "zbh1" and sch.make("forward", 2, 3).name == "forward"
     assert sch.make("zbv", 2, 3, 2).name == "zbv"
     assert sch.zb_h1(3, 4).table()[3][2] == (sch.INPUT_GRAD, 0, 0)  # the last stage's I0 right after its F0
-    assert sch.zb_h1(3, 4).table()[8][2] == (sch.WEIGHT_GRAD, 0, 0)
+    assert sch.zb_h1(3, 4).table()[8][2] == (sch.WEIGHT_GRAD, 2, 0)  # W0 and W1 deferred, W2 at once after I2
+    assert sch.zb_h1(3, 4).table()[11][2] == (sch.WEIGHT_GRAD, 0, 0)
     with pytest.raises(ValueError, match="virtual_stages=2 needs model chunks"):
         sch.make("zbh1", 2, 4, 2)

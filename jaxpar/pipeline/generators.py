@@ -3,7 +3,7 @@
     gpipe        every stage forwards all micro-batches, then backwards them              (GPipe, torch ScheduleGPipe)
     1f1b         warm-up forwards, then one forward / one backward, then the rest        (DeepSpeed TrainSchedule)
     interleaved  1F1B over V model chunks per stage                                       (Megatron, torch Interleaved1F1B)
-    zbh1         1F1B with the backward split into I and W, each W deferred into a bubble (zero-bubble ZB-H1)
+    zbh1         1F1B, the backward split into I and W, stage s's first s W's deferred    (ZB-H1, its authors' Megatron)
     zbv          two chunks per stage in a V (down the stages, back up), I and W split   (ZB-V, torch's ZBV)
     forward      forwards only, for evaluation                                            (torch _ScheduleForwardOnly)
 """
@@ -79,47 +79,38 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int, virtual_stages: int
 
 
 def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
-    """Zero-bubble ZB-H1 (Qi et al. 2023): the backward split into I (input gradient, on the critical path) and W
-    (weight gradient, deferred), with 1F1B's peak memory: every stage holds at most S micro-batches between F
-    and W (1F1B holds S - s on stage s, so only the later stages hold more).
-
-    Built by list scheduling on the unit clock: every tick each stage runs the first of: the next F (1F1B's
-    pacing: at most S-s-1 forwards ahead of its I's, and fewer than S held), the next I whose gradient has
-    arrived, the oldest pending W. Each input gradient goes upstream at once and the W's fill the waits that
-    1F1B spends idle. Bubble with F = I = W (analysis.COSTS): (S-1) / (3M + S-1) for M >= S, against 1F1B's
-    (S-1) / (M + S-1).
+    """Zero-bubble ZB-H1 (Qi et al. 2023) as its authors run it in Megatron-LM (sail-sg/zero-bubble-pipeline-
+    parallelism, the ZB-H1 quick implementation; PaddlePaddle's ``pipeline_scheduler_ZBH1`` defers the same W's):
+    1F1B's order, with the backward split into I (input gradient, sent upstream at once) and W (weight gradient).
+    Stage s defers the W's of its first s micro-batches; from then on each backward is an I and its own W at once
+    (one B to the engine), and through the cool-down each I is followed by the oldest deferred W, so stage s runs
+    its last s W's at the end of the step, in the ticks where 1F1B's stage s waits for gradients. Stage 0 defers
+    nothing. Every stage holds at most S micro-batches between F and W (1F1B holds S - s on stage s). Bubble with
+    F = I = W (analysis.COSTS): (S-1) / (3M + S-1) for M >= S, against 1F1B's (S-1) / (M + S-1).
     """
     _check_args(num_stages, num_microbatches)
     S, M = num_stages, num_microbatches
-    done: dict[Action, int] = {}
-    programs: list[list[Action]] = [[] for _ in range(S)]
-    next_f, next_i, pending = [0] * S, [0] * S, [[] for _ in range(S)]
-    held = [0] * S  # micro-batches between F and W
-    t = 0
-    while any(len(p) < 3 * M for p in programs):
-        if t > 4 * (3 * M + S):  # cannot happen: the last stage can always proceed; a guard, not a rule
-            raise RuntimeError(f"zb_h1({S}, {M}) made no progress by tick {t}")
-        ran = []
-        for s in range(S):
-            ready = lambda a: a in done and done[a] < t  # noqa: E731
-            f, i = next_f[s], next_i[s]
-            if f < M and held[s] < S and f <= S - s - 1 + i and (s == 0 or ready(_f(s - 1, f))):
-                a = _f(s, f)
-                next_f[s], held[s] = f + 1, held[s] + 1
-            elif i < f and ready(_f(s, i)) and (s == S - 1 or ready(Action(s + 1, Op.I, i))):
-                a = Action(s, Op.I, i)
-                next_i[s] = i + 1
-                pending[s].append(i)
-            elif pending[s]:
-                a = Action(s, Op.W, pending[s].pop(0))
-                held[s] -= 1
-            else:
-                continue
-            ran.append(a)
-            programs[s].append(a)
-        for a in ran:
-            done[a] = t
-        t += 1
+    programs = []
+    for s in range(S):
+        warmup = min(S - s - 1, M)
+        program, deferred = [_f(s, m) for m in range(warmup)], []
+
+        def backward(m: int, split: bool, release: bool) -> None:
+            program.append(Action(s, Op.I, m))
+            if not split:
+                program.append(Action(s, Op.W, m))
+                return
+            deferred.append(m)
+            if release:  # the oldest deferred W
+                program.append(Action(s, Op.W, deferred.pop(0)))
+
+        for i in range(M - warmup):  # steady state: a forward, then the oldest backward
+            program.append(_f(s, warmup + i))
+            last = i == M - warmup - 1
+            backward(i, split=s > 0 and (i < s or last), release=last and i >= s)
+        for m in range(M - warmup, M):  # cool-down
+            backward(m, split=s > 0, release=m >= s)
+        programs.append(program + [Action(s, Op.W, m) for m in deferred])
     return from_programs(programs, name="zbh1", num_microbatches=M, backward="IW")
 
 

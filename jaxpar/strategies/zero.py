@@ -477,7 +477,8 @@ def build(model: nnx.Module, tx: optax.GradientTransformation, cfg: Config, loss
     if cfg.grad_comm_dtype not in (None, "fp32"):
         raise ValueError(f"grad_comm_dtype={cfg.grad_comm_dtype!r}: ZeRO reduces gradients in the parameters' "
                          "dtype; drop --grad-comm-dtype (or use --precision bf16 for bf16 compute).")
-    stage = 1 if cfg.zero_stage is None else cfg.zero_stage  # DeepSpeed's ZeRO strategy: stage 1 unless told
+    # stage 1 unless told (DeepSpeed's config defaults to stage 0, ZeRO off, which is --strategy ddp here)
+    stage = 1 if cfg.zero_stage is None else cfg.zero_stage
     reduce = cfg.zero_reduce or "reduce_scatter"  # DeepSpeed's stage 1 default: reduce_scatter: true
     return ZeroRedundancy(cfg_objective(model, loss_fn, cfg), tx, stage=stage, reduce=reduce,
                           mesh=make_mesh(cfg.num_devices), bucket_cap_mb=cfg.bucket_cap_mb, grad_accum=cfg.grad_accum,

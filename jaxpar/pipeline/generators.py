@@ -82,11 +82,12 @@ def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
     """Zero-bubble ZB-H1 (Qi et al. 2023) as its authors run it in Megatron-LM (sail-sg/zero-bubble-pipeline-
     parallelism, the ZB-H1 quick implementation; PaddlePaddle's ``pipeline_scheduler_ZBH1`` defers the same W's):
     1F1B's order, with the backward split into I (input gradient, sent upstream at once) and W (weight gradient).
-    Stage s defers the W's of its first s micro-batches; from then on each backward is an I and its own W at once
-    (one B to the engine), and through the cool-down each I is followed by the oldest deferred W, so stage s runs
-    its last s W's at the end of the step, in the ticks where 1F1B's stage s waits for gradients. Stage 0 defers
-    nothing. Every stage holds at most S micro-batches between F and W (1F1B holds S - s on stage s). Bubble with
-    F = I = W (analysis.COSTS): (S-1) / (3M + S-1) for M >= S, against 1F1B's (S-1) / (M + S-1).
+    Stage s defers the W's of its first s micro-batches; the steady state's other backwards are an I at once
+    followed by its own W (one B to the engine); from the steady state's last backward on, through the cool-down,
+    each I is followed by the oldest deferred W instead, and the W's still deferred run after the last I, in the
+    ticks where 1F1B's stage s waits for gradients. Stage 0 defers nothing. Every stage holds at most min(S, M)
+    micro-batches between F and W (1F1B holds S - s on stage s). Bubble with F = I = W (analysis.COSTS):
+    (S-1) / (3M + S-1) for M >= S, against 1F1B's (S-1) / (M + S-1).
     """
     _check_args(num_stages, num_microbatches)
     S, M = num_stages, num_microbatches

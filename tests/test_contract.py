@@ -24,6 +24,7 @@ from examples import lm, regression
 from jaxpar import Objective, OutputLoss, as_rows
 from jaxpar.comm.megatron import VocabParallelLogits
 from jax.sharding import PartitionSpec as P
+from jaxpar.strategies.pipeline import pipeline_mesh
 
 TX = optax.sgd(0.05, momentum=0.9)
 STEPS = 3
@@ -370,6 +371,57 @@ class Noise(nnx.Module):
 
     def __call__(self, x):
         return x + 0.1 * jax.random.normal(self.rngs.noise(), x.shape)
+
+
+SHARD_KEYS = {  # batch mode: replica r's micro-batch k draws with key r K + k (DataParallel: chunk i with key i)
+    "ddp-2-accum2": (lambda o, *_: jaxpar.DistributedDataParallel(o, SGD, mesh=jaxpar.make_mesh(2), grad_accum=2),
+                     (0, 1, 2, 3), (0, 1, 1, 2)),  # the second: replica + k, which collides
+    "zero1-2-accum2": (lambda o, *_: jaxpar.ZeroRedundancy(o, SGD, stage=1, mesh=jaxpar.make_mesh(2), grad_accum=2),
+                       (0, 1, 2, 3), (0, 1, 1, 2)),
+    "zero3-2-accum2": (lambda o, *_: jaxpar.ZeroRedundancy(o, SGD, stage=3, mesh=jaxpar.make_mesh(2), grad_accum=2),
+                       (0, 1, 2, 3), (0, 1, 1, 2)),
+    "dp-2": (lambda o, *_: jaxpar.DataParallel(o, SGD, device_ids=[0, 1]), (0, 1), (0, 0)),
+    "dp-2-loss-on-device": (lambda o, *_: jaxpar.DataParallel(o, SGD, device_ids=[0, 1], loss_on_device=True), (0, 1),
+                            (0, 0)),
+    "pipeline-D2-M2": (lambda o, model, loss: jaxpar.Pipeline(model, SGD, loss_fn=loss, per_sample=False,
+                                                              num_stages=2, micro_batches=2,
+                                                              mesh=pipeline_mesh(4, 2)),
+                       (0, 1, 2, 3), (0, 1, 1, 2)),
+}
+SGD = optax.sgd(0.5)
+
+
+@pytest.mark.parametrize("name", list(SHARD_KEYS))
+def test_batch_mode_draws_are_keyed_by_replica_and_micro_batch(name):
+    """In batch mode (per_sample=False) the model sees whole shards and its random draws are keyed by the shard,
+    replica r's micro-batch k by r K + k, so no two parts of a step share a dropout mask. On a batch of 8 equal rows
+    every part holds the same rows, so one SGD step is fixed by the set of keys alone: it must equal the step
+    summed by hand over that set, and differ from the one over a set where two parts share a key."""
+    model = regression.make_model(4, 16, 2, 0.5, rngs=nnx.Rngs(params=0, dropout=1))
+    loss = OutputLoss(regression.loss)
+    objective = Objective.of(model, loss, per_sample=False)
+    state = jaxpar.init_state(model, SGD)
+    x, y = np.random.default_rng(0).normal(size=(2, 1, 4)).astype(np.float32)
+    batch = {"x": np.repeat(x, 8, 0), "y": np.repeat(y[:, :2], 8, 0)}
+    build, keys, colliding = SHARD_KEYS[name]
+    part = as_rows(jax.tree.map(lambda a: a[:8 // len(keys)], batch), np.arange(8 // len(keys)))
+    grad = jax.jit(lambda s: objective.value_and_grad(state.params, state.model_state, part, shard=s))
+
+    def by_hand(shards):
+        outs = [grad(s) for s in shards]
+        weight = sum(float(sums.weight) for (sums, _), _ in outs)
+        total = jax.tree.map(lambda *g: sum(g), *[g for _, g in outs])
+        return [np.asarray(p) - 0.5 * np.asarray(g) / weight
+                for p, g in zip(jax.tree.leaves(state.params), jax.tree.leaves(total))]
+
+    (same, _), _ = grad(0)
+    assert float(grad(0)[0][0].loss) == float(same.loss) != float(grad(1)[0][0].loss)  # keyed, reproducibly
+    want, wrong = by_hand(keys), by_hand(colliding)
+    assert max(np.abs(a - b).max() for a, b in zip(want, wrong)) > 1e-4
+    strategy = build(objective, model, loss)
+    placed, _ = strategy.step(strategy.init(state), strategy.put_batch(as_rows(batch, np.arange(8))))
+    for a, b in zip(leaves(strategy.unplace(placed).params), want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_strategies_that_run_the_layers_check_they_are_the_model():

@@ -335,18 +335,24 @@ PIPELINES = {  # 10 rows: with 2 replicas x 2 micro-batches, blocks of 3, 3, 3 a
 }
 
 
+CLIP = 0.05  # below every step's gradient norm in test_pipeline_scaled_backward_equals_unscaled
+
+
 @pytest.mark.parametrize("name", list(PIPELINES))
 def test_pipeline_scaled_backward_equals_unscaled(name):
     """The last stage seeds every micro-batch's backward with the step's first micro-batch's seed, every stage's
     gradient carries it and their updates divide it out: the parameters, Adam's moments and the gradient norm equal
     the unscaled pipeline's. Not dividing is off by a power of two; so is seeding each micro-batch from its own
-    weight where the weights differ (ZB-H1's micro-batches of 3, 3, 3 and 1 real rows; the replicas' blocks)."""
-    adam = optax.adam(1e-3)
-    init, plain = run_stack(adam, **PIPELINES[name])
-    _, scaled = run_stack(loss_scaling(adam, initial_scale_power=12), **PIPELINES[name])
+    weight where the weights differ (ZB-H1's micro-batches of 3, 3, 3 and 1 real rows; the replicas' blocks).
+    A global-norm clip acts on every step, so the norm the stages feed it must be the unscaled gradient's too (fed
+    the scaled one, it clips 4096x harder, and Adam's moments show it)."""
+    tx = optax.chain(jaxpar.optim.clip_by_global_norm(CLIP), optax.adam(1e-3))
+    init, plain = run_stack(tx, **PIPELINES[name])
+    _, scaled = run_stack(loss_scaling(tx, initial_scale_power=12), **PIPELINES[name])
     assert max(np.abs(a - b).max() for a, b in zip(plain[-1][0], init)) > 1e-3  # the steps move the weights
     for (p0, s0, m0), (p1, s1, m1) in zip(plain, scaled):
         assert m1["loss_scale"] == 2.0 ** 12 and "loss_scale" not in m0
+        assert m0["grad_norm"] > 2 * CLIP  # the clip acts
         np.testing.assert_allclose(m1["grad_norm"], m0["grad_norm"], rtol=1e-6)
         for a, b in zip(p0 + leaves(s0), p1 + leaves(loss_scale.find(s1).inner)):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(a).max())

@@ -71,6 +71,27 @@ def test_every_algorithm_equals_psum_and_its_twin(n, shape, dtype):
         assert not np.allclose(out[("ring", "sum")], xs), "the all-reduce must change the inputs"
 
 
+@pytest.mark.parametrize("n", [3, 4])
+def test_reduce_broadcast_through_any_root_equals_its_twin(n):
+    """`root` moves the bottleneck: every device ends with the root's total (the root's own x first, then devices
+    root+1, root+2, ... as the twin adds them, so the sum bit for bit), whichever device the root is."""
+    xs = per_device_inputs(n, (2, 3), np.float32, seed=n)
+
+    def body(x):
+        return {(r, op): C.reduce_broadcast_all_reduce(x[0], DATA, op, root=r)[None] for r in range(n)
+                for op in C.OPS}
+
+    out = jax.jit(jax.shard_map(body, mesh=submesh(n), in_specs=P(DATA), out_specs=P(DATA)))(xs)
+    for (root, op), got in out.items():
+        got = np.asarray(got)
+        want = C.reduce_broadcast_all_reduce_ref(xs, op, root)
+        if op == "sum":
+            np.testing.assert_array_equal(got, want, err_msg=f"root {root}")
+        else:  # the division rounds apart (as in test_every_algorithm_equals_psum_and_its_twin)
+            np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=f"root {root}")
+        np.testing.assert_allclose(got[0], xs.sum(0) / (n if op == "mean" else 1), rtol=1e-6)
+
+
 @pytest.mark.parametrize("n", [1, 3])
 def test_booleans_are_counted_as_psum_counts_them(n):
     """bool + bool is a logical OR: the hand-written algorithms OR-ed a mask across devices where psum counts it

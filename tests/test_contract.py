@@ -758,15 +758,16 @@ def test_targets_that_are_not_counted_add_nothing_whatever_they_or_their_logits_
     over them), on whole logits and on logits split by vocabulary over 2 ranks (Megatron's path); a COUNTED target
     outside the classes still makes the loss NaN."""
     rng = np.random.default_rng(3)
-    logits = (rng.normal(size=(8, 8)) * 3).astype(np.float32)
-    y = rng.integers(0, 8, 8)
-    mask = np.ones(8, np.float32)
+    logits = (rng.normal(size=(9, 8)) * 3).astype(np.float32)
+    y = rng.integers(0, 8, 9)
+    mask = np.ones(9, np.float32)
     logits[0, 3], y[0] = np.inf, -100  # an overflowed row, ignored
     logits[1, 0], y[1] = -np.inf, -100  # the stand-in class 0 banned at -inf, ignored
     logits[2, 5], mask[2] = np.nan, 0.0  # a NaN row, masked
     y[3], mask[3] = 999, 0.0  # pad ids outside the classes, masked
     y[4], mask[4] = -1, 0.0
-    counted = np.arange(8) >= 5
+    y[8], mask[8] = logits[8].argmax(), 0.0  # a masked row predicted right: no accuracy either
+    counted = (np.arange(9) >= 5) & (np.arange(9) < 8)
     kept = logits[counted]
     logp = kept - kept.max(-1, keepdims=True)
     logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))

@@ -35,6 +35,9 @@ def test_split_by_position_train_windows_stay_before_the_held_out_part(corpus_fi
     test = text.load("test", corpus_file, seq_len=16)
     assert len(train) == (n_train - 1) // 16 and len(test) == (len(CORPUS) - n_train - 1) // 16
     assert (train.starts + 16 < n_train).all() and train.starts.min() >= 0  # the targets too
+    # over 200 seeds every start is drawn somewhere, the last one that keeps its targets in the training part too
+    starts = np.concatenate([text.load("train", corpus_file, seq_len=16, seed=s).starts for s in range(200)])
+    assert starts.min() == 0 and starts.max() == n_train - 17
     np.testing.assert_array_equal(test.starts, n_train + 16 * np.arange(len(test)))  # consecutive: each byte once
     assert test.starts[-1] + 16 < len(CORPUS)
 

@@ -124,6 +124,13 @@ def test_grad_clip_and_the_cosine_schedule_change_the_run(recipe_reference, tmp_
     lrs = [json.loads(line).get("lr") for line in metrics.read_text().splitlines()]
     np.testing.assert_allclose([lr for lr in lrs if lr is not None], [0.05, 0.1, 0.01 + 0.045], rtol=1e-6)
     assert len(norms(metrics)) == 3 and min(norms(metrics)) > 0.05  # each step's norm, before the clip to 0.05
+    # train_loss: the epoch's running mean over its samples (steps of 16, 16 and 8 rows), not over its steps
+    steps = [r for r in map(json.loads, metrics.read_text().splitlines()) if r.get("event") == "step"]
+    losses, rows = np.array([r["loss"] for r in steps]), np.array([16, 16, 8])
+    running = np.cumsum(losses * rows) / np.cumsum(rows)
+    assert abs(running[-1] - losses.mean()) > 1e-4
+    np.testing.assert_allclose([r["train_loss"] for r in steps], running, rtol=1e-6)
+    np.testing.assert_allclose(logged["train_loss"], running[-1], rtol=1e-6)
     unclipped = train.main(BASE + RECIPE + ["--strategy", "single", "--grad-clip", "0"])
     constant = train.main(BASE + RECIPE[:-4] + ["--strategy", "single", "--gamma", "1"])
     for other in (unclipped, constant):  # by 100x the equality's atol at least

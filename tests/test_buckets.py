@@ -36,6 +36,9 @@ def test_a_cap_given_caps_the_first_bucket_too_as_torch_does():
     assert given.first_bucket_bytes == given.bucket_cap_bytes == 2 * MiB
     assert list(plan_buckets(sizes, bucket_cap_mb=25)) == [tuple(range(9, -1, -1))]  # torch's DDP(bucket_cap_mb=25)
     assert len(plan_buckets(sizes, bucket_cap_mb=float("inf"))) == 1
+    wider = plan_buckets(sizes, bucket_cap_mb=2, first_bucket_mb=3)  # a first bucket above the cap is held to it
+    assert list(wider) == list(given) and wider.first_bucket_bytes == 2 * MiB
+    assert list(plan_buckets(sizes, bucket_cap_mb=3)) != list(given)  # (3 MiB would fill it differently)
     assert "unlimited" in str(plan_buckets(sizes, bucket_cap_mb=float("inf")))
 
 

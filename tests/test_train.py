@@ -456,3 +456,21 @@ def test_whole_shard_losses_refuse_the_samplers_wrap_around_copies(monkeypatch, 
                                          "wrap-around copies, which would reach the batch statistics; pass "
                                          "--drop-last"):
         trainer.run(cfg)
+
+
+def test_drop_last_drops_the_short_batch_from_the_epochs_and_their_learning_rates(tmp_path):
+    """40 samples in batches of 16 with --drop-last: 2 steps an epoch (the 8 left over dropped, as torch's
+    DataLoader(drop_last=True)), so --epochs 2 is 4 updates, and the per-epoch StepLR decays after the second;
+    without it, 3 steps an epoch. Counting the dropped batch made 3 epochs of 2 and decayed a step late."""
+    lrs = {}
+    for flags in (["--drop-last"], []):
+        metrics = tmp_path / f"m{len(flags)}.jsonl"
+        out = train.main(BASE + ["--strategy", "single", "--epochs", "2", "--gamma", "0.5", "--metrics-out",
+                                 str(metrics), "--log-every", "1", *flags])
+        steps = [r for r in map(json.loads, metrics.read_text().splitlines()) if r.get("event") == "step"]
+        lrs[bool(flags)] = [r["lr"] for r in steps]
+        assert out["steps"] == len(steps) and [r["epoch"] for r in steps] == (
+            [0, 0, 1, 1] if flags else [0, 0, 0, 1, 1, 1])
+    lr = lrs[True][0]
+    np.testing.assert_allclose(lrs[True], [lr, lr, lr / 2, lr / 2], rtol=1e-6)
+    np.testing.assert_allclose(lrs[False], [lr] * 3 + [lr / 2] * 3, rtol=1e-6)

@@ -137,6 +137,23 @@ def test_roundtrip_restores_typed_key_and_optimizer_count(npz, tmp_path):
     assert_bit_identical(restored, state, "roundtrip")
 
 
+@pytest.mark.parametrize("which", [0, -1], ids=["first", "last"])
+def test_a_state_with_any_non_finite_parameter_is_not_saved(npz, tmp_path, which):
+    """train.py's checkpointer writes nothing for a state with an inf in any parameter leaf (the first or the
+    last), so the last good checkpoint stays the newest; a finite state saves."""
+    cfg = config(npz)
+    state = _regression_state(trainer.make_tx(cfg, steps_per_epoch=4), 7)
+    flat, tree = jax.tree.flatten(state.params)
+    bad = np.array(flat[which])
+    bad.flat[-1] = np.inf
+    flat[which] = bad
+    ckpt = checkpoint.Checkpointer(str(tmp_path / "c"), checkpoint.run_info(cfg, state), resume=False)
+    assert not ckpt.save(5, state._replace(params=jax.tree.unflatten(tree, flat)), {"epoch": 0})
+    assert ckpt.save(6, state, {"epoch": 0})
+    ckpt.close()
+    assert checkpoint.all_steps(str(tmp_path / "c")) == [6]
+
+
 def test_resume_falls_back_past_a_damaged_newest_checkpoint(npz, uninterrupted, tmp_path, capsys):
     """The newest step's files are damaged (a disk that lost them): --resume warns in one line, naming the step,
     sets its folder aside as 5.damaged and goes on from the newest readable one, ending bit-identical to the run
@@ -166,6 +183,24 @@ def test_resume_falls_back_past_a_damaged_newest_checkpoint(npz, uninterrupted, 
     with pytest.raises(ValueError, match=r"holds a newer step, 7, and checkpoints go in increasing steps \(orbax "
                                          r"wrote nothing for step 3\); pass a step above it"):
         checkpoint.save_checkpoint(ckpt, resumed["state"], step=3)  # the library call said it saved
+
+
+def test_a_resumed_run_writes_its_last_step_again_where_that_step_was_damaged(npz, uninterrupted, tmp_path):
+    """Saved at 4 and at the run's end, 7; step 7 damaged. The resumed run goes on from 4 and, its last step not a
+    multiple of --checkpoint-every, saves 7 at its end again (it took 7, the damaged step, for saved already, and
+    the finished run's state was lost: a later --resume would train 5-7 once more)."""
+    ckpt = str(tmp_path / "ckpt")
+    trainer.run(config(npz, checkpoint_dir=ckpt, checkpoint_every=4))
+    assert sorted(d for d in os.listdir(ckpt)) == ["4", "7"]
+    for root, _, files in os.walk(os.path.join(ckpt, "7", "state")):
+        for f in files:
+            open(os.path.join(root, f), "wb").close()
+    resumed = trainer.run(config(npz, checkpoint_dir=ckpt, checkpoint_every=4, resume=True))
+    assert resumed["resumed_from"] == 4 and sorted(os.listdir(ckpt)) == ["4", "7", "7.damaged"]
+    info = checkpoint.run_info(config(npz), resumed["state"])
+    state, _ = checkpoint.Checkpointer(ckpt, info, resume=True).restore(resumed["state"])
+    assert int(state.step) == N_STEPS
+    assert_bit_identical(state, uninterrupted("single"), "the step written again")
 
 
 def test_resume_under_another_strategy(npz, uninterrupted, tmp_path):

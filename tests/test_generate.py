@@ -76,6 +76,13 @@ def test_the_cached_forward_equals_the_whole_context_at_every_position(prompt_le
     want = whole_BxTxV[:, prompt_len - 1:]
     assert np.abs(want[:, 1:] - want[:, :-1]).max() > 1.0  # the logits change along the sequence
     np.testing.assert_allclose(np.stack(got, axis=1), want, rtol=1e-5, atol=1e-5)
+    # a chunk of 3 tokens after the prefill (each query sees the cache and the chunk up to itself), then one more
+    _, cache = jax.jit(lambda tok: gpt_generate.forward_cached(m, tok, 0, None, block_size))(idx[:, :prompt_len])
+    chunk_BxV, cache = jax.jit(lambda tok, cache: gpt_generate.forward_cached(m, tok, prompt_len, cache, block_size))(
+        idx[:, prompt_len:prompt_len + 3], cache)
+    next_BxV, _ = step(idx[:, prompt_len + 3:prompt_len + 4], prompt_len + 3, cache)
+    np.testing.assert_allclose(np.asarray(chunk_BxV), whole_BxTxV[:, prompt_len + 2], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(next_BxV), whole_BxTxV[:, prompt_len + 3], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("prompt, new", [(PROMPT, 9), (PROMPT, 4), (np.arange(10)[None] % 16, 3)])

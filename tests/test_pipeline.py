@@ -214,6 +214,26 @@ def test_data_x_pipeline_2x2_equals_single(name, schedule, M):
     assert_equal_states(pipe.unplace(placed), ref)
 
 
+def test_the_memory_table_holds_each_schedules_in_flight_micro_batches():
+    """--report's activations per stage: one micro-batch's bytes times the micro-batches the schedule holds at its
+    peak on that stage, GPipe all M on every stage, 1F1B S - s (DeepSpeed's and torch's point of 1F1B)."""
+    from jaxpar.pipeline import memory
+
+    rows = {}
+    for schedule in ("gpipe", "1f1b"):
+        pipe = run("mlp", num_stages=2, micro_batches=4, schedule=schedule)[0]
+        rows[schedule] = memory.table(pipe, pipe._last[0])
+    assert [r["in_flight"] for r in rows["gpipe"]] == [4, 4] and [r["in_flight"] for r in rows["1f1b"]] == [2, 1]
+    for schedule, table in rows.items():
+        for r in table:
+            for name in ("store", "recompute"):
+                assert r[f"act_{name}_mib"] == r[f"act_{name}_mib_per_microbatch"] * r["in_flight"]
+            assert r["act_store_mib_per_microbatch"] > r["act_recompute_mib_per_microbatch"]
+    for a, b in zip(rows["gpipe"], rows["1f1b"]):
+        assert a["act_store_mib_per_microbatch"] == b["act_store_mib_per_microbatch"]
+    assert rows["gpipe"][0]["act_store_mib"] == 2 * rows["1f1b"][0]["act_store_mib"]
+
+
 ZERO_TX = optax.chain(jaxpar.optim.clip_by_global_norm(0.05), jaxpar.optim.add_decayed_weights_to_matrices(0.1),
                       optax.sgd(0.1, momentum=0.9))
 

@@ -328,6 +328,27 @@ def test_zb_v_validates_and_holds_1f1b_memory(S, M):
             assert sch.bubble_fraction(z, sch.COSTS) < sch.bubble_fraction(sch.zb_h1(S, M), sch.COSTS)
 
 
+def test_zb_v_is_torchs_program_on_every_rank():
+    """Each stage's program as torch 2.13's ScheduleZBVZeroBubble builds it (its
+    _calculate_single_rank_operations, written out here; equal for every S <= 5, M <= 12 in a scratch run against
+    torch itself): the cool-down's (I, W) pairs of chunk 0 and the W's left to the end; c1 marks chunk 1."""
+    torch = {
+        (2, 4): ["F0 F1 F2 F0c1 I0c1 W0c1 F1c1 I1c1 W1c1 F3 I0 W0 F2c1 I2c1 W2c1 I1 W1 F3c1 I3c1 W3c1 I2 W2 I3 W3",
+                 "F0 F0c1 F1 F1c1 I0c1 W0c1 F2 I0 W0 F2c1 I1c1 W1c1 F3 I1 W1 F3c1 I2c1 W2c1 I2 I3c1 I3 W2 W3c1 W3"],
+        (4, 8): ["F0 F1 F2 F3 F4 F5 F6 F0c1 I0c1 W0c1 F1c1 I1c1 W1c1 F2c1 I2c1 W2c1 F3c1 I3c1 W3c1 F7 I0 W0 F4c1 "
+                 "I4c1 W4c1 I1 W1 F5c1 I5c1 W5c1 I2 W2 F6c1 I6c1 W6c1 I3 W3 F7c1 I7c1 W7c1 I4 W4 I5 W5 I6 W6 I7 W7",
+                 "F0 F1 F2 F3 F4 F0c1 F5 F1c1 I0c1 W0c1 F2c1 I1c1 W1c1 F3c1 I2c1 W2c1 F6 I0 W0 F4c1 I3c1 W3c1 F7 I1 "
+                 "W1 F5c1 I4c1 W4c1 I2 W2 F6c1 I5c1 W5c1 I3 W3 F7c1 I6c1 W6c1 I4 I7c1 I5 W4 I6 W5 I7 W6 W7c1 W7",
+                 "F0 F1 F2 F0c1 F3 F1c1 F4 F2c1 I0c1 W0c1 F3c1 I1c1 W1c1 F5 I0 W0 F4c1 I2c1 W2c1 F6 I1 W1 F5c1 I3c1 "
+                 "W3c1 F7 I2 W2 F6c1 I4c1 W4c1 I3 W3 F7c1 I5c1 W5c1 I4 I6c1 I5 I7c1 I6 W4 I7 W5 W6c1 W7c1 W6 W7",
+                 "F0 F0c1 F1 F1c1 F2 F2c1 F3 F3c1 I0c1 W0c1 F4 I0 W0 F4c1 I1c1 W1c1 F5 I1 W1 F5c1 I2c1 W2c1 F6 I2 W2 "
+                 "F6c1 I3c1 W3c1 F7 I3 W3 F7c1 I4c1 W4c1 I4 I5c1 I5 I6c1 I6 I7c1 I7 W4 W5c1 W6c1 W7c1 W5 W6 W7"],
+    }
+    for (S, M), programs in torch.items():
+        z = sch.zb_v(S, M)
+        assert [" ".join(a.cell for a in z.program(st)) for st in range(S)] == programs
+
+
 def test_zb_v_placement():
     S = 3
     assert [sch.virtual(sch.Action(s, Op.F, 0, c), S, "v") for c in (0, 1) for s in range(S)] == [0, 1, 2, 5, 4, 3]

@@ -432,8 +432,8 @@ def test_stage_3_frees_each_layers_weights():
 def test_memory_per_device_is_the_papers_formula():
     """At N=8, float32 Adam over a GPT of 233,344 parameters (padding < 0.1%): the bytes of parameters and optimizer
     state held on a device (its live arrays) and of the gradients its backward leaves (the compiled gradient
-    function's outputs) are within 5% of 8 Psi + 8 Psi/N, 4 Psi + 12 Psi/N and 16 Psi/N (DDP's 16 Psi:
-    bench/zero.py measures it)."""
+    function's outputs) are within 5% of 8 Psi + 8 Psi/N, 4 Psi + 12 Psi/N and 16 Psi/N, and DDP's (as
+    bench/zero.py measures it) of 16 Psi."""
     cfg = gpt.GPTConfig(vocab_size=256, block_size=16, n_layer=1, n_head=4, n_embd=128)
     model = gpt.GPT(cfg, rngs=nnx.Rngs(0))
     state = jaxpar.init_state(model, TX)
@@ -456,6 +456,23 @@ def test_memory_per_device_is_the_papers_formula():
         totals[stage] = mem["total"]
         assert mem["model_state"] == sum(a.nbytes for a in jax.tree.leaves(state.model_state)) > 0  # whole
     assert totals[1] > totals[2] > totals[3]
+    ddp = load_bench_zero().ddp_memory(Objective.of(model, per_sample=False), TX, state, rows, 8)  # its DDP row
+    assert ddp["paper"]["total"] == 16 * psi and ddp["num_params"] == psi
+    for part in ("params", "gradients", "optimizer", "total"):
+        assert abs(ddp[part] / ddp["paper"][part] - 1) < 0.05, (part, ddp)
+    assert ddp["total"] > totals[1]
+
+
+def load_bench_zero():
+    """bench/zero.py as a module (bench/ is not a package)."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "zero.py")
+    spec = importlib.util.spec_from_file_location("bench_zero", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
 
 
 # -- bad input and the contract --------------------------------------------------------------------------------
@@ -841,13 +858,7 @@ def test_bench_zero_counts_the_pipelines_step_end_bytes_on_every_stage():
     """bench/zero.py's pipeline table: the bytes each stage sends at the step's end, from every compiled program it
     ran (the untied update, the tied weights' updates on both stages holding them, the reductions). It crashed on
     the GPT's stage update, a closure around its ties, on every default run (a QA finding)."""
-    import importlib.util
-    import os
-
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "zero.py")
-    spec = importlib.util.spec_from_file_location("bench_zero", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench_zero()
     rows = {r["variant"]: r for r in bench.pipe_time_rows(["gpt-nano"], 4, 8, 16, 1, 1)}
     losses = [r["loss"] for r in rows.values()]
     assert max(losses) - min(losses) < 1e-5 * abs(losses[0])  # the same training in every variant (to rounding)

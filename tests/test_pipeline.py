@@ -398,7 +398,7 @@ def test_a_weight_used_twice_on_one_stage_sums_both_uses(cut, kw):
         ref, _ = step(ref, jaxpar.as_rows(batch))
     assert max(np.abs(np.asarray(a) - np.asarray(b)).max() for a, b in zip(jax.tree.leaves(ref.params),
                                                                           jax.tree.leaves(state.params))) > 1e-3
-    data = kw.pop("data", 1)
+    data, kw = kw.get("data", 1), {k: v for k, v in kw.items() if k != "data"}  # the parameter's dict untouched
     pipe = pipeline(module, TX, loss_fn=loss, num_stages=2, micro_batches=2, mesh=pipeline_mesh(2 * data, 2), **kw)
     placed = pipe.init(state)
     for _ in range(STEPS):

@@ -115,6 +115,16 @@ def validate(cfg: Config) -> None:
                              f"= {stages} x {tp} (D x S x T); use --num-devices {fit}.")
     splits = cfg.strategy == "tp" or (cfg.strategy == "pipeline" and cfg.tensor_parallel > 1)
     tp = cfg.tensor_parallel
+    if cfg.strategy == "tp" and tp >= 2 and not cfg.num_devices and cfg.cpu_devices:  # known before JAX starts
+        from jaxpar.run import distributed
+
+        group = distributed.detect()
+        devices = cfg.cpu_devices * (group.num_processes if group is not None and group.num_processes else 1)
+    else:
+        devices = cfg.num_devices
+    if cfg.strategy == "tp" and tp >= 2 and devices and devices % tp:  # before the heads: their fix would fail next
+        raise ValueError(f"--tensor-parallel {tp} must divide the {devices} devices (--strategy tp's tensor groups); "
+                         f"use a divisor of {devices}, or more devices.")
     if splits and tp >= 2 and cfg.model in models.GPT_NAMES and not (cfg.init_torch and cfg.n_head is None):
         heads = models.GPTConfig.named(cfg.model, n_head=cfg.n_head).n_head  # (else the file's: the strategy checks)
         if heads % tp:
@@ -124,11 +134,11 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"--model {cfg.model} has no module that tensor parallelism can split (none defines "
                          f"tensor_layout()); use a GPT ({', '.join(models.GPT_NAMES[:3])}, ...) or a model of your own "
                          f"built for it, or {'--strategy ddp' if cfg.strategy == 'tp' else '--tensor-parallel 1'}.")
-    if cfg.strategy == "tp" and cfg.tensor_parallel < 2:  # (jaxpar.TensorParallel's default is 2)
-        given = "" if cfg.tensor_parallel != Config().tensor_parallel else " (the default)"
-        raise ValueError(f"--strategy tp with --tensor-parallel {cfg.tensor_parallel}{given} splits no layer (it "
-                         "would be data parallelism alone); pass --tensor-parallel T >= 2 (Megatron's "
-                         "--tensor-model-parallel-size), or use --strategy ddp.")
+    if cfg.strategy == "tp" and tp < 2:  # (jaxpar.TensorParallel's default is 2)
+        given = "" if tp != Config().tensor_parallel else " (the default)"
+        raise ValueError(f"--strategy tp with --tensor-parallel {tp}{given} " + (
+            "splits no layer (it would be data parallelism alone)" if tp == 1 else "is not a group size")
+            + "; pass --tensor-parallel T >= 2 (Megatron's --tensor-model-parallel-size), or use --strategy ddp.")
     if cfg.torch_layout not in models.gpt.LAYOUTS:
         raise ValueError(f"--torch-layout {cfg.torch_layout!r} is not known; use hf (transformers' GPT2LMHeadModel) "
                          "or nanogpt.")
@@ -159,6 +169,10 @@ def validate(cfg: Config) -> None:
     if cfg.zero_stage is not None and cfg.strategy not in ("zero", "pipeline", "tp"):
         raise ValueError(f"--zero-stage {cfg.zero_stage} partitions state over data replicas under --strategy zero "
                          f"(1-3), pipeline or tp (1), not {cfg.strategy}; use one of those, or drop --zero-stage.")
+    if cfg.zero_stage not in (None, 0, 1) and cfg.strategy in ("pipeline", "tp"):
+        raise ValueError(f"--zero-stage {cfg.zero_stage} under --strategy {cfg.strategy}: it takes stage 0 or 1 (" + (
+            "Megatron's distributed optimizer" if cfg.strategy == "tp" else "DeepSpeed refuses stages 2-3 with "
+            "pipeline parallelism") + "); pass --zero-stage 1, or --strategy zero for stages 2-3.")
     if cfg.activation_checkpoint_interval and cfg.strategy == "zero" and cfg.zero_stage == 3:
         raise ValueError(f"--activation-checkpoint-interval {cfg.activation_checkpoint_interval} with --zero-stage 3: "
                          "stage 3 runs each layer under its own fetching recomputation; use --zero-stage 1 or 2 "

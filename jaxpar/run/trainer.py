@@ -115,16 +115,16 @@ def validate(cfg: Config) -> None:
                              f"= {stages} x {tp} (D x S x T); use --num-devices {fit}.")
     splits = cfg.strategy == "tp" or (cfg.strategy == "pipeline" and cfg.tensor_parallel > 1)
     tp = cfg.tensor_parallel
-    if cfg.strategy == "tp" and tp >= 2 and not cfg.num_devices and cfg.cpu_devices:  # known before JAX starts
-        from jaxpar.run import distributed
-
-        group = distributed.detect()
-        devices = cfg.cpu_devices * (group.num_processes if group is not None and group.num_processes else 1)
-    else:
+    if cfg.strategy == "tp" and tp >= 2:  # the groups before the heads: the heads' fix would fail on them next
         devices = cfg.num_devices
-    if cfg.strategy == "tp" and tp >= 2 and devices and devices % tp:  # before the heads: their fix would fail next
-        raise ValueError(f"--tensor-parallel {tp} must divide the {devices} devices (--strategy tp's tensor groups); "
-                         f"use a divisor of {devices}, or more devices.")
+        if not devices and cfg.cpu_devices:  # simulated: known before JAX starts (x the launcher's processes)
+            from jaxpar.run import distributed
+
+            group = distributed.detect()
+            devices = cfg.cpu_devices * (group.num_processes if group is not None and group.num_processes else 1)
+        if devices and devices % tp:
+            raise ValueError(f"--tensor-parallel {tp} must divide the {devices} devices (--strategy tp's tensor "
+                             f"groups); use a divisor of {devices}, or more devices.")
     if splits and tp >= 2 and cfg.model in models.GPT_NAMES and not (cfg.init_torch and cfg.n_head is None):
         heads = models.GPTConfig.named(cfg.model, n_head=cfg.n_head).n_head  # (else the file's: the strategy checks)
         if heads % tp:

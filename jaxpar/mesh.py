@@ -78,16 +78,17 @@ def stage_fix(n: int, per_process: int, tensor_parallel: int = 1) -> str:
     fits = [s for s in range(1, n + 1) if n % (s * T) == 0 and per_process % (n // s) == 0]
     if fits:
         options = ", ".join(map(str, fits[:-1])) + (" or " if len(fits) > 1 else "") + str(fits[-1])
-        return (f"use --num-stages {options}, whose stages each fit in one process's {per_process} "
+        return (f"use num_stages (--num-stages) {options}, whose stages each fit in one process's {per_process} "
                 f"device{'s' if per_process > 1 else ''}")
     return (f"give each process at least the {T} devices of one stage's tensor group (--cpu-devices {T} on CPUs), "
-            "or use --tensor-parallel 1")
+            "or use tensor_parallel=1 (--tensor-parallel 1)")
 
 
 def tensor_group_error(tensor_parallel: int, procs: list[int], per_process: int) -> ValueError:
     """The refusal of a tensor group whose devices lie in processes `procs` (each holding `per_process` devices)."""
     T = tensor_parallel
-    fix = f"--tensor-parallel at most {per_process}, dividing it" if per_process >= 2 else \
-        f"at least {T} devices a process (--cpu-devices {T} on CPUs), or --strategy ddp"
-    return ValueError(f"--tensor-parallel {T} puts a tensor group on devices of processes {procs}; keep each group "
-                      f"within one process (Megatron keeps tensor parallelism within a node): use {fix}.")
+    fix = f"tensor_parallel (--tensor-parallel) at most {per_process}, dividing it" if per_process >= 2 else \
+        f"at least {T} devices a process (--cpu-devices {T} on CPUs), or data parallelism (--strategy ddp)"
+    return ValueError(f"tensor_parallel={T} (--tensor-parallel) puts a tensor group on devices of processes {procs}; "
+                      f"keep each group within one process (Megatron keeps tensor parallelism within a node): "
+                      f"use {fix}.")

@@ -171,7 +171,7 @@ CASES = [
       "write x and y as [N, T] with T a multiple of 2"]),  # npz refuses
     ("more stages than devices", ["--model", "mlp", "--strategy", "pipeline", "--num-devices", "4", "--num-stages",
                                   "6"],  # it advised --num-devices 6 on 4 devices
-     ["num_devices=4 must be a multiple of num_stages=6", "use --num-stages dividing 4 (1, 2, 4)"]),
+     ["num_devices=4 must be a multiple of num_stages=6", "use num_stages (--num-stages) dividing 4 (1, 2, 4)"]),
     ("dropout out of range", ["--model", "gpt-nano", "--dataset", "text", "--dropout", "1.5"],
      ["--dropout 1.5 must be in [0, 1)", "pass e.g. --dropout 0.1"]),  # named dropout=1.5, no flag, no fix
     ("interleaved with one chunk", ["--strategy", "pipeline", "--schedule", "interleaved"],  # ran 1F1B quietly
@@ -192,7 +192,8 @@ CASES = [
     ("stages more than layers", ["--strategy", "pipeline", "--model", "mlp", "--num-stages", "4",
                                  "--num-devices", "8"], ["4", "3 layers", "at most 3 stages"]),
     ("devices not divisible by stages", ["--strategy", "pipeline", "--model", "mlp", "--num-stages", "3",
-                                         "--num-devices", "8"], ["num_devices=8", "num_stages=3", "use --num-devices"]),
+                                         "--num-devices", "8"],
+     ["num_devices=8", "num_stages=3", "use devices=6 (--num-devices, of the 8)"]),
     ("ZeRO stage without ZeRO", ["--strategy", "ddp", "--zero-stage", "1"],
      ["--zero-stage 1", "zero", "pipeline", "not ddp", "drop --zero-stage"]),
     ("ZeRO reduction without ZeRO", ["--strategy", "ddp", "--zero-reduce", "all_reduce"],
@@ -489,16 +490,17 @@ def test_a_stage_or_tensor_group_across_processes_is_refused_before_joining(monk
     gpt = ["--model", "gpt-micro", "--dataset", "text", "--seq-len", "16", "--batch-size", "12", "--steps", "1",
            "--quiet", "--eval-split", "", "--cpu-devices"]
     cases = [(["1", "--strategy", "tp", "--tensor-parallel", "2"],
-              ["--tensor-parallel 2 puts a tensor group on devices of processes [0, 1]", "--cpu-devices 2"]),
+              ["tensor_parallel=2 (--tensor-parallel) puts a tensor group on devices of processes [0, 1]",
+               "--cpu-devices 2"]),
              (["1", "--strategy", "pipeline", "--num-stages", "2", "--tensor-parallel", "2"],
               ["stage's 1 x 2 (D x T) devices on processes [0, 1]", "--cpu-devices 2"]),
              (["1", "--strategy", "pipeline", "--num-stages", "2"],
               ["--num-stages 2 over 4 processes of 1 device(s) puts a stage's 2 devices on processes [0, 1]",
-               "use --num-stages 4,"]),
+               "use num_stages (--num-stages) 4,"]),
              (["2", "--strategy", "pipeline", "--num-stages", "2"],
-              ["stage's 4 devices on processes [0, 1]", "use --num-stages 4 or 8,"]),
+              ["stage's 4 devices on processes [0, 1]", "use num_stages (--num-stages) 4 or 8,"]),
              (["4", "--strategy", "pipeline", "--num-stages", "2", "--tensor-parallel", "2"],
-              ["stage's 4 x 2 (D x T) devices on processes [0, 1]", "use --num-stages 4 or 8,"])]
+              ["stage's 4 x 2 (D x T) devices on processes [0, 1]", "use num_stages (--num-stages) 4 or 8,"])]
     for argv, patterns in cases:
         code, err = run_main(gpt + argv, capsys)
         check_answer(code, err, patterns)

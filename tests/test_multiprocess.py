@@ -100,7 +100,8 @@ def refuse_tensor_groups_across_processes() -> None:
     try:
         jaxpar.TensorParallel(model, optax.sgd(0.1), tensor_parallel=4)
     except ValueError as e:
-        assert "devices of processes [0, 1]" in str(e) and "--tensor-parallel at most 2" in str(e), e
+        assert "devices of processes [0, 1]" in str(e) and "tensor_parallel (--tensor-parallel) at most 2" in str(e), \
+            e
     else:
         raise AssertionError("a tensor group across processes was not refused")
 
@@ -486,6 +487,6 @@ def test_a_tensor_group_across_processes_is_refused_with_a_fix_that_runs():
                   "--model", "gpt-nano", "--dataset", "text", "--seq-len", "32", "--steps", "1", "--quiet")
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 2, out
-    assert ("--tensor-parallel 2 puts a tensor group on devices of processes [0, 1]; keep each group within one "
-            "process (Megatron keeps tensor parallelism within a node): use at least 2 devices a process "
-            "(--cpu-devices 2 on CPUs), or --strategy ddp.") in out, out
+    assert ("tensor_parallel=2 (--tensor-parallel) puts a tensor group on devices of processes [0, 1]; keep each "
+            "group within one process (Megatron keeps tensor parallelism within a node): use at least 2 devices a "
+            "process (--cpu-devices 2 on CPUs), or data parallelism (--strategy ddp).") in out, out

@@ -457,7 +457,8 @@ def test_the_qkv_column_order_matters():
 
 
 def test_bad_sizes_are_named():
-    with pytest.raises(ValueError, match="--tensor-parallel 3 must be >= 1 and divide the 8 devices"):
+    with pytest.raises(ValueError, match=r"tensor_parallel=3 \(--tensor-parallel\) must be >= 1 and divide the 8 "
+                                         r"devices; use a divisor of 8 \(1, 2, 4, 8\)"):
         TensorParallel(model(), TX, tensor_parallel=3)
     for tp in (2.0, True):  # a bare TypeError before
         with pytest.raises(ValueError, match=f"tensor_parallel={tp!r} must be an int >= 1"):

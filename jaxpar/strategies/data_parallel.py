@@ -152,7 +152,7 @@ class DataParallel:
         self._layers_check = LayersCheck()  # armed by init where the layers run instead of __call__
         if jax.process_count() > 1:
             raise ValueError(f"strategy='dp' runs in one process, but jax.process_count()={jax.process_count()}; "
-                             "use --strategy ddp across processes.")
+                             "use DistributedDataParallel (--strategy ddp) across processes.")
         self.objective = objective_of(model, loss_fn, who="DataParallel", **objective_options)
         if not loss_on_device:
             self.objective.output_loss()  # gathering the outputs needs the loss on outputs: fail now, not mid-step

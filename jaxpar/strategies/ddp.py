@@ -277,7 +277,8 @@ class DistributedDataParallel:
         n_local, nproc = len(local_devices(self.mesh)), jax.process_count()
         if n_local == 0 or (nproc > 1 and self.mesh.size != jax.device_count()):
             raise ValueError(f"the DDP mesh of {self.mesh.size} devices must span all {jax.device_count()} devices "
-                             f"of the {nproc} processes; drop --num-devices when running several processes.")
+                             f"of the {nproc} processes; give it a mesh over every process's devices (train.py: drop "
+                             "--num-devices).")
         self.multiple = n_local * self.grad_accum  # rows per process must be a multiple of this
         self.share = None if self.batch_size is None else round_up(math.ceil(self.batch_size / nproc), self.multiple)
 
@@ -307,7 +308,8 @@ class DistributedDataParallel:
             target = self.share
         elif jax.process_count() > 1:
             raise ValueError(f"this process's batch of {n} rows must be at most its share {self.share} of "
-                             f"batch_size={self.batch_size}; pass the global --batch-size to the strategy.")
+                             f"batch_size={self.batch_size}; pass the global batch size as batch_size= "
+                             "(--batch-size).")
         else:
             target = round_up(n, self.multiple)
         rows = pad_rows(rows, target)

@@ -70,18 +70,19 @@ def pipeline_mesh(devices: int | Sequence | None = None, num_stages: int = 1, te
         if n % (S * T):
             raise ValueError(f"num_devices={n} must be a multiple of num_stages x tensor_parallel = {S} x {T} "
                              f"(D x S x T devices: data x pipeline x tensor); use "
-                             + (f"--num-devices {n - n % (S * T)} (of the {n}) or " if n > S * T else "")
-                             + f"--num-stages / --tensor-parallel whose product divides {n}.")
+                             + (f"devices={n - n % (S * T)} (--num-devices, of the {n}) or " if n > S * T else "")
+                             + f"num_stages / tensor_parallel (--num-stages / --tensor-parallel) whose product "
+                             f"divides {n}.")
         grid = np.array(devices, dtype=object).reshape(S, n // (S * T), T).transpose(1, 0, 2)  # [DATA, PIPE, TENSOR]
         return jax.sharding.Mesh(grid, (DATA, PIPE, TENSOR))
     if isinstance(num_stages, bool) or not isinstance(num_stages, (int, np.integer)) or num_stages < 1:
         raise ValueError(f"num_stages={num_stages!r} must be an int >= 1 (stages of the pipeline); pass 2 or more "
                          "to pipeline, 1 to run the model as one stage.")
     if num_stages > n or n % num_stages:
-        fewer = f"--num-devices {n - n % num_stages} (of the {n}) or " if n > num_stages else ""
+        fewer = f"devices={n - n % num_stages} (--num-devices, of the {n}) or " if n > num_stages else ""
         raise ValueError(f"num_devices={n} must be a multiple of num_stages={num_stages} (one data-parallel group "
-                         f"of {num_stages} stages per {num_stages} devices); use {fewer}--num-stages dividing {n} "
-                         f"({', '.join(str(d) for d in range(1, n + 1) if n % d == 0)}).")
+                         f"of {num_stages} stages per {num_stages} devices); use {fewer}num_stages (--num-stages) "
+                         f"dividing {n} ({', '.join(str(d) for d in range(1, n + 1) if n % d == 0)}).")
     grid = np.array(devices, dtype=object).reshape(num_stages, n // num_stages).T  # [DATA, PIPE]
     return make_mesh(devices=list(grid.ravel()), pipe=num_stages) if num_stages > 1 else \
         jax.sharding.Mesh(grid, (DATA, PIPE))

@@ -33,7 +33,7 @@ class SingleDevice:
         self._layers_check = LayersCheck()  # armed by init where the layers run instead of __call__
         if jax.process_count() > 1:
             raise ValueError(f"strategy='single' runs in one process, but jax.process_count()={jax.process_count()}; "
-                             "use --strategy ddp or pipeline across processes.")
+                             "use DistributedDataParallel or Pipeline (--strategy ddp or pipeline) across processes.")
         self.objective = objective_of(model, loss_fn, who="SingleDevice", **objective_options)
         self.tx = tx
         self.device = device or jax.local_devices()[0]

@@ -216,8 +216,9 @@ class TensorParallel:
             raise ValueError(f"tensor_parallel={tensor_parallel!r} must be an int >= 1; pass --tensor-parallel 2 or "
                              "more.")
         if tensor_parallel < 1 or n % tensor_parallel:
-            raise ValueError(f"--tensor-parallel {tensor_parallel} must be >= 1 and divide the {n} devices; use a "
-                             f"divisor of {n}.")
+            divisors = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+            raise ValueError(f"tensor_parallel={tensor_parallel} (--tensor-parallel) must be >= 1 and divide the {n} "
+                             f"devices; use a divisor of {n} ({divisors}).")
         self.tp = tensor_parallel
         self.mesh = mesh or Mesh(np.array(jax.devices()[:n]).reshape(n // tensor_parallel, tensor_parallel),
                                  (DATA, TENSOR))

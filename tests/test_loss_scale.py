@@ -480,3 +480,13 @@ def test_a_config_that_float32_or_a_static_scale_cannot_honour_is_refused(kwargs
         loss_scaling(optax.sgd(0.1), **{("static" if k == "loss_scale" else k): v for k, v in kwargs.items()})
     assert LossScaleConfig(loss_scale=float(np.finfo(np.float32).max)).loss_scale > 3e38
     assert not LossScaleConfig(loss_scale=128.0).dynamic
+
+
+def test_pipeline_scaled_sgd_step_divides_the_seed_out(name="1f1b"):
+    """(QA59) With plain SGD -- no clip, no Adam, which are blind to a constant factor -- a static scale's step equals
+    the unscaled step: every stage's update (ZeRO-1's too) divides the seed out, else the step is seed times longer."""
+    init, plain = run_stack(optax.sgd(1e-3), data=UNEVEN[:1], **PIPELINES[name])
+    _, scaled = run_stack(loss_scaling(optax.sgd(1e-3), static=2.0 ** 12), data=UNEVEN[:1], **PIPELINES[name])
+    assert max(np.abs(a - b).max() for a, b in zip(plain[0][0], init)) > 1e-4  # the step moves the weights
+    for a, b in zip(plain[0][0], scaled[0][0]):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6 * np.abs(a).max())

@@ -253,3 +253,29 @@ def test_deepspeed_style_mistakes_get_one_line_that_names_them():
                                          r"\(KeyError: 'nope'\); it is called as loss_fn\(outputs, batch\) .* "
                                          r"here the labels are batch\['y'\]"):
         pipe.step(pipe.init(jaxpar.init_state(module.model, tx)), pipe.put_batch(batch))
+
+
+def test_min_max_takes_the_greedy_left_split_among_equal_optima():
+    # (QA59) a tie between optimal cuts goes to the left part taking every layer that still fits under the optimum
+    assert partition.min_max([3, 3, 3], 2) == [0, 2, 3]  # not [0, 1, 3]: both weigh 6 at the heaviest
+    assert partition.min_max([1, 1, 1, 1, 1], 3) == [0, 2, 4, 5]
+
+
+def test_a_layer_specs_weights_follow_its_own_position():
+    # (QA59) LayerSpec builds layer i with nnx.Rngs(fold_in(key(seed), i)): two equal specs are two different layers
+    pm = PipelineModule([LayerSpec(nnx.Linear, 4, 4), nnx.relu, LayerSpec(nnx.Linear, 4, 4)], 2, seed=7,
+                        partition_method="uniform")
+    first, last = pm.layers[0].kernel.get_value(), pm.layers[2].kernel.get_value()
+    assert float(jnp.max(jnp.abs(first - last))) > 1e-3
+    want = nnx.Linear(4, 4, rngs=nnx.Rngs(jax.random.fold_in(jax.random.key(7), 2))).kernel.get_value()
+    np.testing.assert_array_equal(last, want)
+
+
+def test_activation_checkpoint_interval_n_puts_n_layers_in_each_recomputed_segment():
+    # (QA59) DeepSpeed's activation_checkpoint_interval: each recomputed segment holds N layers (a part's last: fewer)
+    pm = PipelineModule([LayerSpec(nnx.Linear, 4, 4), nnx.relu, LayerSpec(nnx.Linear, 4, 4), nnx.relu,
+                         LayerSpec(nnx.Linear, 4, 2)], 1, activation_checkpoint_interval=2, partition_method="uniform")
+    assert [seg.layers for seg in pm.parts[0]] == [range(0, 2), range(2, 4), range(4, 5)]
+    assert all(seg.remat for seg in pm.parts[0])
+    plain = PipelineModule([nnx.Linear(4, 4, rngs=nnx.Rngs(0)), nnx.relu], 1, partition_method="uniform")
+    assert [(seg.layers, seg.remat) for seg in plain.parts[0]] == [(range(0, 1), False), (range(1, 2), False)]

@@ -565,7 +565,7 @@ def bn_dropout_model():
                           nnx.Dropout(0.3, rngs=nnx.Rngs(5)), nnx.Linear(8, 3, rngs=nnx.Rngs(1)))
 
 
-@pytest.mark.parametrize("replicas,micro_batches", [(1, 2), (2, 2)])
+@pytest.mark.parametrize("replicas,micro_batches", [(1, 2), (2, 2), (2, 1)])  # (2, 1): M != D (QA59)
 def test_batch_mode_with_dropout_equals_ddp_step_after_step(replicas, micro_batches):
     """Batch mode (BatchNorm) with dropout over 3 steps, 1 and 2 data replicas: equal to DDP with grad_accum=M.
     The stage's forward merged the state's own Variables, so reseeding overwrote the stored RNG key each step (the

@@ -278,3 +278,34 @@ def test_recompute_and_zero3_fetch_pass_a_sequentials_tuples_on_as_arguments(per
                  lambda o: jaxpar.ZeroRedundancy(o, tx, stage=3, mesh=jaxpar.make_mesh(2))):
         for a, b in zip(trained(make), want):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+class PairIn(nnx.Module):
+    """A first layer that takes a (hidden, scale) pair as ONE argument, as nnx.Sequential gives it the model's input."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.fc = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, pair):
+        h, scale = pair
+        return self.fc(h) * scale
+
+
+def test_recompute_gives_the_first_layer_a_tuple_input_whole():
+    # (QA59) only a LATER layer spreads an earlier one's tuple over its arguments (nnx.Sequential's convention)
+    model = nnx.Sequential(PairIn(nnx.Rngs(0)), nnx.Linear(4, 2, rngs=nnx.Rngs(1)))
+    x = (jnp.arange(12, dtype=jnp.float32).reshape(3, 4), jnp.float32(2.0))
+    want = model(x)
+    np.testing.assert_allclose(jaxpar.recompute.checkpointed(model, 1)(x), want, rtol=1e-6)
+
+
+def test_each_interval_of_one_model_class_recomputes_its_own_segments():
+    # (QA59) the recomputing class is made per (class, interval): a later interval is not the first one's
+    r = nnx.Rngs(0)
+    model = nnx.Sequential(nnx.Linear(4, 4, rngs=r), nnx.relu, nnx.Linear(4, 4, rngs=r))
+    segments = {}
+    for interval in (1, 3):
+        graphdef, state = nnx.split(jaxpar.recompute.checkpointed(model, interval))
+        jaxpr = jax.make_jaxpr(lambda st, x, g=graphdef: nnx.merge(g, st)(x))(state, jnp.ones((2, 4)))
+        segments[interval] = str(jaxpr).count("custom_vjp_call")
+    assert segments == {1: 3, 3: 1}

@@ -401,3 +401,27 @@ def test_make_knows_the_new_schedules():
     assert sch.zb_h1(3, 4).table()[11][2] == (sch.WEIGHT_GRAD, 0, 0)
     with pytest.raises(ValueError, match="virtual_stages=2 needs model chunks"):
         sch.make("zbh1", 2, 4, 2)
+
+
+def test_simulate_gives_a_fused_backward_its_cost_on_the_time_axis():
+    # (QA59) COSTS reach the replay: 1F1B's makespan under F = 1, B = 2 is 3 (M + S - 1), not the grid's 2 (M + S - 1)
+    o = sch.one_f_one_b(4, 8)
+    span, total = sch.simulate(o, sch.COSTS)
+    assert sch.simulate(o)[1] == 22 and total == 33
+    assert span[Action(0, Op.B, 0)] == (10.0, 12.0)  # stage 0's first backward waits for 3 downstream B's of 2
+
+
+def test_zb_h1_with_fewer_micro_batches_than_stages_releases_the_deferred_ws_in_the_cool_down():
+    # (QA59) M < S: stage s's cool-down I of micro-batch s (and later) releases the oldest deferred W at once
+    z = sch.zb_h1(4, 3)
+    assert " ".join(a.cell for a in z.program(1)) == "F0 F1 F2 I0 I1 W0 I2 W1 W2"
+    assert z.num_ticks == 13 and sch.bubble_fraction(z, sch.COSTS) == pytest.approx(4 / 13)
+
+
+def test_transfers_of_a_split_backward_go_from_i_to_the_upstream_i():
+    # (QA59) the input gradient is consumed by the previous stage's I (its W waits for nothing downstream)
+    z = sch.zb_h1(2, 2)
+    assert [(x.kind, repr(x.src), repr(x.dst), x.send_tick, x.use_tick) for x in sch.transfers(z)] == [
+        ("act", "0F0", "1F0", 0, 1), ("act", "0F1", "1F1", 1, 3), ("grad", "1I0", "0I0", 2, 3),
+        ("grad", "1I1", "0I1", 4, 5)]
+    assert sch.buffer_slots(sch.zb_h1(4, 8), "grad") == [1, 1, 1, 0]

@@ -404,11 +404,11 @@ def _wide_mlp(layers: int) -> nnx.Sequential:
     return nnx.Sequential(*mods, nnx.relu, nnx.Linear(256, 4, rngs=rngs))
 
 
-def _step_temp(stage: int, layers: int) -> int:
+def _step_temp(stage: int, layers: int, wrt=nnx.Param) -> int:
     model = _wide_mlp(layers)
     objective = Objective.of(model, OutputLoss(lambda out, b: (jnp.sum(out ** 2), out.size), inputs=lambda b: b),
-                             per_sample=False)  # no dropout here: the whole shard at once compiles faster
-    state = jax.eval_shape(lambda: jaxpar.init_state(_wide_mlp(layers), TX))
+                             per_sample=False, wrt=wrt)  # no dropout here: the whole shard at once compiles faster
+    state = jax.eval_shape(lambda: jaxpar.init_state(_wide_mlp(layers), TX, wrt=wrt))
     z = jaxpar.ZeroRedundancy(objective, TX, stage=stage, mesh=jaxpar.make_mesh(8))
     placed, rows = z.abstract(state, jaxpar.Rows(jax.ShapeDtypeStruct((8, 32), jnp.float32),
                                                  jax.ShapeDtypeStruct((8,), jnp.float32),
@@ -425,6 +425,16 @@ def test_stage_3_frees_each_layers_weights():
     grow = {stage: (_step_temp(stage, 6) - _step_temp(stage, 2)) / 4 for stage in (1, 3)}
     assert grow[1] >= layer, grow
     assert grow[3] < 0.75 * layer, grow
+
+
+def test_stage_3_frees_each_layers_frozen_weights():
+    """A frozen kernel (wrt leaves it out; stage 3 partitions it as DeepSpeed's zero.Init does) is gathered for the
+    forward and again for the backward's input gradient, like a trained one: four more frozen 256x256 kernels add
+    less than one kernel per layer to the step's temporaries. Its gather's stop_gradient was saved for the backward
+    (an extra 1.2 kernels per layer: 314,640 bytes) until the save policy treated it as the layout op it is."""
+    biases = nnx.All(nnx.Param, nnx.PathContains("bias"))
+    grow = (_step_temp(3, 6, wrt=biases) - _step_temp(3, 2, wrt=biases)) / 4
+    assert grow < 0.75 * 4 * 256 * 256, grow
 
 
 # -- what it holds ---------------------------------------------------------------------------------------------
@@ -942,3 +952,28 @@ def test_capture_around_a_list_under_the_whole_model_fetch_is_refused_in_one_lin
                for a, b in zip(want, jax.tree.leaves(nnx.state(Model(), nnx.Param)))) > 1e-3  # the weights move
     for a, b in zip(trained(lambda o: jaxpar.ZeroRedundancy(o, tx, stage=3, mesh=jaxpar.make_mesh(2))), want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_the_elementwise_check_cuts_inside_a_leaf_even_where_half_the_vector_is_a_leaf_boundary():
+    """(QA59) Two equal leaves: half the flat vector is their boundary, and pieces cut only there are whole leaves,
+    on which a per-leaf trust ratio (LAMB's, LARS') agrees with the tree's. The check also cuts through the largest
+    leaf, as ZeRO's shards do, and refuses it. A loss scaler needs the global norm (every shard must skip
+    together) even on a one-element model, whose probe has one piece."""
+    from jaxpar.strategies import zero_optim
+
+    with pytest.raises(ValueError, match="not elementwise"):
+        zero_optim.check(optax.scale_by_trust_ratio(), {"a": jnp.zeros((3, 3)), "b": jnp.zeros((3, 3))})
+    assert zero_optim.check(jaxpar.loss_scaling(optax.sgd(1e-3)), {"w": jnp.zeros((1,))}) is True
+
+
+def test_hlo_stage_3_prefetches_each_backward_re_gather_one_layer_ahead():
+    """(QA59) A layer's backward re-gather is issued once the NEXT layer's backward has its cotangent, not once its own
+    has: both re-gathers (layers 3 and 5) come before the first reduce-scatter, the last layer's gradient's. Tied
+    to the layer's own cotangent, layer 3's re-gather waits for layer 5's input gradient and follows its
+    reduce-scatters."""
+    z, text, _ = hlo_of(3, 4)  # cached with test_hlo_stage_3_gathers_each_layer_before_its_forward_and_again_...
+    schedule = overlap.entry_schedule(text)
+    group = {z.plan.leaves[g.leaves[0]].name: f"f32[4,{g.chunk}]" for g in z.plan.groups}
+    regather = [i for i, (_, op, s) in enumerate(schedule)
+                if op == "all-gather" and s.split("{")[0] == group["layers.3.kernel"]][1]
+    assert regather < min(overlap.collective_positions(schedule, ["reduce-scatter"]))

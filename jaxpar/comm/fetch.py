@@ -45,7 +45,7 @@ from jaxpar.comm.shards import ShardPlan, all_gather_shards
 NAME = "zero3_gathered"  # the checkpoint name of every gathered weight: never saved for the backward
 META = "zero3_shape"  # Variable metadata: the full shape of the leaf whose piece the Variable holds
 _LAYOUT = {"transpose", "reshape", "convert_element_type", "broadcast_in_dim", "squeeze", "expand_dims", "copy",
-           "slice", "concatenate", "dynamic_slice", "all_gather", "name"}
+           "slice", "concatenate", "dynamic_slice", "all_gather", "name", "stop_gradient"}
 
 
 def save_policy(prim, *_, **params) -> bool:

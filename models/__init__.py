@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.models import convert, gpt
-from jaxpar.models.convert import load_torch_state_dict, torch_shapes
+from jaxpar.models.convert import load_torch_state_dict, torch_shapes, unwrapped
 from jaxpar.models.gpt import GPT, GPTConfig
 from jaxpar.models.layers import (CONV_IMPLS, AdaptiveAvgPool2d, Conv2d, Flatten, Linear, LogSoftmax,
                            MaxPool2d, ReLU, default_conv_impl)
@@ -107,6 +107,7 @@ def from_torch_state_dict(name: str, state_dict: Mapping[str, Any], *, seed: int
     _check_name(name)
     if name in GPT_NAMES:
         return gpt.from_torch_state_dict(state_dict, name=name, seed=seed, **kwargs)
+    state_dict = unwrapped(state_dict)  # a DDP or torch.compile wrapper's state dict
     kwargs = {**kwargs_from_state_dict(name, state_dict), **kwargs}
     model = abstract(name, **kwargs)  # every weight is overwritten: skip the random init
     load_torch_state_dict(model, state_dict, name)

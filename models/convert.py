@@ -15,6 +15,21 @@ from flax import nnx
 from jaxpar.models.layers import Conv2d, Linear
 
 
+WRAPPERS = ("_orig_mod.", "module.")  # the prefixes torch.compile and DistributedDataParallel add to every key
+
+
+def unwrapped(state_dict: Mapping[str, object]) -> dict[str, object]:
+    """The state dict under the wrapped model's own keys: the prefixes of torch.compile (`_orig_mod.`) and
+    DistributedDataParallel (`module.`) stripped, in any order (DDP of a compiled model saves `module._orig_mod.`),
+    as torch.nn.modules.utils.consume_prefix_in_state_dict_if_present strips DDP's."""
+    out = {}
+    for key, value in state_dict.items():
+        while key.startswith(WRAPPERS):
+            key = key.split(".", 1)[1]
+        out[key] = value
+    return out
+
+
 def _to_torch(layer: Linear | Conv2d, name: str, value: np.ndarray) -> np.ndarray:
     if name == "bias":
         return value
@@ -71,7 +86,9 @@ def check_state_dict(expected: Mapping[str, tuple[int, ...]], state_dict: Mappin
 
 
 def load_torch_state_dict(model: nnx.Module, state_dict: Mapping[str, object], model_name: str = "") -> None:
-    """Copy a checked PyTorch state dict into `model` in place (values as float32)."""
+    """Copy a checked PyTorch state dict into `model` in place (values as float32); a wrapper's prefixes are
+    stripped (`unwrapped`)."""
+    state_dict = unwrapped(state_dict)
     check_state_dict(torch_shapes(model), state_dict, model_name or type(model).__name__)
     for key, layer, name in _entries(model):
         value = _from_torch(layer, name, np.asarray(state_dict[key], np.float32))

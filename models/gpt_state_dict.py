@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxpar.models.convert import unwrapped
 from jaxpar.models.gpt import CONFIGS, GPT, LN_EPS, GPTConfig
 
 LAYOUTS = ("hf", "nanogpt")
@@ -96,13 +97,11 @@ def _check_layout(layout: str) -> None:
 def normalize_state_dict(state_dict: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], str]:
     """(the weights under GPT2LMHeadModel's keys, 'hf' | 'nanogpt') of a GPT-2 state dict.
 
-    Accepts HF's GPT2LMHeadModel and GPT2Model (no `transformer.` prefix) dicts and nanoGPT's (a torch.compile'd
-    one's `_orig_mod.` prefix too); drops the causal-mask buffers; checks lm_head.weight equals wte (tied). The
-    layout is read off c_attn's weight: [C, 3C] is HF's Conv1D, [3C, C] nanoGPT's nn.Linear."""
+    Accepts HF's GPT2LMHeadModel and GPT2Model (no `transformer.` prefix) dicts and nanoGPT's, under the prefixes
+    torch's wrappers add (`convert.unwrapped`); drops the causal-mask buffers; checks lm_head.weight equals wte
+    (tied). The layout is read off c_attn's weight: [C, 3C] is HF's Conv1D, [3C, C] nanoGPT's nn.Linear."""
     sd = {}
-    for key, value in state_dict.items():
-        for prefix in ("_orig_mod.", "module."):
-            key = key[len(prefix):] if key.startswith(prefix) else key
+    for key, value in unwrapped(state_dict).items():
         if key.endswith(_BUFFERS):
             continue
         if not key.startswith(("transformer.", "lm_head.")):

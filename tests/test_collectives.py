@@ -274,3 +274,50 @@ def test_all_gather_transposes_to_the_ring(tiled, ring_reduce_scatter):
     np.testing.assert_allclose(ours(xs, w), lax_(xs, w), rtol=1e-6, atol=1e-6)
     hlo = ours.lower(xs, w).compile().as_text()
     assert "reduce-scatter(" not in hlo and "collective-permute" in hlo and "all-gather" not in hlo.split("ENTRY")[0]
+
+
+def test_iota_replica_groups_with_a_transpose_are_the_strided_groups():
+    """XLA prints strided replica groups (a data-parallel reduction on a [data, tensor] mesh) in iota form with a
+    transpose: [2,4]<=[4,2]T(1,0) is {0,2,4,6}, {1,3,5,7}, not the contiguous rows [2,4]<=[8] names (the tensor
+    groups, which tensor.tensor_all_reduces tells apart by their groups)."""
+    strided = ("HloModule m, num_partitions=8\nENTRY %e {\n  ROOT %ar = f32[8]{0} all-reduce(f32[8]{0} %a), "
+               "replica_groups=[2,4]<=[4,2]T(1,0), to_apply=%add\n}")
+    (c,) = K.hlo_collectives(strided)
+    assert c.groups == ((0, 2, 4, 6), (1, 3, 5, 7))
+    (rows,) = K.hlo_collectives(strided.replace("[4,2]T(1,0)", "[8]"))
+    assert rows.groups == ((0, 1, 2, 3), (4, 5, 6, 7))
+
+
+def test_received_bytes_of_a_one_way_permute_are_counted_at_its_targets():
+    """A collective-permute that is not a cycle (a pipeline's send to the next stage: 0 -> 1 -> 2) sends from its
+    sources and arrives at its targets: the first device sends and receives nothing back, the last only receives."""
+    hlo = ("HloModule m, num_partitions=3\nENTRY %e {\n  ROOT %cp = f32[8]{0} collective-permute(f32[8]{0} %p), "
+           "channel_id=1, source_target_pairs={{0,1},{1,2}}\n}")
+    assert K.hlo_bytes_per_device(hlo) == [32, 32, 0]
+    assert K.hlo_bytes_per_device(hlo, direction="received") == [0, 32, 32]
+
+
+def test_zero_3_traffic_gathers_frozen_weights_for_the_forward_and_the_backward():
+    """Stage 3's model: each trained unit all-gathered twice (forward, backward) and reduce-scattered once; a frozen
+    weight's pieces are all-gathered twice as well and never reduced (ZeRO-3 partitions every parameter)."""
+    n, trained, frozen = 4, 400, 800
+    got = K.zero_traffic(3, n, [trained], [trained], frozen_bytes=[frozen])
+    assert got == {"all-gather": 2 * (3 / 4 * trained + 3 / 4 * frozen), "reduce-scatter": 3 * trained / 4}
+    assert K.zero_traffic(3, n, [trained], [trained])["all-gather"] == 2 * 3 / 4 * trained
+
+
+def test_hlo_parser_counts_each_element_type_at_its_width():
+    """A collective's bytes are its elements times their width, for every element type the parser knows, widths
+    taken from numpy and ml_dtypes (an fp16 or fp8 gradient all-reduce moves 2 or 1 bytes an element)."""
+    import ml_dtypes
+
+    numpy_types = {"pred": np.bool_, "s8": np.int8, "u8": np.uint8, "s16": np.int16, "u16": np.uint16,
+                   "f16": np.float16, "bf16": ml_dtypes.bfloat16, "s32": np.int32, "u32": np.uint32,
+                   "f32": np.float32, "s64": np.int64, "u64": np.uint64, "f64": np.float64, "c64": np.complex64,
+                   "c128": np.complex128, "f8e4m3fn": ml_dtypes.float8_e4m3fn, "f8e5m2": ml_dtypes.float8_e5m2}
+    assert sorted(numpy_types) == sorted(K.DTYPE_BYTES)
+    for dt, np_type in numpy_types.items():
+        hlo = (f"HloModule m, num_partitions=2\nENTRY %e {{\n  ROOT %ar = {dt}[3,2]{{1,0}} all-reduce({dt}[3,2]{{1,0}} "
+               "%a), replica_groups={{0,1}}, to_apply=%add\n}")
+        (c,) = K.hlo_collectives(hlo)
+        assert (c.dtype, c.shape, c.nbytes) == (dt, (3, 2), 6 * np.dtype(np_type).itemsize), dt

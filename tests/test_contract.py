@@ -1106,3 +1106,27 @@ def test_a_batch_size_that_is_not_a_count_is_refused():
             with pytest.raises(ValueError, match=f"batch_size={bad!r} must be an int >= 1"):
                 make(bad)
         assert make(np.int64(30)).batch_size == 30
+
+
+def test_pad_rows_pads_with_copies_of_row_0_masked_out():
+    """jaxpar.pad_rows (every strategy's padding) adds copies of row 0, data and id, with mask 0: a row every loss
+    is known to be finite on, as its docstring promises; the real rows keep their order, mask 1 and ids. as_rows'
+    ids start at `offset` (a process's first global row: DDP, ZeRO and tensor parallelism pass process_index x the
+    local batch, so another process's rows never draw the same per-sample random numbers)."""
+    rows = jaxpar.as_rows({"x": np.arange(6, dtype=np.float32).reshape(3, 2), "y": np.array([4, 5, 6])}, offset=10)
+    np.testing.assert_array_equal(rows.ids, [10, 11, 12])
+    padded = jaxpar.pad_rows(rows, 5)
+    np.testing.assert_array_equal(padded.data["x"], [[0, 1], [2, 3], [4, 5], [0, 1], [0, 1]])
+    np.testing.assert_array_equal(padded.data["y"], [4, 5, 6, 4, 4])
+    np.testing.assert_array_equal(padded.mask, [1, 1, 1, 0, 0])
+    np.testing.assert_array_equal(padded.ids, [10, 11, 12, 10, 10])
+    assert jaxpar.pad_rows(rows, 3) is rows
+
+
+def test_a_target_outside_the_vocabulary_is_never_counted_correct():
+    """A counted target outside [0, C) makes the loss NaN and is no hit whatever the logits' argmax: not even when
+    the argmax is class 0, which such a target is looked up as (its safe stand-in)."""
+    logits = jnp.asarray([[5.0, 0.0, 0.0]] * 3)  # argmax 0 on every row
+    out = jaxpar.cross_entropy(logits, {"y": jnp.asarray([0, 3, -5])})
+    assert np.isnan(float(out.loss)) and float(out.weight) == 3
+    assert float(out.metrics["accuracy"]) == 1.0  # the row whose target is 0 only

@@ -354,3 +354,29 @@ def test_uint8_token_sequences_stay_integers(tmp_path):
     np.savez(tmp_path / "img8.npz", x=np.full((4, 8, 8), 255, np.uint8), y=np.arange(4))
     images = load("npz", "train", data_path=str(tmp_path / "img8.npz"), model=None)
     assert images.x.dtype == np.float32 and images.x.shape == (4, 8, 8, 1)
+
+
+def test_uint8_images_are_normalised_with_torchs_constants(tmp_path):
+    """uint8 images become (x / 255 - mean) / std with the constants the torch recipes use, written out here rather
+    than read from the module: MNIST's 0.1307 / 0.3081 (pytorch/examples' mnist) and ImageNet's per RGB channel
+    (0.485, 0.456, 0.406) / (0.229, 0.224, 0.225) (torchvision's models): a white pixel, channel by channel."""
+    path = tmp_path / "w.npz"
+    np.savez(path, x=np.full((2, 28, 28), 255, np.uint8), y=np.arange(2))
+    np.testing.assert_allclose(load("npz", data_path=str(path), model="convnet").x[0, 0, 0], [(1 - 0.1307) / 0.3081],
+                               rtol=1e-6)
+    np.savez(path, x=np.full((2, 40, 40, 3), 255, np.uint8), y=np.arange(2))
+    white = load("npz", data_path=str(path), model="alexnet", image_size=40).x[0, 0, 0]
+    np.testing.assert_allclose(white, (1 - np.array([0.485, 0.456, 0.406])) / np.array([0.229, 0.224, 0.225]),
+                               rtol=1e-6)
+
+
+def test_idx_files_of_wider_types_read_in_native_byte_order(tmp_path):
+    """IDX stores values big-endian; read_idx gives them in the machine's own order (what numpy, jax and torch
+    expect of an array's bytes), for every type the format has, not only MNIST's uint8."""
+    for dtype in (np.int16, np.int32, np.float32, np.float64):
+        want = (np.arange(12) - 5).astype(dtype).reshape(3, 4) * 3
+        write_idx(tmp_path / "a.idx", want)
+        got = read_idx(tmp_path / "a.idx")
+        assert got.dtype == np.dtype(dtype) and got.dtype.isnative, got.dtype.str
+        np.testing.assert_array_equal(got, want)
+        assert got.tobytes() == want.tobytes()

@@ -856,3 +856,42 @@ def test_profile_partition_of_a_gpt_through_the_cli(corpus):
                     "--batch-size", "8", "--steps", "1", "--eval-split", "", "--strategy", "pipeline",
                     "--num-devices", "2", "--partition-method", "profile", "--quiet"])
     assert np.isfinite(out["train_loss"]) and out["strategy"] == "pipeline"
+
+
+def test_a_ddp_wrapped_state_dict_loads_as_the_plain_one():
+    """torch DDP keeps the model as `.module`: a state dict saved from the wrapper (model.state_dict(), not
+    model.module's) has every key under `module.`; torch.compile on top of DDP gives `_orig_mod.module.`, DDP of a
+    compiled model `module._orig_mod.`: each loads (in either layout) to the plain dict's weights."""
+    model = gpt.GPT(gpt.GPTConfig(**TINY), rngs=nnx.Rngs(0))
+    want = model.torch_state_dict("hf")
+    for prefix, layout in (("module.", "hf"), ("_orig_mod.module.", "nanogpt"), ("module._orig_mod.", "nanogpt"),
+                           ("module._orig_mod.", "hf")):
+        sd = {f"{prefix}{k}": v for k, v in model.torch_state_dict(layout).items()}
+        got = gpt.from_torch_state_dict(sd, n_head=H).torch_state_dict("hf")
+        assert sorted(got) == sorted(want)
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key], err_msg=f"{prefix} {layout} {key}")
+
+
+def test_cudnn_attention_takes_head_sizes_up_to_128(monkeypatch):
+    """cuDNN's fused attention takes head sizes that are multiples of 8 up to 128 inclusive: 128 (a 1024-wide GPT
+    of 8 heads) runs it under 'auto' and may be asked for; 136 falls back to XLA, or is refused when asked for."""
+    from jaxpar.models import gpt_ops
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(gpt_ops, "cudnn_attention_supported", lambda: True)
+    assert gpt.attention_impl("auto", jnp.bfloat16, 128) == "cudnn"
+    assert gpt.attention_impl("cudnn", jnp.float16, 128) == "cudnn"
+    assert gpt.attention_impl("auto", jnp.bfloat16, 136) == "xla"
+    with pytest.raises(ValueError, match="multiple of 8 up to 128.*head size 136"):
+        gpt.attention_impl("cudnn", jnp.bfloat16, 136)
+
+
+def test_a_dropout_of_one_is_refused():
+    """GPTConfig's dropout is a probability in [0, 1): 1.0 would drop every activation (a model that only outputs
+    its biases) and is refused in one line, as 1.5 is; 0 and just under 1 are taken."""
+    for rate in (1.0, 1.5, -0.1):
+        with pytest.raises(ValueError, match=r"dropout=.* must be in \[0, 1\)") as e:
+            gpt.GPTConfig(dropout=rate, **TINY)
+        assert "\n" not in str(e.value)
+    assert gpt.GPTConfig(dropout=0.0, **TINY).dropout == 0.0 and gpt.GPTConfig(dropout=0.99, **TINY).dropout == 0.99

@@ -93,6 +93,10 @@ def test_torch_parity_both_ways(name):
     assert list(back) == list(sd)
     for key in sd:
         assert back[key].shape == sd[key].shape and np.array_equal(back[key], sd[key]), key
+    # saved from torch's wrappers (DDP's `module.`, torch.compile's `_orig_mod.`, either order): the same weights
+    for prefix in ("module.", "_orig_mod.module.", "module._orig_mod."):
+        wrapped = models.from_torch_state_dict(name, {prefix + k: v for k, v in sd.items()})
+        assert all(np.array_equal(v, sd[k]) for k, v in models.to_torch_state_dict(wrapped).items()), prefix
 
 
 @pytest.mark.parametrize("hw", POOL_SIZES)
@@ -233,3 +237,27 @@ def test_registry_and_input_shapes():
         models.input_shape("alexnet", image_size=32)
     out = jax.eval_shape(lambda x: models.get("alexnet")(x), jax.ShapeDtypeStruct((1, 63, 63, 3), jnp.float32))
     assert out.shape == (1, 10)
+
+
+def test_fresh_layers_draw_torchs_default_init_bounds():
+    """A fresh Conv2d and Linear draw their weights and biases from torch's default init, U(-1/sqrt(fan_in),
+    +1/sqrt(fan_in)) (kaiming_uniform(a=sqrt(5))), with fan_in = in_channels x kernel height x kernel width for a
+    convolution (a non-square kernel here, so each factor shows): the draws reach the bound and stay inside it."""
+    from jaxpar.models.layers import Linear
+
+    rngs = nnx.Rngs(0)
+    for layer, fan_in in ((Conv2d(3, 16, (5, 4), rngs=rngs), 3 * 5 * 4), (Linear(40, 300, rngs=rngs), 40)):
+        bound = 1 / np.sqrt(fan_in)
+        kernel, bias = np.abs(np.asarray(layer.kernel[...])), np.abs(np.asarray(layer.bias[...]))
+        assert 0.95 * bound < kernel.max() <= bound and bias.max() <= bound, (type(layer).__name__, kernel.max())
+
+
+def test_dropout_rates_are_torchs():
+    """pytorch/examples' mnist Net drops 0.25 after its convolutions and 0.5 before fc2; torchvision's AlexNet 0.5
+    before each of its first two classifier Linears (its default)."""
+    convnet = models.abstract("convnet")
+    assert (convnet.dropout1.rate, convnet.dropout2.rate) == (0.25, 0.5)
+    layers = models.as_layers(convnet)
+    assert layers.index(convnet.dropout1) < layers.index(convnet.fc1) < layers.index(convnet.dropout2)
+    alexnet = models.abstract("alexnet")
+    assert [layer.rate for layer in alexnet.classifier if isinstance(layer, nnx.Dropout)] == [0.5, 0.5]

@@ -490,3 +490,28 @@ def test_a_tensor_group_across_processes_is_refused_with_a_fix_that_runs():
     assert ("tensor_parallel=2 (--tensor-parallel) puts a tensor group on devices of processes [0, 1]; keep each "
             "group within one process (Megatron keeps tensor parallelism within a node): use at least 2 devices a "
             "process (--cpu-devices 2 on CPUs), or data parallelism (--strategy ddp).") in out, out
+
+
+def test_launcher_sets_local_world_size_to_this_nodes_processes():
+    """LOCAL_WORLD_SIZE is this node's process count (torchrun's), not the world's: with one process per node on
+    two nodes it is 1, and the rendezvous leaves the GPUs to JAX (every GPU of its node); with 4 per node it is 4,
+    and local rank 2 takes GPU 2."""
+    from jaxpar.launch import parser, rank_env
+    from jaxpar.run.distributed import detect
+
+    for nproc, ids in (("1", None), ("4", [2])):
+        args = parser().parse_args(["--nnodes", "2", "--node-rank", "1", "--nproc-per-node", nproc, "--master-port",
+                                    "1", "train.py"])
+        env = rank_env(args, local_rank=int(nproc) // 2, restart=0)
+        assert env["LOCAL_WORLD_SIZE"] == nproc and env["WORLD_SIZE"] == str(2 * int(nproc))
+        assert detect(env).local_device_ids == ids, nproc
+
+
+def test_a_jax_world_of_one_process_is_a_single_process():
+    """JAX's own variables naming one process (JAX_NUM_PROCESSES=1) are a single process, as WORLD_SIZE=1 is:
+    no rendezvous, so jax.distributed is never started for it."""
+    from jaxpar.run.distributed import detect
+
+    jax_env = {"JAX_COORDINATOR_ADDRESS": "h:1234", "JAX_NUM_PROCESSES": "1", "JAX_PROCESS_ID": "0"}
+    assert detect(jax_env) is None
+    assert detect({**jax_env, "JAX_NUM_PROCESSES": "2"}).num_processes == 2

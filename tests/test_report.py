@@ -189,3 +189,59 @@ def test_summary_line_says_null_where_metrics_out_does():
 
     line = trainer.summary_line({"strategy": "single", "steps": 2, "samples_per_s": float("nan"), "time_s": 1.25})
     assert line == "summary: strategy=single steps=2 samples_per_s=null time_s=1.25"
+
+
+def test_metrics_out_writes_a_non_finite_number_inside_a_list_as_null(tmp_path):
+    """Strict JSON lines whatever a record nests: a NaN or inf inside a list (per-device numbers, a dict in a list,
+    a numpy scalar) is null like a top-level one, never a crash of the run's writer (json's allow_nan=False)."""
+    path = str(tmp_path / "m.jsonl")
+    writer = report.MetricsWriter(path)
+    writer.begin()
+    writer.write({"event": "x", "loss": [1.5, float("nan")], "rows": [{"peak": float("inf")}, {"peak": 2.0}],
+                  "numpy": (np.float32("nan"), np.float32(0.5))})
+    writer.close()
+    with open(path) as f:
+        assert json.loads(f.read()) == {"event": "x", "loss": [1.5, None], "rows": [{"peak": None}, {"peak": 2.0}],
+                                        "numpy": [None, 0.5]}
+
+
+def test_report_table_shows_a_device_with_an_allocator_peak_but_no_live_bytes():
+    """A device's memory row appears when it holds live bytes or reached an allocator peak: one whose buffers were
+    all freed by the time of the report (live 0) still shows its peak; one with neither is left out."""
+    mem = [{"device": "gpu:0", "live_bytes": 0, "peak_bytes": 3 * 2**20},
+           {"device": "gpu:1", "live_bytes": 0, "peak_bytes": None}]
+    text = report.table({"strategy": "single", "steps": 1}, {}, mem)
+    assert "memory gpu:0" in text and "allocator peak 3.00 MiB" in text, text
+    assert "memory gpu:1" not in text
+
+
+def test_samples_per_s_and_the_step_time_row_are_the_timed_steps_numbers(monkeypatch):
+    """samples_per_s is the timed steps' samples over their seconds (window(): since its last call; total(): the
+    run), step_time_s their mean step; --report's step time row shows it in milliseconds."""
+    import re
+
+    now = iter([0.0, 1.0, 1.5, 2.0, 2.25])  # batch 8 x 5 steps: two warm-up steps, then 0.5, 0.5, 0.25 s
+    monkeypatch.setattr(report.time, "perf_counter", lambda: next(now))
+    clock = report.Clock()
+    for _ in range(4):
+        clock.tick(8)
+    assert clock.window() == {"samples_per_s": 16 / 1.0, "step_time_s": 0.5}
+    clock.tick(8)
+    assert clock.window() == {"samples_per_s": 8 / 0.25, "step_time_s": 0.25}
+    total = clock.total()
+    assert total == {"samples_per_s": 24 / 1.25, "step_time_s": 1.25 / 3}
+    text = report.table({"strategy": "single", "steps": 5, **total}, {})
+    assert re.search(r"\nstep time +416\.67 ms\n", text) and re.search(r"\nsamples/s +19\.2\n", text), text
+
+
+def test_memory_fields_flatten_the_held_memory_for_metrics_out():
+    """--metrics-out's summary gets the held memory as flat byte counts: the measured params, gradients, optimizer
+    state and their total, the model state, and the ZeRO paper's total and formula beside them (not the measured
+    total again); a report without held memory gives none."""
+    held = {"params": 100, "gradients": 50, "optimizer": 200, "total": 350, "model_state": 7, "num_params": 25,
+            "paper": {"total": 400, "formula": "(2 + 2 + K) Psi / N"}}
+    assert report.memory_fields({"held_memory": held}) == {
+        "memory_params_bytes": 100, "memory_gradients_bytes": 50, "memory_optimizer_bytes": 200,
+        "memory_held_bytes": 350, "memory_model_state_bytes": 7, "memory_paper_bytes": 400,
+        "memory_paper_formula": "(2 + 2 + K) Psi / N"}
+    assert report.memory_fields({"devices": 4}) == {}

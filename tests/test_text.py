@@ -105,3 +105,10 @@ def test_bad_input_is_one_line_naming_the_fix(corpus_file, kwargs, message):
     with pytest.raises(ValueError, match=message) as e:
         text.load(kwargs.pop("split"), **kwargs)
     assert "\n" not in str(e.value)
+
+
+def test_percent_bounds_round_to_the_closest_window():
+    """A percent bound is rounded to the closest window, as tfds rounds its percent slices: 90 % of 3 windows is
+    2.7, so 'train[:90%]' holds 3 (not 2, truncated); 27 % of 10 is 2.7, so 'test[27%:]' starts at window 3."""
+    assert text.parse_split("train[:90%]", {"train": 3, "test": 10}) == ("train", 0, 3)
+    assert text.parse_split("test[27%:]", {"train": 3, "test": 10}) == ("test", 3, 10)

@@ -403,3 +403,73 @@ def test_a_head_count_that_is_not_one_is_refused(tmp_path):
     with pytest.raises(ValueError, match="says n_head='six', which is not a head count.*pass --n-head") as e:
         weights.read(path)
     assert "\n" not in str(e.value)
+
+
+def test_endoftext_is_named_only_by_a_vocabulary_that_holds_its_id():
+    """<|endoftext|> is id 50256: a vocabulary of exactly 50,256 ids (0 to 50,255) does not hold it, so its
+    config.json names no bos/eos id (transformers would warn on every load); one id more does."""
+    for vocab, special in ((50256, None), (50257, 50256)):
+        config = gpt.hf_config(gpt.GPTConfig.named("gpt-nano", vocab_size=vocab))
+        assert config["bos_token_id"] == config["eos_token_id"] == special, vocab
+
+
+def test_a_torch_file_keeps_the_tied_head_as_wtes_storage(tmp_path, torch_or_fake):
+    """lm_head.weight is wte's copy in the state dict (the same array): a torch file stores it once, as
+    torch.save(model.state_dict()) of a tied GPT2LMHeadModel does -- the loaded head and wte share one storage, and
+    the file is not the table's bytes larger again (GPT-2: 154 MB)."""
+    cfg = gpt.GPTConfig(vocab_size=16, block_size=4, n_layer=1, n_head=2, n_embd=8)
+    sd = gpt.GPT(cfg, rngs=nnx.Rngs(0)).torch_state_dict("hf")
+    assert sd["lm_head.weight"] is sd["transformer.wte.weight"]
+    weights.write(sd, str(tmp_path / "w.pt"))
+    loaded = torch_or_fake.load(str(tmp_path / "w.pt"), map_location="cpu", weights_only=True)
+    head, wte = loaded["lm_head.weight"], loaded["transformer.wte.weight"]
+    assert head is wte or head.untyped_storage().data_ptr() == wte.untyped_storage().data_ptr()
+    table = np.zeros((1024, 64), np.float32)  # 256 KiB
+    weights.write({"transformer.wte.weight": table, "lm_head.weight": table}, str(tmp_path / "t.pt"))
+    assert os.path.getsize(tmp_path / "t.pt") < 1.5 * table.nbytes
+
+
+def test_only_a_checkpoint_with_nanogpts_train_keys_is_taken_for_nanogpts_train():
+    """meta["source"] = "nanogpt-train" (whose model runs the erf GELU) needs both of what nanoGPT's train.py saves
+    beside the model, iter_num and config: a checkpoint of another trainer holding one of them is not taken for
+    it, so its GPT keeps the default tanh GELU."""
+    torch = fake_torch()
+    w = np.arange(6, dtype=np.float32).reshape(2, 3)
+    for extra in ({"iter_num": 9}, {"config": {"beta2": 0.95}}):
+        ckpt = {"model": {"w": torch.Tensor(w)}, "model_args": {"n_head": 6}, **extra}
+        meta = weights._from_torch(ckpt, "ckpt.pt", "--init-torch", torch)[1]
+        assert meta == {"n_head": 6} and gpt.implied_activation(meta) is None, extra
+    ckpt = {"model": {"w": torch.Tensor(w)}, "model_args": {"n_head": 6}, "iter_num": 9, "config": {}}
+    assert weights._from_torch(ckpt, "ckpt.pt", "--init-torch", torch)[1]["source"] == "nanogpt-train"
+
+
+def test_a_head_count_of_true_or_zero_is_refused(tmp_path):
+    """JSON's true is not a head count (Python's bool is an int, 1): a file whose meta says n_head=true, or 0, is
+    refused in one line, never read as a GPT of one head."""
+    from safetensors.numpy import save_file
+
+    path = str(tmp_path / "w.safetensors")
+    for value in ("true", "0"):
+        save_file(state_dict(), path, metadata={"format": "pt", "n_head": value})
+        with pytest.raises(ValueError, match=f"says n_head='{value}', which is not a head count") as e:
+            weights.read(path)
+        assert "\n" not in str(e.value)
+    save_file(state_dict(), path, metadata={"format": "pt", "n_head": "3"})
+    assert weights.read(path)[1] == {"n_head": 3}
+
+
+def test_each_hugging_face_gelu_name_runs_the_gelu_transformers_computes():
+    """transformers' gelu_new, gelu_pytorch_tanh and gelu_fast are the tanh GELU (gelu_fast writes sqrt(2 / pi) as
+    0.7978845608), its gelu the erf one: each name a config.json or file gives runs the GELU that computes it."""
+    import math
+
+    import jax
+
+    x = np.linspace(-5, 5, 201)
+    tanh = 0.5 * x * (1 + np.tanh(0.7978845608 * (x + 0.044715 * x ** 3)))
+    erf = 0.5 * x * (1 + np.vectorize(math.erf)(x / math.sqrt(2)))
+    assert np.abs(tanh - erf).max() > 1e-4  # the two forms differ by more than the tolerance
+    for name, want in (("gelu_new", tanh), ("gelu_pytorch_tanh", tanh), ("gelu_fast", tanh), ("gelu", erf)):
+        act = gpt.activation_of({"activation_function": name})
+        got = jax.nn.gelu(np.float32(x), approximate=gpt.ACTIVATIONS[act])
+        np.testing.assert_allclose(got, want, atol=2e-6, err_msg=name)

@@ -133,6 +133,25 @@ def test_sync_batch_norm_makes_ddp_equal_the_single_step():
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_zero_keeps_replica_0s_buffers_on_every_replica_as_ddp():
+    """ZeRO (stage 3) in batch mode (a BatchNorm model, 2 replicas of 8 rows): the running statistics are replica
+    0's on every device, DDP's broadcast_buffers -- not each replica's own (they differ: another 8 rows), which would
+    leave the copies of a replicated buffer apart."""
+    rng = np.random.default_rng(5)
+    batch = {"x": rng.standard_normal((16, 6)).astype(np.float32), "y": rng.integers(0, 3, 16)}
+    ddp = jaxpar.DistributedDataParallel(bn_model(), TX, mesh=jaxpar.make_mesh(2))
+    want = jax.tree.leaves(nnx.state(run_bn(ddp, bn_model(), [batch]).model_state, nnx.BatchStat))
+    own = run_bn(jaxpar.DistributedDataParallel(bn_model(), TX, mesh=jaxpar.make_mesh(1)), bn_model(),
+                 [jax.tree.map(lambda a: a[8:], batch)])  # replica 1's rows alone
+    assert max(float(np.abs(a - b).max()) for a, b in zip(
+        jax.tree.leaves(nnx.state(own.model_state, nnx.BatchStat)), want)) > 1e-3
+    zero = jaxpar.ZeroRedundancy(bn_model(), TX, stage=3, mesh=jaxpar.make_mesh(2))
+    placed, _ = zero.step(zero.init(jaxpar.init_state(bn_model(), TX)), zero.put_batch(batch))
+    for a, b in zip(jax.tree.leaves(nnx.state(placed.model_state, nnx.BatchStat)), want):
+        for shard in a.addressable_shards:
+            np.testing.assert_allclose(shard.data, b, rtol=1e-6, atol=1e-7)
+
+
 def test_batch_mode_refuses_padding_and_sync_bn_refuses_dp_and_the_pipeline():
     ddp = jaxpar.DistributedDataParallel(bn_model(), TX, mesh=jaxpar.make_mesh(4))
     rows = as_rows({"x": np.zeros((14, 6), np.float32), "y": np.zeros(14, np.int32)})

@@ -303,6 +303,23 @@ def test_rng_streams_advance_once_per_step():
     assert count(state) == [0] and count(ref) == [STEPS]  # one Dropout stream
 
 
+@pytest.mark.parametrize("per_sample", [True, False])
+def test_the_next_step_draws_new_dropout_masks(per_sample):
+    """The model state a training pass returns keys the next step's draws afresh: the same weights on the same rows
+    give another dropout loss one step on (every step keyed by its stream count; with the count left out of the key,
+    or not advanced, every step would repeat the first one's masks), and the same loss again from the same state."""
+    model = regression.make_model(4, 16, 2, 0.5, rngs=nnx.Rngs(params=0, dropout=1))
+    objective = Objective.of(model, OutputLoss(regression.loss), per_sample=per_sample)
+    state = jaxpar.init_state(model, SGD)
+    x = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
+    rows = as_rows({"x": x, "y": x[:, :2]}, np.arange(8))
+    sums = jax.jit(lambda m: objective.sums(state.params, m, rows))
+    (first, after), (again, _) = sums(state.model_state), sums(state.model_state)
+    (second, _) = sums(after)
+    assert float(first.loss) == float(again.loss)
+    assert abs(float(second.loss) - float(first.loss)) > 1e-3 * abs(float(first.loss))
+
+
 class Counting(nnx.Module):
     """A model that changes a variable in its forward: per-sample mode cannot agree the rows' updates."""
 

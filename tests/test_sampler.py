@@ -203,6 +203,21 @@ def test_a_pass_to_the_end_leaves_the_next_pass_the_whole_epoch_as_torch():
     assert np.concatenate([np.asarray(b.ids) for b in Loader(dataset, 2, s)]).tolist() == want[2:]
 
 
+def test_after_a_whole_pass_the_plan_is_the_whole_epoch_and_a_pass_left_early_resumes():
+    """After a pass ran to the end, batch_plan (from `start`) is the whole epoch again, not the empty rest at the
+    offset; the next pass, left after one batch, ends the 'ran out' state, so the one after it resumes there."""
+    s = DistributedSampler(10, 2, 0, shuffle=False)
+    want = torch_indices(10, 2, 0, False)
+    whole = [want[:2], want[2:4], want[4:]]
+    assert [b.tolist() for b in s.batches(2)] == whole and s.offset == 5
+    assert [b.tolist() for b in s.batch_plan(2)] == whole and list(s) == want
+    it = s.batches(2)
+    assert next(it).tolist() == want[:2]
+    it.close()  # left before the end
+    assert s.offset == 2 and s.start == 2 and list(s) == want[2:]
+    assert [b.tolist() for b in s.batches(2)] == whole[1:]
+
+
 def test_an_array_dataset_counts_its_rows_as_torchs_sampler_does():
     """DistributedSampler(np.arange(7)) was refused as an empty dataset; torch's takes len(dataset), as for a list.
     torch's indices here (no shuffle, 2 replicas, rank 1): 0..6 padded from the start to 8, every second from 1."""

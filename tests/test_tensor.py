@@ -133,6 +133,33 @@ def test_tensor_parallel_equals_the_single_step(tp, devices, parallel_output):
     assert {s.data.shape for s in wte.addressable_shards} == {(CFG["vocab_size"] // tp, CFG["n_embd"])}
 
 
+def test_batch_mode_tensor_parallel_keys_each_replica_as_ddp_does():
+    """Batch mode (per_sample=False) with dropout on 2 data replicas x 2 tensor ranks: data replica r draws with
+    shard key r on its half of the rows, as DDP's replica r does (the split dropout makes each tensor group's draws
+    the unsplit model's), so one SGD step equals the step summed by hand over the halves keyed 0 and 1 -- which
+    differs from the one where both halves draw with key 0."""
+    m, b = model(n_layer=1), batches()[0]
+    objective = jaxpar.Objective.of(m, per_sample=False)
+    state = jaxpar.init_state(m, TX)
+    grad = jax.jit(lambda rows, s: objective.value_and_grad(state.params, state.model_state, rows, shard=s))
+    halves = [jax.tree.map(lambda a, r=r: a[r * ROWS // 2:(r + 1) * ROWS // 2], b) for r in range(2)]
+
+    def by_hand(keys):  # momentum SGD's first step: p - lr g
+        outs = [grad(h, s) for h, s in zip(halves, keys)]
+        weight = sum(float(sums.weight) for (sums, _), _ in outs)
+        total = jax.tree.map(lambda *g: sum(g), *[g for _, g in outs])
+        return [np.asarray(p) - 0.1 * np.asarray(g) / weight
+                for p, g in zip(jax.tree.leaves(state.params), jax.tree.leaves(total))]
+
+    want, wrong = by_hand((0, 1)), by_hand((0, 0))
+    assert max(np.abs(a - c).max() for a, c in zip(want, wrong)) > 1e-4
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), (DATA, TENSOR))
+    strategy = TensorParallel(model(n_layer=1), TX, tensor_parallel=2, mesh=mesh, per_sample=False)
+    placed, _ = strategy.step(strategy.init(state), strategy.put_batch(b))
+    for (path, a), c in zip(jax.tree_util.tree_flatten_with_path(strategy.unplace(placed).params)[0], want):
+        np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
 def test_under_adamw_only_the_key_bias_strays_and_its_gradient_is_rounding_noise():
     """AdamW divides each gradient by its own running RMS, so an entry whose gradient is zero in exact arithmetic
     moves by rounding noise normalised up towards lr. In GPT-2 that entry is the key's bias: softmax over the keys
@@ -405,6 +432,21 @@ def test_vocab_parallel_argmax_finds_the_first_nan_as_jnp_argmax():
                                 in_specs=P(None, TENSOR), out_specs=P(), check_vma=False))(logits)
     want = jnp.argmax(logits, -1)
     assert want.tolist()[:3] == [5, 4, 0]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_vocab_parallel_argmax_takes_a_near_tie_on_an_earlier_rank_for_no_tie():
+    """Only an exact tie goes to the first index: a value one float below a later rank's max (and one 1e-3 below at
+    a large scale) on an earlier rank loses, as in jnp.argmax."""
+    mesh = Mesh(np.array(jax.devices()[:4]), (TENSOR,))
+    logits = np.array(jax.random.normal(jax.random.key(0), (3, 12)))
+    logits[0, 10], logits[0, 1] = 4.0, np.nextafter(np.float32(4.0), np.float32(0.0))  # ranks 3 and 0
+    logits[1, 7], logits[1, 4] = 3000.0, 3000.0 - 1e-3  # ranks 2 and 1 (a rounding step 2.4e-4 at 3000)
+    logits[2, 9], logits[2, 2] = 4.0, 4.0  # an exact tie: the first index
+    got = jax.jit(jax.shard_map(lambda z: megatron.vocab_parallel_argmax(z, TENSOR), mesh=mesh,
+                                in_specs=P(None, TENSOR), out_specs=P(), check_vma=False))(jnp.asarray(logits))
+    want = jnp.argmax(jnp.asarray(logits), -1)
+    assert want.tolist() == [10, 7, 2]
     np.testing.assert_array_equal(got, want)
 
 

@@ -458,6 +458,28 @@ def test_whole_shard_losses_refuse_the_samplers_wrap_around_copies(monkeypatch, 
         trainer.run(cfg)
 
 
+def test_each_epochs_train_loss_is_the_running_mean_of_its_own_steps(tmp_path):
+    """--epochs 2 (steps of 16, 16 and 8 rows an epoch): the step records' train_loss and the epoch record's are the
+    running mean over the samples of that epoch alone, starting over at the second epoch's first step (the first
+    epoch's losses carried on would make it another number)."""
+    metrics = tmp_path / "m.jsonl"
+    out = train.main(BASE + ["--strategy", "single", "--epochs", "2", "--metrics-out", str(metrics), "--log-every",
+                             "1"])
+    records = list(map(json.loads, metrics.read_text().splitlines()))
+    steps = [r for r in records if r.get("event") == "step"]
+    epochs = [r for r in records if r.get("event") == "epoch"]
+    assert [r["epoch"] for r in steps] == [0, 0, 0, 1, 1, 1] and len(epochs) == 2
+    rows = np.array([16, 16, 8])
+    for e in range(2):
+        losses = np.array([r["loss"] for r in steps[3 * e:3 * e + 3]])
+        running = np.cumsum(losses * rows) / np.cumsum(rows)
+        np.testing.assert_allclose([r["train_loss"] for r in steps[3 * e:3 * e + 3]], running, rtol=1e-6)
+        np.testing.assert_allclose(epochs[e]["train_loss"], running[-1], rtol=1e-6)
+    assert abs(steps[3]["train_loss"] - steps[3]["loss"]) < 1e-6 * abs(steps[3]["loss"])
+    assert abs(steps[0]["loss"] - steps[3]["loss"]) > 1e-4  # the epochs' losses differ: a carried sum would show
+    np.testing.assert_allclose(out["train_loss"], epochs[-1]["train_loss"], rtol=1e-6)
+
+
 def test_drop_last_drops_the_short_batch_from_the_epochs_and_their_learning_rates(tmp_path):
     """40 samples in batches of 16 with --drop-last: 2 steps an epoch (the 8 left over dropped, as torch's
     DataLoader(drop_last=True)), so --epochs 2 is 4 updates, and the per-epoch StepLR decays after the second;

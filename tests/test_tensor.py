@@ -160,6 +160,49 @@ def test_batch_mode_tensor_parallel_keys_each_replica_as_ddp_does():
         np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
 
 
+class BatchNormNet(nnx.Module):
+    """UserNet with a BatchNorm (whole on every tensor rank) before its split block: a model with buffers."""
+
+    def __init__(self, d: int = 8):
+        rngs = nnx.Rngs(0)
+        self.layers = nnx.List([nnx.Linear(4, d, rngs=rngs), nnx.BatchNorm(d, momentum=0.9, rngs=rngs),
+                                UserMLP(d, "f and g", rngs), nnx.Linear(d, 3, rngs=rngs)])
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_batch_mode_tensor_parallel_keeps_replica_0s_buffers_on_every_device_as_ddp():
+    """Batch mode with a BatchNorm on 2 data replicas x 2 tensor ranks: every device ends the step with replica 0's
+    running statistics, as DDP's broadcast_buffers leaves them -- not its own replica's (another 8 rows: they
+    differ), which would leave the copies of one buffer apart (unplace reads device 0, so only the devices show).
+    The start's split check passes it: it refused this model, the Linear bias before the BatchNorm (zero gradient,
+    float32 noise 1.8e-6 of the whole gradient) read as "off by 0.0018 of its size" against a 1e-3 floor."""
+    rng = np.random.default_rng(5)
+    batch = jaxpar.as_rows({"x": rng.standard_normal((16, 4)).astype(np.float32), "y": rng.integers(0, 3, 16)},
+                    np.arange(16))
+    tx = optax.sgd(0.1)
+    stats = lambda state: jax.tree.leaves(nnx.state(state.model_state, nnx.BatchStat))  # noqa: E731
+
+    def ddp(rows, n):
+        strategy = jaxpar.DistributedDataParallel(BatchNormNet(), tx, mesh=jaxpar.make_mesh(n), per_sample=False)
+        placed, _ = strategy.step(strategy.init(jaxpar.init_state(BatchNormNet(), tx)), strategy.put_batch(rows))
+        return stats(strategy.unplace(placed))
+
+    want = ddp(batch, 2)
+    own = ddp(jax.tree.map(lambda a: a[8:], batch), 1)  # replica 1's rows alone
+    assert max(float(np.abs(a - b).max()) for a, b in zip(own, want)) > 1e-3
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), (DATA, TENSOR))
+    strategy = TensorParallel(BatchNormNet(), tx, tensor_parallel=2, mesh=mesh, per_sample=False)
+    placed, _ = strategy.step(strategy.init(jaxpar.init_state(BatchNormNet(), tx)), strategy.put_batch(batch))
+    for a, b in zip(stats(placed), want):
+        assert len(a.addressable_shards) == 4
+        for shard in a.addressable_shards:
+            np.testing.assert_allclose(shard.data, b, rtol=1e-6, atol=1e-7, err_msg=str(shard.device))
+
+
 def test_under_adamw_only_the_key_bias_strays_and_its_gradient_is_rounding_noise():
     """AdamW divides each gradient by its own running RMS, so an entry whose gradient is zero in exact arithmetic
     moves by rounding noise normalised up towards lr. In GPT-2 that entry is the key's bias: softmax over the keys

@@ -478,10 +478,11 @@ def split_gradients(strategy: TensorParallel, params, model_state, rows: Rows):
 
 def check_split_computes(strategy: TensorParallel, params, model_state, rows: Rows, count: int = 2) -> None:
     """ValueError unless the split model's loss and gradients on the first `count` rows equal the unsplit model's
-    (to 1e-4 of each leaf's gradient in float32, 0.1 in 16-bit compute; a leaf whose gradient is near zero, such
-    as the key's bias, measured against 1e-3 of the whole gradient): a module that declares a split in
-    `tensor_layout()` but never joins its ranks' partial results computes something else, and would train on
-    without a word."""
+    (to 1e-4 of each leaf's gradient in float32, 0.1 in 16-bit compute; a leaf whose gradient is near zero, whose
+    float32 value is rounding noise -- the key's bias, a bias before a BatchNorm, whose noise reached 1.8e-6 of the
+    whole gradient -- measured against 0.1 of the whole gradient): a module that declares a split in
+    `tensor_layout()` but never joins its ranks' partial results computes something else (a rank's share, a sum
+    never taken: errors of the order of the gradients themselves), and would train on without a word."""
     head = jax.tree.map(lambda a: np.asarray(a)[:count], rows)
     value, grads = split_gradients(strategy, params, model_state, head)
 
@@ -494,7 +495,7 @@ def check_split_computes(strategy: TensorParallel, params, model_state, rows: Ro
     tol = 1e-4 if dtype is None or jnp.finfo(dtype).bits >= 32 else 0.1
     flat = jax.tree_util.tree_flatten_with_path(expected)[0]
     norms = [float(np.linalg.norm(np.asarray(e, np.float64))) for _, e in flat]
-    floor = 1e-3 * float(np.sqrt(sum(n * n for n in norms)))
+    floor = 0.1 * float(np.sqrt(sum(n * n for n in norms)))
     worst, name = 0.0, ""
     for (path, e), n, got in zip(flat, norms, jax.tree.leaves(grads)):
         gap = float(np.linalg.norm(np.asarray(got, np.float64) - np.asarray(e, np.float64))) / max(n, floor, 1e-30)

@@ -207,3 +207,15 @@ def test_the_tutorial_models_sum_16_bit_gradients_in_float32(name, shape, dtype)
     assert dot_operands(jaxpr)[(low, low)] > 0
     assert [e.primitive.name for e in all_eqns(jaxpr) if e.primitive.name in ("reduce_sum", "scatter-add")
             and e.invars[0].aval.dtype.itemsize < 4] == []
+
+
+def test_the_gradient_norm_of_16_bit_leaves_is_summed_and_returned_in_float32():
+    """step.squared_norm (every strategy's grad_norm and clip) squares and sums 16-bit gradients in float32: 1,001
+    bfloat16 threes give 9,009 exactly, which bfloat16 (8 significant bits) cannot hold (it rounds to 9,024)."""
+    from jaxpar.step import grad_norm, squared_norm
+
+    leaves = {"a": jnp.full((1001,), 3.0, jnp.bfloat16), "b": jnp.zeros((3,), jnp.float16)}
+    assert float(jnp.asarray(9009.0, jnp.bfloat16)) != 9009.0  # the comparison below can fail
+    got = squared_norm(leaves)
+    assert got.dtype == jnp.float32 and float(got) == 9009.0
+    assert grad_norm(leaves).dtype == jnp.float32 and float(grad_norm(leaves)) == pytest.approx(9009.0 ** 0.5)

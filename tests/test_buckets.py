@@ -189,3 +189,16 @@ def test_one_leaf_per_bucket_is_one_collective_per_leaf():
     assert len(plan) == len(GRADS)
     lowered = bucket_step(plan, "psum").lower(grads)
     assert len(K.hlo_collectives(lowered)) == len(GRADS)
+
+
+def test_nnx_params_are_named_by_module_path_without_the_variables_value():
+    """An nnx.State's leaf paths end in the Variable's `.value`; the plan (and its printed table, which
+    DistributedDataParallel.report() shows) names each leaf by its module path only, as torch's parameter names."""
+    from flax import nnx
+
+    model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.Linear(4, 2, rngs=nnx.Rngs(1)))
+    params = nnx.state(model, nnx.Param)
+    assert jax.tree_util.tree_flatten_with_path(params)[0][0][0][-1] == jax.tree_util.GetAttrKey("value")  # premise
+    plan = plan_buckets(params)
+    assert [i.name for i in plan.leaves] == ["layers.0.bias", "layers.0.kernel", "layers.1.bias", "layers.1.kernel"]
+    assert "layers.1.kernel, layers.1.bias" in str(plan) and ".value" not in str(plan)

@@ -352,3 +352,66 @@ def test_buffers_of_replica_0_keep_their_dtype():
         got[name] = {k: (str(buffers[k][...].dtype), buffers[k][...].tolist()) for k in ("flag", "count")}
     assert got["single"] == {"flag": ("bool", True), "count": ("uint8", 251)}
     assert all(g == got["single"] for g in got.values()), got
+
+
+def test_a_batch_size_the_devices_do_not_divide_pads_every_batch_to_one_rounded_shape(reference):
+    """batch_size=13 on 4 devices x grad_accum 2: the share is rounded UP to a multiple of 8 (16 rows), so the
+    13-row batch and a short one get the same padded shape (one compile) and the steps still equal the reference.
+    A share left at 13 (QA62 mutant) padded the 13-row batch to 13 rows, which 4 devices cannot split."""
+    from jaxpar.mesh import make_mesh
+    from jaxpar.strategies.ddp import DistributedDataParallel
+
+    objective, tx, state, batches = problem()
+    ddp = DistributedDataParallel(objective, tx, mesh=make_mesh(4), batch_size=13, grad_accum=2)
+    assert ddp.share == 16
+    assert ddp.put_batch(take(batches[-1], slice(0, 5))).mask.shape == (16,)  # a short batch: the same shape
+    placed = ddp.init(state)
+    for b in batches:
+        placed, metrics = ddp.step(placed, ddp.put_batch(b))
+    assert float(metrics["samples"]) == SIZES[-1]
+    for a, b in zip(leaves(ddp.unplace(placed).params), reference):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("allreduce", ["psum", "ring"])
+def test_bf16_communication_rounds_each_bucket_to_bfloat16_not_float16(allreduce):
+    """grad_comm_dtype="bf16" (torch's bf16_compress_hook) sends every bucket as bfloat16: 1 + 2^-9 on each of 4
+    devices is exact in float16 (and its sums too: 4 + 2^-7), but bfloat16 (8 significant bits) rounds it to 1,
+    so the reduced bucket is exactly 4.0. float16 communication (QA62 mutant) kept 4.0078125."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from jaxpar.mesh import DATA, make_mesh
+    from jaxpar.strategies.ddp import COMM_DTYPES, make_reduce
+
+    mesh = make_mesh(4)
+    x = np.full((4, 3), 1 + 2.0 ** -9, np.float32)  # one row of the bucket per device
+    run = lambda dtype: np.asarray(jax.jit(jax.shard_map(  # noqa: E731
+        make_reduce(allreduce, dtype), mesh=mesh, in_specs=P(DATA), out_specs=P(DATA), check_vma=False))(x))
+    exact = run(COMM_DTYPES["fp32"])
+    np.testing.assert_array_equal(exact, np.full((4, 3), 4 + 2.0 ** -7, np.float32))  # premise: fp32 keeps it
+    got = run(COMM_DTYPES["bf16"])
+    assert got.dtype == np.float32  # cast back after the collective
+    np.testing.assert_array_equal(got, np.full((4, 3), 4.0, np.float32))
+
+
+@pytest.mark.parametrize("allreduce", ["ring", "psum"])
+def test_report_models_bf16_communication_at_two_bytes_a_word(allreduce):
+    """report()'s modelled traffic follows grad_comm_dtype: bf16 buckets are sent as 2-byte words, so the modelled
+    bytes per device are exactly half of fp32's (same plan, same algorithm, same step count). Modelling bf16 at 4
+    bytes (QA62 mutant) reported fp32's traffic for a compressed run."""
+    from jaxpar.mesh import make_mesh
+    from jaxpar.strategies.ddp import DistributedDataParallel
+
+    objective, tx, state, _ = problem()
+    reports = {}
+    for comm in ("fp32", "bf16"):
+        ddp = DistributedDataParallel(objective, tx, mesh=make_mesh(4), allreduce=allreduce, bucket_cap_mb=0,
+                                      grad_comm_dtype=comm, batch_size=16)
+        reports[comm] = ddp.report(ddp.init(state))
+    fp32, bf16 = reports["fp32"], reports["bf16"]
+    assert fp32["buckets"] == bf16["buckets"] == 6 and fp32["grad_comm_dtype"] == "fp32"
+    assert fp32["model_steps_per_step"] == bf16["model_steps_per_step"] > 0
+    assert fp32["model_bytes_sent_per_device"] > 0
+    assert 2 * bf16["model_bytes_sent_per_device"] == fp32["model_bytes_sent_per_device"]

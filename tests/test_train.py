@@ -243,6 +243,26 @@ def test_eps_is_torchs_denominator_term(name, decay_params):
         make_optimizer("sgd", 1e-2, eps=1e-8)
 
 
+@pytest.mark.parametrize("name", ["adam", "adamw", "adadelta"])
+def test_eps_at_float32s_smallest_normal_is_taken_and_just_below_it_refused(name):
+    """The bound is inclusive, as the message says ("at least 1.18e-38"): eps = float32's smallest normal number
+    is taken by make_optimizer and by train.py's --eps check, and gives finite updates; the next float32 below it
+    (a subnormal) is refused. A strict bound (QA62 mutant) refused the very value the message names."""
+    from jaxpar.config import Config
+    from jaxpar.optim import EPS_MIN, eps_ok, make_optimizer
+    from jaxpar.run.trainer import make_tx
+
+    tiny = float(np.finfo(np.float32).tiny)
+    below = float(np.nextafter(np.float32(tiny), np.float32(0)))
+    assert EPS_MIN == tiny and 0 < below < tiny  # premise: the two sides of the bound
+    p = {"w": np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)}
+    for tx in (make_optimizer(name, 1e-2, eps=tiny), make_tx(Config(optimizer=name, lr=1e-2, eps=tiny), 10)):
+        assert np.isfinite(np.asarray(tx.update(p, tx.init(p), p)[0]["w"])).all()
+    assert eps_ok(tiny) and not eps_ok(below)
+    with pytest.raises(ValueError, match=r"must be a finite number of at least 1.18e-38"):
+        make_optimizer(name, 1e-2, eps=below)
+
+
 def test_sgd_nesterov_is_torchs():
     """make_optimizer("sgd", nesterov=True) against torch.optim.SGD's update, written out here from its documented
     algorithm (weight decay into the gradient, buffer b = m b + g, the step along g + m b), and apart from plain

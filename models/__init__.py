@@ -81,7 +81,9 @@ def input_shape(name: str, image_size: int | None = None, **kwargs: Any) -> tupl
 
 
 def kwargs_from_state_dict(name: str, state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """Constructor kwargs read off a PyTorch state dict's shapes: sizes of linear / mlp, num_classes."""
+    """Constructor kwargs read off a PyTorch state dict's shapes (a wrapper's prefixes stripped: `unwrapped`): sizes
+    of linear / mlp, num_classes."""
+    state_dict = unwrapped(state_dict)
     shape = lambda k: tuple(np.shape(state_dict[k])) if k in state_dict else None  # noqa: E731
     if name == "linear" and shape("fc.weight") and len(shape("fc.weight")) == 2:
         out, inp = shape("fc.weight")
@@ -107,7 +109,6 @@ def from_torch_state_dict(name: str, state_dict: Mapping[str, Any], *, seed: int
     _check_name(name)
     if name in GPT_NAMES:
         return gpt.from_torch_state_dict(state_dict, name=name, seed=seed, **kwargs)
-    state_dict = unwrapped(state_dict)  # a DDP or torch.compile wrapper's state dict
     kwargs = {**kwargs_from_state_dict(name, state_dict), **kwargs}
     model = abstract(name, **kwargs)  # every weight is overwritten: skip the random init
     load_torch_state_dict(model, state_dict, name)

@@ -286,7 +286,8 @@ def test_stage_functions_hold_megatrons_all_reduces():
     forward = tensor_all_reduces(fns.forward.lower(params, state, None, data, m).compile().as_text(), mesh)
     y, saved, _ = fns.forward(params, state, None, data, m)
     dy = split_float(y)[0]  # the output's gradient, as the next stage sends it
-    backward = tensor_all_reduces(fns.backward.lower(None, params, state, None, data, saved, dy).compile().as_text(),
+    acc = fns.zeros(params)  # the accumulator the step's first backward adds to
+    backward = tensor_all_reduces(fns.backward.lower(acc, params, state, None, data, saved, dy).compile().as_text(),
                                   mesh)
     assert blocks >= 1
     assert forward == (2 * blocks + 1, 0)  # and the vocabulary-parallel embedding's g

@@ -204,6 +204,31 @@ def test_pipeline_equals_single(name, case):
             np.testing.assert_allclose(a, b, rtol=RTOL)
 
 
+@pytest.mark.parametrize("schedule,data", [("1f1b", 1), ("zbh1", 1), ("1f1b", 2)])
+def test_each_stage_program_compiles_once_over_the_micro_batches_and_steps(schedule, data):
+    """The step's first backward on a stage adds its gradient to an accumulator of zeros placed as the backward's
+    own output, so every micro-batch and step runs one compiled backward (a first call without an accumulator, or
+    with one left uncommitted on its device, compiled the backward, the fused forward+backward and the weight
+    gradient a second time: a quarter of a pipeline's compile time). The model's sizes are this test's own, so no
+    other test's calls share these programs."""
+    rng = np.random.default_rng(1)
+    batch = {"x": rng.normal(size=(12, 5)).astype(np.float32), "y": rng.normal(size=(12, 3)).astype(np.float32)}
+    model = regression.make_model(5, 11, 3, 0.2, rngs=nnx.Rngs(params=0, dropout=1))
+    pipe = pipeline(model, TX, loss_fn=jaxpar.OutputLoss(regression.loss), num_stages=2, micro_batches=4,
+                    schedule=schedule, mesh=pipeline_mesh(2 * data, 2))
+    placed = pipe.init(jaxpar.init_state(model, TX))
+    for _ in range(2):
+        placed, _ = pipe.step(placed, pipe.put_batch(batch))
+    parts = {id(f): f for plan in pipe.engine._plans.values() for f in plan.fns}.values()
+    calls = {name: [getattr(f, name)._cache_size() for f in parts]
+             for name in ("forward", "backward", "forward_backward", "input_grad", "forward_input_grad", "weight_grad",
+                          "zeros")}
+    assert all(n <= 1 for ns in calls.values() for n in ns), calls
+    ran = {"1f1b": ("forward", "backward", "forward_backward", "zeros"),
+           "zbh1": ("forward", "backward", "forward_input_grad", "weight_grad", "zeros")}[schedule]
+    assert all(sum(calls[name]) >= 1 for name in ran), calls  # the programs this schedule runs did run
+
+
 @pytest.mark.parametrize("name,schedule,M", [("mlp", "1f1b", 4), ("mixed", "zbh1", 2)])
 def test_data_x_pipeline_2x2_equals_single(name, schedule, M):
     assert_can_fail(name)

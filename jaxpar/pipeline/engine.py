@@ -223,6 +223,11 @@ class Engine:
                 if tr.mine(dst):
                     self._mail[(kind, src_v + (1 if kind == "act" else -1), m)] = _Pending(fut, i)
 
+    def _acc_of(self, v: int, fns: PartFns, params: list):
+        """Part v's gradient accumulator: zeros before the step's first backward adds to it."""
+        acc = self._acc.get(v)
+        return fns.zeros(params) if acc is None else acc
+
     def _take(self, key):
         """A received value (waiting for its exchange if it is still under way), or None."""
         got = self._mail.pop(key, None)
@@ -281,8 +286,8 @@ class Engine:
             nxt = self._next_backward(a)
             sv = (self._sv,) if fns.scaled else ()
             if nxt.op is Op.B or nxt in self._p.merged:  # F, then B (or I and its W at once): one call
-                self._acc[v], dx, sums, new, *sv = fns.forward_backward(self._acc.get(v), params, state, x, data, m,
-                                                                        *sv)
+                self._acc[v], dx, sums, new, *sv = fns.forward_backward(self._acc_of(v, fns, params), params, state,
+                                                                        x, data, m, *sv)
             else:
                 dx, saved, cots, sums, new, *sv = fns.forward_input_grad(params, state, x, data, m, *sv)
                 self._stash[(v, a.microbatch)] = (params, state, x, data, saved, cots)
@@ -317,7 +322,7 @@ class Engine:
         v, fns = self._part(a)
         params, state, x, data, saved, _ = self._stash.pop((v, a.microbatch))
         dy = self._sv if fns.scaled else self._take(("grad", v, a.microbatch))
-        self._acc[v], dx = fns.backward(self._acc.get(v), params, state, x, data, saved, dy)
+        self._acc[v], dx = fns.backward(self._acc_of(v, fns, params), params, state, x, data, saved, dy)
         self._out[("grad", v, a.microbatch)] = dx
         self._done(a, self._acc[v])
 
@@ -339,7 +344,7 @@ class Engine:
             return self._done(a, None)
         v, fns = self._part(a)
         params, state, x, data, saved, cots = self._stash.pop((v, a.microbatch))
-        self._acc[v] = fns.weight_grad(self._acc.get(v), params, state, x, data, saved, cots)
+        self._acc[v] = fns.weight_grad(self._acc_of(v, fns, params), params, state, x, data, saved, cots)
         self._done(a, self._acc[v])
 
     def _send(self, a: Action) -> None:

@@ -4,6 +4,7 @@ forward+backward on the last stage, and an evaluation forward -- pure, over ITS 
 Roughly, for part v (a few segments, see jaxpar.pipeline.module) and one micro-batch::
 
     y, saved       = forward(params, state, x, data)           # saved: every segment's residuals (its vjp)
+    acc            = zeros(params)                             # the step's first backward's accumulator
     acc, dx        = backward(acc, params, state, x, data, saved, dy)   # acc += dparams, in place (donated)
     dx, cots       = input_grad(params, state, x, data, saved, dy)      # zero-bubble I: dx now, cotangents kept
     acc            = weight_grad(acc, params, state, x, data, saved, cots)   # zero-bubble W, later
@@ -36,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.batch import Rows
 from jaxpar.loss_scale import power_of_two
@@ -187,12 +188,16 @@ class PartFns:
                                                 ("params", "state", "act", "rows", "rep", *sv),
                                                 ("act", "local", "local", "rep", new, *sv))
         self.evaluate = self._compile(self._evaluate, ("params", "state", "act", "rows"), replicated_out)
+        self.zeros = self._compile(self._zeros, ("params",), "local", placed=True)
 
     # -- compiling: one device, or shard_map over the stage's replicas ---------------------------------------
 
-    def _compile(self, fn, ins, outs, donate=()):
+    def _compile(self, fn, ins, outs, donate=(), placed=False):
+        """`placed`: the outputs read none of the inputs (zeros), so jit would leave them uncommitted on one device
+        and the backward that takes them would compile again for them; they are placed as its outputs are."""
         if self.mesh.size == 1:
-            return jax.jit(fn, donate_argnums=donate, compiler_options=self.options)
+            where = {"out_shardings": NamedSharding(self.mesh, P())} if placed else {}
+            return jax.jit(fn, donate_argnums=donate, compiler_options=self.options, **where)
         local = P(DATA) if len(self.mesh.axis_names) == 1 else P(tuple(self.mesh.axis_names))  # one slice a device
         spec = {"rep": P(), "rows": P(DATA), "act": act_spec(self.module), "local": local, "params": self.param_specs,
                 "state": self.state_specs}
@@ -365,7 +370,12 @@ class PartFns:
     def _finish(self, grads: list, acc):
         specs = [self.module.param_specs[j] for j in self.pidx]
         grads = [jnp.zeros(s.shape, s.dtype) if g is None else g for g, s in zip(grads, specs)]
-        return grads if acc is None else [a + g for a, g in zip(acc, grads)]
+        return [a + g for a, g in zip(acc, grads)]
+
+    def _zeros(self, params):
+        """The accumulator a step's first backward adds to (0 + g is g, bit for bit): one program per part, so
+        the backward compiles once, not again for the first micro-batch's accumulator-less call."""
+        return [jnp.zeros_like(p) for p in params]
 
     def _seed(self, sv, sums):
         """sv with its seed set from this micro-batch's weight, unless the step's first already set it."""

@@ -209,8 +209,8 @@ def test_each_stage_program_compiles_once_over_the_micro_batches_and_steps(sched
     """The step's first backward on a stage adds its gradient to an accumulator of zeros placed as the backward's
     own output, so every micro-batch and step runs one compiled backward (a first call without an accumulator, or
     with one left uncommitted on its device, compiled the backward, the fused forward+backward and the weight
-    gradient a second time: a quarter of a pipeline's compile time). The model's sizes are this test's own, so no
-    other test's calls share these programs."""
+    gradient a second time: 25.3 s of compiling against 18.4 s on test_pipeline_equals_single's 4-stage LM). The
+    model's sizes are this test's own, so no other test's calls share these programs."""
     rng = np.random.default_rng(1)
     batch = {"x": rng.normal(size=(12, 5)).astype(np.float32), "y": rng.normal(size=(12, 3)).astype(np.float32)}
     model = regression.make_model(5, 11, 3, 0.2, rngs=nnx.Rngs(params=0, dropout=1))

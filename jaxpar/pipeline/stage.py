@@ -368,9 +368,8 @@ class PartFns:
             grads[pos] = g if grads[pos] is None else grads[pos] + g  # a weight two segments share
 
     def _finish(self, grads: list, acc):
-        specs = [self.module.param_specs[j] for j in self.pidx]
-        grads = [jnp.zeros(s.shape, s.dtype) if g is None else g for g, s in zip(grads, specs)]
-        return [a + g for a, g in zip(acc, grads)]
+        """acc + this micro-batch's gradient; a leaf no segment here took a gradient of keeps acc's value."""
+        return [a if g is None else a + g for a, g in zip(acc, grads)]
 
     def _zeros(self, params):
         """The accumulator a step's first backward adds to (0 + g is g, bit for bit): one program per part, so

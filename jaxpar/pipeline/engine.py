@@ -27,6 +27,7 @@ Python waits for the other until a compute instruction needs the received value.
 """
 from __future__ import annotations
 
+from collections import Counter
 from functools import partial
 from typing import Any, Callable
 
@@ -112,6 +113,9 @@ class Plan:
                     self.fused.add(a)
                 if a.op is Op.I and b.op is Op.W and same:
                     self.merged.add(a)
+        grads = Counter(virtual(a, S, schedule.placement) for s in range(S) for a in schedule.program(s)
+                        if a.op in (Op.B, Op.W))
+        self.once = {v for v, n in grads.items() if n == 1}  # parts whose one backward needs no accumulator
         self.messages = []  # per tick: [(stage a, stage b, [(kind, src, dst, src virtual, micro-batch)])]
         for row in schedule.steps:  # the messages SENT across processes, one group per pair of stages
             groups: dict = {}
@@ -224,9 +228,12 @@ class Engine:
                     self._mail[(kind, src_v + (1 if kind == "act" else -1), m)] = _Pending(fut, i)
 
     def _acc_of(self, v: int, fns: PartFns, params: list):
-        """Part v's gradient accumulator: zeros before the step's first backward adds to it."""
+        """Part v's gradient accumulator: zeros before the step's first backward adds to it, or None where that
+        backward is the part's only one of the step (it returns the gradient as it is)."""
         acc = self._acc.get(v)
-        return fns.zeros(params) if acc is None else acc
+        if acc is None:
+            return None if v in self._p.once else fns.zeros(params)
+        return acc
 
     def _take(self, key):
         """A received value (waiting for its exchange if it is still under way), or None."""

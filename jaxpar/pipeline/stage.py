@@ -6,6 +6,8 @@ Roughly, for part v (a few segments, see jaxpar.pipeline.module) and one micro-b
     y, saved       = forward(params, state, x, data)           # saved: every segment's residuals (its vjp)
     acc            = zeros(params)                             # the step's first backward's accumulator
     acc, dx        = backward(acc, params, state, x, data, saved, dy)   # acc += dparams, in place (donated)
+    g, dx          = backward(None, params, ...)               # the part's only backward of the step: dparams
+    g, dx          = backward(None, params, ...)                # a part's only backward of the step: dparams
     dx, cots       = input_grad(params, state, x, data, saved, dy)      # zero-bubble I: dx now, cotangents kept
     acc            = weight_grad(acc, params, state, x, data, saved, cots)   # zero-bubble W, later
 
@@ -346,10 +348,10 @@ class PartFns:
             sums = jax.tree.map(lambda a: lax.psum(a, DATA), sums)
         return sums.loss, vjps, sums, state
 
-    def _grads(self, vjps, dy, acc, *, weights: bool = True):
+    def _grads(self, vjps, dy, acc, params=None, *, weights: bool = True):
         """Walk the segments backwards from cotangent dy (on the last stage None: dloss = 1, or the loss scaler's
-        sv: dloss = its seed): (acc + dparams or None, dx or None on the first stage, each segment's output
-        cotangent)."""
+        sv: dloss = its seed): (acc + dparams -- or dparams where acc is None -- or None without weights, dx or
+        None on the first stage, each segment's output cotangent)."""
         if self.last:
             dy = vjps[-1](jnp.ones((), jnp.float32) if dy is None else dy[1])[0]
             vjps = vjps[:-1]
@@ -361,14 +363,18 @@ class PartFns:
             dp, dy = vjps[k](dy)  # what is not returned, XLA drops (dparams in I, dx in W)
             if weights:
                 self._add(grads, k, dp)
-        return (self._finish(grads, acc) if weights else None), (None if self.first else dy), cots
+        return (self._finish(grads, acc, params) if weights else None), (None if self.first else dy), cots
 
     def _add(self, grads: list, k: int, dp) -> None:
         for pos, g in zip(self.seg_ppos[k], jax.tree.leaves(dp)):
             grads[pos] = g if grads[pos] is None else grads[pos] + g  # a weight two segments share
 
-    def _finish(self, grads: list, acc):
-        """acc + this micro-batch's gradient; a leaf no segment here took a gradient of keeps acc's value."""
+    def _finish(self, grads: list, acc, params):
+        """acc + this micro-batch's gradient; a leaf no segment here took a gradient of keeps acc's value. acc
+        None (the part's only backward of the step, M = 1): the gradient itself, zeros for such a leaf -- no
+        accumulator to write and read back (a pass over the stage's gradient that the single-device step skips)."""
+        if acc is None:
+            return [jnp.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
         return [a if g is None else a + g for a, g in zip(acc, grads)]
 
     def _zeros(self, params):
@@ -388,7 +394,7 @@ class PartFns:
             *(self._seed(sv[0], sums) for _ in sv)
 
     def _backward(self, acc, params, state, x, data, saved, dy):
-        grads, dx, _ = self._grads(saved.rebuild((params, state, x, data)), dy, acc)
+        grads, dx, _ = self._grads(saved.rebuild((params, state, x, data)), dy, acc, params)
         return grads, dx
 
     def _input_grad(self, params, state, x, data, saved, dy):
@@ -399,12 +405,12 @@ class PartFns:
         vjps, grads = saved.rebuild((params, state, x, data)), [None] * len(self.pidx)
         for k in range(len(self.segments)):
             self._add(grads, k, vjps[k](cots[k])[0])
-        return self._finish(grads, acc)
+        return self._finish(grads, acc, params)
 
     def _forward_backward(self, acc, params, state, x, data, m, *sv):
         _, vjps, sums, new_state = self._run(params, state, x, data, m, train=True, grad=True)
         sv = tuple(self._seed(a, sums) for a in sv)
-        grads, dx, _ = self._grads(vjps, sv[0] if sv else None, acc)
+        grads, dx, _ = self._grads(vjps, sv[0] if sv else None, acc, params)
         return grads, dx, sums, (() if self.obj.per_sample else new_state), *sv
 
     def _forward_input_grad(self, params, state, x, data, m, *sv):

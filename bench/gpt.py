@@ -163,9 +163,9 @@ class PlainStep:
 
 def cpu_gemm_tflops(threads: int) -> float:
     """The float32 GEMM rate this CPU reaches with `threads` threads, in TFLOP/s: the better of torch's and XLA's
-    (2048^3, best of 5 each). Either library alone can sit far under the CPU (torch's MKL runs AVX2 code on AMD
-    CPUs: 0.21 against XLA's 0.41 TFLOP/s on a 2-core Zen 5), and a peak under the step's own rate reads as MFU
-    over 100 %."""
+    (2048^3, best of 5 each). Either library alone can sit far under the CPU (stock torch's MKL skips its
+    AVX-512 kernels on AMD CPUs: 0.21 against XLA's 0.41 TFLOP/s on a 2-core Zen 5), and a peak under the step's
+    own rate reads as MFU over 100 %."""
     import jax
     import jax.numpy as jnp
     import torch

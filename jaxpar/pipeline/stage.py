@@ -7,7 +7,6 @@ Roughly, for part v (a few segments, see jaxpar.pipeline.module) and one micro-b
     acc            = zeros(params)                             # the step's first backward's accumulator
     acc, dx        = backward(acc, params, state, x, data, saved, dy)   # acc += dparams, in place (donated)
     g, dx          = backward(None, params, ...)               # the part's only backward of the step: dparams
-    g, dx          = backward(None, params, ...)                # a part's only backward of the step: dparams
     dx, cots       = input_grad(params, state, x, data, saved, dy)      # zero-bubble I: dx now, cotangents kept
     acc            = weight_grad(acc, params, state, x, data, saved, cots)   # zero-bubble W, later
 

@@ -46,14 +46,20 @@ def generate(model, prompt_BxT, max_new_tokens: int, *, temperature: float = 1.0
                          f"0..{cfg.vocab_size - 1}; tokenize it for this model.")
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 0.")
-    if not temperature >= 0:
-        raise ValueError(f"temperature={temperature} must be >= 0 (0: greedy; nanoGPT samples at 0.8).")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.integer, np.floating)) \
+            or not 0 <= temperature < np.inf:
+        raise ValueError(f"temperature={temperature!r} must be a finite number >= 0 (0: greedy; nanoGPT samples at "
+                         "0.8).")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise ValueError(f"seed={seed!r} must be an int.")
     if vocab_limit is not None and (isinstance(vocab_limit, bool) or not isinstance(vocab_limit, (int, np.integer))
                                     or not 1 <= vocab_limit <= cfg.vocab_size):
         raise ValueError(f"vocab_limit={vocab_limit!r} must be an int in 1..{cfg.vocab_size} (the vocabulary), or "
                          "None for every token.")
-    if top_k is not None and not 1 <= top_k <= cfg.vocab_size:
-        raise ValueError(f"top_k={top_k} must be in 1..{cfg.vocab_size} (the vocabulary), or None for every token.")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer))
+                              or not 1 <= top_k <= cfg.vocab_size):
+        raise ValueError(f"top_k={top_k!r} must be an int in 1..{cfg.vocab_size} (the vocabulary), or None for every "
+                         "token.")
     b, t0 = prompt.shape
     total = t0 + int(max_new_tokens)
     if not max_new_tokens:

@@ -107,21 +107,36 @@ def normalize_state_dict(state_dict: Mapping[str, Any]) -> tuple[dict[str, np.nd
         if not key.startswith(("transformer.", "lm_head.")):
             key = f"transformer.{key}"
         sd[key] = np.asarray(value)
-    attn = sd.get("transformer.h.0.attn.c_attn.weight")
-    if "transformer.wte.weight" not in sd or attn is None or np.ndim(attn) != 2:
-        raise ValueError(f"the state dict (keys {list(state_dict)[:5]}...) is not a GPT-2 one: it needs "
-                         "transformer.wte.weight and transformer.h.0.attn.c_attn.weight (Hugging Face's "
-                         "GPT2LMHeadModel or nanoGPT's layout); save model.state_dict() of one of them.")
-    c = sd["transformer.wte.weight"].shape[1]
+    needed = ("transformer.wte.weight", "transformer.wpe.weight", "transformer.h.0.attn.c_attn.weight")
+    if any(np.ndim(sd.get(k)) != 2 for k in needed):
+        got = {k: np.shape(sd[k]) if k in sd else "missing" for k in needed}
+        raise ValueError(f"the state dict (keys {list(state_dict)[:5]}...) is not a GPT-2 one: it needs the 2-D "
+                         f"weights {', '.join(needed)} (got {got}), as Hugging Face's GPT2LMHeadModel and nanoGPT "
+                         "hold them; save model.state_dict() of one of them.")
+    for key in sd:
+        if key.startswith("transformer.h.") and not key.split(".")[2].isdigit():
+            raise ValueError(f"state dict key {key!r} is not a GPT-2 one: a block's keys are "
+                             "transformer.h.<index>.<name>, the index an integer; rename it or drop it from the state dict.")
+    attn, c = sd["transformer.h.0.attn.c_attn.weight"], sd["transformer.wte.weight"].shape[1]
     if attn.shape not in ((c, 3 * c), (3 * c, c)):
         raise ValueError(f"transformer.h.0.attn.c_attn.weight has shape {attn.shape}; with wte's width {c} it must "
                          f"be [{c}, {3 * c}] (HF Conv1D) or [{3 * c}, {c}] (nanoGPT nn.Linear).")
+    layout = "hf" if attn.shape == (c, 3 * c) else "nanogpt"
+    fc = sd.get("transformer.h.0.mlp.c_fc.weight")
+    if fc is not None and np.ndim(fc) == 2 and fc.shape[1 if layout == "hf" else 0] != 4 * c:
+        raise ValueError(f"transformer.h.0.mlp.c_fc.weight has shape {fc.shape}: an MLP "
+                         f"{fc.shape[1 if layout == 'hf' else 0]} wide, but jaxpar's GPT, as GPT-2 and nanoGPT, is 4 x "
+                         f"n_embd = {4 * c} wide (Hugging Face's n_inner unset); use a checkpoint of that shape.")
+    for key, value in sd.items():
+        if jnp.issubdtype(value.dtype, jnp.floating) and not np.all(np.isfinite(value.astype(np.float32))):
+            raise ValueError(f"state dict key {key!r} holds NaN or infinite values (a diverged or damaged "
+                             "checkpoint); load one saved before the run diverged.")
     head = sd.pop("lm_head.weight", None)
     if head is not None and (head.shape != sd["transformer.wte.weight"].shape
                              or not np.array_equal(head, sd["transformer.wte.weight"])):
         raise ValueError("lm_head.weight differs from transformer.wte.weight, but GPT-2 ties them (one matrix); "
                          "pass the state dict of a tied model (or copy wte into lm_head).")
-    return sd, "hf" if attn.shape == (c, 3 * c) else "nanogpt"
+    return sd, layout
 
 
 def _sizes(sd: Mapping[str, np.ndarray]) -> tuple[int, int, int, int]:
@@ -216,6 +231,10 @@ def implied_activation(meta: Mapping[str, Any]) -> str | None:
 def check_hf_config(meta: Mapping[str, Any], where: str) -> None:
     """ValueError unless a Hugging Face GPT2Config's fields (config.json) describe a GPT jaxpar runs: a GELU it has
     (tanh or erf) and LayerNorm eps 1e-5 (other sizes are read off the weights, and a mismatch fails their load)."""
+    inner, width = meta.get("n_inner"), meta.get("n_embd")
+    if inner is not None and inner != 4 * (width or 0):
+        raise ValueError(f"{where}'s config.json has n_inner={inner}, but jaxpar's GPT, as GPT-2, runs an MLP 4 x "
+                         f"n_embd = {4 * (width or 0)} wide (n_inner unset); use a GPT-2 checkpoint of that shape.")
     act = meta.get("activation_function", "gelu_new")
     if act not in HF_ACTIVATIONS:
         raise ValueError(f"{where} names activation_function={act!r}, but jaxpar's GPT runs a GELU "

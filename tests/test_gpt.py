@@ -217,7 +217,19 @@ def bad_state_dicts():
     sd = gpt.GPT(gpt.GPTConfig(**TINY), rngs=nnx.Rngs(0)).torch_state_dict("hf")
     untied = {**sd, "lm_head.weight": sd["lm_head.weight"] + 1}
     short = {k: v for k, v in sd.items() if "h.1." not in k or "mlp" not in k}
+    nan = np.where(np.arange(V)[:, None] == 3, np.nan, sd["transformer.wte.weight"]).astype(np.float32)
+    narrow = {**sd, **{f"transformer.h.{i}.mlp.{k}": np.zeros(shape, np.float32) for i in range(L)
+                       for k, shape in (("c_fc.weight", (C, 2 * C)), ("c_fc.bias", (2 * C,)),
+                                        ("c_proj.weight", (2 * C, C)))}}
     return [({"fc.weight": np.zeros((2, 2))}, H, "is not a GPT-2 one"),
+            ({k: v for k, v in sd.items() if "wpe" not in k}, H, r"'transformer.wpe.weight': 'missing'"),
+            ({**sd, "transformer.wte.weight": np.zeros(C, np.float32), "lm_head.weight": np.zeros(C, np.float32)}, H,
+             r"needs the 2-D weights.*'transformer.wte.weight': \(32,\)"),
+            ({**sd, "transformer.h.x.mlp.c_fc.weight": np.zeros((C, 4 * C), np.float32)}, H,
+             "'transformer.h.x.mlp.c_fc.weight' is not a GPT-2 one.*the index an integer"),
+            ({**sd, "transformer.wte.weight": nan, "lm_head.weight": nan.copy()}, H,
+             "'transformer.wte.weight' holds NaN or infinite values"),
+            (narrow, H, r"c_fc.weight has shape \(32, 64\): an MLP 64 wide.*4 x n_embd = 128"),
             ({**sd, "transformer.h.0.attn.c_attn.weight": np.zeros((C, 2 * C))}, H, r"must be \[32, 96\]"),
             (untied, H, "ties them"),
             (sd, None, "pass --n-head"),

@@ -126,12 +126,15 @@ def test_a_hugging_face_folder_loads_as_gpt2lmheadmodel_computes(tmp_path, shard
     # logits 1.65 and 2.69 from transformers' in a QA run
     ("scale_attn_by_inverse_layer_idx", True, "scale_attn_by_inverse_layer_idx=True.*scales the attention scores"),
     ("scale_attn_weights", False, "scale_attn_weights=False.*scales the attention scores"),
+    # an MLP of another width (GPT2Config's n_inner): the fix said to build the model from the state dict (a QA run)
+    ("n_inner", 96, r"n_inner=96, but jaxpar's GPT.*4 x n_embd = 192 wide"),
 ])
 def test_a_config_json_of_another_architecture_is_refused(field, value, message):
     for act in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu"):
         gpt.check_hf_config({"activation_function": act, "layer_norm_epsilon": 1e-5}, "ok")
+    gpt.check_hf_config({"n_inner": 192, "n_embd": 48}, "ok")
     with pytest.raises(ValueError, match=message):
-        gpt.check_hf_config({field: value}, "--init-torch 'x'")
+        gpt.check_hf_config({field: value, "n_embd": 48}, "--init-torch 'x'")
 
 
 def test_torch_files_need_torch_and_say_so(tmp_path, monkeypatch):

@@ -64,6 +64,17 @@ MNIST = ["--dataset", "mnist", "--model", "linear", "--train-split", "test", "--
 # (id, argv (later flags override BASE's), patterns the one-line message must contain: the value ... the fix)
 CASES = [
     ("unknown strategy", ["--strategy", "fsdp"], ["'fsdp'", "use one of", "ddp"]),
+    # a QA pass: each failed with a message naming no flag, or with a fix that could not help
+    ("output device negative", ["--strategy", "dp", "--output-device", "-1"],
+     ["--output-device -1", "pass e.g. --output-device 0"]),
+    ("num devices 0", ["--strategy", "ddp", "--num-devices", "0"], ["--num-devices 0 must be >= 1"]),
+    ("n_head 0", ["--model", "gpt-nano", "--dataset", "text", "--n-head", "0"], ["--n-head 0 must be >= 1"]),
+    ("image size negative", ["--dataset", "synthetic", "--model", "mlp", "--image-size", "-3"],
+     ["--image-size -3 must be >= 1"]),
+    ("train split syntax", ["--dataset", "synthetic", "--train-split", "train[abc]"],
+     ["--train-split 'train[abc]'", "is not valid here", "use tfds syntax"]),
+    ("eval split syntax", ["--dataset", "synthetic", "--eval-split", "test[abc]"],
+     ["--eval-split 'test[abc]'", "is not valid here", "use tfds syntax"]),
     ("unknown model", ["--model", "resnet50"], ["'resnet50'", "use one of", "mlp"]),
     ("unknown dataset", ["--dataset", "imagenet"], ["'imagenet'", "use one of", "mnist"]),
     ("unknown optimizer", ["--optimizer", "lamb"], ["'lamb'", "use one of", "adamw"]),
@@ -537,3 +548,44 @@ def test_the_layout_check_follows_the_meshes_device_order():
                     rows = np.array(devices).reshape(8 // T, T)
                     assert spans(rows, per) == (straddler(8, T, per) is not None), (per, T)
     assert seen == {True, False}  # both answers occur
+
+
+def test_flags_read_only_by_what_this_run_does_not_do_are_refused(files, tmp_path, capsys):
+    """A QA pass: --log-every under --quiet with no --metrics-out, --eval-batch-size where the default evaluation
+    split turns out empty (the npz holds no x_test), and --peak-tflops for a user's model (MFU is a GPT's) were
+    accepted and did nothing."""
+    lm = ["--model", "examples.lm:TinyLM", "--model-kwargs", '{"vocab": 50}', "--dataset", "npz", "--data-path",
+          files["eval_neg_npz"], "--eval-split", "", "--batch-size", "4", "--steps", "1", "--quiet"]
+    for argv, patterns in (
+            ([a.format(**files) for a in BASE] + ["--log-every", "1"],
+             ["--log-every 1 would be ignored", "--quiet", "drop --log-every"]),
+            (["--model", "linear", "--dataset", "npz", "--data-path", files["ok_npz"], "--steps", "1", "--quiet",
+              "--eval-batch-size", "7"], ["--eval-batch-size 7 would be ignored", "no test split", "drop"]),
+            (lm + ["--peak-tflops", "100"], ["--peak-tflops 100.0 would be ignored", "TinyLM", "drop --peak-tflops"])):
+        check_answer(*run_main(argv, capsys), patterns)
+    train.main(lm + ["--metrics-out", str(tmp_path / "m.jsonl"), "--log-every", "1"])  # a file to write: read
+    assert os.path.getsize(tmp_path / "m.jsonl") > 0
+
+
+def test_profile_partitioning_reads_a_users_model_input_off_the_data(files, capsys):
+    """--partition-method profile costs each layer on one sample; for a user's model it built that sample from the
+    built-in models' shapes ("unknown model name='examples.lm:TinyLM'", a QA pass) or from an nnx.Conv's
+    in_features (its channels). The sample is now the data's own."""
+    from jaxpar.strategies import pipeline
+
+    seen = []
+    real = pipeline.Pipeline
+
+    def spy(*args, **kw):
+        seen.append(kw.get("example_input"))
+        return real(*args, **kw)
+
+    pipeline.Pipeline = spy
+    try:
+        argv = ["--model", "examples.lm:TinyLM", "--model-kwargs", '{"vocab": 50}', "--dataset", "npz", "--data-path",
+                files["eval_neg_npz"], "--eval-split", "", "--batch-size", "4", "--steps", "1", "--quiet",
+                "--strategy", "pipeline", "--num-stages", "2", "--num-devices", "2", "--partition-method", "profile"]
+        train.main(argv)
+    finally:
+        pipeline.Pipeline = real
+    assert [(s.shape, s.dtype) for s in seen] == [((1, 16), np.dtype("int32"))]

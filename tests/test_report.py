@@ -168,8 +168,9 @@ def test_the_clock_leaves_out_two_warm_up_steps_per_batch_size(monkeypatch):
 def test_report_memory_leaves_out_train_pys_own_copies():
     """--report's per-device memory under DDP: device 0 held train.py's initial state and its unplaced final copy
     besides its replica (a review: 3.54 MiB against 1.21 on the other devices, as if DDP had a master). The
-    initial state is dropped after init and the memory read before the final copy is made: what is left on device
-    0 is the model object's own weights, less than half a replica's weights and optimizer state."""
+    initial state is dropped after init and the memory read before the final copy is made; the model object
+    train.py built keeps its type and config but no arrays (its weights stayed on device 0 all run, 1.60 MiB
+    against 1.21 here, a whole unsharded model beside each ZeRO-3 shard: a QA finding)."""
     import subprocess
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -179,8 +180,7 @@ def test_report_memory_leaves_out_train_pys_own_copies():
     assert out.returncode == 0, out.stderr
     live = {line.split()[1]: float(line.split()[3]) for line in out.stdout.splitlines()
             if line.startswith("memory cpu:")}
-    assert len(live) == 4 and live["cpu:1"] == live["cpu:2"] == live["cpu:3"] > 0
-    assert live["cpu:0"] - live["cpu:1"] < 0.5 * live["cpu:1"], live
+    assert len(live) == 4 and live["cpu:0"] == live["cpu:1"] == live["cpu:2"] == live["cpu:3"] > 0, live
 
 
 def test_summary_line_says_null_where_metrics_out_does():

@@ -134,8 +134,9 @@ def _tfds_select(spec: str, names: tuple[str, ...], count: Callable[[str], int],
     except DataError:
         raise
     except (ValueError, NotImplementedError) as e:
-        raise DataError(f"split {spec!r} is not valid here ({e}); the splits are {list(names)}, written in tfds "
-                        f"syntax, e.g. 'train', 'test[:8000]', 'train[10%:20%]', 'train[:-1000]'.") from e
+        raise DataError(f"split {spec!r} is not valid here ({' '.join(str(e).split())}); the splits are "
+                        f"{list(names)}: use tfds syntax, e.g. 'train', 'test[:8000]', 'train[10%:20%]', "
+                        "'train[:-1000]'.") from e
     parts = [rows(a.splitname, a.from_ or 0, count(a.splitname) if a.to is None else a.to) for a in instructions]
     return parts[0] if len(parts) == 1 else tuple(np.concatenate(p) for p in zip(*parts))
 

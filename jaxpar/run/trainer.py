@@ -88,6 +88,14 @@ def validate(cfg: Config) -> None:
     if not 0.0 <= cfg.dropout < 1.0:
         raise ValueError(f"--dropout {cfg.dropout} must be in [0, 1) (the probability of zeroing a unit, torch's "
                          "nn.Dropout p); pass e.g. --dropout 0.1, or 0.0 (nanoGPT pretrains without).")
+    for field, fix in (("n_head", "e.g. --n-head 4, or leave it out for the config's own"),
+                       ("num_devices", "e.g. --num-devices 2, or leave it out for every device"),
+                       ("image_size", "e.g. --image-size 32, or leave it out for the model's own size")):
+        if getattr(cfg, field) is not None and getattr(cfg, field) < 1:
+            raise ValueError(f"--{field.replace('_', '-')} {getattr(cfg, field)} must be >= 1; pass {fix}.")
+    if cfg.output_device is not None and cfg.output_device < 0:
+        raise ValueError(f"--output-device {cfg.output_device} must be the index of one of the devices DataParallel "
+                         "runs on (0 .. --num-devices - 1, torch's output_device); pass e.g. --output-device 0.")
     if cfg.model in models.GPT_NAMES:  # heads vs width: before any data is read
         models.GPTConfig.named(cfg.model, n_head=cfg.n_head, dropout=cfg.dropout,
                                activation_function=cfg.activation_function)
@@ -373,6 +381,8 @@ def check_flags_are_read(cfg: Config) -> None:
                (("parallel_output",), cfg.strategy == "tp" or cfg.tensor_parallel > 1,
                 "no vocabulary is split without --tensor-parallel >= 2"),
                (("eval_batch_size",), cfg.eval_split != "", "--eval-split '' skips evaluation"),
+               (("log_every",), not cfg.quiet or bool(cfg.metrics_out),
+                "--quiet prints no progress and no --metrics-out file is written"),
                (("sample_temperature", "sample_top_k", "sample_prompt"), bool(cfg.sample),
                 "nothing is sampled without --sample N"),
                (("peak_tflops",), cfg.model not in models.NAMES or cfg.model in models.GPT_NAMES,
@@ -630,6 +640,15 @@ def check_attention_fits(gpt, seq_len: int, cfg: Config, memory: int | None = No
                          "(the scores grow with its square).")
 
 
+def abstract_model(model: nnx.Module) -> nnx.Module:
+    """`model` with its arrays replaced by their shapes and dtypes: the same type and config, no memory. Once the
+    strategy holds the state, the model train.py built would otherwise keep a whole unsharded copy of the initial
+    weights on device 0 for the run (as much as a ZeRO-3 shard of every other device, and more: a QA finding)."""
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
+                                            if isinstance(a, jax.Array) else a, state))
+
+
 def lm_summary(cfg: Config, model: nnx.Module, train_set, summary: dict, devices: int) -> dict:
     """Language-model numbers for the summary, on token data (integer x [N, T]): tokens/s; for a GPT the model
     TFLOP/s and MFU (jaxpar.run.flops); on text the held-out bits per byte beside the corpus's unigram entropy."""
@@ -839,10 +858,19 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
     load = lambda split: data_lib.load(cfg.dataset, split, data_dir=cfg.data_dir, data_path=cfg.data_path,  # noqa
                                        model=model_name, image_size=cfg.image_size, seed=cfg.seed,
                                        seq_len=cfg.seq_len)
-    train_set = load(cfg.train_split)
+    try:
+        train_set = load(cfg.train_split)
+    except data_lib.DataError as e:
+        if "split" not in str(e):
+            raise
+        raise data_lib.DataError(f"--train-split {cfg.train_split!r}: {str(e).rstrip('.')}.") from None
     eval_split = cfg.eval_split
     if eval_split is None:  # the default: the test split where the dataset has one
         eval_split = "test" if "test" in data_lib.splits(cfg.dataset, data_path=cfg.data_path) else ""
+        if not eval_split and cfg.eval_batch_size != Config().eval_batch_size:
+            raise ValueError(f"--eval-batch-size {cfg.eval_batch_size} would be ignored: --dataset {cfg.dataset} has "
+                             "no test split here, so nothing is evaluated; drop --eval-batch-size, or pass "
+                             "--eval-split SPLIT.")
     try:
         eval_set = load(eval_split) if eval_split else None
     except ValueError as e:
@@ -866,6 +894,12 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
                          f"{len(train_set)} samples; lower the batch size or drop --drop-last.")
 
     model = make_model(cfg, train_set, eval_set)
+    from jaxpar import models
+
+    if cfg.peak_tflops is not None and not isinstance(model, models.GPT):
+        raise ValueError(f"--peak-tflops {cfg.peak_tflops} would be ignored: MFU is reported for jaxpar's GPT "
+                         f"(its FLOPs per token are known), and --model {cfg.model} builds a "
+                         f"{type(model).__name__}; drop --peak-tflops.")
     loss_fn = make_loss(cfg)
     total_steps = steps_per_epoch * (cfg.epochs or 1) if cfg.steps is None else cfg.steps
     lr_at = learning_rate(cfg, steps_per_epoch, total_steps)
@@ -882,7 +916,12 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
                          f"do not divide by the {replicas} processes: the sampler pads with "
                          f"{sampler.total_size - sampler.num_samples} wrap-around copies, which would reach the batch "
                          "statistics; pass --drop-last.")
-    strategy = get_builder(cfg.strategy)(model, tx, cfg, loss_fn)  # validates the strategy's own rules
+    options = {}
+    if cfg.strategy == "pipeline" and cfg.partition_method == "profile":  # the cost model's sample: the data's own
+        one = loss_fn.inputs(train_set.batch(np.arange(1)))
+        options["example_input"] = jax.tree.map(lambda a: jax.ShapeDtypeStruct(
+            np.shape(a), jax.dtypes.canonicalize_dtype(np.asarray(a).dtype)), one)
+    strategy = get_builder(cfg.strategy)(model, tx, cfg, loss_fn, **options)  # validates the strategy's own rules
     if not objective.per_sample:
         check_batch_divides(cfg, strategy, local_batch, replicas)
     ckpt = prepare_outputs(cfg, state, model, total_steps)
@@ -900,6 +939,7 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
         f"({sum(a.size for a in jax.tree.leaves(state.params)):,} params); {len(train_set)} training samples"
         + (f"; resumed from step {step} (epoch {epoch}) in {cfg.checkpoint_dir}" if cfg.resume else ""))
     del state  # the strategy holds the weights now; this copy's optimizer state would sit on device 0 all run
+    model = abstract_model(model)  # and the model's own weights (the end reads its type and config only)
     if cfg.epochs is not None and cfg.steps is not None and main_process:
         print(f"jaxpar: note: --steps {cfg.steps} sets the run's length, not --epochs {cfg.epochs} (as Hugging Face's "
               "max_steps overrides num_train_epochs).", file=sys.stderr)

@@ -165,7 +165,8 @@ class DataParallel:
         bad = [i for i in ids + [output_device] if not 0 <= i < len(local)]
         if not ids or bad or len(set(ids)) != len(ids):
             raise ValueError(f"device_ids={ids} and output_device={output_device} must be distinct indices "
-                             f"into the {len(local)} local devices; pass fewer devices or more --cpu-devices.")
+                             f"into the {len(local)} local devices; pass an output_device (--output-device) in "
+                             f"0..{len(local) - 1}, fewer devices, or more --cpu-devices.")
         self.devices = [local[i] for i in ids]
         self.master, self.out_device = self.devices[0], local[output_device]
         self._forward = partial(_forward_loss if loss_on_device else _forward_outputs, self.objective)

@@ -586,10 +586,12 @@ def _advance(a, is_count: bool):
     return a + 1 if is_count else a
 
 
-def build(model: nnx.Module, tx: optax.GradientTransformation, cfg: Config, loss_fn=None) -> Pipeline:
+def build(model: nnx.Module, tx: optax.GradientTransformation, cfg: Config, loss_fn=None,
+          example_input=None) -> Pipeline:
     """The strategy train.py builds: --num-stages, --micro-batches, --schedule, --virtual-stages,
     --partition-method, --activation-checkpoint-interval, --tensor-parallel (3-D: D x S x T = --num-devices, in
-    Megatron's device order: tensor ranks adjacent, then data, then pipeline); stages outermost."""
+    Megatron's device order: tensor ranks adjacent, then data, then pipeline); stages outermost. `example_input`:
+    one sample of the model's input as the data hold it (train.py's, for --partition-method profile)."""
     from jaxpar.precision import compute_dtype
 
     per_sample = {None: None, "on": True, "off": False}[cfg.per_sample]
@@ -599,6 +601,8 @@ def build(model: nnx.Module, tx: optax.GradientTransformation, cfg: Config, loss
 
         if isinstance(model, models.GPT):  # token ids, one window of the run's length (not the image default)
             example = jax.ShapeDtypeStruct((1, model.config.block_size), jnp.int32)
+        elif example_input is not None:  # the data's own sample: any model, a user's included
+            example = example_input
         else:
             first = list(model.layers)[0]
             shape = (first.in_features,) if hasattr(first, "in_features") else \

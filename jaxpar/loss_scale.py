@@ -163,6 +163,12 @@ def wraps(tx: optax.GradientTransformation, params: Any) -> bool:
     return find(jax.eval_shape(tx.init, abstract)) is not None
 
 
+def with_scale(opt_state: Any, scale: float) -> Any:
+    """`opt_state` with its loss scaler's S set to `scale` (a resumed run's new static --loss-scale)."""
+    return jax.tree.map(lambda x: x._replace(scale=jnp.asarray(scale, jnp.float32)) if _is_state(x) else x,
+                        opt_state, is_leaf=_is_state)
+
+
 def current(opt_state: Any) -> jax.Array | None:
     """The scale S of this step's backward, or None when the optimizer has no scaler."""
     found = find(opt_state)

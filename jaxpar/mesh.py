@@ -49,6 +49,8 @@ def make_mesh(num_devices: int | None = None, pipe: int = 1, devices: Sequence |
 
     devices = list(jax.devices() if devices is None else devices)
     n = len(devices) if num_devices is None else num_devices
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+        raise ValueError(f"num_devices={n!r} must be an int (or None for every device); pass e.g. num_devices=2.")
     if not 1 <= n <= len(devices):
         raise ValueError(
             f"num_devices={n} must be between 1 and the {len(devices)} devices present; "

@@ -282,6 +282,9 @@ class Objective:
         if not callable(loss_fn):
             raise TypeError(f"loss_fn={loss_fn!r} is not callable; pass loss_fn(model, batch) -> (loss_sum, "
                             "weight_sum[, metrics]).")
+        if per_sample is not None and not isinstance(per_sample, (bool, np.bool_)):
+            raise ValueError(f"per_sample={per_sample!r} must be True, False or None (the default: True unless the "
+                             "model holds BatchStat); pass a bool (train.py's --per-sample on / off).")
         batch_stats = _has(model, nnx.BatchStat)
         defaulted = per_sample is None and not batch_stats
         if per_sample is None:
@@ -379,10 +382,15 @@ class Objective:
                 reseed(model, sid)
             before = _fixed_leaves(model)
             out = self._call_loss(model, _expand(row), "loss_fn (on one row)")
-            if [id(a) for a in _fixed_leaves(model)] != [id(a) for a in before]:
-                raise ValueError(f"{type(model).__name__} changed its non-RNG state in the forward, which differs "
-                                 "row by row under per_sample=True; use per_sample=False (the loss sees whole "
-                                 "shards, as torch DDP's replicas do).")
+            after = _fixed_leaves(model)
+            if [id(a) for a in after] != [id(a) for a in before]:
+                name = next(jax.tree_util.keystr(p) for (p, _), a, b in zip(_fixed_paths(model), after, before)
+                            if a is not b)
+                raise ValueError(f"{type(model).__name__} replaced its variable {name} (not a weight, not RNG state) "
+                                 "in the forward, which differs row by row under per_sample=True; use "
+                                 "per_sample=False (the loss sees whole shards, as torch DDP's replicas do). A "
+                                 "constant that nnx.remat or nnx.scan passes back as a new value reads as replaced "
+                                 "too: use activation_checkpoint_interval instead of nnx.remat there.")
             return out
 
         out = jax.vmap(one, in_axes=(0, 0, None, None))(rows.data, rows.ids, params, model_state)
@@ -595,6 +603,12 @@ def _draws_random_bits(jaxpr) -> bool:
                 if hasattr(inner, "eqns") and _draws_random_bits(inner):
                     return True
     return False
+
+
+def _fixed_paths(model: nnx.Module) -> list:
+    """(path, variable) of each of `_fixed_leaves`' values, in the same order."""
+    state = nnx.state(model, nnx.Not(nnx.Any(nnx.RngState, nnx.Param)))
+    return jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_variable)[0]
 
 
 def _fixed_leaves(model: nnx.Module) -> list:

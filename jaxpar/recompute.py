@@ -58,7 +58,12 @@ def recompute_call(fn, modules, *args: Any) -> Any:
 
     def run(leaves, args):
         merged = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-        return fn(merged, *args), nnx.state(merged, nnx.Not(nnx.Param))
+        before = {path: v.get_value() for path, v in nnx.to_flat_state(nnx.state(merged, nnx.Not(nnx.Param)))}
+        y = fn(merged, *args)
+        # only what the call replaced or added comes back: a constant nnx.Variable the forward only reads keeps its
+        # own value (written back as a new one, it read as changed to the per-sample check, a QA finding)
+        after = nnx.to_flat_state(nnx.state(merged, nnx.Not(nnx.Param)))
+        return y, nnx.from_flat_state([(path, v) for path, v in after if before.get(path) is not v.get_value()])
 
     y, changed = recomputed(run)(leaves, args)
     nnx.update(modules, changed)

@@ -41,7 +41,7 @@ def npz(tmp_path_factory) -> str:
 def config(npz: str, strategy: str = "single", **kw) -> Config:
     """Adam with a per-epoch lr decay (StepLR): the resumed optimizer count must drive the schedule."""
     base = dict(strategy=strategy, model="mlp", dataset="npz", data_path=npz, eval_split="", batch_size=16,
-                steps=N_STEPS, optimizer="adam", lr=0.01, gamma=0.5, log_every=1, quiet=True)
+                steps=N_STEPS, optimizer="adam", lr=0.01, gamma=0.5, quiet=True)
     return Config(**{**base, **STRATEGIES[strategy], **kw})
 
 
@@ -218,7 +218,7 @@ def test_resume_to_more_steps_keeps_the_cosine_schedule_only_when_told(npz, tmp_
     resumed to 5 trained on another schedule: the note says so and how to keep it; with --lr-decay-steps 5 from the
     start, 3 steps resumed to 5 are bit-identical to 5 uninterrupted steps. Resumed once more, the finished run
     says it has nothing left to train."""
-    cosine = dict(lr_schedule="cosine", warmup_steps=1, gamma=Config().gamma, log_every=1)
+    cosine = dict(lr_schedule="cosine", warmup_steps=1, gamma=Config().gamma)
     whole_run = trainer.run(config(npz, steps=5, lr_decay_steps=5, **cosine))
     whole = whole_run["state"]
     for decay, note in ((None, True), (5, False)):
@@ -245,6 +245,24 @@ def test_resume_to_more_steps_keeps_the_cosine_schedule_only_when_told(npz, tmp_
     assert again["epochs"] == whole_run["epochs"] == 2  # 5 steps of 4 a epoch (a QA finding: the resume said 1)
 
 
+def test_a_run_ended_at_an_epoch_boundary_resumes_into_the_next_epoch(npz, tmp_path):
+    """4 steps of 16 are the 60 samples' whole epoch: resumed to 8 steps, the run reported epoch 0 again with
+    train_loss NaN (null in --metrics-out) and evaluated it twice (a QA pass). Its epoch records now equal an
+    uninterrupted run's, and so do its weights."""
+    def epochs(path):
+        return [r for r in map(json.loads, open(path)) if r["event"] == "epoch"]
+
+    kw = dict(eval_split="train[:20]", log_every=4)
+    whole = trainer.run(config(npz, steps=8, metrics_out=str(tmp_path / "whole.jsonl"), **kw))
+    ckpt, parts = str(tmp_path / "ckpt"), str(tmp_path / "parts.jsonl")
+    trainer.run(config(npz, steps=4, checkpoint_dir=ckpt, metrics_out=parts, **kw))
+    resumed = trainer.run(config(npz, steps=8, checkpoint_dir=ckpt, resume=True, metrics_out=parts, **kw))
+    assert [(r["epoch"], r["step"]) for r in epochs(parts)] == [(0, 4), (1, 8)]
+    assert epochs(parts) == epochs(str(tmp_path / "whole.jsonl"))
+    assert resumed["epochs"] == whole["epochs"] == 2
+    assert_bit_identical(resumed["state"], whole["state"], "resumed at the epoch boundary")
+
+
 def test_the_static_loss_scale_note_counts_this_sessions_steps(npz, tmp_path, capsys):
     """fp16 at a static scale every step overflows: the note counts the skips of this session against its steps,
     and the run's after a resume (a QA finding: "5 of 2 steps overflowed")."""
@@ -255,6 +273,19 @@ def test_the_static_loss_scale_note_counts_this_sessions_steps(npz, tmp_path, ca
     resumed = trainer.run(config(npz, steps=5, resume=True, **fp16))
     assert resumed["skipped_steps"] == 5
     assert "note: 2 of 2 steps (of this session; 5 of 5 in the run) overflowed" in capsys.readouterr().err
+
+
+def test_a_resume_with_another_static_loss_scale_runs_at_it_and_says_the_run_changed(npz, tmp_path, capsys):
+    """fp16 with the dynamic scaler (S = 2^16), resumed with --loss-scale 128: the resumed steps ran at the
+    checkpoint's 65536, silently (a QA pass). They run at 128 now, and the note names the change."""
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
+    fp16 = dict(precision="fp16", checkpoint_dir=ckpt, metrics_out=out, log_every=1)
+    trainer.run(config(npz, steps=2, **fp16))
+    capsys.readouterr()
+    trainer.run(config(npz, steps=4, resume=True, loss_scale=128.0, **fp16))
+    assert "--loss-scale was 0.0, now 128.0" in capsys.readouterr().err
+    used = {r["step"]: r["loss_scale"] for r in map(json.loads, open(out)) if r["event"] == "step"}
+    assert used == {1: 65536.0, 2: 65536.0, 3: 128.0, 4: 128.0}
 
 
 def test_resume_refuses_another_head_count_and_names_the_flags_that_change_the_state(npz, tmp_path):
@@ -362,9 +393,11 @@ def _template(cfg):
 
 
 def cli(npz: str, ckpt: str, *extra: str) -> list[str]:
+    """train.py's command; each step logged where a --metrics-out file is written (the tests wait on it)."""
+    log = ["--log-every", "1"] if "--metrics-out" in extra else []
     return [sys.executable, os.path.join(ROOT, "train.py"), "--model", "mlp", "--dataset", "npz", "--data-path", npz,
             "--eval-split", "", "--batch-size", "16", "--steps", str(N_STEPS), "--optimizer", "adam", "--lr", "0.01",
-            "--gamma", "0.5", "--log-every", "1", "--quiet", "--checkpoint-dir", ckpt, *extra]
+            "--gamma", "0.5", "--quiet", "--checkpoint-dir", ckpt, *log, *extra]
 
 
 PACED = """

@@ -61,10 +61,14 @@ BASE = ["--model", "linear", "--dataset", "npz", "--data-path", "{ok_npz}", "--e
 MNIST = ["--dataset", "mnist", "--model", "linear", "--train-split", "test", "--eval-split", "", "--steps", "1",
          "--quiet"]
 
+UNSET = "<unset>"  # in a case's argv: the flag before it is left out (the harness gives each output flag a path)
+
 # (id, argv (later flags override BASE's), patterns the one-line message must contain: the value ... the fix)
 CASES = [
     ("unknown strategy", ["--strategy", "fsdp"], ["'fsdp'", "use one of", "ddp"]),
     # a QA pass: each failed with a message naming no flag, or with a fix that could not help
+    ("empty checkpoint dir", ["--checkpoint-dir", ""], ["--checkpoint-dir '' names no path", "leave"]),
+    ("empty metrics out", ["--metrics-out", " "], ["--metrics-out ' ' names no path", "leave"]),
     ("output device negative", ["--strategy", "dp", "--output-device", "-1"],
      ["--output-device -1", "pass e.g. --output-device 0"]),
     ("num devices 0", ["--strategy", "ddp", "--num-devices", "0"], ["--num-devices 0 must be >= 1"]),
@@ -164,7 +168,7 @@ CASES = [
      ["--eval-split 'test': x holds token -5", "fix the file"]),
     # QA findings: flags that were taken and ignored, and a fix the CLI itself refuses (--model-kwargs for a GPT)
     ("torch layout without an export", ["--model", "gpt-nano", "--dataset", "text", "--torch-layout", "nanogpt",
-                                        "--export-torch", ""],  # (in place of the harness's export path)
+                                        "--export-torch", UNSET],  # (the harness's export path left out)
      ["--torch-layout nanogpt would be ignored: nothing is exported without --export-torch"]),
     ("no parallel output without a split", ["--model", "gpt-nano", "--dataset", "text", "--strategy", "pipeline",
                                             "--no-parallel-output"],
@@ -267,7 +271,7 @@ CASES = [
     ("checkpoint dir in use without --resume", ["--checkpoint-dir", "{ckpt}"], ["up to step 1", "pass --resume"]),
     ("--resume with nothing to resume", ["--checkpoint-dir", "{empty}", "--resume"], ["empty", "no complete checkpoint",
                                                                                        "drop --resume"]),
-    ("--resume without --checkpoint-dir", ["--resume", "--checkpoint-dir", ""], ["--resume needs --checkpoint-dir"]),
+    ("--resume without --checkpoint-dir", ["--resume", "--checkpoint-dir", UNSET], ["--resume needs --checkpoint-dir"]),
     ("negative --checkpoint-every", ["--checkpoint-every", "-1"], ["--checkpoint-every -1", ">= 0"]),
     ("--init-torch missing", ["--init-torch", "{root}/w.npz"], ["w.npz", "does not exist", "pass a .npz"]),
     ("--init-torch not a state dict", ["--init-torch", "{a_file}"], ["a_file", "names no state-dict format",
@@ -333,7 +337,7 @@ CASES = [
     ("eval split the npz lacks", ["--eval-split", "test"], ["--eval-split 'test'", "'train'",
                                                            "pass --eval-split '' (that skips evaluation)"]),
     # more flags nothing read: accepted, then ignored
-    ("checkpoint keep without a checkpoint dir", ["--checkpoint-keep", "5", "--checkpoint-dir", ""],
+    ("checkpoint keep without a checkpoint dir", ["--checkpoint-keep", "5", "--checkpoint-dir", UNSET],
      ["--checkpoint-keep 5 would be ignored", "no --checkpoint-dir", "drop --checkpoint-keep"]),
     ("eval batch size without evaluation", ["--eval-batch-size", "10"],
      ["--eval-batch-size 10 would be ignored", "--eval-split '' skips evaluation"]),
@@ -417,6 +421,7 @@ def test_wrong_invocation(case, argv, patterns, files, capsys):
     out = outputs(files, case)
     flags = {k: v for k, v in out.items() if k not in argv}  # the case's own paths win
     base = BASE if "--dataset" not in argv else [a for a in BASE if a not in ("--data-path", "{ok_npz}")]
+    argv = [a for i, a in enumerate(argv) if a != UNSET and argv[i + 1:i + 2] != [UNSET]]
     full = [a.format(**files) for a in base + [a for kv in flags.items() for a in kv] + argv]
     ckpt_before = sorted(os.listdir(files["ckpt"]))
     code, err = run_main(full, capsys)

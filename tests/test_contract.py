@@ -723,8 +723,14 @@ def test_bad_contract_use_is_named():
             state.params, state.model_state, batches[0])
     counting = Counting(nnx.Rngs(0))
     bad = Objective.of(counting, OutputLoss(regression.loss))
-    with pytest.raises(ValueError, match="changed its non-RNG state.*per_sample=False"):
+    with pytest.raises(ValueError, match=r"Counting replaced its variable \['.*'\] .*per_sample=False"):
         bad.sums(*bad.split(counting), batches[0])
+    with pytest.raises(ValueError, match="per_sample='off' must be True, False or None"):  # it ran per sample (QA)
+        Objective.of(regression.make_model(rngs=nnx.Rngs(0)), per_sample="off")
+    with pytest.raises(ValueError, match="num_devices=2.0 must be an int"):
+        jaxpar.make_mesh(2.0)
+    with pytest.raises(ValueError, match="num_devices=True must be an int"):  # built a 1-device mesh (QA)
+        jaxpar.make_mesh(True)
     with pytest.raises(ValueError, match="rows_per_call=0"):
         Objective.of(counting, rows_per_call=0)
     with pytest.raises(TypeError, match="pass a flax.nnx.Module"):

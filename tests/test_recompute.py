@@ -309,3 +309,38 @@ def test_each_interval_of_one_model_class_recomputes_its_own_segments():
         jaxpr = jax.make_jaxpr(lambda st, x, g=graphdef: nnx.merge(g, st)(x))(state, jnp.ones((2, 4)))
         segments[interval] = str(jaxpr).count("custom_vjp_call")
     assert segments == {1: 3, 3: 1}
+
+
+class Buffer(nnx.Variable):
+    """A constant of the user's own kind: read by the forward, never written, not trained."""
+
+
+class Projected(nnx.Module):
+    def __init__(self, rngs):
+        self.w = Buffer(jax.random.normal(rngs.params(), (4, 4)))
+        self.lin = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.lin(x @ self.w[...])
+
+
+def test_a_constant_variable_the_forward_only_reads_trains_per_sample_under_recompute():
+    """Recomputed segments passed every non-weight variable back as a new value, so a constant buffer read as
+    replaced and per-sample mode refused the model ("changed its non-RNG state", a QA pass); now only what the
+    call changed comes back, and the step equals the plain one."""
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(4, 4)).astype(np.float32), "y": rng.normal(size=(4, 2)).astype(np.float32)}
+    make = lambda: nnx.Sequential(Projected(nnx.Rngs(0)), nnx.relu, nnx.Linear(4, 2, rngs=nnx.Rngs(1)))  # noqa: E731
+    out = {}
+    for interval in (0, 1):
+        s = jaxpar.SingleDevice(make(), TX, loss_fn=jaxpar.OutputLoss(jaxpar.mse),
+                                activation_checkpoint_interval=interval)
+        placed = s.init(jaxpar.init_state(make(), TX))
+        for _ in range(2):
+            placed, _ = s.step(placed, s.put_batch(batch))
+        out[interval] = s.unplace(placed)
+    assert s.objective.per_sample
+    moved = jax.tree.leaves(out[0].params)[0] - jax.tree.leaves(jaxpar.init_state(make(), TX).params)[0]
+    assert float(jnp.abs(moved).max()) > 1e-3
+    for a, b in zip(jax.tree.leaves(out[1]), jax.tree.leaves(out[0])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)

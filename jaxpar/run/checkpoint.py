@@ -42,7 +42,8 @@ TRAJECTORY_FIELDS = ("dataset", "data_path", "data_dir", "train_split", "seq_len
                      "seed", "shuffle", "drop_last", "precision", "momentum", "nesterov", "eps", "adam_beta1",
                      "adam_beta2", "weight_decay", "weight_decay_params", "image_size", "lr_schedule", "warmup_steps",
                      "lr_decay_steps", "min_lr", "grad_clip", "loss", "label_smoothing", "dropout", "per_sample",
-                     "model_kwargs")
+                     "model_kwargs", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+                     "consecutive_hysteresis", "min_loss_scale")
 
 
 def _is_key(a) -> bool:

@@ -88,6 +88,10 @@ def validate(cfg: Config) -> None:
     if not 0.0 <= cfg.dropout < 1.0:
         raise ValueError(f"--dropout {cfg.dropout} must be in [0, 1) (the probability of zeroing a unit, torch's "
                          "nn.Dropout p); pass e.g. --dropout 0.1, or 0.0 (nanoGPT pretrains without).")
+    for field in ("checkpoint_dir", "metrics_out", "export_torch", "init_torch"):
+        if getattr(cfg, field) is not None and not getattr(cfg, field).strip():  # an unset shell variable, say
+            raise ValueError(f"--{field.replace('_', '-')} {getattr(cfg, field)!r} names no path; pass one, or leave "
+                             f"--{field.replace('_', '-')} out.")
     for field, fix in (("n_head", "e.g. --n-head 4, or leave it out for the config's own"),
                        ("num_devices", "e.g. --num-devices 2, or leave it out for every device"),
                        ("image_size", "e.g. --image-size 32, or leave it out for the model's own size")):
@@ -929,6 +933,11 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
     if ckpt is not None and cfg.resume:
         state, position = ckpt.restore(state)
         sampler.load_state_dict(sampler_state(position["sampler"], sampler))
+        static = loss_scale_config(cfg)
+        if static is not None and not static.dynamic:  # the static --loss-scale given now, not the checkpoint's S
+            from jaxpar import loss_scale as scaling  # (a new one was silently ignored: a QA finding)
+
+            state = state._replace(opt_state=scaling.with_scale(state.opt_state, static.loss_scale))
     # every check passed: from here on the run writes
     placed = strategy.init(state)
     eval_step = make_eval_step(objective)
@@ -968,6 +977,8 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
     skipped = skipped_before = int(position.get("skipped", 0))
     last: dict[str, Any] = {}
     loss_sum, count = position["loss_sum"], position["count"]  # the epoch's running train loss
+    if cfg.resume and epoch_done and step < total_steps:  # the checkpoint ended its epoch exactly: the next begins
+        epoch, loss_sum, count = epoch + 1, 0.0, 0.0  # (it reported that epoch again, train_loss nan: a QA finding)
     completed = False
     try:
         with StopSignals(enabled=ckpt is not None) as signals:

@@ -185,6 +185,28 @@ def test_resume_falls_back_past_a_damaged_newest_checkpoint(npz, uninterrupted, 
         checkpoint.save_checkpoint(ckpt, resumed["state"], step=3)  # the library call said it saved
 
 
+def test_a_checkpoint_whose_bytes_changed_on_disk_reads_as_damaged(npz, tmp_path, capsys):
+    """One byte flipped in the middle of a saved step's largest data file restored without an error, a parameter
+    changed (a QA pass): each leaf's CRC-32 is now kept at save and compared at restore, so the newest step reads
+    as damaged, its folder is set aside, and the restore falls back to the step before, unchanged."""
+    state = trainer.run(config(npz, steps=2))["state"]
+    later = state._replace(step=state.step + 1, params=jax.tree.map(lambda a: a + 1, state.params))
+    ckpt = str(tmp_path / "ckpt")
+    checkpoint.save_checkpoint(ckpt, state)
+    checkpoint.save_checkpoint(ckpt, later)
+    data = sorted((os.path.join(r, f) for r, _, fs in os.walk(os.path.join(ckpt, "3", "state")) for f in fs
+                   if os.sep + "d" + os.sep in os.path.join(r, f)), key=os.path.getsize)[-1]
+    raw = bytearray(open(data, "rb").read())
+    raw[len(raw) // 2] ^= 0x10
+    open(data, "wb").write(raw)
+    capsys.readouterr()
+    got, _ = checkpoint.restore_checkpoint(ckpt, state)
+    err = capsys.readouterr().err
+    assert "checkpoint step 3" in err and "damaged" in err, err
+    assert int(got.step) == 2
+    assert_bit_identical(got, state, "the step before the damaged one")
+
+
 def test_a_resumed_run_writes_its_last_step_again_where_that_step_was_damaged(npz, uninterrupted, tmp_path):
     """Saved at 4 and at the run's end, 7; step 7 damaged. The resumed run goes on from 4 and, its last step not a
     multiple of --checkpoint-every, saves 7 at its end again (it took 7, the damaged step, for saved already, and

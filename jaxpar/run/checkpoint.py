@@ -26,6 +26,7 @@ import os
 import signal
 import tempfile
 import threading
+import zlib
 from typing import Any
 
 import jax
@@ -84,6 +85,12 @@ def from_host(template: TrainState, leaves: list[np.ndarray]) -> TrainState:
     out = [jax.random.wrap_key_data(np.asarray(v), impl=jax.random.key_impl(t)) if _is_key(t) else
            jax.numpy.array(v) for t, v in zip(flat, leaves)]  # jax arrays, as init_state gives
     return jax.tree.unflatten(treedef, out)
+
+
+def checksums(leaves: list[np.ndarray]) -> list[int]:
+    """CRC-32 of each leaf's bytes: kept in the meta at save, compared at restore, so a checkpoint whose data
+    changed on disk after it was written (a flipped byte restored silently, a QA finding) reads as damaged."""
+    return [zlib.crc32(np.ascontiguousarray(a).view(np.uint8).reshape(-1)) for a in leaves]
 
 
 def finite(leaves: list[np.ndarray]) -> bool:
@@ -254,6 +261,11 @@ def _restore_newest(directory: str, steps: list[int], specs: dict, template: Tra
             continue
         finally:
             reader.close()
+        sums = out["meta"].get("crc32")  # (checkpoints written before the sums were kept have none)
+        if sums is not None and sums != checksums(list(out["state"]["leaves"])):
+            wrong = next(i for i, (a, b) in enumerate(zip(sums, checksums(list(out["state"]["leaves"])))) if a != b)
+            damaged.append((step, f"leaf {list(specs)[wrong]} reads back other bytes than were saved (CRC-32)"))
+            continue
         for bad, why in damaged:
             print(f"jaxpar: warning: checkpoint step {bad} in {directory} is damaged ({why}); {verb} step "
                   f"{step}, the newest readable one.", file=sys.stderr)
@@ -371,7 +383,8 @@ class Checkpointer:
             return False
         if self._mgr is None:
             self._mgr = _manager(self.directory, keep=self.keep)
-        meta = {**self.info, "step": int(step), "data": data, "processes": jax.process_count()}
+        meta = {**self.info, "step": int(step), "data": data, "processes": jax.process_count(),
+                "crc32": checksums(leaves)}
         if not self._mgr.save(int(step), args=ocp.args.Composite(
                 state=ocp.args.StandardSave({"leaves": leaves}), meta=ocp.args.JsonSave(meta))):
             # orbax writes no step at or below its newest and says so only by returning False
@@ -433,7 +446,8 @@ def save_checkpoint(directory: str, state: TrainState, *, step: int | None = Non
     params = jax.tree.leaves(state.params)
     meta = {"format": FORMAT, "model": None, "optimizer": state_kind(state.opt_state),
             "param_count": int(sum(np.size(a) for a in params)), "leaves": leaf_specs(state), "config": {},
-            "n_head": None, "decay_steps": None, "step": int(step), "data": data, "processes": jax.process_count()}
+            "n_head": None, "decay_steps": None, "step": int(step), "data": data, "processes": jax.process_count(),
+            "crc32": checksums(leaves)}
     try:
         json.dumps(meta)
     except TypeError as e:

@@ -1,4 +1,4 @@
-"""DDP training throughput: jaxpar DDP per algorithm vs one device vs PyTorch DDP, same model, same global batch.
+"""DDP training throughput: jaxpar DDP per algorithm vs one device vs PyTorch DDP, same model, same global batch size.
 
     python bench/ddp.py                                  # ConvNet, 2 simulated CPU devices, global batch 128 and 256
     python bench/ddp.py --devices 4 --batches 256 --steps 10 --algorithms psum,ring --no-torch
@@ -9,8 +9,10 @@ alternate, so load from elsewhere on a shared machine hits them alike, and the b
 disturbed; samples/CPU-s divides by the CPU time of all the run's threads and processes instead, a
 measure of work that other load on the machine disturbs less. One device: jaxpar's single strategy, the same
 process and thread pool. PyTorch: torch's DistributedDataParallel over gloo, --devices processes x 1 thread
-(torch.multiprocessing spawn), the same ConvNet (PyTorch's examples/mnist Net), the same global batch split
-evenly, Adadelta, dropout on. Ratios are against the one-device run and against PyTorch DDP.
+(torch.multiprocessing spawn), the same ConvNet (PyTorch's examples/mnist Net), a global batch of the same size
+split evenly, Adadelta, dropout on. Each framework initialises its own weights and draws its own random batch of
+those shapes (the speed of these dense kernels does not depend on the values; bench/gpt.py, which also compares
+the first losses, loads jaxpar's weights into torch). Ratios are against the one-device run and against PyTorch DDP.
 """
 from __future__ import annotations
 

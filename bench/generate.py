@@ -119,15 +119,16 @@ def main(argv=None) -> None:
     print(f"jax {jax.__version__} on {jax.default_backend()}; torch threads {args.threads}; {args.rounds} rounds, "
           f"alternating; load average {os.getloadavg()[0]:.1f}")
     ref = tokens["jaxpar, KV cache"]
-    print("| run | new tokens/s (best) | median | tokens/CPU-s | vs the KV cache | same tokens |")
+    print("| run | new tokens/s (best) | median | tokens/CPU-s | vs the KV cache | same new tokens |")
     print("|---|---:|---:|---:|---:|---|")
     best_cached = max(r for r, _ in rates["jaxpar, KV cache"])
     for name, got in rates.items():
         best = max(r for r, _ in got)
-        same = np.mean(tokens[name] == ref)
+        new = np.asarray(tokens[name])[:, args.prompt:] == np.asarray(ref)[:, args.prompt:]  # not the prompt's
+        parted = np.flatnonzero(~new.all(axis=0))  # the first new position where any sequence differs
         print(f"| {name} | {best:,.0f} | {statistics.median(r for r, _ in got):,.0f} | "
               f"{max(c for _, c in got):,.0f} | {best / best_cached:.2f}x | "
-              f"{'all' if same == 1 else f'{100 * same:.1f} %'} |")
+              f"{'all' if new.all() else f'{100 * new.mean():.1f} %, parting at new token {parted[0]}'} |")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 and its bubble. Tables print in Markdown; run `uptime` before and after (the machine may be shared).
 
     python bench/pipeline.py --processes 2               # AlexNet 64x64, batch 64, 4 micro-batches, 2 stages
-    python bench/pipeline.py --processes 2 --threads 2   # ... each process may use 2 threads (XLA's pool, torch's)
+    python bench/pipeline.py --processes 2 --threads 2   # ... each rank on 2 threads (torch's) / 2 cores (XLA's)
     python bench/pipeline.py --processes 2 --model stack --batch 256 --micro-batches 8 --pin   # the stack, a core each
     python bench/pipeline.py --stack                     # 16 x Linear(512), 2 simulated devices, S=2, M=8, batch 256
     python bench/pipeline.py --one-stage                 # S=1, M=1 against the single-device step
@@ -11,7 +11,9 @@ and its bubble. Tables print in Markdown; run `uptime` before and after (the mac
 --processes: jaxpar's Pipeline in 2 processes x 1 CPU device (python -m jaxpar.launch, gloo) and torch's
 Schedule1F1B / ScheduleGPipe (--schedules zbh1: ScheduleInterleavedZeroBubble, the paper's ZB1P) in 2 processes
 (gloo; bench/pipeline_torch.py), the same layer split (jaxpar's 'parameters' partition: layers 0-18 | 19-21), batch
-and micro-batches, SGD with momentum, plus each framework's own single-process step. `--model stack`: the 16 x
+size and micro-batches, SGD with momentum, plus each framework's own single-process step. Each framework
+initialises its own weights and draws its own random batch of those shapes (the kernels' speed does not depend on
+the values; bench/gpt.py, which compares first losses, loads jaxpar's weights into torch). `--model stack`: the 16 x
 Linear(512) stack of --stack instead (split 0-15 | 16-30), with the bound 1.5 x T_single / (1 - bubble) beside it;
 with --pin each stage has a core of its own, the bound's premise. --threads 1 (the default) implies --pin: XLA:CPU
 has no per-process thread limit (its pool takes every visible core), so one thread per rank is held by pinning
@@ -86,8 +88,18 @@ def jaxpar_worker(args) -> None:
     from jaxpar.run.hostmem import tune_host_allocator
     from jaxpar.run import distributed
 
-    if args.pin and args.worker == "jaxpar-pipeline":  # before XLA sizes its thread pool from the visible cores
-        os.sched_setaffinity(0, {int(os.environ.get("RANK", "0")) % os.cpu_count()})
+    # XLA:CPU has no thread limit: its pool takes every visible core, so the thread counts the header reports for
+    # both frameworks are held here by the cores a process may run on (before XLA sizes its pool); only torch's
+    # were before (a QA finding)
+    cores = sorted(os.sched_getaffinity(0))
+    if args.worker == "jaxpar-pipeline":
+        rank = int(os.environ.get("RANK", "0"))
+        if args.pin:  # a core of its own, as torch's pinned ranks
+            os.sched_setaffinity(0, {cores[rank % len(cores)]})
+        elif args.threads < len(cores):
+            os.sched_setaffinity(0, {cores[(rank * args.threads + i) % len(cores)] for i in range(args.threads)})
+    elif args.single_threads < len(cores):
+        os.sched_setaffinity(0, set(cores[:args.single_threads]))
     simulate_cpu_devices(1)
     tune_host_allocator()  # the CPU fast path train.py takes, before JAX allocates
     distributed.initialize()
@@ -169,7 +181,7 @@ def cross_process(args) -> None:
     ctl = tempfile.mkdtemp(prefix="jaxpar-bench-")
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}  # XLA's flags as they are: XLA:CPU has no per-process thread limit
     common = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-              if k in ("schedules", "batch", "micro_batches", "image", "steps", "model")]
+              if k in ("schedules", "batch", "micro_batches", "image", "steps", "model", "threads", "single_threads")]
     common += ["--pin"] if args.pin else []
     me = os.path.abspath(__file__)
     jax_pipe = subprocess.Popen([sys.executable, "-m", "jaxpar.launch", "--nproc-per-node", str(n), me,

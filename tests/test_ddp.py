@@ -415,3 +415,33 @@ def test_report_models_bf16_communication_at_two_bytes_a_word(allreduce):
     assert fp32["model_steps_per_step"] == bf16["model_steps_per_step"] > 0
     assert fp32["model_bytes_sent_per_device"] > 0
     assert 2 * bf16["model_bytes_sent_per_device"] == fp32["model_bytes_sent_per_device"]
+
+
+def test_report_models_each_buckets_own_dtype_as_the_compiled_step_sends_it():
+    """bf16 parameters: their gradients go out at 2 bytes a word, with or without grad_comm_dtype='bf16'; the
+    model assumed 4-byte words, so it reported half what the step sends under bf16 communication and 1176
+    against 1164 bytes without (a QA pass). The model now equals the compiled step's bytes less the metrics' psum."""
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    import jaxpar
+    from jaxpar.comm import cost
+
+    def make(dtype):
+        return nnx.Sequential(nnx.Linear(3, 64, param_dtype=dtype, rngs=nnx.Rngs(0)), nnx.tanh,
+                              nnx.Linear(64, 2, param_dtype=dtype, rngs=nnx.Rngs(1)))
+
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(8, 3)).astype(np.float32), "y": rng.normal(size=(8, 2)).astype(np.float32)}
+    loss, tx, sent = jaxpar.OutputLoss(jaxpar.mse), optax.sgd(0.1), {}
+    for dtype in (jnp.float32, jnp.bfloat16):
+        for comm in (None, "bf16"):
+            ddp = jaxpar.DistributedDataParallel(make(dtype), tx, loss_fn=loss, mesh=jaxpar.make_mesh(4),
+                                                 allreduce="ring", bucket_cap_mb=0, grad_comm_dtype=comm)
+            placed, _ = ddp.step(ddp.init(jaxpar.init_state(make(dtype), tx)), ddp.put_batch(batch))
+            r = ddp.report(placed)
+            compiled = r["hlo_bytes_sent_per_device"] - cost.ring_bytes("all-reduce", 4, 12)  # the metrics' 3 floats
+            assert r["model_bytes_sent_per_device"] == compiled, (jnp.dtype(dtype).name, comm)
+            sent[jnp.dtype(dtype).name, comm] = compiled
+    assert sent["float32", None] == 2 * sent["bfloat16", None] == 2 * sent["bfloat16", "bf16"] > 0

@@ -224,7 +224,11 @@ def ring_reduce_scatter(x: jax.Array, axis_name, dim: int = 0) -> jax.Array:
 
 def reduce_scatter(x: jax.Array, axis_name, dim: int = 0) -> jax.Array:
     """`lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=True)`, or `ring_reduce_scatter` where
-    XLA's is unsafe (`native_reduce_scatter_is_safe`). Every reduce-scatter in jaxpar goes through here."""
+    XLA's is unsafe (`native_reduce_scatter_is_safe`). Every reduce-scatter in jaxpar goes through here. An empty
+    dimension (a zero-size parameter in a bucket of its own) has nothing to sum: each device keeps its empty slice
+    (XLA refuses a reduce-scatter of a zero-length dimension)."""
+    if x.shape[dim] == 0:
+        return x
     if native_reduce_scatter_is_safe():
         return lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=True)
     return ring_reduce_scatter(x, axis_name, dim)

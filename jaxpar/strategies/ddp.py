@@ -347,8 +347,12 @@ class DistributedDataParallel:
 
     def report(self, placed) -> dict:
         """The bucket plan, the modelled traffic per step, and what the compiled step really sends."""
-        n, comm_bytes = self.mesh.size, 2 if self.grad_comm_dtype == "bf16" else 4
-        model = [comm_cost.comm_cost(self.allreduce, n, b.nbytes // 4 * comm_bytes, comm_bytes)
+        n = self.mesh.size
+        # each bucket's elements, sent as bf16 under grad_comm_dtype='bf16', else in their own dtype (a bf16
+        # parameter's gradient at 2 bytes: the model assumed 4-byte elements everywhere, a QA finding)
+        size = lambda b: np.dtype(b.dtype).itemsize  # noqa: E731
+        sent = lambda b: 2 if self.grad_comm_dtype == "bf16" else size(b)  # noqa: E731
+        model = [comm_cost.comm_cost(self.allreduce, n, b.nbytes // size(b) * sent(b), sent(b))
                  for b in self.plan.buckets] if self.plan else []
         out = {"devices": n, "processes": jax.process_count(), "allreduce": self.allreduce, "spmd": self.spmd,
                "overlap": self.overlap, "grad_accum": self.grad_accum,

@@ -133,8 +133,8 @@ def zero_body(objective: Objective, tx, plan: sh.ShardPlan, stage: int, *, reduc
                                                      enumerate(jax.tree.leaves(model_state))])
         if stage == 2:
             grads = jnp.concatenate(grads)  # this device's pieces of the groups: its shard of the gradient
-        if gradients_only:
-            return grads
+        if gradients_only:  # stage 1's whole leaves each with a device axis (a scalar has no axis to stack on)
+            return [g[None] for g in grads] if stage == 1 else grads
         g = reduce_after_backward(grads) if stage == 1 else grads
         # the shards' squared norms (padding: 0) ride in the metrics' psum: no collective of their own
         total, squared = psum_sums(total, axis_name, overlap.zero_after(g), jnp.sum(jnp.square(g.astype(jnp.float32))))

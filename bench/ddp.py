@@ -1,4 +1,4 @@
-"""DDP training throughput: jaxpar DDP per algorithm vs one device vs PyTorch DDP, same model, same global batch size.
+"""DDP training throughput: jaxpar DDP per algorithm vs one device vs PyTorch DDP, same model, same global batch.
 
     python bench/ddp.py                                  # ConvNet, 2 simulated CPU devices, global batch 128 and 256
     python bench/ddp.py --devices 4 --batches 256 --steps 10 --algorithms psum,ring --no-torch
@@ -9,10 +9,9 @@ alternate, so load from elsewhere on a shared machine hits them alike, and the b
 disturbed; samples/CPU-s divides by the CPU time of all the run's threads and processes instead, a
 measure of work that other load on the machine disturbs less. One device: jaxpar's single strategy, the same
 process and thread pool. PyTorch: torch's DistributedDataParallel over gloo, --devices processes x 1 thread
-(torch.multiprocessing spawn), the same ConvNet (PyTorch's examples/mnist Net), a global batch of the same size
-split evenly, Adadelta, dropout on. Each framework initialises its own weights and draws its own random batch of
-those shapes (the speed of these dense kernels does not depend on the values; bench/gpt.py, which also compares
-the first losses, loads jaxpar's weights into torch). Ratios are against the one-device run and against PyTorch DDP.
+(torch.multiprocessing spawn), the same ConvNet (PyTorch's examples/mnist Net) loaded with jaxpar's initial
+weights (models.to_torch_state_dict), the same global batch, each rank its contiguous share, Adadelta, dropout on.
+Ratios are against the one-device run and against PyTorch DDP.
 """
 from __future__ import annotations
 
@@ -58,8 +57,10 @@ def _torch_net():
     return Net()
 
 
-def _torch_worker(rank: int, world: int, port: int, batch: int, steps: int, commands, out) -> None:
-    """One rank: set up, warm up, then one timed round of `steps` steps per command (None ends it)."""
+def _torch_worker(rank: int, world: int, port: int, batch: int, steps: int, weights: dict, x_nchw, y, commands,
+                  out) -> None:
+    """One rank: set up (jaxpar's initial weights, its contiguous share of the global batch), warm up, then one
+    timed round of `steps` steps per command (None ends it)."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -67,10 +68,13 @@ def _torch_worker(rank: int, world: int, port: int, batch: int, steps: int, comm
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(_torch_net())
+    torch.manual_seed(0)  # the dropout masks
+    net = _torch_net()
+    net.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()})
+    model = torch.nn.parallel.DistributedDataParallel(net)
     opt = torch.optim.Adadelta(model.parameters(), lr=1.0)
-    x, y = torch.randn(batch // world, 1, 28, 28), torch.randint(0, 10, (batch // world,))
+    share = slice(rank * (batch // world), (rank + 1) * (batch // world))
+    x, y = torch.from_numpy(x_nchw[share]), torch.from_numpy(y[share]).long()
 
     def step():
         opt.zero_grad()
@@ -127,9 +131,11 @@ def main(argv=None) -> None:
                 runs[name + suffix] = JaxparRun(get_builder(cfg.strategy)(model, tx, cfg), state, batch, args.steps,
                                                    units=batch_size)
                 baseline[name + suffix] = "single" + suffix
-        if args.torch:
-            runs[torch_name] = TorchRanks(_torch_worker, args.devices, (batch_size, args.steps),
-                                          units=batch_size * args.steps)
+        if args.torch:  # jaxpar's initial ConvNet weights under torch's keys, and the same global batch
+            weights = models.to_torch_state_dict(models.get("convnet"))
+            x_nchw = np.ascontiguousarray(batch["x"].transpose(0, 3, 1, 2))
+            runs[torch_name] = TorchRanks(_torch_worker, args.devices, (batch_size, args.steps, weights, x_nchw,
+                                                                         batch["y"]), units=batch_size * args.steps)
             baseline[torch_name] = next(iter(runs))
         speed = {name: (0.0, 0.0) for name in runs}
         for _ in range(args.repeats):  # rounds alternate between the runs: load on the machine hits all alike

@@ -113,6 +113,7 @@ def main(argv=None) -> None:
     print(f"jax {jax.__version__} on {jax.device_count()} {jax.default_backend()} devices; os.cpu_count()="
           f"{os.cpu_count()}; ConvNet, Adadelta, {args.steps} steps x best of {args.repeats}")
     rows, baseline, torch_name = [], {}, f"torch DDP gloo {args.devices}x1"  # baseline: the one-device run
+    weights = models.to_torch_state_dict(models.get("convnet"))  # jaxpar's initial ConvNet under torch's keys
     for batch_size in [int(b) for b in args.batches.split(",")]:
         rng = np.random.default_rng(0)
         batch = {"x": rng.normal(size=(batch_size, 28, 28, 1)).astype(np.float32),
@@ -131,8 +132,7 @@ def main(argv=None) -> None:
                 runs[name + suffix] = JaxparRun(get_builder(cfg.strategy)(model, tx, cfg), state, batch, args.steps,
                                                    units=batch_size)
                 baseline[name + suffix] = "single" + suffix
-        if args.torch:  # jaxpar's initial ConvNet weights under torch's keys, and the same global batch
-            weights = models.to_torch_state_dict(models.get("convnet"))
+        if args.torch:  # the same weights and global batch
             x_nchw = np.ascontiguousarray(batch["x"].transpose(0, 3, 1, 2))
             runs[torch_name] = TorchRanks(_torch_worker, args.devices, (batch_size, args.steps, weights, x_nchw,
                                                                          batch["y"]), units=batch_size * args.steps)

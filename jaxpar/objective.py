@@ -615,8 +615,7 @@ def _fixed_leaves(model: nnx.Module) -> list:
     """The raw values of every variable but the RNG state and the parameters (identity tells whether the forward
     replaced one: a statistic or buffer of the model's own). Parameters are left out: nnx.remat and nnx.scan write
     every variable they pass back as a new value, and no forward updates a weight."""
-    state = nnx.state(model, nnx.Not(nnx.Any(nnx.RngState, nnx.Param)))
-    return [v.get_value() for v in jax.tree.leaves(state, is_leaf=_is_variable)]
+    return [v.get_value() for _, v in _fixed_paths(model)]
 
 
 def metrics_of(sums: Sums, grad_norm: jax.Array | None = None) -> dict[str, jax.Array]:

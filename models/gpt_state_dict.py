@@ -116,19 +116,21 @@ def normalize_state_dict(state_dict: Mapping[str, Any]) -> tuple[dict[str, np.nd
     for key in sd:
         if key.startswith("transformer.h.") and not key.split(".")[2].isdigit():
             raise ValueError(f"state dict key {key!r} is not a GPT-2 one: a block's keys are "
-                             "transformer.h.<index>.<name>, the index an integer; rename it or drop it from the state dict.")
+                             "transformer.h.<index>.<name>, the index an integer; rename it or drop it from the "
+                             "state dict.")
     attn, c = sd["transformer.h.0.attn.c_attn.weight"], sd["transformer.wte.weight"].shape[1]
     if attn.shape not in ((c, 3 * c), (3 * c, c)):
         raise ValueError(f"transformer.h.0.attn.c_attn.weight has shape {attn.shape}; with wte's width {c} it must "
                          f"be [{c}, {3 * c}] (HF Conv1D) or [{3 * c}, {c}] (nanoGPT nn.Linear).")
     layout = "hf" if attn.shape == (c, 3 * c) else "nanogpt"
     fc = sd.get("transformer.h.0.mlp.c_fc.weight")
-    if fc is not None and np.ndim(fc) == 2 and fc.shape[1 if layout == "hf" else 0] != 4 * c:
-        raise ValueError(f"transformer.h.0.mlp.c_fc.weight has shape {fc.shape}: an MLP "
-                         f"{fc.shape[1 if layout == 'hf' else 0]} wide, but jaxpar's GPT, as GPT-2 and nanoGPT, is 4 x "
-                         f"n_embd = {4 * c} wide (Hugging Face's n_inner unset); use a checkpoint of that shape.")
-    for key, value in sd.items():
-        if jnp.issubdtype(value.dtype, jnp.floating) and not np.all(np.isfinite(value.astype(np.float32))):
+    inner = fc.shape[1 if layout == "hf" else 0] if np.ndim(fc) == 2 else 4 * c
+    if inner != 4 * c:
+        raise ValueError(f"transformer.h.0.mlp.c_fc.weight has shape {fc.shape}: an MLP {inner} wide, but jaxpar's "
+                         f"GPT, as GPT-2 and nanoGPT, is 4 x n_embd = {4 * c} wide (Hugging Face's n_inner unset); "
+                         "use a checkpoint of that shape.")
+    for key, value in sd.items():  # (np.isfinite takes bfloat16 too: no float32 copy of every weight)
+        if jnp.issubdtype(value.dtype, jnp.floating) and not np.isfinite(value).all():
             raise ValueError(f"state dict key {key!r} holds NaN or infinite values (a diverged or damaged "
                              "checkpoint); load one saved before the run diverged.")
     head = sd.pop("lm_head.weight", None)
@@ -232,9 +234,9 @@ def check_hf_config(meta: Mapping[str, Any], where: str) -> None:
     """ValueError unless a Hugging Face GPT2Config's fields (config.json) describe a GPT jaxpar runs: a GELU it has
     (tanh or erf) and LayerNorm eps 1e-5 (other sizes are read off the weights, and a mismatch fails their load)."""
     inner, width = meta.get("n_inner"), meta.get("n_embd")
-    if inner is not None and inner != 4 * (width or 0):
+    if None not in (inner, width) and inner != 4 * width:  # (without n_embd the weights' shapes are checked)
         raise ValueError(f"{where}'s config.json has n_inner={inner}, but jaxpar's GPT, as GPT-2, runs an MLP 4 x "
-                         f"n_embd = {4 * (width or 0)} wide (n_inner unset); use a GPT-2 checkpoint of that shape.")
+                         f"n_embd = {4 * width} wide (n_inner unset); use a GPT-2 checkpoint of that shape.")
     act = meta.get("activation_function", "gelu_new")
     if act not in HF_ACTIVATIONS:
         raise ValueError(f"{where} names activation_function={act!r}, but jaxpar's GPT runs a GELU "

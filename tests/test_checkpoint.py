@@ -188,7 +188,7 @@ def test_resume_falls_back_past_a_damaged_newest_checkpoint(npz, uninterrupted, 
 def test_a_checkpoint_whose_bytes_changed_on_disk_reads_as_damaged(npz, tmp_path, capsys):
     """One byte flipped in the middle of a saved step's largest data file restored without an error, a parameter
     changed (a QA pass): each leaf's CRC-32 is now kept at save and compared at restore, so the newest step reads
-    as damaged, its folder is set aside, and the restore falls back to the step before, unchanged."""
+    as damaged (named on stderr) and the restore falls back to the step before, unchanged."""
     state = trainer.run(config(npz, steps=2))["state"]
     later = state._replace(step=state.step + 1, params=jax.tree.map(lambda a: a + 1, state.params))
     ckpt = str(tmp_path / "ckpt")

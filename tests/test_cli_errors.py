@@ -572,7 +572,7 @@ def test_flags_read_only_by_what_this_run_does_not_do_are_refused(files, tmp_pat
     assert os.path.getsize(tmp_path / "m.jsonl") > 0
 
 
-def test_profile_partitioning_reads_a_users_model_input_off_the_data(files, capsys):
+def test_profile_partitioning_reads_a_users_model_input_off_the_data(files, monkeypatch):
     """--partition-method profile costs each layer on one sample; for a user's model it built that sample from the
     built-in models' shapes ("unknown model name='examples.lm:TinyLM'", a QA pass) or from an nnx.Conv's
     in_features (its channels). The sample is now the data's own."""
@@ -585,12 +585,8 @@ def test_profile_partitioning_reads_a_users_model_input_off_the_data(files, caps
         seen.append(kw.get("example_input"))
         return real(*args, **kw)
 
-    pipeline.Pipeline = spy
-    try:
-        argv = ["--model", "examples.lm:TinyLM", "--model-kwargs", '{"vocab": 50}', "--dataset", "npz", "--data-path",
+    monkeypatch.setattr(pipeline, "Pipeline", spy)
+    train.main(["--model", "examples.lm:TinyLM", "--model-kwargs", '{"vocab": 50}', "--dataset", "npz", "--data-path",
                 files["eval_neg_npz"], "--eval-split", "", "--batch-size", "4", "--steps", "1", "--quiet",
-                "--strategy", "pipeline", "--num-stages", "2", "--num-devices", "2", "--partition-method", "profile"]
-        train.main(argv)
-    finally:
-        pipeline.Pipeline = real
+                "--strategy", "pipeline", "--num-stages", "2", "--num-devices", "2", "--partition-method", "profile"])
     assert [(s.shape, s.dtype) for s in seen] == [((1, 16), np.dtype("int32"))]

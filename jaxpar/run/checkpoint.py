@@ -262,8 +262,9 @@ def _restore_newest(directory: str, steps: list[int], specs: dict, template: Tra
         finally:
             reader.close()
         sums = out["meta"].get("crc32")  # (checkpoints written before the sums were kept have none)
-        if sums is not None and sums != checksums(list(out["state"]["leaves"])):
-            wrong = next(i for i, (a, b) in enumerate(zip(sums, checksums(list(out["state"]["leaves"])))) if a != b)
+        read = None if sums is None else checksums(list(out["state"]["leaves"]))
+        if read is not None and sums != read:
+            wrong = next(i for i, (a, b) in enumerate(zip(sums, read)) if a != b)
             damaged.append((step, f"leaf {list(specs)[wrong]} reads back other bytes than were saved (CRC-32)"))
             continue
         for bad, why in damaged:

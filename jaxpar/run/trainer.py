@@ -845,6 +845,7 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
     """
     from tqdm import tqdm
 
+    from jaxpar import models
     from jaxpar.data import datasets as data_lib
     from jaxpar.run import report
     from jaxpar.run.checkpoint import StopSignals
@@ -898,8 +899,6 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
                          f"{len(train_set)} samples; lower the batch size or drop --drop-last.")
 
     model = make_model(cfg, train_set, eval_set)
-    from jaxpar import models
-
     if cfg.peak_tflops is not None and not isinstance(model, models.GPT):
         raise ValueError(f"--peak-tflops {cfg.peak_tflops} would be ignored: MFU is reported for jaxpar's GPT "
                          f"(its FLOPs per token are known), and --model {cfg.model} builds a "
@@ -930,14 +929,14 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
         check_batch_divides(cfg, strategy, local_batch, replicas)
     ckpt = prepare_outputs(cfg, state, model, total_steps)
     position = {"loss_sum": 0.0, "count": 0.0}
+    scaler = loss_scale_config(cfg)  # fp16: steps skipped on overflowing gradients advance no schedule
     if ckpt is not None and cfg.resume:
         state, position = ckpt.restore(state)
         sampler.load_state_dict(sampler_state(position["sampler"], sampler))
-        static = loss_scale_config(cfg)
-        if static is not None and not static.dynamic:  # the static --loss-scale given now, not the checkpoint's S
+        if scaler is not None and not scaler.dynamic:  # the static --loss-scale given now, not the checkpoint's S
             from jaxpar import loss_scale as scaling  # (a new one was silently ignored: a QA finding)
 
-            state = state._replace(opt_state=scaling.with_scale(state.opt_state, static.loss_scale))
+            state = state._replace(opt_state=scaling.with_scale(state.opt_state, scaler.loss_scale))
     # every check passed: from here on the run writes
     placed = strategy.init(state)
     eval_step = make_eval_step(objective)
@@ -973,7 +972,6 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
 
     # a resumed run that has nothing left to train counts its epochs as the run that saved it did
     clock, stopped, start_step, epoch_done = report.Clock(), None, step, finished_epoch() if cfg.resume else True
-    scaler = loss_scale_config(cfg)  # fp16: steps skipped on overflowing gradients advance no schedule
     skipped = skipped_before = int(position.get("skipped", 0))
     last: dict[str, Any] = {}
     loss_sum, count = position["loss_sum"], position["count"]  # the epoch's running train loss

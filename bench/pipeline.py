@@ -14,7 +14,9 @@ Schedule1F1B / ScheduleGPipe (--schedules zbh1: ScheduleInterleavedZeroBubble, t
 size and micro-batches, SGD with momentum, plus each framework's own single-process step. Each framework
 initialises its own weights and draws its own random batch of those shapes (the kernels' speed does not depend on
 the values; bench/gpt.py, which compares first losses, loads jaxpar's weights into torch). `--model stack`: the 16 x
-Linear(512) stack of --stack instead (split 0-15 | 16-30), with the bound 1.5 x T_single / (1 - bubble) beside it;
+Linear(512) stack of --stack instead (split 0-15 | 16-30), with the bound 1.5 x T_single / (1 - bubble) beside it
+(--schedules 1f1b,1f1b+dw: also jaxpar's 1F1B with every W at the flush, Pipeline(defer_wgrad=True), against the
+same torch 1F1B);
 with --pin each stage has a core of its own, the bound's premise. --threads 1 (the default) implies --pin: XLA:CPU
 has no per-process thread limit (its pool takes every visible core), so one thread per rank is held by pinning
 both frameworks' ranks, each to a core of its own (until 2026-11-27 only torch's ranks were held to one thread,
@@ -47,7 +49,8 @@ def parse(argv=None):
     p.add_argument("--stack", action="store_true", help="the 16 x Linear(512) stack on 2 simulated devices")
     p.add_argument("--one-stage", action="store_true", help="S=1, M=1 against the single-device step")
     p.add_argument("--zb", action="store_true", help="ZB-H1 and ZB-V vs 1F1B at S=4, M=8")
-    p.add_argument("--schedules", default="1f1b,gpipe", help="comma separated (--processes): 1f1b, gpipe, zbh1")
+    p.add_argument("--schedules", default="1f1b,gpipe", help="comma separated (--processes): 1f1b, gpipe, zbh1; "
+                   "NAME+dw: jaxpar's NAME with every W at the flush (defer_wgrad), against torch's NAME")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--micro-batches", type=int, default=4)
     p.add_argument("--image", type=int, default=64, help="AlexNet image side")
@@ -116,8 +119,8 @@ def jaxpar_worker(args) -> None:
         strategies = {"single": jaxpar.SingleDevice(model, tx, loss_fn=loss)}
     else:
         strategies = {name: Pipeline(model, tx, loss_fn=loss, num_stages=jax.process_count(),
-                                     micro_batches=args.micro_batches, schedule=name, batch_size=args.batch,
-                                     mesh=pipeline_mesh(None, jax.process_count()))
+                                     micro_batches=args.micro_batches, schedule=base(name), batch_size=args.batch,
+                                     defer_wgrad=name.endswith("+dw"), mesh=pipeline_mesh(None, jax.process_count()))
                       for name in args.schedules.split(",")}
     runs = {}
     for name, strategy in strategies.items():
@@ -148,6 +151,11 @@ def jaxpar_worker(args) -> None:
 # ---- --processes: the driver ---------------------------------------------------------------------------------
 
 CROSS_SCHEDULES = ("1f1b", "gpipe", "zbh1")  # torch: Schedule1F1B, ScheduleGPipe, ScheduleInterleavedZeroBubble
+
+
+def base(name: str) -> str:
+    """The schedule a --schedules name runs on both sides: NAME+dw is jaxpar's NAME with its W's deferred."""
+    return name.removesuffix("+dw")
 
 
 def _exited(p):
@@ -189,7 +197,8 @@ def cross_process(args) -> None:
     jax_single = subprocess.Popen([sys.executable, me, "--worker", "jaxpar-single", "--ctl", ctl, *common], cwd=ROOT,
                                   env=env)
     targs = {"model": args.model, "bounds": bounds, "batch": args.batch, "image": args.image,
-             "micro_batches": args.micro_batches, "steps": args.steps, "schedules": args.schedules.split(","),
+             "micro_batches": args.micro_batches, "steps": args.steps,
+             "schedules": list(dict.fromkeys(map(base, args.schedules.split(",")))),
              "threads": args.threads, "single_threads": args.single_threads, "pin": args.pin}
     torch_pipe, torch_single = pipeline_torch.start(ctl, targs, n)
     try:
@@ -217,8 +226,12 @@ def run_rounds(args, ctl: str, n: int, jax_pipe, jax_single, torch_pipe: list, t
     for group, ranks, procs in (("jaxpar-pipeline", n, [jax_pipe]), ("jaxpar-single", 1, [jax_single]),
                                 ("torch", n, torch_pipe), ("torch-single", 1, torch_single)):
         wait_ready(ctl, group, ranks, procs)
-    plan = [x for s in args.schedules.split(",") for x in ((f"jaxpar {s}", "jaxpar-pipeline", s, n),
-                                                           (f"torch {s}", "torch", s, n))]
+    plan, peers = [], set()  # torch's run of each base schedule once, after jaxpar's first run of it
+    for s in args.schedules.split(","):
+        plan.append((f"jaxpar {s}", "jaxpar-pipeline", s, n))
+        if base(s) not in peers:
+            peers.add(base(s))
+            plan.append((f"torch {base(s)}", "torch", base(s), n))
     plan += [("jaxpar single", "jaxpar-single", "single", 1), ("torch single", "torch-single", "single", 1)]
     counters = {g: 0 for _, g, _, _ in plan}
     results = {name: [] for name, *_ in plan}
@@ -248,7 +261,7 @@ def report_cross(args, results: dict, bounds: list) -> None:
     print("|---|---:|---:|---:|---:|---:|---|")
     for name in results:
         fw, kind = name.split(" ", 1)
-        peer = f"torch {kind}"
+        peer = f"torch {base(kind)}"
         single = f"{fw} single"
         cpu = " / ".join(f"{g['cpu'] / args.steps:.3f}" for g in best[name])
         print(f"| {name} | {speed[name]:.1f} | {speed[name] / speed[peer]:.2f}x | {speed[name] / speed[single]:.2f}x "
@@ -263,7 +276,8 @@ def report_cross(args, results: dict, bounds: list) -> None:
         print("| schedule | bubble (F=I=W, B=2) | jaxpar ms/step | bound ms | within |")
         print("|---|---:|---:|---:|---|")
         for name in args.schedules.split(","):
-            bubble = analysis.bubble_fraction(generators.make(name, args.processes, args.micro_batches),
+            grid = generators.make(base(name), args.processes, args.micro_batches)
+            bubble = analysis.bubble_fraction(generators.defer_wgrad(grid) if name != base(name) else grid,
                                               analysis.COSTS)
             t, bound = samples / speed[f"jaxpar {name}"] / args.steps, 1.5 * t1 / (1 - bubble)
             print(f"| {name} | {bubble:.3f} | {t * 1e3:.1f} | {bound * 1e3:.1f} | {'yes' if t <= bound else 'NO'} |")
@@ -329,11 +343,12 @@ def in_process(args) -> None:
         state = jaxpar.init_state(stack, tx)
         runs = {"single": (jaxpar.SingleDevice(stack, tx, loss_fn=loss), state, sbatch)}
         for schedule in ("1f1b", "zbh1", "zbv") if args.zb else ("gpipe", "1f1b", "zbh1"):
-            for ck in (0,) if args.zb else (0, 1):
-                runs[f"{schedule} ckpt {ck}"] = (Pipeline(stack, tx, loss_fn=loss, num_stages=S, micro_batches=M,
-                                                          schedule=schedule, activation_checkpoint_interval=ck,
-                                                          virtual_stages=2 if schedule == "zbv" else 1,
-                                                          mesh=pipeline_mesh(S, S)), state, sbatch)
+            # stored and recomputed; --stack also each schedule with its W's deferred to the flush (stored)
+            for ck, dw in ((0, False),) if args.zb else ((0, False), (1, False), (0, True)):
+                runs[f"{schedule} ckpt {ck}{' dw' * dw}"] = (
+                    Pipeline(stack, tx, loss_fn=loss, num_stages=S, micro_batches=M, schedule=schedule,
+                             activation_checkpoint_interval=ck, virtual_stages=2 if schedule == "zbv" else 1,
+                             defer_wgrad=dw, mesh=pipeline_mesh(S, S)), state, sbatch)
         best = timed_rounds(runs, args.steps, args.rounds)
         t1 = best.pop("single")
         print(f"\n16 x Linear(512) + ReLU, batch 256, S={S}, M={M} on {S} simulated CPU devices; one device "
@@ -515,7 +530,7 @@ def main(argv=None) -> None:
     if args.worker:
         return jaxpar_worker(args)
     if args.processes:
-        unknown = sorted(set(args.schedules.split(",")) - set(CROSS_SCHEDULES))
+        unknown = sorted(set(map(base, args.schedules.split(","))) - set(CROSS_SCHEDULES))
         if unknown:
             raise SystemExit(f"--schedules {','.join(unknown)}: --processes compares schedules both frameworks have; "
                              f"use some of {','.join(CROSS_SCHEDULES)}.")

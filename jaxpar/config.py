@@ -91,6 +91,7 @@ class Config:
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zbh1 (zero-bubble H1) | zbv (ZB-V, 2 chunks)
     virtual_stages: int = 1  # model chunks per stage (interleaved; zbv: 2)
     partition_method: str = "parameters"  # parameters | uniform | type:REGEX | profile
+    defer_wgrad: bool = False  # every weight gradient at the flush, one call over the micro-batches: less work, M micro-batches held (Megatron's defer_embedding_wgrad_compute, for every layer)
     # every strategy but ZeRO-3 (the pipeline per stage; the others on the model's `layers`)
     activation_checkpoint_interval: int = 0  # N: keep each N-layer segment's input, recompute it in the backward
     recompute_granularity: str | None = None  # selective: GPT's core attention recomputed in the backward (Megatron's)

@@ -66,13 +66,13 @@ def reference():
 
 @functools.lru_cache(maxsize=None)
 def run(D: int, S: int, T: int, schedule: str = "1f1b", canonical_qkv: bool = False, sequence_parallel=False,
-        zero_stage: int = 0, zero_reduce: str = "reduce_scatter"):
+        zero_stage: int = 0, zero_reduce: str = "reduce_scatter", defer_wgrad: bool = False):
     """(pipeline, its state after STEPS steps as the canonical TrainState, the last placed state and batch, the
     last step's metrics)."""
     pipe = Pipeline(model(), TX, loss_fn=LOSS, num_stages=S, micro_batches=2, schedule=schedule,
                     virtual_stages=2 if schedule in ("interleaved", "zbv") else 1, tensor_parallel=T,
                     sequence_parallel=sequence_parallel, mesh=pipeline_mesh(D * S * T, S, T), compiler_options=FAST,
-                    zero_stage=zero_stage, zero_reduce=zero_reduce)
+                    zero_stage=zero_stage, zero_reduce=zero_reduce, defer_wgrad=defer_wgrad)
     if canonical_qkv:  # the same split, each rank taking columns as they come: q of some heads, k of others
         pipe.module.tensor_layouts = [Layout(lay.axis) for lay in pipe.module.tensor_layouts]
     placed = pipe.init(reference()[0])
@@ -163,6 +163,18 @@ def test_3d_sequence_parallel_equals_the_single_step(D, S, T, schedule):
     rows = ROWS // 2  # a micro-batch
     assert y.shape == (rows, CFG["block_size"], CFG["n_embd"])
     assert {a.data.shape for a in y.addressable_shards} == {(rows // D, CFG["block_size"] // T, CFG["n_embd"])}
+
+
+def test_3d_with_deferred_weight_gradients_equals_the_single_step():
+    """defer_wgrad under D x S x T = 2 x 2 x 2 with sequence parallelism: each device's W's at the flush in one
+    call over its micro-batches' rows joined (its slices of the weights, its tokens of the activations), equal to
+    the single step."""
+    pipe, out, _, _, metrics = run(2, 2, 2, "1f1b", sequence_parallel=True, defer_wgrad=True)
+    _, ref, single = reference()
+    assert_equal(out.params, ref.params)
+    assert_equal(out.opt_state, ref.opt_state)
+    np.testing.assert_allclose(metrics["loss"], single["loss"], rtol=RTOL)
+    assert pipe.report()["wgrad_joined"] == [True, True] and pipe.schedule.name == "1f1b+dw"
 
 
 @pytest.mark.parametrize("sequence_parallel,reduce", [(False, "reduce_scatter"), (True, "reduce_scatter"),

@@ -117,6 +117,8 @@ CASES = [
                                                       "--strategy single runs on one device", "drop --num-devices"]),
     ("no overlap under single", ["--no-overlap"], ["--no-overlap is read by --strategy ddp, not single",
                                                     "drop --no-overlap"]),
+    ("deferred W's under ddp", ["--strategy", "ddp", "--defer-wgrad"],
+     ["--defer-wgrad is read by --strategy pipeline, not ddp", "drop --defer-wgrad"]),
     ("dropout on a non-GPT", ["--dropout", "0.5"], ["--dropout 0.5 would be ignored", "--model linear is not one of "
                                                     "jaxpar's GPTs", "drop --dropout"]),
     ("seq len off text", ["--seq-len", "64"], ["--seq-len 64 would be ignored", "--dataset npz is not text"]),

@@ -225,14 +225,89 @@ def test_each_stage_program_compiles_once_over_the_micro_batches_and_steps(sched
     parts = {id(f): f for plan in pipe.engine._plans.values() for f in plan.fns}.values()
     calls = {name: [getattr(f, name)._cache_size() for f in parts]
              for name in ("forward", "backward", "forward_backward", "input_grad", "forward_input_grad", "weight_grad",
-                          "zeros")}
+                          "weight_grads", "zeros")}
     assert all(n <= 1 for ns in calls.values() for n in ns), calls
     ran = {"1f1b": ("forward", "backward", "forward_backward", "zeros"),
-           "zbh1": ("forward", "backward", "forward_input_grad", "weight_grad", "zeros")}[schedule]
+           "zbh1": ("forward", "backward", "forward_input_grad", "weight_grads", "zeros")}[schedule]  # W0 W3 at once
     if M == 1:
         ran = ran[:-1]
         assert sum(calls["zeros"]) == 0, calls
     assert all(sum(calls[name]) >= 1 for name in ran), calls  # the programs this schedule runs did run
+
+
+# (problem, schedule, S, M, V, activation_checkpoint_interval, data replicas)
+DEFERRED = [("mlp", "1f1b", 2, 5, 1, 0, 1), ("mlp", "gpipe", 4, 4, 1, 1, 1), ("mlp", "1f1b", 2, 4, 1, 0, 2),
+            ("mixed", "zbh1", 3, 3, 1, 0, 1), ("mixed", "interleaved", 2, 3, 2, 0, 1), ("mixed", "zbv", 2, 3, 2, 1, 1)]
+
+
+@pytest.mark.parametrize("name,schedule,S,M,V,interval,data", DEFERRED,
+                         ids=[f"{n}-{s}-S{S}-M{M}-V{V}-ckpt{c}-D{d}" for n, s, S, M, V, c, d in DEFERRED])
+def test_deferred_weight_gradients_run_joined_and_equal_single(name, schedule, S, M, V, interval, data):
+    """defer_wgrad=True: every W at the flush, and each part's W's in ONE call over its micro-batches' rows
+    joined (their stored residuals concatenated along the rows: PartFns._joined), equal to single after 3 steps
+    at rtol 1e-5 with dropout on, under both activation policies, with model chunks (interleaved, V), on stages
+    of different kinds and on 2 data replicas. Every part's W's ran joined, in one backward call of the step, so
+    no accumulator of zeros was made."""
+    assert_can_fail(name)
+    state, ref, ref_losses = reference(name)
+    pipe, placed, losses = run(name, data=data, num_stages=S, micro_batches=M, schedule=schedule, virtual_stages=V,
+                               activation_checkpoint_interval=interval, defer_wgrad=True)
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+    assert_equal_states(pipe.unplace(placed), ref)
+    assert pipe.schedule.name == f"{schedule}+dw"
+    plan = next(iter(pipe.engine._plans.values()))
+    assert len(plan.runs) == S * V and all(len(r) == M for r in plan.runs.values())
+    assert all(f.joined == {M: True} for f in plan.fns) and plan.once == set(range(S * V))
+    assert sorted(pipe.engine.trace) == sorted((t, a) for t, row in enumerate(pipe.schedule.grid) for a in row if a)
+
+
+def test_joined_weight_gradients_do_not_run_the_forward_again():
+    """The joined W's program traces the part's forward at the joined rows only for the vjps' structure, then
+    swaps in the stored residuals: XLA compiles the forward away, leaving one product per Linear (dW; the bias's
+    gradient is a reduction) -- the forward's own program has those products too, the fused backward twice."""
+    _, loss, batch = mlp()
+    r = nnx.Rngs(0)
+    model = nnx.Sequential(nnx.Linear(8, 16, rngs=r), nnx.relu, nnx.Linear(16, 16, rngs=r), nnx.relu,
+                           nnx.Linear(16, 16, rngs=r), nnx.relu, nnx.Linear(16, 2, rngs=r))
+    pipe = pipeline(model, TX, loss_fn=loss, num_stages=2, micro_batches=3, schedule="1f1b", defer_wgrad=True,
+                    partition_method="uniform", mesh=pipeline_mesh(2, 2))
+    placed, pb = pipe.init(jaxpar.init_state(model, TX)), pipe.put_batch(batch)
+    placed, _ = pipe.step(placed, pb)
+    fns = pipe.engine.plan(pb.layout, pipe.schedule).fns[0]
+    params, state, datas = placed.params[0], placed.model_state[0], pb.stages[0][:3]
+    m = pipe.engine._index(sch.Action(0, sch.Op.F, 0))
+    outs = [fns.forward(params, state, None, d, m) for d in datas]
+    dy = [jnp.ones_like(a) for a in jax.tree.leaves(outs[0][0])]
+    cots = [fns.input_grad(params, state, None, d, o[1], dy)[1] for d, o in zip(datas, outs)]
+    args = (None, params, state, [None] * 3, list(datas), [o[1] for o in outs], cots)
+    linears = sum(pipe.module.names[i] == "Linear" for seg in fns.segments for i in seg.layers)
+    assert linears == 2, pipe.module.names
+    dots = lambda f, *a: f.lower(*a).compile().as_text().count(" dot(")  # noqa: E731
+    assert dots(fns.weight_grads, *args) == linears < dots(fns.backward, None, params, state, None, datas[0],
+                                                             outs[0][1], dy)
+    got = fns.weight_grads(*args)
+    want = None
+    for d, o, c in zip(datas, outs, cots):  # the W's one by one, adding up
+        want = fns.weight_grad(want, params, state, None, d, o[1], c)
+    assert fns.joined == {3: True}
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
+    assert max(float(jnp.max(jnp.abs(a))) for a in got) > 1e-2
+
+
+@pytest.mark.parametrize("rows_per_call,joined", [(4, False), (6, True)])
+def test_deferred_weight_gradients_with_rows_in_groups(rows_per_call, joined):
+    """Per-sample rows in groups of rows_per_call (convolutions on CPU): a 6-row micro-batch that ran in one group
+    (rows_per_call 6) lines up with the joined rows traced in one call, and its W's join; one that ran in two (4 +
+    2 rows) does not, and the run's W's go one micro-batch after another in the one call. Both equal single."""
+    assert_can_fail("mlp")
+    state, ref, ref_losses = reference("mlp")
+    pipe, placed, losses = run("mlp", num_stages=2, micro_batches=2, schedule="1f1b", defer_wgrad=True,
+                               rows_per_call=rows_per_call)
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+    assert_equal_states(pipe.unplace(placed), ref)
+    plan = next(iter(pipe.engine._plans.values()))
+    assert len(plan.runs) == 2 and all(f.joined == {2: joined} for f in plan.fns)
 
 
 @pytest.mark.parametrize("name,schedule,M", [("mlp", "1f1b", 4), ("mixed", "zbh1", 2)])
@@ -596,9 +671,12 @@ def bn_dropout_model():
                           nnx.Dropout(0.3, rngs=nnx.Rngs(5)), nnx.Linear(8, 3, rngs=nnx.Rngs(1)))
 
 
-@pytest.mark.parametrize("replicas,micro_batches", [(1, 2), (2, 2), (2, 1)])  # (2, 1): M != D (QA59)
-def test_batch_mode_with_dropout_equals_ddp_step_after_step(replicas, micro_batches):
+@pytest.mark.parametrize("replicas,micro_batches,defer", [(1, 2, False), (2, 2, False), (2, 1, False),
+                                                          (2, 2, True)])  # (2, 1): M != D (QA59)
+def test_batch_mode_with_dropout_equals_ddp_step_after_step(replicas, micro_batches, defer):
     """Batch mode (BatchNorm) with dropout over 3 steps, 1 and 2 data replicas: equal to DDP with grad_accum=M.
+    With the W's deferred (`defer`) they run one by one at the flush: a batch-mode layer may mix the rows
+    (BatchNorm), so the engine never joins micro-batches there.
     The stage's forward merged the state's own Variables, so reseeding overwrote the stored RNG key each step (the
     masks parted from step 1 with M >= 2, 2.11 apart after 3 steps on 2 x 2), and the replicas kept their own
     BatchNorm statistics under a replicated spec (evaluation then read replica 0's, 0.48 apart): a QA pass."""
@@ -610,7 +688,7 @@ def test_batch_mode_with_dropout_equals_ddp_step_after_step(replicas, micro_batc
     ddp = jaxpar.DistributedDataParallel(bn_dropout_model(), TX, loss_fn=loss, mesh=jaxpar.make_mesh(replicas),
                                          grad_accum=micro_batches)
     pipe = pipeline(bn_dropout_model(), TX, loss_fn=loss, micro_batches=micro_batches, schedule="1f1b",
-                    partition_method="uniform", mesh=pipeline_mesh(2 * replicas, 2))
+                    partition_method="uniform", mesh=pipeline_mesh(2 * replicas, 2), defer_wgrad=defer)
     pd, pp = ddp.init(state), pipe.init(state)
     for b in batches:
         pd, _ = ddp.step(pd, ddp.put_batch(b))
@@ -619,6 +697,9 @@ def test_batch_mode_with_dropout_equals_ddp_step_after_step(replicas, micro_batc
     moved = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(ddp.unplace(pd).params),
                                                                jax.tree.leaves(state.params)))
     assert moved > 1e-2
+    if defer:  # every W at the flush, each its own call
+        plan = next(iter(pipe.engine._plans.values()))
+        assert pipe.schedule.name == "1f1b+dw" and not plan.runs and all(not f.joined for f in plan.fns)
     stats = [a for a in jax.tree.leaves(pp.model_state) if jnp.issubdtype(a.dtype, jnp.floating)]
     assert len(stats) == 2  # BatchNorm's mean and var: every replica (and stage copy) holds the same numbers
     for leaf in stats:
@@ -655,6 +736,7 @@ def test_bad_input_is_refused_before_any_work():
         (dict(schedule="interleaved"), "schedule='interleaved' needs virtual_stages >= 2"),  # ran 1F1B quietly
         (dict(schedule="zbv"), "schedule='zbv' runs two model chunks per stage in a V; got virtual_stages=1"),
         (dict(num_stages=7), "num_stages x virtual_stages=7 parts cannot be cut from 6 layers"),
+        (dict(defer_wgrad="yes"), "defer_wgrad='yes' must be True or False"),
         (dict(loss_fn=lambda m, b: (jnp.sum(m(b["x"])), 1.0)), "needs the loss on the model's outputs"),
     ]
     for kw, match in cases:

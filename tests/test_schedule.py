@@ -425,3 +425,42 @@ def test_transfers_of_a_split_backward_go_from_i_to_the_upstream_i():
         ("act", "0F0", "1F0", 0, 1), ("act", "0F1", "1F1", 1, 3), ("grad", "1I0", "0I0", 2, 3),
         ("grad", "1I1", "0I1", 4, 5)]
     assert sch.buffer_slots(sch.zb_h1(4, 8), "grad") == [1, 1, 1, 0]
+
+
+# ---- every weight gradient at the flush ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,V", GENERATORS + [("zbh1", 1), ("zbv", 2)])
+@pytest.mark.parametrize("S", (1, 2, 4))
+@pytest.mark.parametrize("M", (1, 3, 8))
+def test_defer_wgrad_moves_every_w_after_the_stages_last_input_gradient(name, V, S, M):
+    """Each B becomes its I in place and every W follows the stage's last I, chunk by chunk, micro-batches in
+    order: the stage's program otherwise unchanged, valid, holding all M micro-batches (GPipe's memory)."""
+    base = sch.make(name, S, M, V)
+    d = sch.defer_wgrad(base)
+    assert sch.validate(sch.add_communication(d)) and d.name == f"{name}+dw" and d.backward == "IW"
+    assert (d.num_stages, d.num_microbatches, d.virtual_stages, d.placement) == \
+        (base.num_stages, base.num_microbatches, base.virtual_stages, base.placement)
+    for st in range(S):
+        prog, was = d.program(st), base.program(st)
+        n = len([a for a in prog if a.op is Op.I])
+        assert n == M * V and all(a.op is Op.W for a in prog[-M * V:])  # every W after the last I
+        assert [(a.op, a.microbatch, a.chunk) for a in prog[:-M * V]] == \
+            [(Op.I if a.op is Op.B else a.op, a.microbatch, a.chunk) for a in was if a.op is not Op.W]
+        ws = [(a.chunk, a.microbatch) for a in prog[-M * V:]]
+        chunks = list(dict.fromkeys(a.chunk for a in prog if a.op is Op.I))
+        assert ws == sorted(ws, key=lambda cm: (chunks.index(cm[0]), cm[1]))  # one run per chunk
+    assert sch.peak_inflight(d) == [M * V] * S  # every (micro-batch, chunk) held until the flush
+
+
+def test_defer_wgrad_bubble_and_refusal():
+    """1F1B at S=2, M=8 with its W's at the flush: under F = I = W = 1 the last stage's I's come back sooner
+    than B's and the W's fill the cool-down, so each stage idles 2 of the step's 26 units (1/13) against 1F1B's
+    1/9; GPipe the same. A forward-only schedule has nothing to defer."""
+    for name in ("1f1b", "gpipe"):
+        base, d = sch.make(name, 2, 8), sch.defer_wgrad(sch.make(name, 2, 8))
+        assert sch.bubble_fraction(base, sch.COSTS) == pytest.approx(1 / 9)
+        assert sch.bubble_fraction(d, sch.COSTS) == pytest.approx(1 / 13)
+    assert " ".join(a.cell for a in sch.defer_wgrad(sch.one_f_one_b(2, 3)).program(0)) == \
+        "F0 F1 I0 F2 I1 I2 W0 W1 W2"
+    with pytest.raises(ValueError, match="forward-only schedule has no weight gradients"):
+        sch.defer_wgrad(sch.forward_only(2, 4))

@@ -24,6 +24,8 @@ STRATEGY_ARGS = {
     "pipeline": ["--num-stages", "2", "--micro-batches", "4", "--num-devices", "4", "--schedule", "1f1b"],
     "pipeline-zero1": ["--num-stages", "2", "--micro-batches", "4", "--num-devices", "4", "--schedule", "1f1b",
                        "--zero-stage", "1"],
+    "pipeline-dw": ["--num-stages", "2", "--micro-batches", "4", "--num-devices", "4", "--schedule", "gpipe",
+                    "--defer-wgrad"],
     "zero": ["--zero-stage", "3", "--num-devices", "4"],
     "zero-fetch-model": ["--zero-stage", "3", "--num-devices", "3", "--zero-fetch", "model"],
 }
@@ -96,6 +98,14 @@ def test_every_strategy_matches_single_through_the_cli(key, reference_3_epochs, 
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
     assert out["eval_accuracy"] == pytest.approx(reference["eval_accuracy"], abs=0.021)
     assert programs.counts.get(0, 0) > 0 and programs.counts.get(1, 0) == 0, programs.counts
+
+
+def test_defer_wgrad_reaches_the_pipeline_and_its_report():
+    """--defer-wgrad: the schedule is the generator's with every W at the flush, and each stage's W's ran as one
+    call over the micro-batches' joined rows (the report says so per part)."""
+    out = train.main(BASE + ["--strategy"] + ["pipeline", "--report"] + STRATEGY_ARGS["pipeline-dw"])
+    assert out["report"]["schedule"] == "gpipe+dw" and out["report"]["wgrad_joined"] == [True, True]
+    assert out["report"]["peak_inflight"] == [4, 4]
 
 
 # nanoGPT's recipe on top of BASE: clipping that bites (the MLP's gradient norm is ~0.3-0.6) and a warmup +

@@ -19,7 +19,10 @@ micro-batch, see jaxpar.pipeline.stage.PartFns), every stage's gradient carries 
 to every stage's update, which divides it out with the global weight (jaxpar.pipeline.optimizer.mean_scale).
 
 A last-stage F followed at once by its own B (or I) runs as one fused call (no residuals kept), and an I followed
-at once by its own W as one B (no cotangents kept): the same work in fewer calls. Messages between
+at once by its own W as one B (no cotangents kept): the same work in fewer calls. W's of one chunk back to back
+(all of them with `defer_wgrad`, ZB-H1's last ones) run as one call over their micro-batches' rows joined, for
+per-sample objectives (PartFns.weight_grads): each weight-gradient product sums the micro-batches inside its
+contraction, where adding each W into the accumulator was a pass over the stage's gradient. Messages between
 stages of one process are device_puts at the send. Across processes they are two-sided ppermutes, all of a
 tick's messages between two stages in one program (1F1B's activation and gradient go together), run by one
 courier thread per process (Transport.post) in the global order, each finished before the next: neither side's
@@ -113,8 +116,23 @@ class Plan:
                     self.fused.add(a)
                 if a.op is Op.I and b.op is Op.W and same:
                     self.merged.add(a)
+        # a run of W's of one part, back to back in a stage's program (W's deferred to the flush), runs as ONE
+        # call over those micro-batches at its first W (PartFns.weight_grads): first W -> the run; the rest
+        self.runs, self.in_run = {}, set()
+        if engine.objective.per_sample:  # batch mode: the rows could not be joined, each W alone as before
+            for s in range(S):
+                run: list = []
+                for a in schedule.program(s) + [None]:
+                    own = a is not None and a.op is Op.W and Action(s, Op.I, a.microbatch, a.chunk) not in self.merged
+                    if own and run and a.chunk == run[0].chunk:
+                        run.append(a)
+                        continue
+                    if len(run) > 1:
+                        self.runs[run[0]] = tuple(run)
+                        self.in_run.update(run[1:])
+                    run = [a] if own else []
         grads = Counter(virtual(a, S, schedule.placement) for s in range(S) for a in schedule.program(s)
-                        if a.op in (Op.B, Op.W))
+                        if a.op in (Op.B, Op.W) and a not in self.in_run)
         self.once = {v for v, n in grads.items() if n == 1}  # parts whose one backward needs no accumulator
         self.messages = []  # per tick: [(stage a, stage b, [(kind, src, dst, src virtual, micro-batch)])]
         for row in schedule.steps:  # the messages SENT across processes, one group per pair of stages
@@ -347,9 +365,15 @@ class Engine:
         self._done(a, cots)
 
     def _weight_grad(self, a: Action) -> None:
-        if Action(a.stage, Op.I, a.microbatch, a.chunk) in self._p.merged:  # done by its I
+        if Action(a.stage, Op.I, a.microbatch, a.chunk) in self._p.merged or a in self._p.in_run:  # done already
             return self._done(a, None)
         v, fns = self._part(a)
+        if a in self._p.runs:  # the run's W's in one call, over their micro-batches' stored residuals
+            got = [self._stash.pop((v, b.microbatch)) for b in self._p.runs[a]]
+            params, state = got[0][:2]
+            xs, datas, saveds, cotss = ([g[k] for g in got] for k in range(2, 6))
+            self._acc[v] = fns.weight_grads(self._acc_of(v, fns, params), params, state, xs, datas, saveds, cotss)
+            return self._done(a, self._acc[v])
         params, state, x, data, saved, cots = self._stash.pop((v, a.microbatch))
         self._acc[v] = fns.weight_grad(self._acc_of(v, fns, params), params, state, x, data, saved, cots)
         self._done(a, self._acc[v])

@@ -6,6 +6,9 @@
     zbh1         1F1B, the backward split into I and W, stage s's first s W's deferred    (ZB-H1, its authors' Megatron)
     zbv          two chunks per stage in a V (down the stages, back up), I and W split   (ZB-V, torch's ZBV)
     forward      forwards only, for evaluation                                            (torch _ScheduleForwardOnly)
+
+    defer_wgrad(schedule)   any of them with every weight gradient moved to the flush, after the stage's last input
+                            gradient ("<name>+dw"; Megatron defers the output layer's, defer_embedding_wgrad_compute)
 """
 from __future__ import annotations
 
@@ -170,6 +173,32 @@ def zb_v(num_stages: int, num_microbatches: int) -> Schedule:
             put(Op.W, 0, "w0")
         programs.append([a for a in prog if a.microbatch < M])
     return from_programs(programs, name="zbv", num_microbatches=M, virtual_stages=2, backward="IW", placement="v")
+
+
+def defer_wgrad(schedule: Schedule) -> Schedule:
+    """`schedule` with every weight gradient deferred to the pipeline's flush: each fused backward B becomes its
+    input gradient I, in place, and every W goes to the end of its stage's program -- chunk by chunk in the order
+    their I's ran, micro-batches in order -- named ``"<name>+dw"``.
+
+    Megatron-LM defers the output layer's weight-gradient GEMMs this way (``defer_embedding_wgrad_compute``). Here
+    it is every layer's: the engine runs a stage's W's of one chunk as ONE call over their micro-batches' rows
+    joined (jaxpar.pipeline.stage.PartFns.weight_grads), so each weight-gradient product sums the micro-batches in
+    its contraction instead of adding each one's gradient into an accumulator. The price: a stage holds what W
+    needs (every layer's input and output gradient) for all M micro-batches until the flush, GPipe's activation
+    memory (analysis.peak_inflight gives M). Training schedules only."""
+    if not schedule.training:
+        raise ValueError(f"defer_wgrad({schedule.name!r}): a forward-only schedule has no weight gradients to "
+                         "defer; pass a training schedule (gpipe, 1f1b, interleaved, zbh1, zbv).")
+    programs = []
+    for s in range(schedule.num_stages):
+        prog = schedule.program(s)
+        inputs = [Action(s, Op.I, a.microbatch, a.chunk) if a.op is Op.B else a for a in prog if a.op is not Op.W]
+        chunks = list(dict.fromkeys(a.chunk for a in inputs if a.op is Op.I))  # in the order their I's first ran
+        weights = sorted((a for a in prog if a.op in (Op.B, Op.W)), key=lambda a: (chunks.index(a.chunk),
+                                                                                  a.microbatch))
+        programs.append(inputs + [Action(s, Op.W, a.microbatch, a.chunk) for a in weights])
+    return from_programs(programs, name=f"{schedule.name}+dw", num_microbatches=schedule.num_microbatches,
+                         virtual_stages=schedule.virtual_stages, backward="IW", placement=schedule.placement)
 
 
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b, "zbh1": zb_h1,

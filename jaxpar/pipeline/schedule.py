@@ -409,5 +409,5 @@ def validate(schedule: Schedule) -> Schedule:
 # the generators and the analysis, importable from here as before
 from jaxpar.pipeline.analysis import (COSTS, UNIT, Transfer, bubble_fraction, buffer_slots,  # noqa: E402,F401
                                       peak_inflight, simulate, transfers)
-from jaxpar.pipeline.generators import (SCHEDULES, forward_only, gpipe, interleaved_1f1b, make,  # noqa: E402,F401
-                                        one_f_one_b, zb_h1, zb_v)
+from jaxpar.pipeline.generators import (SCHEDULES, defer_wgrad, forward_only, gpipe,  # noqa: E402,F401
+                                        interleaved_1f1b, make, one_f_one_b, zb_h1, zb_v)

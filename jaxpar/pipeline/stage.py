@@ -9,6 +9,7 @@ Roughly, for part v (a few segments, see jaxpar.pipeline.module) and one micro-b
     g, dx          = backward(None, params, ...)               # the part's only backward of the step: dparams
     dx, cots       = input_grad(params, state, x, data, saved, dy)      # zero-bubble I: dx now, cotangents kept
     acc            = weight_grad(acc, params, state, x, data, saved, cots)   # zero-bubble W, later
+    acc            = weight_grads(acc, params, state, [x..], [data..], [saved..], [cots..])  # a run of W's at once
 
 The residuals a vjp keeps that are the function's own inputs (the weights, the stage input, the batch) are not
 returned -- jit would copy them -- but passed again to the backward (`Saved` records where they go). On the last
@@ -182,6 +183,10 @@ class PartFns:
         self.weight_grad = self._compile(self._weight_grad,
                                          ("local", "params", "state", "act", "rows", "local", "local"), "local",
                                          donate=(0,))
+        self.joined: dict[int, bool] = {}  # micro-batches in a run of W's -> whether weight_grads joined their rows
+        self.weight_grads = self._compile(self._weight_grads,
+                                          ("local", "params", "state", "act", "rows", "local", "local"), "local",
+                                          donate=(0,))
         self.forward_backward = self._compile(self._forward_backward,
                                               ("local", "params", "state", "act", "rows", "rep", *sv),
                                               ("local", "act", "rep", new, *sv), donate=(0,))
@@ -229,9 +234,10 @@ class PartFns:
     def _shard(self, m):
         return (lax.axis_index(DATA) * self.M + m) if self.D > 1 else m
 
-    def _seg_apply(self, k, p, st, x, rows: Rows, train: bool, shard):
+    def _seg_apply(self, k, p, st, x, rows: Rows, train: bool, shard, whole: bool = False):
         """(output, state) of segment k on rows; `st` its state leaves, made Variables here, at the caller's
-        trace level (NNX refuses to mutate a Variable from another one)."""
+        trace level (NNX refuses to mutate a Variable from another one). `whole`: per-sample rows in one vmapped
+        call, whatever the objective's rows_per_call (the joined W's trace, `_joined`)."""
         seg, obj = self.segments[k], self.obj
         graphdef = seg.graphdef if train else seg.eval_graphdef
         p = cast_floating(p, obj.compute_dtype)
@@ -263,7 +269,7 @@ class PartFns:
             return jax.tree.map(lambda a: a[0], y)
 
         n = rows.mask.shape[0]
-        step = obj.rows_per_call or n
+        step = n if whole else (obj.rows_per_call or n)
         parts = [jax.vmap(one, in_axes=(0, 0, None, None))(jax.tree.map(lambda a: a[lo:lo + step], x),
                                                             rows.ids[lo:lo + step], p, st)
                  for lo in range(0, n, step)]  # unrolled: XLA:CPU runs convolutions in a loop slower
@@ -304,8 +310,9 @@ class PartFns:
     def _input(self, x, rows: Rows):
         return cast_floating(self.loss.inputs(rows.data), self.obj.compute_dtype) if self.first else x
 
-    def _run(self, params, state, x, data, m, *, train: bool, grad: bool):
-        """(output or loss, per-segment vjps, Sums or None, new state leaves)."""
+    def _run(self, params, state, x, data, m, *, train: bool, grad: bool, loss: bool = True, whole: bool = False):
+        """(output or loss, per-segment vjps, Sums or None, new state leaves); `loss` False: the last part's
+        segments only (their output, no loss); `whole` as _seg_apply's."""
         rows, shard = self._rows(data), self._shard(m)
         x = self._input(x, rows)
         state, vjps = list(state), []
@@ -318,7 +325,8 @@ class PartFns:
                 box = []  # the output's static split, recorded while f is traced
 
                 def f(p, xf, st=st, xo=xo, treedef=treedef, kinds=kinds, k=k, box=box):
-                    y, new = self._seg_apply(k, p, st, join_float(xf, xo, treedef, kinds), rows, True, shard)
+                    y, new = self._seg_apply(k, p, st, join_float(xf, xo, treedef, kinds), rows, True, shard,
+                                             whole)
                     yf, yo, ytree, ykinds = split_float(y)
                     box[:] = [ytree, ykinds]
                     return yf, (yo, new)  # only float leaves carry gradients: others ride as aux
@@ -330,7 +338,7 @@ class PartFns:
                 if pos in self.frozen_pos and leaf is not state[pos]:
                     self._refuse_frozen_change(k, self.frozen_pos[pos])
                 state[pos] = leaf
-        if not self.last:
+        if not (self.last and loss):
             return x, vjps, None, state
         if grad:
             xf, xo, treedef, kinds = split_float(x)
@@ -405,6 +413,61 @@ class PartFns:
         for k in range(len(self.segments)):
             self._add(grads, k, vjps[k](cots[k])[0])
         return self._finish(grads, acc, params)
+
+    def _weight_grads(self, acc, params, state, xs, datas, saveds, cotss):
+        """acc + the weight gradients of several micro-batches (a run of deferred W's) in one call. Where their
+        stored residuals line up by rows (`_joined`) the micro-batches are pulled back as one batch of their rows
+        joined, so each weight-gradient product sums over them inside its contraction: no accumulator pass per
+        micro-batch (Megatron's gradient-accumulation fusion does this in the GEMM; its deferred wgrad, at the
+        flush). Elsewhere each micro-batch's W in turn, adding up."""
+        vjps = self._joined(params, state, xs, datas, saveds)
+        self.joined[len(xs)] = vjps is not None
+        if vjps is None:
+            for x, data, saved, cots in zip(xs, datas, saveds, cotss):
+                acc = self._weight_grad(acc, params, state, x, data, saved, cots)
+            return acc
+        grads = [None] * len(self.pidx)
+        for k in range(len(self.segments)):
+            cot = jax.tree.map(lambda *a: jnp.concatenate(a), *[c[k] for c in cotss])  # boundaries: rows first
+            self._add(grads, k, vjps[k](cot)[0])
+        return self._finish(grads, acc, params)
+
+    def _joined(self, params, state, xs, datas, saveds) -> list | None:
+        """The part's vjps at the micro-batches' rows joined, built from their STORED residuals, or None.
+
+        Per-sample objectives only: every segment runs vmapped over rows, so each residual either carries the
+        rows (the one axis that grows from R to n*R when the part is traced at the joined rows: the micro-batches'
+        are concatenated along it) or none (made from the weights alone: micro-batch 0's is every one's). The
+        forward traced here at the joined rows only supplies the vjps' structure; what it computes is unused and
+        compiled away, and traced with all the joined rows in one vmapped call: it lines up with micro-batches
+        that each ran as one call (no more rows than rows_per_call). None where the traces do not line up leaf for
+        leaf (a micro-batch in several rows_per_call groups), or for batch-mode objectives, whose layers may mix
+        rows (BatchNorm)."""
+        if not self.obj.per_sample:
+            return None
+        n, cat, segments = len(xs), (lambda *a: jnp.concatenate(a)), len(self.segments)
+        x = None if xs[0] is None else jax.tree.map(cat, *xs)
+        data = jax.tree.map(cat, *datas)
+        _, vjps, _, _ = self._run(params, state, x, data, 0, train=True, grad=True, loss=False, whole=True)
+        fresh = Saved.strip(vjps, (params, state, x, data))
+        stored = []  # each micro-batch's segment vjps (a last part's unfused forward also kept its loss's)
+        for x_m, data_m, saved in zip(xs, datas, saveds):
+            inputs = (params, state, x_m, data_m)
+            stored.append(Saved.strip(saved.rebuild(inputs)[:segments], inputs))
+        if fresh.static[1] != stored[0].static[1] or len(fresh.leaves) != len(stored[0].leaves):
+            return None
+        leaves = []
+        for i, (new, old) in enumerate(zip(fresh.leaves, stored[0].leaves)):
+            if new.dtype != old.dtype or new.ndim != old.ndim:
+                return None
+            grown = [ax for ax, (a, b) in enumerate(zip(new.shape, old.shape)) if a != b]
+            if not grown:
+                leaves.append(old)
+            elif len(grown) == 1 and new.shape[grown[0]] == n * old.shape[grown[0]]:
+                leaves.append(jnp.concatenate([s.leaves[i] for s in stored], axis=grown[0]))
+            else:
+                return None
+        return Saved(leaves, fresh.static).rebuild((params, state, x, data))
 
     def _forward_backward(self, acc, params, state, x, data, m, *sv):
         _, vjps, sums, new_state = self._run(params, state, x, data, m, train=True, grad=True)

@@ -346,7 +346,7 @@ STRATEGY_FLAGS = {"allreduce": ("ddp",), "overlap": ("ddp",), "bucket_cap_mb": (
                   "loss_on_device": ("dp",), "print_shapes": ("dp",), "output_device": ("dp",),
                   "tensor_parallel": ("tp", "pipeline"), "parallel_output": ("tp", "pipeline"),
                   "num_stages": ("pipeline",), "micro_batches": ("pipeline",), "schedule": ("pipeline",),
-                  "virtual_stages": ("pipeline",), "partition_method": ("pipeline",)}
+                  "virtual_stages": ("pipeline",), "partition_method": ("pipeline",), "defer_wgrad": ("pipeline",)}
 HINTS = {("grad_accum", "pipeline"): " (the pipeline accumulates over --micro-batches, DeepSpeed's "
                                      "gradient_accumulation_steps)"}
 

@@ -177,7 +177,7 @@ class Pipeline:
                  example_input=None, seed: int | None = None, compiler_options: dict | None = None,
                  tensor_parallel: int = 1, sequence_parallel: bool = False, parallel_output: bool | None = None,
                  zero_stage: int = 0, zero_reduce: str = "reduce_scatter", check_split: bool | None = None,
-                 **objective_options):
+                 defer_wgrad: bool = False, **objective_options):
         # the partition's arguments (None: 2 stages, 1 chunk, by parameters, no recompute, seed 0) cut `model`; a
         # PipelineModule was cut already, and one that disagrees with it is refused (it would be ignored)
         cut = {"num_stages": num_stages, "virtual_stages": virtual_stages, "partition_method": partition_method,
@@ -198,6 +198,9 @@ class Pipeline:
                              "state partitioned over its data replicas); DeepSpeed refuses stages 2 and 3 with "
                              "pipeline parallelism (their gradient and weight partitions would be reduced and gathered "
                              "every micro-batch): pass 0 or 1, or use --strategy zero for stages 2-3.")
+        if not isinstance(defer_wgrad, (bool, np.bool_)):
+            raise ValueError(f"defer_wgrad={defer_wgrad!r} must be True or False (--defer-wgrad: every weight "
+                             "gradient at the pipeline's flush).")
         if zero_reduce not in ("reduce_scatter", "all_reduce"):
             raise ValueError(f"zero_reduce={zero_reduce!r} is not known; use reduce_scatter (DeepSpeed's default: each "
                              "replica gets its block of the summed gradient) or all_reduce (the whole gradient).")
@@ -269,7 +272,9 @@ class Pipeline:
         if module.placement != placement:
             raise ValueError(f"the PipelineModule places its chunks {module.placement!r} but schedule={schedule!r} "
                              f"runs them {placement!r}; build it with PipelineModule(..., placement={placement!r}).")
-        self.schedule = schedule_lib.validate(schedule_lib.add_communication(generators.make(schedule, S, M, V)))
+        grid = generators.make(schedule, S, M, V)
+        self.schedule = schedule_lib.validate(schedule_lib.add_communication(
+            generators.defer_wgrad(grid) if defer_wgrad else grid))
         self.eval_schedule = schedule_lib.validate(schedule_lib.add_communication(
             generators.forward_only(S, M, V, placement=placement)))
         self.micro_batches, self.D = M, self.mesh.shape[DATA]
@@ -562,7 +567,8 @@ class Pipeline:
                 + (whole_note(mod.tensor_layouts) if mod.tensor_layouts else "")
                 + f", schedule {sch.name} ({sch.num_microbatches} "
                 f"micro-batches" + (f", {sch.virtual_stages} chunks per stage" if sch.virtual_stages > 1 else "")
-                + (f", activation checkpoint interval {mod.interval}" if mod.interval else "") + ")")
+                + (f", activation checkpoint interval {mod.interval}" if mod.interval else "")
+                + (", every weight gradient at the flush" if sch.name.endswith("+dw") else "") + ")")
 
     def report(self, placed: PipelineState | None = None) -> dict:
         """Partition, bubble (grid and zero-bubble costs), in-flight micro-batches, memory per stage."""
@@ -579,6 +585,9 @@ class Pipeline:
                "global_norm_across_stages": self.needs_norm}
         if self._last is not None:
             out["stage_memory_mib"] = memory.text(memory.table(self, self._last[0]))
+            plan = self._last[1]
+            if plan.runs:  # per part: whether its run of W's went as one call over the micro-batches' joined rows
+                out["wgrad_joined"] = [all(f.joined.values()) if f.joined else None for f in plan.fns]
         return out
 
 
@@ -588,7 +597,7 @@ def _advance(a, is_count: bool):
 
 def build(model: nnx.Module, tx: optax.GradientTransformation, cfg: Config, loss_fn=None,
           example_input=None) -> Pipeline:
-    """The strategy train.py builds: --num-stages, --micro-batches, --schedule, --virtual-stages,
+    """The strategy train.py builds: --num-stages, --micro-batches, --schedule, --virtual-stages, --defer-wgrad,
     --partition-method, --activation-checkpoint-interval, --tensor-parallel (3-D: D x S x T = --num-devices, in
     Megatron's device order: tensor ranks adjacent, then data, then pipeline); stages outermost. `example_input`:
     one sample of the model's input as the data hold it (train.py's, for --partition-method profile)."""
@@ -610,6 +619,7 @@ def build(model: nnx.Module, tx: optax.GradientTransformation, cfg: Config, loss
             example = jax.ShapeDtypeStruct((1,) + tuple(shape), jnp.float32)
     return Pipeline(model, tx, loss_fn=loss_fn, num_stages=cfg.num_stages, micro_batches=cfg.micro_batches,
                     schedule=cfg.schedule, virtual_stages=cfg.virtual_stages, partition_method=cfg.partition_method,
+                    defer_wgrad=cfg.defer_wgrad,
                     activation_checkpoint_interval=cfg.activation_checkpoint_interval,
                     mesh=pipeline_mesh(cfg.num_devices, cfg.num_stages, cfg.tensor_parallel),
                     tensor_parallel=cfg.tensor_parallel, sequence_parallel=cfg.sequence_parallel,

@@ -851,7 +851,7 @@ def test_a_layer_output_without_the_rows_leading_is_refused(middle, match):
 def worker(out: str) -> None:
     """2 processes x 2 devices: the LM as 2 stages x 2 replicas (ZB-H1, recompute, ZeRO-1: each stage's momentum
     split over its replicas; data x pipeline across processes), again on ZB-V without ZeRO (its V crosses the
-    processes twice), and the MLP as 4 stages (1F1B, global-norm clipping); each saves the state it unplaces and
+    processes twice) with its W's at the flush, joined over the micro-batches (defer_wgrad), and the MLP as 4 stages (1F1B, global-norm clipping); each saves the state it unplaces and
     the Sums of an evaluation (the forward-only schedule). The first LM run is behind a dynamic loss scaler at 2**12
     (SGD: a seed left in the gradient would show; clipping would cancel it): the seed set on process 1's last
     stage reaches process 0's stage with the step's vector, and both divide it out. (ZB-V was out of this test from
@@ -874,7 +874,7 @@ def worker(out: str) -> None:
             ("mlp", "mlp", 4, CLIP, dict(schedule="1f1b", micro_batches=4)),
             ("lm", "lm", 2, jaxpar.loss_scaling(TX, initial_scale_power=12),
              dict(schedule="zbh1", micro_batches=2, activation_checkpoint_interval=1, zero_stage=1)),
-            ("lm_zbv", "lm", 2, TX, dict(schedule="zbv", virtual_stages=2, micro_batches=3))):
+            ("lm_zbv", "lm", 2, TX, dict(schedule="zbv", virtual_stages=2, micro_batches=3, defer_wgrad=True))):
         model, loss, batch = PROBLEMS[name]()
         pipe = pipeline(model, tx, loss_fn=loss, num_stages=S, mesh=pipeline_mesh(None, S), **kw)
         placed = pipe.init(jaxpar.init_state(model, tx))
@@ -883,6 +883,8 @@ def worker(out: str) -> None:
             print(f"process {rank} {label} step {step} loss {float(m['loss']):.6f}", flush=True)
         print(f"process {rank}/{jax.process_count()} {label}: {pipe.describe()} loss {float(m['loss']):.6f}",
               flush=True)
+        if kw.get("defer_wgrad"):  # each process's parts ran their W's joined (None: another process's part)
+            print(f"process {rank} {label} wgrad_joined {pipe.report()['wgrad_joined']}", flush=True)
         sums = pipe.evaluate(placed, batch)  # the forward-only schedule across the processes
         np.savez(f"{out}.{label}.rank{rank}.npz", *map(np.asarray, jax.tree.leaves(pipe.unplace(placed).params)),
                  eval=np.array([float(a) for a in jax.tree.leaves(sums)]))
@@ -901,7 +903,11 @@ def test_two_processes_equal_single(tmp_path):
     assert "process 0/2 lm: 4 devices (2 processes), mesh {'data': 2, 'pipe': 2}" in out, out
     assert "2 data replicas, ZeRO-1 (each stage's optimizer state split over its 2 replicas, gradients by " \
         "reduce-scatter)" in out, out
-    assert "lm_zbv: 4 devices (2 processes)" in out and "schedule zbv (3 micro-batches, 2 chunks per stage)" in out, out
+    assert "lm_zbv: 4 devices (2 processes)" in out and \
+        "schedule zbv+dw (3 micro-batches, 2 chunks per stage, every weight gradient at the flush)" in out, out
+    # the V: process 0 holds stage 0 (virtual stages 0 and 3), process 1 stage 1 (1 and 2)
+    assert "process 0 lm_zbv wgrad_joined [True, None, None, True]" in out, out
+    assert "process 1 lm_zbv wgrad_joined [None, True, True, None]" in out, out
     for name, ref in refs.items():
         ranks = [np.load(tmp_path / f"params.{name}.rank{r}.npz") for r in range(2)]
         want = jax.tree.leaves(ref.params)

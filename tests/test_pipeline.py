@@ -326,10 +326,16 @@ def test_the_memory_table_holds_each_schedules_in_flight_micro_batches():
     from jaxpar.pipeline import memory
 
     rows = {}
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in ("gpipe", "1f1b", "1f1b+dw"):
         pipe = run("mlp", num_stages=2, micro_batches=4, schedule=schedule)[0]
         rows[schedule] = memory.table(pipe, pipe._last[0])
     assert [r["in_flight"] for r in rows["gpipe"]] == [4, 4] and [r["in_flight"] for r in rows["1f1b"]] == [2, 1]
+    # the W's at the flush: all 4 held, each with its cotangents (I to W), and the W call's join of them
+    deferred = rows.pop("1f1b+dw")
+    assert [r["in_flight"] for r in deferred] == [4, 4]
+    for a, b in zip(deferred, rows["1f1b"]):
+        assert a["act_store_mib_per_microbatch"] > b["act_store_mib_per_microbatch"]
+        assert a["wgrad_join_mib"] == a["act_store_mib_per_microbatch"] * 4 and "wgrad_join_mib" not in b
     for schedule, table in rows.items():
         for r in table:
             for name in ("store", "recompute"):
@@ -700,6 +706,7 @@ def test_batch_mode_with_dropout_equals_ddp_step_after_step(replicas, micro_batc
     if defer:  # every W at the flush, each its own call
         plan = next(iter(pipe.engine._plans.values()))
         assert pipe.schedule.name == "1f1b+dw" and not plan.runs and all(not f.joined for f in plan.fns)
+        assert pipe.report()["wgrad_joined"] == [False, False]
     stats = [a for a in jax.tree.leaves(pp.model_state) if jnp.issubdtype(a.dtype, jnp.floating)]
     assert len(stats) == 2  # BatchNorm's mean and var: every replica (and stage copy) holds the same numbers
     for leaf in stats:
@@ -737,6 +744,9 @@ def test_bad_input_is_refused_before_any_work():
         (dict(schedule="zbv"), "schedule='zbv' runs two model chunks per stage in a V; got virtual_stages=1"),
         (dict(num_stages=7), "num_stages x virtual_stages=7 parts cannot be cut from 6 layers"),
         (dict(defer_wgrad="yes"), "defer_wgrad='yes' must be True or False"),
+        (dict(defer_wgrad=True, micro_batches=1), "defer_wgrad=True with micro_batches=1 defers nothing"),
+        (dict(schedule="1f1b+dw", micro_batches=1), "defer_wgrad=True with micro_batches=1 defers nothing"),
+        (dict(schedule="forward+dw"), "schedule='forward' has no backward and cannot train"),
         (dict(loss_fn=lambda m, b: (jnp.sum(m(b["x"])), 1.0)), "needs the loss on the model's outputs"),
     ]
     for kw, match in cases:

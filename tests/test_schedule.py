@@ -464,3 +464,8 @@ def test_defer_wgrad_bubble_and_refusal():
         "F0 F1 I0 F2 I1 I2 W0 W1 W2"
     with pytest.raises(ValueError, match="forward-only schedule has no weight gradients"):
         sch.defer_wgrad(sch.forward_only(2, 4))
+    # the name round-trips: make() builds it back, and deferring twice is deferring once
+    d = sch.defer_wgrad(sch.make("zbv", 2, 4, 2))
+    assert sch.make("zbv+dw", 2, 4, 2) == d == sch.defer_wgrad(d) and d.name == "zbv+dw"
+    with pytest.raises(ValueError, match=r"schedule '\+dw' is not known"):
+        sch.make("+dw", 2, 4)

@@ -197,7 +197,8 @@ def defer_wgrad(schedule: Schedule) -> Schedule:
         weights = sorted((a for a in prog if a.op in (Op.B, Op.W)), key=lambda a: (chunks.index(a.chunk),
                                                                                   a.microbatch))
         programs.append(inputs + [Action(s, Op.W, a.microbatch, a.chunk) for a in weights])
-    return from_programs(programs, name=f"{schedule.name}+dw", num_microbatches=schedule.num_microbatches,
+    name = schedule.name if schedule.name.endswith("+dw") else f"{schedule.name}+dw"  # deferred twice: the same
+    return from_programs(programs, name=name, num_microbatches=schedule.num_microbatches,
                          virtual_stages=schedule.virtual_stages, backward="IW", placement=schedule.placement)
 
 
@@ -207,7 +208,10 @@ SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1
 
 def make(name: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
     """Build a schedule by name: gpipe, 1f1b, zbh1, interleaved or forward (the last two take virtual_stages),
-    zbv (two chunks per stage, V placement: virtual_stages must be 2)."""
+    zbv (two chunks per stage, V placement: virtual_stages must be 2); a training schedule's name + "+dw" (as
+    defer_wgrad names it): that schedule with its W's at the flush."""
+    if name.endswith("+dw") and name != "+dw":
+        return defer_wgrad(make(name.removesuffix("+dw"), num_stages, num_microbatches, virtual_stages))
     if name not in SCHEDULES:
         raise ValueError(f"schedule {name!r} is not known (--schedule); use one of {', '.join(sorted(SCHEDULES))}.")
     _check_args(num_stages, num_microbatches, virtual_stages)

@@ -5,7 +5,8 @@ the gradient accumulator, the floating model state (frozen weights, statistics; 
 the activations one micro-batch keeps between its forward and its backward -- the stage input plus what the
 forward's vjp saved -- once with every residual kept (activation_checkpoint_interval 0, DeepSpeed's and torch's
 default) and once recomputing from each segment's input (the configured interval, or the whole stage when none is
-set), times the micro-batches the schedule holds at once (analysis.peak_inflight).
+set), with a split backward's cotangents (kept from I to W), times the micro-batches the schedule holds at once
+(analysis.peak_inflight); with the W's deferred and joined (defer_wgrad), the join's copy of them during its call.
 Nothing is allocated: jax.eval_shape of each part's forward.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ import numpy as np
 from jaxpar.mesh import TENSOR
 from jaxpar.pipeline import analysis
 from jaxpar.pipeline.module import PipelineModule
-from jaxpar.pipeline.stage import part_fns
+from jaxpar.pipeline.stage import part_fns, split_float
 from jaxpar.strategies.zero1 import device_leaves
 
 MiB = 2 ** 20
@@ -47,10 +48,11 @@ def device_state(pipe, s: int) -> list:
     return device_leaves(shapes, [mod.state_spec(j) for j in mod.stage_state[s]], pipe.transport.meshes[s])
 
 
-def activation_bytes(pipe, module: PipelineModule, layout) -> list[int]:
+def activation_bytes(pipe, module: PipelineModule, layout, cotangents: bool = False) -> list[int]:
     """Per virtual stage: bytes one micro-batch keeps from its forward to its backward, per device: what the
     forward's vjp saved (per device: a leading axis of D x T) and the stage input (split over DATA, and over TENSOR
-    under sequence parallelism)."""
+    under sequence parallelism); `cotangents`: also each segment's output gradient, which a split backward keeps
+    from its I to its W."""
     engine, tr = pipe.engine, pipe.transport
     T = module.tensor_parallel
     act = pipe.D * (T if module.sequence_parallel else 1)
@@ -62,7 +64,11 @@ def activation_bytes(pipe, module: PipelineModule, layout) -> list[int]:
         state = [engine.state_specs[j] for j in fns.sidx]
         data = engine.data_specs(layout, s)
         y, saved, _ = jax.eval_shape(fns.forward, params, state, x, data, jax.ShapeDtypeStruct((), np.int32))
-        out.append(_bytes(saved) // (pipe.D * T) + _bytes(x) // act)
+        held = _bytes(saved) // (pipe.D * T) + _bytes(x) // act
+        if cotangents:
+            dy = None if fns.last else split_float(y)[0]
+            held += _bytes(jax.eval_shape(fns.input_grad, params, state, x, data, saved, dy)[1]) // (pipe.D * T)
+        out.append(held)
         x = y
     return out
 
@@ -81,8 +87,9 @@ def table(pipe, layout) -> list[dict]:
                 example_input=mod.example_input)
             if mod.tensor_parallel > 1:
                 other.set_tensor_parallel(mod.tensor_parallel, TENSOR, pipe.parallel_output, mod.sequence_parallel)
-        variants[name] = activation_bytes(pipe, other, layout)
+        variants[name] = activation_bytes(pipe, other, layout, cotangents=sch.backward == "IW")
     held = analysis.peak_inflight(sch)
+    deferred = sch.name.endswith("+dw")  # the flush's W call joins one part's micro-batches: a copy of them
     rows = []
     for s in range(mod.num_stages):
         params = device_params(pipe, s)
@@ -98,6 +105,8 @@ def table(pipe, layout) -> list[dict]:
             per_mb = max(per_part[v] for v in parts)  # a (micro-batch, chunk) pair holds one chunk's
             row[f"act_{name}_mib_per_microbatch"] = per_mb / MiB
             row[f"act_{name}_mib"] = per_mb * held[s] / MiB
+        if deferred:  # at most: XLA drops what the products do not read (a ReLU's residual)
+            row["wgrad_join_mib"] = max(variants["store"][v] for v in parts) * sch.num_microbatches / MiB
         rows.append(row)
     return rows
 
@@ -110,4 +119,6 @@ def text(rows: list[dict]) -> str:
                      + f"activations {r['in_flight']} x {r['act_store_mib_per_microbatch']:.2f}"
                      f" = {r['act_store_mib']:.2f} stored / {r['in_flight']} x "
                      f"{r['act_recompute_mib_per_microbatch']:.2f} = {r['act_recompute_mib']:.2f} recomputed MiB"
+                     + (f" (+ up to {r['wgrad_join_mib']:.2f} joined in the flush's W call)" if "wgrad_join_mib" in r
+                        else "")
                      for r in rows)

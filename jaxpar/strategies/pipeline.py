@@ -201,6 +201,12 @@ class Pipeline:
         if not isinstance(defer_wgrad, (bool, np.bool_)):
             raise ValueError(f"defer_wgrad={defer_wgrad!r} must be True or False (--defer-wgrad: every weight "
                              "gradient at the pipeline's flush).")
+        if isinstance(schedule, str) and schedule.endswith("+dw"):  # the deferred schedule's own name
+            schedule, defer_wgrad = schedule.removesuffix("+dw"), True
+        if defer_wgrad and micro_batches == 1:
+            raise ValueError("defer_wgrad=True with micro_batches=1 defers nothing: the one micro-batch's weight "
+                             "gradient follows its input gradient at once, and there is no other to join it with; "
+                             "pass micro_batches >= 2 (--micro-batches), or drop defer_wgrad (--defer-wgrad).")
         if zero_reduce not in ("reduce_scatter", "all_reduce"):
             raise ValueError(f"zero_reduce={zero_reduce!r} is not known; use reduce_scatter (DeepSpeed's default: each "
                              "replica gets its block of the summed gradient) or all_reduce (the whole gradient).")
@@ -585,9 +591,12 @@ class Pipeline:
                "global_norm_across_stages": self.needs_norm}
         if self._last is not None:
             out["stage_memory_mib"] = memory.text(memory.table(self, self._last[0]))
-            plan = self._last[1]
-            if plan.runs:  # per part: whether its run of W's went as one call over the micro-batches' joined rows
-                out["wgrad_joined"] = [all(f.joined.values()) if f.joined else None for f in plan.fns]
+            plan, mod = self._last[1], self.module
+            if plan.runs or sch.name.endswith("+dw"):
+                # per part: whether its W's went as one call over the micro-batches' joined rows (False: one by one,
+                # as batch-mode objectives run them; None: a part on another process)
+                out["wgrad_joined"] = [None if not self.transport.mine(mod.stage_of(v)) else
+                                       bool(f.joined) and all(f.joined.values()) for v, f in enumerate(plan.fns)]
         return out
 
 

@@ -191,20 +191,24 @@ USAGE_GRACE_S = 2.0  # after a usage error, how long the others get to leave too
 
 
 class Group:
-    """The local processes of one attempt: started together, stopped together."""
+    """The local processes of one attempt: started together (`start`), stopped together (`stop`, also after a
+    start that a Ctrl-C cut short: whatever had started)."""
 
     def __init__(self, args: argparse.Namespace, restart: int, at_start: int | None = None):
+        self.args, self.restart, self.at_start = args, restart, at_start
         self.procs: list[subprocess.Popen] = []
         self.ranks: list[str] = []  # each process's global rank
         self.failure: str | None = None  # "rank R (pid P) was killed by SIGKILL" / "... exited with status C"
         self.threads: list[threading.Thread] = []
         self.seen: list[set[bytes]] = [set() for _ in range(args.nproc_per_node)]  # per local rank, JOIN_TIMED_OUT's
-        lock = threading.Lock()
-        cmd, on_start = command(args, restart, at_start), _parent_death_signal()
+
+    def start(self) -> "Group":
+        args, lock = self.args, threading.Lock()
+        cmd, on_start = command(args, self.restart, self.at_start), _parent_death_signal()
         prefixes = []
         for local_rank in range(args.nproc_per_node):  # every child forked before its relays start: no relay
             # thread holds an output lock while a preexec_fn runs (which only calls prctl and getppid)
-            env = {**os.environ, **rank_env(args, local_rank, restart)}
+            env = {**os.environ, **rank_env(args, local_rank, self.restart)}
             self.procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                                preexec_fn=on_start, start_new_session=True))  # its own group
             prefixes.append(f"[rank {env['RANK']}] ".encode())
@@ -214,6 +218,7 @@ class Group:
                 t = threading.Thread(target=_relay, args=(stream, out, prefix, lock, seen), daemon=True)
                 t.start()
                 self.threads.append(t)
+        return self
 
     def wait(self, poll_s: float = 0.1) -> int:
         """0 when every process exits 0; else the first failure's status, the others stopped."""
@@ -298,16 +303,14 @@ def run(args: argparse.Namespace) -> int:
             print("jaxpar.launch: a second signal: killing every process now", file=sys.stderr, flush=True)
 
     hurry = lambda: len(stopping) > 1  # noqa: E731
+    group = None
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for restart in range(args.max_restarts + 1):
             group = Group(args, restart, at_start)
-            try:
-                code = group.wait()
-                group.stop(args.term_timeout, hurry)
-            except KeyboardInterrupt:
-                group.stop(args.term_timeout, hurry)
-                return 128 + stopping[0]
+            group.start()
+            code = group.wait()
+            group.stop(args.term_timeout, hurry)
             if code == 0:
                 return 0
             if code == 2:
@@ -321,6 +324,10 @@ def run(args: argparse.Namespace) -> int:
             if group.join_timed_out():
                 print(join_timeout_message(args), file=sys.stderr, flush=True)
         return code
+    except KeyboardInterrupt:  # the first Ctrl-C (or SIGTERM), wherever it lands: while starting the processes
+        if group is not None:  # too (it escaped as a traceback and status -2 when it came before they all were)
+            group.stop(args.term_timeout, hurry)
+        return 128 + stopping[0]
     finally:
         for s, h in previous.items():
             signal.signal(s, h)

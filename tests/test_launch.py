@@ -171,6 +171,38 @@ def test_a_script_that_is_not_there_is_refused_before_any_process_starts(tmp_pat
     assert out.stderr.startswith(f"jaxpar.launch: error: the script '{tmp_path / 'trian.py'}' is not a file"), out.stderr
 
 
+def test_a_ctrl_c_while_the_ranks_start_stops_those_started(tmp_path, monkeypatch):
+    """A Ctrl-C that lands while the launcher is still starting its processes (here between the first rank's
+    start and the second's) stops the ones already started and returns 128 + SIGINT. It escaped as a
+    KeyboardInterrupt, with a traceback and status -2, when it came before every rank and its output relays were
+    up: the second Ctrl-C test above failed that way once under CI's load."""
+    from jaxpar import launch as launch_mod
+
+    script = tmp_path / "sleeper.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    started, popen = [], subprocess.Popen
+
+    def interrupt_the_second_start(cmd, *args, **kwargs):
+        if str(script) in cmd:  # a rank (not a helper process, such as ctypes' ldconfig)
+            if started:  # the launcher's handler raises KeyboardInterrupt here, before the second rank starts
+                os.kill(os.getpid(), signal.SIGINT)
+            started.append(popen(cmd, *args, **kwargs))
+            return started[-1]
+        return popen(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(launch_mod.subprocess, "Popen", interrupt_the_second_start)
+    args = launch_mod.parser().parse_args(["--term-timeout", "5", "--nproc-per-node", "2", str(script)])
+    t = time.monotonic()
+    try:
+        code = launch_mod.run(args)
+    finally:
+        for p in started:
+            p.kill()
+            p.wait()
+    assert code == 128 + signal.SIGINT and len(started) == 1
+    assert started[0].returncode == -signal.SIGTERM and time.monotonic() - t < 5  # stopped, not left to sleep
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the test reads /proc")
 def test_a_second_ctrl_c_kills_the_ranks_at_once_without_a_traceback(tmp_path):
     """Ranks that ignore SIGTERM get SIGKILL after --term-timeout (60 s here); a second SIGINT to the launcher kills

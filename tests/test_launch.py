@@ -171,7 +171,8 @@ def test_a_script_that_is_not_there_is_refused_before_any_process_starts(tmp_pat
     assert out.stderr.startswith(f"jaxpar.launch: error: the script '{tmp_path / 'trian.py'}' is not a file"), out.stderr
 
 
-def test_a_ctrl_c_while_the_ranks_start_stops_those_started(tmp_path, monkeypatch):
+@pytest.mark.filterwarnings(r"ignore:os\.fork\(\) was called:RuntimeWarning")  # this worker imported JAX; each rank
+def test_a_ctrl_c_while_the_ranks_start_stops_those_started(tmp_path, monkeypatch):  # execs at once
     """A Ctrl-C that lands while the launcher is still starting its processes (here between the first rank's
     start and the second's) stops the ones already started and returns 128 + SIGINT. It escaped as a
     KeyboardInterrupt, with a traceback and status -2, when it came before every rank and its output relays were

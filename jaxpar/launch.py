@@ -6,7 +6,9 @@
 
 Each process gets MASTER_ADDR, MASTER_PORT, WORLD_SIZE = nnodes * nproc_per_node, RANK = node_rank *
 nproc_per_node + local_rank, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (= NODE_RANK) and RESTART_COUNT, which
-jaxpar.run.distributed.initialize() reads. Every output line is prefixed with `[rank r]`. When a process fails,
+jaxpar.run.distributed.initialize() reads, and torchrun's other names for a script written for it (ROLE_RANK,
+ROLE_WORLD_SIZE, GROUP_WORLD_SIZE, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID;
+not torchrun's OMP_NUM_THREADS=1, which XLA:CPU does not read). Every output line is prefixed with `[rank r]`. When a process fails,
 the others get SIGTERM, then SIGKILL after --term-timeout seconds, and the launcher exits with the failing
 status (128 + signal for a killed one) within seconds: a rank stuck in a collective never hangs the job.
 With --max-restarts R the whole group is restarted up to R times; a restart appends --resume (train.py continues from
@@ -108,7 +110,11 @@ def rank_env(args: argparse.Namespace, local_rank: int, restart: int) -> dict[st
     return {"MASTER_ADDR": args.master_addr, "MASTER_PORT": str(args.master_port),
             "WORLD_SIZE": str(args.nnodes * k), "RANK": str(args.node_rank * k + local_rank),
             "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(k), "GROUP_RANK": str(args.node_rank),
-            "NODE_RANK": str(args.node_rank), "RESTART_COUNT": str(restart), "PYTHONUNBUFFERED": "1"}
+            "NODE_RANK": str(args.node_rank), "RESTART_COUNT": str(restart), "PYTHONUNBUFFERED": "1",
+            # torchrun's own names beside (a script written for torchrun reads these)
+            "TORCHELASTIC_RESTART_COUNT": str(restart), "TORCHELASTIC_MAX_RESTARTS": str(args.max_restarts),
+            "TORCHELASTIC_RUN_ID": "none", "ROLE_RANK": str(args.node_rank * k + local_rank),
+            "ROLE_WORLD_SIZE": str(args.nnodes * k), "GROUP_WORLD_SIZE": str(args.nnodes)}
 
 
 def checkpoint_dir(script_args: Sequence[str]) -> str | None:
@@ -202,7 +208,8 @@ class Group:
         self.threads: list[threading.Thread] = []
         self.seen: list[set[bytes]] = [set() for _ in range(args.nproc_per_node)]  # per local rank, JOIN_TIMED_OUT's
 
-    def start(self) -> "Group":
+    def start(self, stop=lambda: False) -> "Group":
+        """Start every local process and its output relays; `stop()` true (a Ctrl-C came): start no more."""
         args, lock = self.args, threading.Lock()
         cmd, on_start = command(args, self.restart, self.at_start), _parent_death_signal()
         prefixes = []
@@ -213,6 +220,8 @@ class Group:
                                                preexec_fn=on_start, start_new_session=True))  # its own group
             prefixes.append(f"[rank {env['RANK']}] ".encode())
             self.ranks.append(env["RANK"])
+            if stop():
+                break
         for proc, prefix, seen in zip(self.procs, prefixes, self.seen):
             for stream, out in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
                 t = threading.Thread(target=_relay, args=(stream, out, prefix, lock, seen), daemon=True)
@@ -220,9 +229,12 @@ class Group:
                 self.threads.append(t)
         return self
 
-    def wait(self, poll_s: float = 0.1) -> int:
-        """0 when every process exits 0; else the first failure's status, the others stopped."""
+    def wait(self, poll_s: float = 0.1, stop=lambda: False) -> int | None:
+        """0 when every process exits 0; else the first failure's status, the others stopped; None once `stop()`
+        (a Ctrl-C or SIGTERM to the launcher)."""
         while True:
+            if stop():
+                return None
             codes = [p.poll() for p in self.procs]
             failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:
@@ -232,7 +244,7 @@ class Group:
                 self.failure = f"rank {self.ranks[i]} (pid {self.procs[i].pid}) {how}"
                 if _status(code) == 2:  # a usage error: the others refuse too and leave together (cli._leave)
                     deadline = time.monotonic() + USAGE_GRACE_S
-                    while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
+                    while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline and not stop():
                         time.sleep(poll_s)
                 return _status(code)
             if all(c == 0 for c in codes):
@@ -296,21 +308,25 @@ def run(args: argparse.Namespace) -> int:
     stopping: list[int] = []
 
     def on_signal(sig, frame):
+        # only noted: the loops below look at it every 0.1 s. Raising from here (a KeyboardInterrupt, as before)
+        # could land in an at-fork hook of a starting rank, where Python prints and drops it: the launcher then
+        # restarted on and ignored every later signal (a QA finding), or it escaped with a traceback
         stopping.append(sig)
-        if len(stopping) == 1:
-            raise KeyboardInterrupt
-        if len(stopping) == 2:  # a second Ctrl-C while the processes stop: SIGKILL now (stop() sees it), no traceback
+        if len(stopping) == 2:  # a second Ctrl-C while the processes stop: SIGKILL now (stop() sees it)
             print("jaxpar.launch: a second signal: killing every process now", file=sys.stderr, flush=True)
 
-    hurry = lambda: len(stopping) > 1  # noqa: E731
-    group = None
+    asked, hurry = (lambda: bool(stopping)), (lambda: len(stopping) > 1)  # noqa: E731
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for restart in range(args.max_restarts + 1):
+            if asked():  # e.g. while the last attempt stopped
+                return 128 + stopping[0]
             group = Group(args, restart, at_start)
-            group.start()
-            code = group.wait()
+            group.start(asked)
+            code = group.wait(stop=asked)
             group.stop(args.term_timeout, hurry)
+            if asked():  # the first Ctrl-C (or SIGTERM), wherever it came: the processes stopped, none restarted
+                return 128 + stopping[0]
             if code == 0:
                 return 0
             if code == 2:
@@ -324,10 +340,6 @@ def run(args: argparse.Namespace) -> int:
             if group.join_timed_out():
                 print(join_timeout_message(args), file=sys.stderr, flush=True)
         return code
-    except KeyboardInterrupt:  # the first Ctrl-C (or SIGTERM), wherever it lands: while starting the processes
-        if group is not None:  # too (it escaped as a traceback and status -2 when it came before they all were)
-            group.stop(args.term_timeout, hurry)
-        return 128 + stopping[0]
     finally:
         for s, h in previous.items():
             signal.signal(s, h)

@@ -203,7 +203,8 @@ CASES = [
     ("negative token ids, a user's embedding", ["--model", "examples.lm:TinyLM", "--model-kwargs", '{{"vocab": 64}}',
                                                 "--loss", "cross_entropy", "--data-path", "{tokens_neg_npz}"],
      ["x holds token -1", "token ids must be >= 0 (the model's nnx.Embed would read a negative one"]),
-    ("negative seed", ["--seed", "-1"], ["--seed -1 must be >= 0", "--seed 0"]),
+    ("negative seed", ["--seed", "-1"], ["--seed -1 must be in [0, 2**63)", "--seed 0"]),
+    ("seed past int64", ["--seed", str(2 ** 63)], [f"--seed {2 ** 63} must be in [0, 2**63)"]),  # JAX's key failed
     ("no stages", ["--strategy", "pipeline", "--model", "mlp", "--num-stages", "0"],
      ["--num-stages 0 must be >= 1", "pass a positive count"]),
     ("stages more than layers", ["--strategy", "pipeline", "--model", "mlp", "--num-stages", "4",

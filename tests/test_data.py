@@ -1,6 +1,7 @@
 """jaxpar.data.datasets and jaxpar.data.idx: synthetic data, IDX files, npz, tfds (offline), splits, preprocessing."""
 import gzip
 import io
+import re
 import sys
 from pathlib import Path
 
@@ -326,6 +327,26 @@ def test_tfds_reads_prepared_array_record(tmp_path):
     assert np.array_equal(raw[:, 5, 5, 0], d.y * 25)  # each decoded image matches its label
     with pytest.raises(DataError, match="split 'validation'.*'train', 'test'"):
         load("mnist", "validation", data_dir=str(tmp_path))
+    # empty and reversed slices: the one line the other sources give, before tfds reads (tfds said "Paths sequence
+    # can not be of 0 length", or failed in len() with a traceback: a QA finding)
+    for spec in ("test[10:5]", "train[90%:10%]", "train[:0]", "test[:-12]"):
+        with pytest.raises(DataError, match=rf"split '{re.escape(spec)}' selects no samples; choose a non-empty"):
+            load("mnist", spec, data_dir=str(tmp_path))
+
+
+def test_npz_num_classes_and_labels_are_checked(tmp_path):
+    """num_classes must be one integer (a 2-D array failed in int(), a float was cut), and labels must fit the
+    devices' int32 (2**32 + 1 was loaded as 1: a QA finding)."""
+    x = np.zeros((4, 3), np.float32)
+    for value in (np.array([[3]]), np.float64(2.7), np.int64(0)):
+        np.savez(tmp_path / "a.npz", x=x, y=np.zeros(4, np.int64), num_classes=value)
+        with pytest.raises(DataError, match=r"num_classes is .*store it as one integer >= 1"):
+            load("npz", "train", data_path=str(tmp_path / "a.npz"), model="mlp")
+    np.savez(tmp_path / "b.npz", x=x, y=np.array([0, 1, 2 ** 32 + 1, 0], np.int64))
+    with pytest.raises(DataError, match="labels up to 4294967297 do not fit int32"):
+        load("npz", "train", data_path=str(tmp_path / "b.npz"), model="mlp")
+    np.savez(tmp_path / "c.npz", x=x, y=np.array([0, 1, 2, 0], np.int64), num_classes=np.int64(5))
+    assert load("npz", "train", data_path=str(tmp_path / "c.npz"), model="mlp").num_classes == 5
 
 
 def test_tfds_unprepared_offline_error(tmp_path):

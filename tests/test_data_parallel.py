@@ -118,6 +118,11 @@ def test_gathering_outputs_needs_a_loss_on_outputs():
     with pytest.raises(ValueError, match="OutputLoss"):
         DataParallel(model, TX, loss_fn=loss)
     DataParallel(model, TX, loss_fn=loss, loss_on_device=True)  # each device runs its own loss: any form
+    # ... but the "In Model" lines print the outputs' shape, which such a loss never shows: refused before any
+    # work (it failed inside the first step, a QA finding)
+    with pytest.raises(ValueError, match=r"print_shapes prints each replica's output shape, which a "
+                                         r"loss\(model, batch\) never hands the strategy"):
+        DataParallel(model, TX, loss_fn=loss, loss_on_device=True, print_shapes=True)
 
 
 _REFERENCE = {}

@@ -359,6 +359,17 @@ def test_a_refusal_every_rank_reaches_after_joining_is_one_line_from_each(tmp_pa
     assert "Terminating process" not in out and "stack trace" not in out, out
 
 
+def test_drop_last_over_more_processes_than_samples_names_the_processes():
+    """1 sample over 2 processes with --drop-last: the sampler leaves each rank nothing, whatever the batch size;
+    the refusal said to lower --batch-size (a QA finding) and now names the process count."""
+    proc = launch("train.py", "--cpu-devices", "1", "--strategy", "ddp", "--model", "linear", "--train-split",
+                  "train[:1]", "--eval-split", "test[:3]", "--batch-size", "2", "--quiet", "--drop-last")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2, out
+    assert "--drop-last with 1 samples over 2 processes leaves each process none" in out, out
+    assert "lower the batch size" not in out, out
+
+
 def test_processes_that_load_different_data_are_refused(tmp_path):
     """--data-path may differ between processes (each node mounts its files), its contents may not: a shorter copy
     on rank 1 gave it fewer steps, and both ranks then hung in mismatched collectives without a word (a QA

@@ -226,6 +226,11 @@ def _tfds(name: str, split: str, data_dir: str | None) -> tuple[np.ndarray, np.n
                 f"tfds dataset {name!r} is not prepared in {str(builder.data_dir)!r} and could not be downloaded "
                 f"and prepared here ({type(e).__name__}: {e}). Prepare it where there is internet "
                 f"(`tfds build {name} --file_format=array_record --data_dir DIR`), then {_FIX_DATA}{idx}.") from e
+    # the spec checked as the other sources check it, before tfds reads: an empty or reversed slice is refused in
+    # one line (tfds said "Paths sequence can not be of 0 length" or failed in len(): a QA finding)
+    sizes = {s: info.num_examples for s, info in builder.info.splits.items()}
+    if sizes:  # (tfds.testing.mock_data's builders list no splits)
+        select(split, tuple(sizes), sizes.__getitem__, lambda s, lo, hi: (np.empty(0), np.arange(max(0, hi - lo))))
     try:
         source = tfds.data_source(name, split=split, data_dir=data_dir, download=False, builder_kwargs=kwargs)
     except (ValueError, NotImplementedError) as e:  # a bad split, or data prepared as TFRecord only
@@ -305,7 +310,16 @@ def _npz(split: str, path: str | None) -> tuple[np.ndarray, np.ndarray, int | No
     num_classes = None
     if all(a.ndim == 1 and np.issubdtype(a.dtype, np.integer) for a in labels):
         top = max((int(a.max()) for a in labels if a.size), default=0)
-        num_classes = int(arrays["num_classes"]) if "num_classes" in arrays else top + 1
+        num_classes = top + 1
+        if "num_classes" in arrays:
+            given = arrays["num_classes"]
+            if given.ndim or not np.issubdtype(given.dtype, np.integer) or given < 1:
+                raise DataError(f"{path!r}: num_classes is {given!r} (shape {given.shape}, dtype {given.dtype}); "
+                                "store it as one integer >= 1, e.g. np.savez(..., num_classes=10).")
+            num_classes = int(given)
+        if num_classes > 2 ** 31 - 1:  # labels go to the model as int32
+            raise DataError(f"{path!r}: labels up to {num_classes - 1} do not fit int32, the labels' type on "
+                            "the devices; number the classes from 0 upwards.")
     extras = sorted(k for k in arrays if k not in ("x", "y", "x_test", "y_test", "num_classes")
                     and not k.endswith("_test"))
     for k in extras:

@@ -279,8 +279,8 @@ def validate(cfg: Config) -> None:
     if not 0 < cfg.gamma < math.inf:
         raise ValueError(f"--gamma {cfg.gamma} must be > 0 (StepLR multiplies the learning rate by it each epoch: "
                          "0 stops training, a negative one ascends); pass e.g. 0.7, or 1.0 for a constant rate.")
-    if cfg.seed < 0:
-        raise ValueError(f"--seed {cfg.seed} must be >= 0 (numpy's and JAX's seeds); pass e.g. --seed 0.")
+    if not 0 <= cfg.seed < 2 ** 63:  # JAX's key takes an int64 (2**63 and up failed inside nnx.Rngs: a QA finding)
+        raise ValueError(f"--seed {cfg.seed} must be in [0, 2**63) (numpy's and JAX's seeds); pass e.g. --seed 0.")
     for field in ("num_stages", "micro_batches", "virtual_stages"):
         if getattr(cfg, field) < 1:
             raise ValueError(f"--{field.replace('_', '-')} {getattr(cfg, field)} must be >= 1; pass a positive count "
@@ -895,6 +895,10 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
     local_batch = cfg.batch_size // replicas
     steps_per_epoch = (len(sampler) // local_batch if cfg.drop_last else math.ceil(len(sampler) / local_batch))
     if steps_per_epoch == 0:
+        if len(sampler) == 0:  # the sampler's own drop_last: fewer samples than processes
+            raise ValueError(f"--drop-last with {len(train_set)} samples over {replicas} processes leaves each "
+                             "process none (DistributedSampler drops the samples that do not split evenly); use "
+                             "more samples or fewer processes, or drop --drop-last.")
         raise ValueError(f"--batch-size {cfg.batch_size} with --drop-last leaves no batch from "
                          f"{len(train_set)} samples; lower the batch size or drop --drop-last.")
 

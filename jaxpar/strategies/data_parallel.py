@@ -156,6 +156,13 @@ class DataParallel:
         self.objective = objective_of(model, loss_fn, who="DataParallel", **objective_options)
         if not loss_on_device:
             self.objective.output_loss()  # gathering the outputs needs the loss on outputs: fail now, not mid-step
+        elif print_shapes:  # the "In Model" line shows the outputs' shape, which loss(model, batch) hides
+            try:
+                self.objective.output_loss()
+            except ValueError:
+                raise ValueError("print_shapes prints each replica's output shape, which a loss(model, batch) "
+                                 "never hands the strategy: pass the loss as jaxpar.OutputLoss(fn, inputs=...) (a "
+                                 "loss on the outputs), or drop print_shapes (--print-shapes).") from None
         self.tx, self.output_device, self.loss_on_device, self.print_shapes = tx, output_device, loss_on_device, \
             print_shapes
         local = jax.local_devices()

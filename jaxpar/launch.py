@@ -8,8 +8,8 @@ Each process gets MASTER_ADDR, MASTER_PORT, WORLD_SIZE = nnodes * nproc_per_node
 nproc_per_node + local_rank, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (= NODE_RANK) and RESTART_COUNT, which
 jaxpar.run.distributed.initialize() reads, and torchrun's other names for a script written for it (ROLE_RANK,
 ROLE_WORLD_SIZE, GROUP_WORLD_SIZE, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID;
-not torchrun's OMP_NUM_THREADS=1, which XLA:CPU does not read). Every output line is prefixed with `[rank r]`. When a process fails,
-the others get SIGTERM, then SIGKILL after --term-timeout seconds, and the launcher exits with the failing
+not torchrun's OMP_NUM_THREADS=1, which XLA:CPU does not read). Every output line is prefixed with `[rank r]`.
+When a process fails, the others get SIGTERM, then SIGKILL after --term-timeout seconds, and the launcher exits with the failing
 status (128 + signal for a killed one) within seconds: a rank stuck in a collective never hangs the job.
 With --max-restarts R the whole group is restarted up to R times; a restart appends --resume (train.py continues from
 its last checkpoint) only when the script's --checkpoint-dir got a newer checkpoint during this launch, so a folder

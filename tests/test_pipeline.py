@@ -861,8 +861,8 @@ def test_a_layer_output_without_the_rows_leading_is_refused(middle, match):
 def worker(out: str) -> None:
     """2 processes x 2 devices: the LM as 2 stages x 2 replicas (ZB-H1, recompute, ZeRO-1: each stage's momentum
     split over its replicas; data x pipeline across processes), again on ZB-V without ZeRO (its V crosses the
-    processes twice) with its W's at the flush, joined over the micro-batches (defer_wgrad), and the MLP as 4 stages (1F1B, global-norm clipping); each saves the state it unplaces and
-    the Sums of an evaluation (the forward-only schedule). The first LM run is behind a dynamic loss scaler at 2**12
+    processes twice) with its W's at the flush, joined over the micro-batches (defer_wgrad), and the MLP as 4
+    stages (1F1B, global-norm clipping); each saves the state it unplaces and the Sums of an evaluation (the forward-only schedule). The first LM run is behind a dynamic loss scaler at 2**12
     (SGD: a seed left in the gradient would show; clipping would cancel it): the seed set on process 1's last
     stage reaches process 0's stage with the step's vector, and both divide it out. (ZB-V was out of this test from
     b70775e: one clean-clone CI run hung in it, never reproduced. The candidate cause, two gloo collectives in

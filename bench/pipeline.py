@@ -119,8 +119,8 @@ def jaxpar_worker(args) -> None:
         strategies = {"single": jaxpar.SingleDevice(model, tx, loss_fn=loss)}
     else:
         strategies = {name: Pipeline(model, tx, loss_fn=loss, num_stages=jax.process_count(),
-                                     micro_batches=args.micro_batches, schedule=base(name), batch_size=args.batch,
-                                     defer_wgrad=name.endswith("+dw"), mesh=pipeline_mesh(None, jax.process_count()))
+                                     micro_batches=args.micro_batches, schedule=name, batch_size=args.batch,
+                                     mesh=pipeline_mesh(None, jax.process_count()))  # NAME+dw: deferred W's
                       for name in args.schedules.split(",")}
     runs = {}
     for name, strategy in strategies.items():
@@ -276,8 +276,7 @@ def report_cross(args, results: dict, bounds: list) -> None:
         print("| schedule | bubble (F=I=W, B=2) | jaxpar ms/step | bound ms | within |")
         print("|---|---:|---:|---:|---|")
         for name in args.schedules.split(","):
-            grid = generators.make(base(name), args.processes, args.micro_batches)
-            bubble = analysis.bubble_fraction(generators.defer_wgrad(grid) if name != base(name) else grid,
+            bubble = analysis.bubble_fraction(generators.make(name, args.processes, args.micro_batches),
                                               analysis.COSTS)
             t, bound = samples / speed[f"jaxpar {name}"] / args.steps, 1.5 * t1 / (1 - bubble)
             print(f"| {name} | {bubble:.3f} | {t * 1e3:.1f} | {bound * 1e3:.1f} | {'yes' if t <= bound else 'NO'} |")

@@ -526,3 +526,26 @@ def test_drop_last_drops_the_short_batch_from_the_epochs_and_their_learning_rate
     lr = lrs[True][0]
     np.testing.assert_allclose(lrs[True], [lr, lr, lr / 2, lr / 2], rtol=1e-6)
     np.testing.assert_allclose(lrs[False], [lr] * 3 + [lr / 2] * 3, rtol=1e-6)
+
+
+@pytest.mark.parametrize("key", ["ddp", "zero", "pipeline"])
+def test_a_batch_size_beyond_the_dataset_pads_to_the_data_not_to_the_batch_size(key, monkeypatch):
+    """--batch-size 2**40 on 5 samples: every strategy trains on batches of the 5 (single's and torch's DataLoader's
+    batch), equal to single. The strategies pad each batch to their share of the batch size; given the flag's
+    value, ddp, zero and the pipeline tried to pad 5 rows to 2**40 (8 TiB of indices) before any step ran."""
+    from jaxpar.batch import pad_rows
+
+    widest = []
+    monkeypatch.setattr("jaxpar.batch.pad_rows", lambda rows, n: widest.append(n) or pad_rows(rows, n))
+    for module in ("ddp", "zero", "pipeline"):
+        monkeypatch.setattr(f"jaxpar.strategies.{module}.pad_rows", lambda rows, n: widest.append(n) or
+                            pad_rows(rows, n))
+    tiny = BASE[:4] + ["--train-split", "train[:5]"] + BASE[6:8] + ["--batch-size", str(2 ** 40)] + BASE[10:]
+    assert tiny.count("--batch-size") == 1 and "train[:5]" in tiny
+    want = train.main(tiny + ["--strategy", "single", "--epochs", "2"])
+    out = train.main(tiny + ["--strategy", key, "--epochs", "2"] + STRATEGY_ARGS[key])
+    assert out["steps"] == want["steps"] == 2
+    # the 5 rows padded to what the devices (x micro-batches) divide; the pipeline's evaluation pads test[:50] to 56
+    assert 8 in widest and max(widest) <= 56, widest
+    for got, ref in zip(leaves(out["state"]), leaves(want["state"])):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=2e-6)

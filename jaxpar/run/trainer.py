@@ -928,7 +928,12 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
         one = loss_fn.inputs(train_set.batch(np.arange(1)))
         options["example_input"] = jax.tree.map(lambda a: jax.ShapeDtypeStruct(
             np.shape(a), jax.dtypes.canonicalize_dtype(np.asarray(a).dtype)), one)
-    strategy = get_builder(cfg.strategy)(model, tx, cfg, loss_fn, **options)  # validates the strategy's own rules
+    # the strategy pads every batch to its share of the batch size (one shape: one compiled step); a batch size
+    # beyond the samples an epoch gives each process pads every step up to it, so it gets the largest batch the
+    # loader yields (--batch-size 2**40 on 5 samples: batches of 5, as single's and torch's DataLoader)
+    largest = min(local_batch, len(sampler)) * replicas
+    built = cfg if largest >= cfg.batch_size else dataclasses.replace(cfg, batch_size=largest)
+    strategy = get_builder(cfg.strategy)(model, tx, built, loss_fn, **options)  # validates the strategy's own rules
     if not objective.per_sample:
         check_batch_divides(cfg, strategy, local_batch, replicas)
     ckpt = prepare_outputs(cfg, state, model, total_steps)

@@ -213,6 +213,39 @@ def cast_floating(tree: PyTree, dtype) -> PyTree:
     return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(jnp.result_type(a), jnp.floating) else a, tree)
 
 
+_CHECKED_BN: dict = {}  # an nnx.BatchNorm class -> its subclass that refuses one value per channel in training
+
+
+def refuse_one_value_per_channel(model: nnx.Module) -> None:
+    """Make every unsynchronised nnx.BatchNorm of `model` (a fresh merge, about to train) refuse, at trace time,
+    an input with one value per channel, as torch's F.batch_norm does in training ("Expected more than 1 value
+    per channel when training"): its batch variance is 0 and the layer would output its bias alone. A chunk of one
+    row under DataParallel, a one-row batch or micro-batch, trained silently. Synchronised layers (an axis_name)
+    count the global batch, which this cannot see, and a mask counts its own rows: both are left alone."""
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.BatchNorm) and node.axis_name is None:
+            cls = type(node)
+            if cls not in _CHECKED_BN:
+                _CHECKED_BN[cls] = type(cls.__name__, (cls,), {"__call__": _checked_batch_norm(cls)})
+            node.__class__ = _CHECKED_BN[cls]
+
+
+def _checked_batch_norm(cls):
+    def __call__(self, x, use_running_average=None, *, mask=None):
+        running = self.use_running_average if use_running_average is None else use_running_average
+        if running is False and mask is None:
+            axes = self.axis if isinstance(self.axis, (tuple, list)) else (self.axis,)
+            channels = int(np.prod([x.shape[a] for a in axes]))
+            if x.size == channels:
+                raise ValueError(f"{cls.__name__} got an input of shape {tuple(x.shape)} in training: one value per "
+                                 "channel, whose batch variance is 0 (torch refuses it: 'Expected more than 1 value "
+                                 "per channel when training'); give every device and micro-batch at least 2 rows "
+                                 "(a larger batch, fewer devices or micro-batches, or --drop-last for a last batch of "
+                                 "1).")
+        return cls.__call__(self, x, use_running_average, mask=mask)
+    return __call__
+
+
 def _fresh(state: PyTree) -> PyTree:
     """`state` rebuilt in the current trace: NNX refuses to mutate a Variable made at an outer trace level (a
     model state closed over by jax.grad), and nnx.merge keeps the Variables' trace of origin."""
@@ -402,6 +435,7 @@ class Objective:
         model = nnx.merge(self.graphdef if train else self.eval_graphdef, params, _fresh(model_state))
         if train:
             reseed(model, shard)
+            refuse_one_value_per_channel(model)
         out = self._call_loss(model, rows.data, "loss_fn")
         new_state = nnx.split(model, self.wrt, ...)[2]
         sums = Sums(out.loss, out.weight, jnp.sum(rows.mask), out.metrics)
@@ -561,6 +595,7 @@ class Objective:
         if not self.per_sample:
             model = nnx.merge(self.graphdef, params, _fresh(model_state))
             reseed(model, shard)
+            refuse_one_value_per_channel(model)
             out = run(model, rows.data)
             return out, advance_rng(nnx.split(model, self.wrt, ...)[2], model_state)
 

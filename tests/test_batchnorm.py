@@ -247,3 +247,39 @@ def test_ddp_broadcasts_the_buffers_not_the_frozen_weights():
     assert np.abs(means[1][0]).max() > 1e-3
     for m in means[0]:
         np.testing.assert_array_equal(m, means[1][0])
+
+
+def test_one_value_per_channel_in_training_is_refused_as_torch_does():
+    """torch's F.batch_norm refuses, in training, an input with one value per channel ("Expected more than 1 value
+    per channel when training"): its batch variance is 0 and the layer outputs its bias alone. jaxpar trained on it
+    silently: a one-row batch, DataParallel's chunk of 1 (10 rows on 4 devices: 3, 3, 3, 1, as torch's scatter
+    cuts them), DDP's shard of 1, a pipeline micro-batch of 1. Rows enough, a one-row image (many values per
+    channel), evaluation and synchronised BatchNorm (it counts the global batch) still run."""
+    rng = np.random.default_rng(0)
+    batch = lambda n: {"x": rng.standard_normal((n, 6)).astype(np.float32), "y": rng.integers(0, 3, n)}  # noqa
+    refused = "BatchNorm got an input of shape \\(1, 16\\) in training: one value per channel.*at least 2 rows"
+    cases = [(jaxpar.SingleDevice(bn_model(), TX), batch(1)),
+             (jaxpar.DataParallel(bn_model(), TX, device_ids=[0, 1, 2, 3]), batch(10)),
+             (jaxpar.DistributedDataParallel(bn_model(), TX, mesh=jaxpar.make_mesh(4)), batch(4)),
+             (jaxpar.Pipeline(bn_model(), TX, num_stages=2, micro_batches=4), batch(4))]
+    for strategy, b in cases:
+        placed = strategy.init(jaxpar.init_state(bn_model(), TX))
+        with pytest.raises(ValueError, match=refused):
+            strategy.step(placed, strategy.put_batch(b))
+    for strategy, b in [(jaxpar.SingleDevice(bn_model(), TX), batch(2)),
+                        (jaxpar.DataParallel(bn_model(), TX, device_ids=[0, 1, 2, 3]), batch(8)),
+                        (jaxpar.DistributedDataParallel(bn_model(True), TX, mesh=jaxpar.make_mesh(4)), batch(4))]:
+        placed, m = strategy.step(strategy.init(jaxpar.init_state(bn_model(strategy.name == "ddp"), TX)),
+                                  strategy.put_batch(b))
+        assert np.isfinite(float(m["loss"]))
+    from jaxpar.step import make_eval_step
+
+    state = jaxpar.init_state(bn_model(), TX)
+    sums = make_eval_step(Objective.of(bn_model()))(state.params, state.model_state, as_rows(batch(1)))
+    assert float(sums.weight) == 1.0 and np.isfinite(float(sums.loss))
+    conv = nnx.Sequential(nnx.Conv(3, 4, (3, 3), rngs=nnx.Rngs(0)), nnx.BatchNorm(4, rngs=nnx.Rngs(0)),
+                          lambda x: x.mean((1, 2)))
+    image = {"x": rng.standard_normal((1, 5, 5, 3)).astype(np.float32), "y": np.array([1])}
+    strategy = jaxpar.SingleDevice(conv, TX)
+    _, m = strategy.step(strategy.init(jaxpar.init_state(conv, TX)), strategy.put_batch(image))
+    assert np.isfinite(float(m["loss"]))

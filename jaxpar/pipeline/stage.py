@@ -44,7 +44,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxpar.batch import Rows
 from jaxpar.loss_scale import power_of_two
 from jaxpar.mesh import DATA, TENSOR
-from jaxpar.objective import Objective, Sums, _fresh, advance_rng, cast_floating, reseed
+from jaxpar.objective import (Objective, Sums, _fresh, advance_rng, cast_floating,
+                              refuse_one_value_per_channel, reseed)
 from jaxpar.pipeline.module import apply_layers
 
 
@@ -252,6 +253,7 @@ class PartFns:
             model = nnx.merge(graphdef, p, _fresh(st))
             if train:
                 reseed(model, shard)
+                refuse_one_value_per_channel(model)
             y = run(model, x)
             new = nnx.split(model, obj.wrt, ...)[2]
             if train and self.D > 1:  # buffers (BatchNorm running stats) of replica 0, as DDP's broadcast_buffers:

@@ -5,6 +5,7 @@ and its bubble. Tables print in Markdown; run `uptime` before and after (the mac
     python bench/pipeline.py --processes 2 --threads 2   # ... each rank on 2 threads (torch's) / 2 cores (XLA's)
     python bench/pipeline.py --processes 2 --model stack --batch 256 --micro-batches 8 --pin   # the stack, a core each
     python bench/pipeline.py --stack                     # 16 x Linear(512), 2 simulated devices, S=2, M=8, batch 256
+                                                         # (and the engine against a hand-written twin)
     python bench/pipeline.py --one-stage                 # S=1, M=1 against the single-device step
     python bench/pipeline.py --zb                        # ZB-H1 and ZB-V vs 1F1B at S=4, M=8: analysis, executed
 
@@ -368,6 +369,7 @@ def in_process(args) -> None:
         else:
             micro_batch_rates(stack, sbatch, M, args.rounds)
             two_devices_at_once(sbatch, M, args.rounds)
+            hand_written_twin(runs, sbatch, M, args.rounds)
     if args.one_stage:
         model, loss_a, tx_a, batch = problem(args, "alexnet")
         runs = {}
@@ -478,6 +480,123 @@ def two_devices_at_once(batch: dict, M: int, n_rounds: int) -> None:
     ratio = best["both stages in turn, one device"] / best["both stages at once, a device each"]
     print(f"\nThe second device's speed-up: {ratio:.2f}x (2x with a core per device; 1x or less means the two "
           "devices only share the same cores)")
+
+
+def hand_written_twin(runs: dict, batch: dict, M: int, n_rounds: int) -> None:
+    """Where the engine's own time goes: the --stack step of 1F1B with every W at the flush against a twin written
+    by hand in plain JAX -- the same layers, weights, batch and SGD, the same dispatch order (F0 F1 I0 F2 I1 ...,
+    the last stage's F and I fused, each stage's W's as one product over its micro-batches' rows), but stage
+    programs written for this model (no per-sample vmap, each ReLU's mask read off its output, no per-part
+    structure); checked equal to the engine after one step, then timed in alternating rounds."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    pipe, state0, _ = runs["1f1b ckpt 0 dw"]
+    d0, d1 = (pipe.transport.devices[s][0] for s in range(2))
+    rows, tx = batch["x"].shape[0] // M, pipe.engine.tx
+    lin = [layer for layer in runs["single"][0].objective.merge(state0.params, state0.model_state).layers
+           if hasattr(layer, "kernel")]
+    half = len(lin) // 2
+    params = [jax.device_put([(layer.kernel.get_value(), layer.bias.get_value()) for layer in lin[:half]], d0),
+              jax.device_put([(layer.kernel.get_value(), layer.bias.get_value()) for layer in lin[half:]], d1)]
+    xs = [jax.device_put(batch["x"][m * rows:(m + 1) * rows], d0) for m in range(M)]
+    ys = [jax.device_put(batch["y"][m * rows:(m + 1) * rows], d1) for m in range(M)]
+
+    def forward(ps, x, last):  # -> output, each layer's input (its W's residual)
+        ins = []
+        for k, (w, b) in enumerate(ps):
+            ins.append(x)
+            x = x @ w + b
+            x = x if last and k == len(ps) - 1 else jax.nn.relu(x)
+        return x, ins
+
+    def back(ps, ins, out, dy, last):  # -> dx, each layer's output cotangent (its W's other operand)
+        outs, cots = ins[1:] + [out], []
+        for k in reversed(range(len(ps))):
+            dy = dy if last and k == len(ps) - 1 else dy * (outs[k] > 0)
+            cots.append(dy)
+            dy = dy @ ps[k][0].T
+        return dy, cots[::-1]
+
+    def last_fi(ps, x, y):
+        z, ins = forward(ps, x, True)
+        dz = jax.nn.softmax(z) - jax.nn.one_hot(y, z.shape[-1])  # d(summed cross-entropy)/dz
+        dx, cots = back(ps, ins, z, dz, True)
+        return dx, ins, cots, -jnp.sum(jnp.take_along_axis(jax.nn.log_softmax(z), y[:, None], 1))
+
+    def weights(ps, opt, inss, cotss, n):
+        grads = [((jnp.concatenate([i[k] for i in inss]).T @ jnp.concatenate([c[k] for c in cotss])) / n,
+                  jnp.concatenate([c[k] for c in cotss]).sum(0) / n) for k in range(len(ps))]
+        updates, opt = tx.update(grads, opt, ps)
+        return optax.apply_updates(ps, updates), opt
+
+    f0 = jax.jit(lambda ps, x: forward(ps, x, False))
+    i0 = jax.jit(lambda ps, ins, out, dy: back(ps, ins, out, dy, False))
+    fi1, w = jax.jit(last_fi), jax.jit(weights, static_argnums=4, donate_argnums=(0, 1))
+    opts = [jax.device_put(tx.init(p), d) for p, d in zip(params, (d0, d1))]
+
+    def twin():
+        st0, st1, act, grad = {}, {}, {}, {}
+
+        def fwd0(m):
+            out, ins = f0(params[0], xs[m])
+            st0[m], act[m] = [ins, out], jax.device_put(out, d1)
+
+        def fwd_in1(m):
+            dx, ins, cots, _ = fi1(params[1], act.pop(m), ys[m])
+            st1[m], grad[m] = (ins, cots), jax.device_put(dx, d0)
+
+        def in0(m):
+            ins, out = st0[m]
+            st0[m] = (ins, i0(params[0], ins, out, grad.pop(m))[1])
+
+        fwd0(0)
+        for m in range(M):
+            if m + 1 < M:
+                fwd0(m + 1)
+            fwd_in1(m)
+            in0(m)
+        for s, st in ((0, st0), (1, st1)):
+            params[s], opts[s] = w(params[s], opts[s], [st[m][0] for m in range(M)], [st[m][1] for m in range(M)],
+                                   batch["x"].shape[0])
+        return params
+
+    placed, pb = pipe.init(state0), pipe.put_batch(batch)
+    box = [placed]
+    twin_params = jax.device_get(twin())  # one step of each from the same state: the twin computes the engine's step
+    box[0] = pipe.step(placed, pb)[0]
+    merged = runs["single"][0].objective.merge(*(lambda u: (u.params, u.model_state))(pipe.unplace(box[0])))
+    want = [(layer.kernel.get_value(), layer.bias.get_value()) for layer in merged.layers if hasattr(layer, "kernel")]
+    gap = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in
+              zip(jax.tree.leaves(twin_params[0] + twin_params[1]), jax.tree.leaves(want)))
+    assert gap < 1e-5, f"the twin's first step differs from the engine's by {gap}"
+
+    def engine():
+        box[0], metrics = pipe.step(box[0], pb)
+        return box[0], metrics
+
+    timings = {"hand-written twin": twin, "jaxpar 1f1b+dw": engine}
+    for run in timings.values():
+        jax.block_until_ready(run()), jax.block_until_ready(run())
+    best = {k: (float("inf"), 0.0) for k in timings}
+    for _ in range(max(n_rounds, 5)):
+        for k, run in timings.items():
+            t, c = time.perf_counter(), time.process_time()
+            for _ in range(5):
+                out = run()
+            jax.block_until_ready(out)
+            wall, cpu = (time.perf_counter() - t) / 5, (time.process_time() - c) / 5
+            if wall < best[k][0]:
+                best[k] = (wall, cpu)
+    print("\nThe engine against a hand-written twin of the same 1F1B with the W's deferred (same model, weights, "
+          "batch, SGD, dispatch order; best of alternating rounds of 5 steps)\n")
+    print("| run | ms/step | CPU ms/step (all threads) | cores busy |")
+    print("|---|---:|---:|---:|")
+    for k, (wall, cpu) in best.items():
+        print(f"| {k} | {wall * 1e3:.1f} | {cpu * 1e3:.1f} | {cpu / wall:.2f} |")
+    print(f"\njaxpar / twin: {best['jaxpar 1f1b+dw'][0] / best['hand-written twin'][0]:.2f}x")
 
 
 def executed(runs: dict, S: int, M: int) -> None:

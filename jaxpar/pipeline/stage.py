@@ -408,12 +408,18 @@ class PartFns:
 
     def _input_grad(self, params, state, x, data, saved, dy):
         _, dx, cots = self._grads(saved.rebuild((params, state, x, data)), dy, None, weights=False)
-        return dx, cots
+        return dx, self._weighted(cots)
+
+    def _weighted(self, cots: list) -> list:
+        """The cotangents a W reads: those of the segments with weights (a ReLU's, written and never read, would
+        double what an I keeps for its W on a stack of Linear + ReLU)."""
+        return [c if self.seg_ppos[k] else None for k, c in enumerate(cots)]
 
     def _weight_grad(self, acc, params, state, x, data, saved, cots):
         vjps, grads = saved.rebuild((params, state, x, data)), [None] * len(self.pidx)
         for k in range(len(self.segments)):
-            self._add(grads, k, vjps[k](cots[k])[0])
+            if self.seg_ppos[k]:
+                self._add(grads, k, vjps[k](cots[k])[0])
         return self._finish(grads, acc, params)
 
     def _weight_grads(self, acc, params, state, xs, datas, saveds, cotss):
@@ -430,6 +436,8 @@ class PartFns:
             return acc
         grads = [None] * len(self.pidx)
         for k in range(len(self.segments)):
+            if not self.seg_ppos[k]:
+                continue
             cot = jax.tree.map(lambda *a: jnp.concatenate(a), *[c[k] for c in cotss])  # boundaries: rows first
             self._add(grads, k, vjps[k](cot)[0])
         return self._finish(grads, acc, params)
@@ -482,7 +490,7 @@ class PartFns:
         sv = tuple(self._seed(a, sums) for a in sv)
         _, dx, cots = self._grads(vjps, sv[0] if sv else None, None, weights=False)
         saved = Saved.strip(vjps[:-1], (params, state, x, data))
-        return dx, saved, cots, sums, (() if self.obj.per_sample else new_state), *sv
+        return dx, saved, self._weighted(cots), sums, (() if self.obj.per_sample else new_state), *sv
 
     def _evaluate(self, params, state, x, data):
         out, _, sums, _ = self._run(params, state, x, data, 0, train=False, grad=False)

@@ -381,3 +381,18 @@ def test_3d_across_two_processes_equals_the_single_step(tmp_path):
 if __name__ == "__main__":
     if sys.argv[1] == "worker":
         worker(sys.argv[2])
+
+
+def test_a_mask_that_chooses_by_size_is_refused_where_tensor_ranks_see_slices():
+    """3-D without ZeRO: each tensor rank updates its slices, so a mask decided by a leaf's size decays the
+    whole kernel of 1,024 entries (mlp c_fc, 16 x 64) on one device and not its 512-entry slice: refused, naming
+    the slices. TensorParallel refuses it too (its optimizer must also run on ZeRO's flat pieces)."""
+    tx = optax.adamw(1e-2, weight_decay=0.5, mask=lambda p: jax.tree.map(lambda a: a.size > 600, p))
+    with pytest.raises(ValueError, match="chooses by a parameter's shape: .* on a tensor-parallel rank's slices"):
+        Pipeline(model(), tx, loss_fn=LOSS, num_stages=2, micro_batches=2, tensor_parallel=2,
+                 mesh=pipeline_mesh(4, 2, 2), compiler_options=FAST)
+    with pytest.raises(ValueError, match="chooses by a parameter's shape"):
+        jaxpar.TensorParallel(model(), tx, loss_fn=LOSS, tensor_parallel=2)
+    ndim = optax.adamw(1e-2, weight_decay=0.5, mask=lambda p: jax.tree.map(lambda a: a.ndim > 1, p))
+    Pipeline(model(), ndim, loss_fn=LOSS, num_stages=2, micro_batches=2, tensor_parallel=2,
+             mesh=pipeline_mesh(4, 2, 2), compiler_options=FAST)  # slices keep their ndim: the same choice

@@ -41,7 +41,7 @@ from jaxpar.pipeline.module import LayerSpec, PipelineModule, TiedLayerSpec
 from jaxpar.pipeline.stage import Layout, act_spec
 from jaxpar.pipeline.transfer import Transport
 from jaxpar.step import TrainState
-from jaxpar.strategies.tensor import TensorParallel, check_split_computes, foreign_split
+from jaxpar.strategies.tensor import TensorParallel, check_split_computes, foreign_split, rank_shapes
 from jaxpar.strategies.zero1 import check_reduce_is_read, is_stage
 from jaxpar.strategies.base import (LayersCheck, check_batch_size, check_objective_options, check_placed, check_state,
                                     check_tx, from_process_0, processes, refuse_sync_batch_norm)
@@ -298,16 +298,21 @@ class Pipeline:
                              compiler_options=compiler_options)
         self.engine.scaled = scaled
         self.zero_stage = zero_stage
+        from jaxpar.strategies import zero_optim
+
+        tree, lays = jax.tree.unflatten(module.param_treedef, module.param_specs), module.tensor_layouts
+        slices = None if lays is None else rank_shapes(module.param_specs, lays, module.tensor_parallel)
         if zero_stage:  # the flat slices' update must equal the stage's: elementwise transforms only
             from jaxpar.pipeline.memory import device_params
-            from jaxpar.strategies import zero1, zero_optim
+            from jaxpar.strategies import zero1
 
-            zero_optim.check(tx, jax.tree.unflatten(module.param_treedef, module.param_specs))
-            lays = module.tensor_layouts
+            zero_optim.check(tx, tree, slices=slices)
             self.engine.zero = {s: zero1.of(self.transport.meshes[s], device_params(self, s),
                                             [None if lays is None else lays[j].axis for j in module.stage_params[s]])
                                 for s in range(S)}
             self.engine.scatter = zero_reduce == "reduce_scatter"
+        elif slices is not None:  # 3-D: each tensor rank updates its slices
+            zero_optim.shape_choices(tx, tree, slices, flat=False)
         self.zero_reduce = zero_reduce
         self.engine.state_specs = None  # set by init, from the canonical model state
         self._layouts: dict = {}

@@ -74,6 +74,11 @@ class Layout(NamedTuple):
         return P(*[TENSOR if d == self.axis else None for d in range(ndim)])
 
 
+def rank_shapes(leaves: list, plan: list, tp: int) -> list[tuple[int, ...]]:
+    """Each leaf's shape on one tensor rank: its Layout's axis divided by `tp`."""
+    return [tuple(d // tp if k == lay.axis else d for k, d in enumerate(np.shape(a))) for a, lay in zip(leaves, plan)]
+
+
 def grouped_order(size: int, groups: int, tp: int) -> tuple[int, ...]:
     """Column order putting rank t's share of each of `groups` equal groups next to each other:
     [g0_t0, g1_t0, .., g0_t1, g1_t1, ..] (qkv: groups=3)."""
@@ -243,7 +248,9 @@ class TensorParallel:
             raise ValueError(f"--sequence-parallel needs the embedding split by vocabulary rows, but {whole[0]}; "
                              "pad the vocabulary to a multiple of --tensor-parallel (GPT-2's 50257 to 50304).")
         # each rank updates slices of leaves: the optimizer must be elementwise (or want only the global norm)
-        self.needs_norm = zero_optim.check(tx, nnx.split(model, wrt, ...)[1])
+        params = nnx.split(model, wrt, ...)[1]
+        self.needs_norm = zero_optim.check(tx, params, slices=rank_shapes(jax.tree.leaves(params), self.plan,
+                                                                            tensor_parallel))
         self.parallel_output = resolve_parallel_output(parallel_output, loss_fn) and not whole
         set_tensor_axis(model, TENSOR, tensor_parallel, sequence_parallel, self.parallel_output)
         self.sequence_parallel = bool(sequence_parallel)

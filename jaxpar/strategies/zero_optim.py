@@ -96,11 +96,14 @@ def flat_state_shapes(tx: optax.GradientTransformation, params, size: int, dtype
     return outer, kinds, jax.tree.flatten(state, is_leaf=is_flat)[0]
 
 
-def check(tx: optax.GradientTransformation, params, rtol: float = 1e-5) -> bool:
+def check(tx: optax.GradientTransformation, params, rtol: float = 1e-5, slices: list | None = None) -> bool:
     """Whether tx needs the global gradient norm (True) or is elementwise (False); ValueError otherwise.
     Update steps on 3-per-dimension copies of the parameters, whole and in flat pieces, with gradients from
-    jaxpar.optim.probe_gradients."""
+    jaxpar.optim.probe_gradients; and the per-parameter choices tx makes from the parameter tree (`shape_choices`)
+    on the true shapes against the flat pieces -- and, given `slices` (each leaf's shape on one tensor-parallel
+    rank, in flatten order), against those."""
     layouts(tx, params)
+    shape_choices(tx, params, slices)
     tx = optax.with_extra_args_support(tx)
     rng = np.random.default_rng(0)
     leaves, treedef = jax.tree.flatten(params)
@@ -145,6 +148,87 @@ def check(tx: optax.GradientTransformation, params, rtol: float = 1e-5) -> bool:
                      f"jaxpar.optim.clip_by_global_norm anywhere but first in the chain): its update of a slice of "
                      f"the parameters differs from its update of the whole tree, so each device's slice would not "
                      f"equal the single-device step; {FIX}.")
+
+
+CHOOSERS = ("mask", "param_labels")  # optax.masked's mask, optax.multi_transform's labels: a tree, or a callable
+
+
+def choosers(tx: optax.GradientTransformation, limit: int = 5000) -> list:
+    """The callables in tx that choose per parameter from the parameter tree: optax.masked's `mask` (behind
+    adamw(mask=...), add_decayed_weights(mask=...)) and optax.multi_transform's `param_labels`, read off the
+    closures of tx's functions (optax keeps them nowhere else)."""
+    found, seen, todo = [], set(), [tx]
+    while todo and len(seen) < limit:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, (tuple, list)):
+            todo.extend(obj)
+            continue
+        if isinstance(obj, functools.partial):
+            todo.extend([obj.func, *obj.args, *obj.keywords.values()])
+            continue
+        code, cells = getattr(obj, "__code__", None), getattr(obj, "__closure__", None)
+        for name, cell in zip(code.co_freevars if code is not None else (), cells or ()):
+            try:
+                value = cell.cell_contents
+            except ValueError:  # a cell not yet filled
+                continue
+            if name in CHOOSERS and callable(value):
+                found.append((name, value))
+            elif callable(value) or isinstance(value, (tuple, list, functools.partial)):
+                todo.append(value)
+    return found
+
+
+def shape_choices(tx: optax.GradientTransformation, params, slices: list | None = None, flat: bool = True) -> None:
+    """ValueError where a mask or label function of tx (`choosers`) chooses by a parameter's shape (its ndim or
+    size: nanoGPT's "decay the 2-D weights" written as optax.adamw(mask=lambda p: tree_map(lambda x: x.ndim > 1,
+    p))): ZeRO hands the optimizer flat pieces of many parameters and tensor parallelism each rank's slices, for
+    which it would choose otherwise -- silently: the numeric check's shrunk copies miss a threshold on the size, and
+    a decay too small to show. Evaluated on shapes only (jax.ShapeDtypeStruct); a function that reads values is left
+    to the numeric check. `flat` False: the slices only (tensor parallelism without ZeRO)."""
+    leaves, treedef = jax.tree.flatten(params)
+    whole = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)) for a in leaves])
+    total = sum(int(np.prod(np.shape(a))) for a in leaves)
+    # (where, the tree the optimizer sees there, whether its choices must match leaf for leaf or be one for all)
+    views = [("ZeRO's flat pieces of the parameters", flat_tree(jax.ShapeDtypeStruct((n,), jnp.float32)), False)
+             for n in (sorted({1, 7, total}) if flat else ())]
+    if slices is not None:
+        views.append(("a tensor-parallel rank's slices of them", jax.tree.unflatten(
+            treedef, [jax.ShapeDtypeStruct(tuple(s), jnp.result_type(a)) for s, a in zip(slices, leaves)]), True))
+    for name, fn in choosers(tx):
+        try:
+            own = _per_leaf(fn(whole), whole)
+        except Exception:  # noqa: BLE001  (reads values, or wants another tree: the numeric check's to judge)
+            continue
+        for where, tree, leafwise in views:
+            try:
+                got = _per_leaf(fn(tree), tree)
+            except Exception:  # noqa: BLE001
+                continue
+            if got != own if leafwise else not (len(set(got)) == 1 and set(own) == set(got)):
+                raise ValueError(
+                    f"the optimizer's {'mask' if name == 'mask' else 'labels'} function "
+                    f"{getattr(fn, '__name__', type(fn).__name__)} chooses by a parameter's shape: on the parameters "
+                    f"it gives {_summary(own)}, on {where} {_summary(got)}, so those elements would be updated "
+                    "otherwise than on one device, without a word; choose by the parameter's path, not its shape, "
+                    "or for a decay on the matrices only use jaxpar.optim.add_decayed_weights_to_matrices "
+                    "(make_optimizer(decay_params='matrices'), train.py's --decay-params matrices), which the "
+                    "strategies apply per element.")
+
+
+def _per_leaf(choice, tree) -> list:
+    """A mask or labels tree (a prefix of `tree`'s, as optax takes them) as one choice per leaf of `tree`."""
+    pairs = jax.tree.leaves(jax.tree.map(lambda c, t: (c, len(jax.tree.leaves(t))), choice, tree),
+                            is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], int))
+    return [bool(c) if isinstance(c, (bool, np.bool_)) else c for c, n in pairs for _ in range(n)]
+
+
+def _summary(choices: list) -> str:
+    counts = {c: choices.count(c) for c in dict.fromkeys(choices)}
+    return ", ".join(f"{c!r} for {k} of {len(choices)} leaves" for c, k in counts.items())
 
 
 def decay_values(shapes) -> list[float]:

@@ -285,6 +285,54 @@ def test_a_run_ended_at_an_epoch_boundary_resumes_into_the_next_epoch(npz, tmp_p
     assert_bit_identical(resumed["state"], whole["state"], "resumed at the epoch boundary")
 
 
+def test_a_stop_at_an_epochs_last_step_keeps_that_epochs_record(npz, tmp_path):
+    """SIGTERM at step 4, the last of epoch 0: the run saved and stopped before the epoch's evaluation, and the
+    resumed run began epoch 1, so epoch 0's record (train loss, evaluation) was lost for good (a QA finding). The
+    checkpoint now says its epoch's record is pending and the resumed run writes it first. A save due at an epoch's
+    last step (--checkpoint-every 4) waits for the record instead, so a run resumed from it to more steps writes no
+    second one. Both equal an uninterrupted run's records."""
+    def epochs(path):
+        return [r for r in map(json.loads, open(path)) if r["event"] == "epoch"]
+
+    kw = dict(eval_split="train[:20]", log_every=4)
+    whole = trainer.run(config(npz, steps=8, metrics_out=str(tmp_path / "whole.jsonl"), **kw))
+    want = epochs(str(tmp_path / "whole.jsonl"))
+    assert [(r["epoch"], r["step"]) for r in want] == [(0, 4), (1, 8)] and "eval_loss" in want[0]
+    ckpt, parts = str(tmp_path / "stopped"), str(tmp_path / "stopped.jsonl")
+    stopped = trainer.run(config(npz, steps=8, checkpoint_dir=ckpt, metrics_out=parts, **kw), on_step=signal_at(4))
+    assert stopped["stopped"] == "SIGTERM" and stopped["steps"] == 4 and epochs(parts) == []
+    resumed = trainer.run(config(npz, steps=8, checkpoint_dir=ckpt, resume=True, metrics_out=parts, **kw))
+    assert epochs(parts) == want
+    assert_bit_identical(resumed["state"], whole["state"], "stopped at an epoch's last step")
+    ckpt, parts = str(tmp_path / "every"), str(tmp_path / "every.jsonl")
+    trainer.run(config(npz, steps=4, checkpoint_dir=ckpt, checkpoint_every=4, metrics_out=parts, **kw))
+    trainer.run(config(npz, steps=8, checkpoint_dir=ckpt, checkpoint_every=4, resume=True, metrics_out=parts, **kw))
+    assert epochs(parts) == want
+
+
+def test_resume_notes_a_new_grad_comm_dtype_and_an_init_torch_it_does_not_read(npz, tmp_path, capsys):
+    """Two flags a resumed run took without a word (a QA pass): --grad-comm-dtype bf16 added changes the
+    trajectory (2e-4 in the weights after 7 more steps) and is noted as a changed setting; --init-torch is not
+    read (the weights are the checkpoint's) and says so -- unless it is the file the checkpoint's run started
+    from (the same command line with --resume added)."""
+    start = str(tmp_path / "start.npz")
+    trainer.run(config(npz, steps=1, export_torch=start))
+    ckpt = str(tmp_path / "ckpt")
+    trainer.run(config(npz, "ddp", steps=3, checkpoint_dir=ckpt, init_torch=start))
+    capsys.readouterr()
+    trainer.run(config(npz, "ddp", steps=5, checkpoint_dir=ckpt, resume=True, init_torch=start))
+    assert "note" not in capsys.readouterr().err
+    trainer.run(config(npz, "ddp", steps=6, checkpoint_dir=ckpt, resume=True, grad_comm_dtype="bf16"))
+    err = capsys.readouterr().err
+    assert "resuming with a changed setting (--grad-comm-dtype was unset, now 'bf16')" in err
+    other = str(tmp_path / "other.npz")
+    trainer.run(config(npz, steps=2, export_torch=other))
+    capsys.readouterr()
+    trainer.run(config(npz, "ddp", steps=7, checkpoint_dir=ckpt, resume=True, init_torch=other))
+    assert f"note: --init-torch {other!r} is not read: a resumed run takes its weights from the checkpoint (step " \
+        f"6); drop --init-torch" in capsys.readouterr().err
+
+
 def test_the_static_loss_scale_note_counts_this_sessions_steps(npz, tmp_path, capsys):
     """fp16 at a static scale every step overflows: the note counts the skips of this session against its steps,
     and the run's after a resume (a QA finding: "5 of 2 steps overflowed")."""

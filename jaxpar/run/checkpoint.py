@@ -44,7 +44,7 @@ TRAJECTORY_FIELDS = ("dataset", "data_path", "data_dir", "train_split", "seq_len
                      "adam_beta2", "weight_decay", "weight_decay_params", "image_size", "lr_schedule", "warmup_steps",
                      "lr_decay_steps", "min_lr", "grad_clip", "loss", "label_smoothing", "dropout", "per_sample",
                      "model_kwargs", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
-                     "consecutive_hysteresis", "min_loss_scale")
+                     "consecutive_hysteresis", "min_loss_scale", "grad_comm_dtype")
 
 
 def _is_key(a) -> bool:
@@ -339,7 +339,8 @@ class Checkpointer:
         self.directory, self.info, self.keep = directory, info, keep
         self.steps = all_steps(directory)
         self.latest = self.steps[0] if self.steps else None
-        self.notes: list[str] = []
+        self.notes: list[str] = []  # flags changed since the checkpoint's run: its trajectory changes
+        self.ignored: list[str] = []  # flags a resumed run does not read
         if self.latest is not None:
             if not resume:
                 raise ValueError(f"--checkpoint-dir {directory!r} already holds checkpoints up to step "
@@ -356,6 +357,11 @@ class Checkpointer:
                 raise ValueError(f"--resume: no checkpoint in --checkpoint-dir {directory!r} is readable "
                                  f"({errors[0]}); pass the folder of an intact run, or drop --resume.")
             self.notes = check_compatible(meta, info, directory)
+            given = info["config"].get("init_torch")
+            if given and meta.get("config", {}).get("init_torch") != given:  # the run's own start: no news
+                self.ignored.append(f"--init-torch {given!r} is not read: a resumed run takes its weights from the "
+                                    f"checkpoint (step {self.latest}); drop --init-torch, or drop --resume to start "
+                                    "from that file")
         elif resume:
             raise ValueError(f"--resume: --checkpoint-dir {directory!r} holds no complete checkpoint to resume; "
                              "drop --resume to start a new run there, or pass the folder of an earlier run.")

@@ -963,6 +963,8 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
     for note in ckpt.notes if ckpt is not None and main_process else ():
         print(f"jaxpar: note: resuming with a changed setting ({note}); the run will not match the original.",
               file=sys.stderr)
+    for note in ckpt.ignored if ckpt is not None and main_process else ():
+        print(f"jaxpar: note: {note}.", file=sys.stderr)
     if cfg.resume and step >= total_steps and main_process:
         print(f"jaxpar: note: the checkpoint is at step {step}, and this run ends at step {total_steps}: nothing is "
               "left to train; raise --steps or --epochs to train on.", file=sys.stderr)
@@ -970,10 +972,27 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
                   "processes": nproc, "describe": strategy.describe(), "step": step,
                   "config": dataclasses.asdict(cfg)})
 
-    def save() -> None:
-        data = {"sampler": sampler.state_dict(), "loss_sum": loss_sum, "count": count, "skipped": skipped}
+    def save(pending: bool) -> None:
+        """`pending`: the save comes at the end of an epoch whose record (its evaluation) is not written yet: a
+        resumed run writes it first (a stop at an epoch's last step lost that epoch's record: a QA finding)."""
+        data = {"sampler": sampler.state_dict(), "loss_sum": loss_sum, "count": count, "skipped": skipped,
+                "epoch_pending": pending}
         if not ckpt.save(step, strategy.unplace(placed), data):
             raise Diverged(f"step {step} left non-finite parameters; not saved. " + _kept(cfg, ckpt))
+
+    def end_epoch() -> dict[str, Any]:
+        """The epoch's record: its train loss, the evaluation, written and logged."""
+        record = {"epoch": epoch, "step": step,  # NaN: every step of the epoch was skipped (fp16)
+                  "train_loss": loss_sum / count if count else float("nan")}
+        if eval_set is not None:  # a strategy with evaluate() runs it where its weights are (pipeline)
+            on = getattr(strategy, "evaluate", None)
+            record.update(evaluate(eval_step, strategy.unplace(placed), eval_set, eval_batch_size(cfg),
+                                   pad=objective.per_sample) if on is None else
+                          evaluate(lambda rows: on(placed, rows), None, eval_set, eval_batch_size(cfg),
+                                   pad=objective.per_sample))
+        writer.write({"event": "epoch", **record})
+        log(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
+        return record
 
     def finished_epoch() -> bool:  # whether this rank's epoch has no batch left (else --steps ended it mid-epoch)
         rest = len(sampler) - sampler.offset  # this rank's samples not yet trained on this epoch
@@ -984,6 +1003,8 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
     skipped = skipped_before = int(position.get("skipped", 0))
     last: dict[str, Any] = {}
     loss_sum, count = position["loss_sum"], position["count"]  # the epoch's running train loss
+    if cfg.resume and epoch_done and position.get("epoch_pending"):  # saved at its epoch's end, before the record
+        last = end_epoch()
     if cfg.resume and epoch_done and step < total_steps:  # the checkpoint ended its epoch exactly: the next begins
         epoch, loss_sum, count = epoch + 1, 0.0, 0.0  # (it reported that epoch again, train_loss nan: a QA finding)
     completed = False
@@ -994,6 +1015,7 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
                 loader = Loader(train_set, local_batch, sampler, drop_last=cfg.drop_last, put=strategy.put_batch)
                 bar = tqdm(total=min(len(loader), total_steps - step), desc=f"epoch {epoch}", leave=False,
                            disable=cfg.quiet or not main_process or not sys.stderr.isatty())  # no bar in logs
+                after_record = False  # a save due at the epoch's last step, made once its record is written
                 for batch in loader:
                     placed, metrics = strategy.step(placed, batch)
                     writer.begin()  # the step traced and ran: from here on --metrics-out is this run's
@@ -1032,30 +1054,28 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
                     if on_step is not None:
                         on_step(step, metrics)
                     stopped = signals.agreed()
-                    if ckpt is not None and (stopped or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
-                        save()
+                    due = ckpt is not None and bool(cfg.checkpoint_every) and step % cfg.checkpoint_every == 0
+                    # a save due at an epoch's last step waits for the epoch's record (a resume would write it
+                    # again); a stop saves at once, the record pending
+                    after_record = due and not stopped and finished_epoch()
+                    if ckpt is not None and (stopped or (due and not after_record)):
+                        save(bool(stopped) and finished_epoch())
                         clock.skip()
                     if stopped or step >= total_steps:
                         break
                 bar.close()
-                last = {"epoch": epoch, "step": step,  # NaN: every step of the epoch was skipped (fp16)
-                        "train_loss": loss_sum / count if count else float("nan")}
                 if stopped:
+                    last = {"epoch": epoch, "step": step, "train_loss": loss_sum / count if count else float("nan")}
                     break
                 epoch_done = finished_epoch()
-                if eval_set is not None:  # a strategy with evaluate() runs it where its weights are (pipeline)
-                    on = getattr(strategy, "evaluate", None)
-                    last.update(evaluate(eval_step, strategy.unplace(placed), eval_set, eval_batch_size(cfg),
-                                         pad=objective.per_sample) if on is None else
-                                evaluate(lambda rows: on(placed, rows), None, eval_set, eval_batch_size(cfg),
-                                         pad=objective.per_sample))
+                last = end_epoch()
+                if after_record:
+                    save(False)
                 clock.skip()
-                writer.write({"event": "epoch", **last})
-                log(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in last.items()))
                 if epoch_done:
                     epoch, loss_sum, count = epoch + 1, 0.0, 0.0
             if ckpt is not None and not stopped and ckpt.saved_step != step:
-                save()  # the end of the run is always saved
+                save(False)  # the end of the run is always saved (its epoch's record written)
         if cfg.report:  # measured before train.py's own copy of the weights (unplace) is made
             strategy_report = strategy.report(placed)
             memory_rows = report.memory_rows(strategy_report, local_devices_used(strategy))

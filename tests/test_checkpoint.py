@@ -185,6 +185,19 @@ def test_resume_falls_back_past_a_damaged_newest_checkpoint(npz, uninterrupted, 
         checkpoint.save_checkpoint(ckpt, resumed["state"], step=3)  # the library call said it saved
 
 
+def test_a_stray_empty_step_folder_is_named_once_without_orbaxs_warnings(npz, tmp_path):
+    """An empty numbered folder in --checkpoint-dir (a step whose files never landed) printed orbax's "Metadata file
+    does not exist" four or five times before jaxpar's own one-line warning (a QA pass); train.py's stderr now holds
+    jaxpar's two lines only."""
+    ckpt = str(tmp_path / "ckpt")
+    trainer.run(config(npz, steps=4, checkpoint_dir=ckpt, checkpoint_every=2))
+    os.mkdir(os.path.join(ckpt, "9"))
+    out = subprocess.run(cli(npz, ckpt, "--resume"), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert "checkpoint step 9" in lines[0] and "resuming from step 4" in lines[0] and len(lines) == 2, lines
+
+
 def test_a_checkpoint_whose_bytes_changed_on_disk_reads_as_damaged(npz, tmp_path, capsys):
     """One byte flipped in the middle of a saved step's largest data file restored without an error, a parameter
     changed (a QA pass): each leaf's CRC-32 is now kept at save and compared at restore, so the newest step reads

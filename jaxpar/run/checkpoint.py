@@ -141,7 +141,8 @@ def _manager(directory: str, keep: int | None = None, read_only: bool = False):
 
     import orbax.checkpoint as ocp
 
-    if read_only:  # orbax warns "Given directory is read only" for every reader: a choice here, not news
+    if read_only:  # orbax warns "Given directory is read only" for every reader (a choice here, not news), and
+        # "Metadata file does not exist" several times for a damaged step folder, which jaxpar names in one line
         logging.getLogger("absl").addFilter(_ReadOnlyNote())
     options = ocp.CheckpointManagerOptions(max_to_keep=None if read_only else keep, create=not read_only,
                                            read_only=read_only, cleanup_tmp_directories=not read_only,
@@ -151,7 +152,7 @@ def _manager(directory: str, keep: int | None = None, read_only: bool = False):
 
 class _ReadOnlyNote:
     def filter(self, record) -> bool:
-        return "read only" not in str(record.msg)
+        return not any(note in str(record.msg) for note in ("read only", "Metadata file does not exist"))
 
     def __eq__(self, other) -> bool:  # one filter however many readers (logging skips equal filters)
         return isinstance(other, _ReadOnlyNote)

@@ -220,10 +220,14 @@ def shape_choices(tx: optax.GradientTransformation, params, slices: list | None 
 
 
 def _per_leaf(choice, tree) -> list:
-    """A mask or labels tree (a prefix of `tree`'s, as optax takes them) as one choice per leaf of `tree`."""
+    """A mask or labels tree (a prefix of `tree`'s, as optax takes them) as one choice per leaf of `tree`;
+    TypeError where a choice is not a bool or a label (an array: the function read values)."""
     pairs = jax.tree.leaves(jax.tree.map(lambda c, t: (c, len(jax.tree.leaves(t))), choice, tree),
                             is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], int))
-    return [bool(c) if isinstance(c, (bool, np.bool_)) else c for c, n in pairs for _ in range(n)]
+    out = [bool(c) if isinstance(c, (bool, np.bool_)) else c for c, n in pairs for _ in range(n)]
+    if not all(isinstance(c, (bool, str, int)) for c in out):
+        raise TypeError("a choice that is not a bool or a label")
+    return out
 
 
 def _summary(choices: list) -> str:

@@ -30,6 +30,29 @@ def unwrapped(state_dict: Mapping[str, object]) -> dict[str, object]:
     return out
 
 
+def as_array(value: object) -> np.ndarray:
+    """A state dict's value as a numpy array; a torch tensor detached to the CPU (its bfloat16, which numpy lacks,
+    as float32: the same values), without importing torch."""
+    if hasattr(value, "detach") and hasattr(value, "numpy"):
+        value = value.detach().cpu()
+        value = (value.float() if str(value.dtype) == "torch.bfloat16" else value).numpy()
+    return np.asarray(value)
+
+
+def check_values(state_dict: Mapping[str, np.ndarray]) -> None:
+    """ValueError naming the first key whose values are not floating point (integers, bools or complex numbers
+    would be cast to float32 in silence, a complex number losing its imaginary part) or not finite (a diverged or
+    damaged checkpoint)."""
+    for key, value in state_dict.items():
+        if not jax.numpy.issubdtype(value.dtype, jax.numpy.floating):
+            raise ValueError(f"state dict key {key!r} holds {value.dtype} values, but a model's weights are floating "
+                             "point; pass the float weights of the model (float32, float16 or bfloat16), not an "
+                             "integer, bool or complex array, which would be cast to float32 without a word.")
+        if not np.isfinite(value).all():  # np.isfinite takes bfloat16 too: no float32 copy of every weight
+            raise ValueError(f"state dict key {key!r} holds NaN or infinite values (a diverged or damaged "
+                             "checkpoint); load one saved before the run diverged.")
+
+
 def _to_torch(layer: Linear | Conv2d, name: str, value: np.ndarray) -> np.ndarray:
     if name == "bias":
         return value
@@ -88,8 +111,9 @@ def check_state_dict(expected: Mapping[str, tuple[int, ...]], state_dict: Mappin
 def load_torch_state_dict(model: nnx.Module, state_dict: Mapping[str, object], model_name: str = "") -> None:
     """Copy a checked PyTorch state dict into `model` in place (values as float32); a wrapper's prefixes are
     stripped (`unwrapped`)."""
-    state_dict = unwrapped(state_dict)
+    state_dict = {key: as_array(value) for key, value in unwrapped(state_dict).items()}
     check_state_dict(torch_shapes(model), state_dict, model_name or type(model).__name__)
+    check_values(state_dict)
     for key, layer, name in _entries(model):
         value = _from_torch(layer, name, np.asarray(state_dict[key], np.float32))
         getattr(layer, name).set_value(jax.numpy.asarray(value))

@@ -35,11 +35,15 @@ def generate(model, prompt_BxT, max_new_tokens: int, *, temperature: float = 1.0
     """The prompt followed by `max_new_tokens` sampled tokens, [B, T + max_new_tokens] int32 (see the module).
     `vocab_limit` V': only tokens below V' are drawn (the bytes, 256, for a model with a larger vocabulary trained
     on byte-level text: its other ids mean nothing there)."""
-    prompt = np.asarray(prompt_BxT)
+    try:
+        prompt = np.asarray(prompt_BxT)
+    except ValueError:  # numpy's "inhomogeneous shape": a list of prompts of different lengths
+        raise ValueError("the prompts have different lengths; generate() takes a batch of prompts of one length "
+                         "[B, T]: generate each alone (or pad them yourself to one length).") from None
     cfg = model.config
-    if prompt.ndim != 2 or not np.issubdtype(prompt.dtype, np.integer) or prompt.shape[1] < 1:
+    if prompt.ndim != 2 or not np.issubdtype(prompt.dtype, np.integer) or prompt.shape[1] < 1 or prompt.shape[0] < 1:
         raise ValueError(f"the prompt has shape {prompt.shape} and dtype {prompt.dtype}; pass integer tokens [B, T] "
-                         "with T >= 1 (a batch of one: prompt[None]).")
+                         "with B >= 1 and T >= 1 (a batch of one: prompt[None]).")
     outside = prompt[(prompt < 0) | (prompt >= cfg.vocab_size)]
     if outside.size:
         raise ValueError(f"the prompt holds token {int(outside[0])}, outside the model's vocabulary "

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar.models.convert import unwrapped
+from jaxpar.models.convert import as_array, check_values, unwrapped
 from jaxpar.models.gpt import CONFIGS, GPT, LN_EPS, GPTConfig
 
 LAYOUTS = ("hf", "nanogpt")
@@ -106,7 +106,7 @@ def normalize_state_dict(state_dict: Mapping[str, Any]) -> tuple[dict[str, np.nd
             continue
         if not key.startswith(("transformer.", "lm_head.")):
             key = f"transformer.{key}"
-        sd[key] = np.asarray(value)
+        sd[key] = as_array(value)
     needed = ("transformer.wte.weight", "transformer.wpe.weight", "transformer.h.0.attn.c_attn.weight")
     if any(np.ndim(sd.get(k)) != 2 for k in needed):
         got = {k: np.shape(sd[k]) if k in sd else "missing" for k in needed}
@@ -129,10 +129,7 @@ def normalize_state_dict(state_dict: Mapping[str, Any]) -> tuple[dict[str, np.nd
         raise ValueError(f"transformer.h.0.mlp.c_fc.weight has shape {fc.shape}: an MLP {inner} wide, but jaxpar's "
                          f"GPT, as GPT-2 and nanoGPT, is 4 x n_embd = {4 * c} wide (Hugging Face's n_inner unset); "
                          "use a checkpoint of that shape.")
-    for key, value in sd.items():  # (np.isfinite takes bfloat16 too: no float32 copy of every weight)
-        if jnp.issubdtype(value.dtype, jnp.floating) and not np.isfinite(value).all():
-            raise ValueError(f"state dict key {key!r} holds NaN or infinite values (a diverged or damaged "
-                             "checkpoint); load one saved before the run diverged.")
+    check_values(sd)
     head = sd.pop("lm_head.weight", None)
     if head is not None and (head.shape != sd["transformer.wte.weight"].shape
                              or not np.array_equal(head, sd["transformer.wte.weight"])):

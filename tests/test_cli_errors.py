@@ -48,11 +48,15 @@ def files(tmp_path_factory):
     (root / "empty").mkdir()
     (root / "a_file").write_text("not a folder")
     (root / "bad.safetensors").write_bytes(b"\x10" + bytes(7) + b"not a JSON header")  # a corrupt safetensors file
+    from jaxpar import models
+
+    np.savez(root / "one_class.npz", **models.to_torch_state_dict(models.get("linear", input_size=5, output_size=1)))
     ckpt = str(root / "linear_ckpt")
     trainer.run(Config(model="linear", dataset="npz", data_path=str(root / "ok.npz"), eval_split="", batch_size=16,
                        steps=1, quiet=True, checkpoint_dir=ckpt))
     names = ("ok.npz", "no_rows.npz", "tokens_odd.npz", "no_y.npz", "tokens_neg.npz", "targets_neg.npz", "eval_neg.npz",
-             "tokens_short_y.npz", "mnist_ok", "mnist_truncated", "mnist_corrupt", "mnist_no_labels", "empty", "a_file")
+             "tokens_short_y.npz", "mnist_ok", "mnist_truncated", "mnist_corrupt", "mnist_no_labels", "empty", "a_file",
+             "one_class.npz")
     return {k.replace(".", "_"): str(root / k) for k in names} | {"ckpt": ckpt, "root": str(root)}
 
 
@@ -279,6 +283,10 @@ CASES = [
     ("--init-torch missing", ["--init-torch", "{root}/w.npz"], ["w.npz", "does not exist", "pass a .npz"]),
     ("--init-torch not a state dict", ["--init-torch", "{a_file}"], ["a_file", "names no state-dict format",
                                                                      ".safetensors"]),
+    # a QA pass: a 5-class state dict on 10-class data ran, and its first step's NaN was blamed on --lr
+    ("--init-torch with fewer outputs than classes", ["--init-torch", "{one_class_npz}"],
+     ["one_class.npz", "holds a linear with 1 outputs, but the data has 2 classes",
+      "pass the state dict of a model with 2 outputs or more"]),
     ("--init-torch corrupt", ["--init-torch", "{root}/bad.safetensors"], ["bad.safetensors", "could not be read as "
                                                                           ".safetensors", "pass a file safetensors"]),
     ("--export-torch without a suffix", ["--export-torch", "{root}/weights"], ["weights'", "suffix '(none)'",

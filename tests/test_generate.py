@@ -127,6 +127,8 @@ def test_draws_follow_the_tempered_softmax(model):
 @pytest.mark.parametrize("args, kwargs, message", [
     ((np.array([1, 2]), 3), {}, r"shape \(2,\).*pass integer tokens \[B, T\]"),
     ((np.array([[1, 16]]), 3), {}, "token 16, outside the model's vocabulary 0..15"),
+    ((np.zeros((0, 3), np.int64), 2), {}, r"shape \(0, 3\).*with B >= 1"),  # a ZeroDivisionError inside jax
+    (([[1, 2, 3], [4, 5]], 2), {}, "the prompts have different lengths"),  # numpy's "inhomogeneous shape"
     ((PROMPT, -1), {}, "max_new_tokens=-1 must be an int >= 0"),
     ((PROMPT, 2), {"temperature": -0.5}, "temperature=-0.5 must be a finite number >= 0"),
     ((PROMPT, 2), {"temperature": float("inf")}, "temperature=inf must be a finite number >= 0"),

@@ -223,6 +223,30 @@ def test_bad_state_dicts_name_the_key():
                                                  for k, s in convnet_sd.items()})
 
 
+def test_state_dicts_of_non_float_or_non_finite_values_are_refused_naming_the_key():
+    """A QA pass loaded an mlp whose bias held a NaN (outputs NaN; train.py then blamed the learning rate), an
+    int64 state dict (outputs of 358,307 against 0.196), bools and complex numbers (the imaginary part dropped with a
+    numpy warning), all cast to float32 in silence; GPT refused NaN only. Now every model refuses them by key; float
+    dtypes other than float32 (and torch's bfloat16 tensors, which numpy lacks) still load."""
+    sd = models.to_torch_state_dict(_model("mlp", **MLP_SIZES))
+    bad = [({**sd, "0.bias": np.where(np.arange(len(sd["0.bias"])) == 3, np.nan, sd["0.bias"])},
+            "'0.bias' holds NaN or infinite values"),
+           ({**sd, "2.weight": np.full_like(sd["2.weight"], np.inf)}, "'2.weight' holds NaN or infinite"),
+           ({**sd, "0.weight": (sd["0.weight"] * 1e4).astype(np.int64)}, "'0.weight' holds int64 values.*floating"),
+           ({**sd, "0.bias": sd["0.bias"] > 0}, "'0.bias' holds bool values"),
+           ({**sd, "2.bias": sd["2.bias"].astype(np.complex64)}, "'2.bias' holds complex64 values")]
+    for state_dict, message in bad:
+        with pytest.raises(ValueError, match=message):
+            models.from_torch_state_dict("mlp", state_dict)
+    gpt_sd = models.to_torch_state_dict(models.gpt.GPT(models.gpt.GPTConfig(vocab_size=16, block_size=4, n_layer=1,
+                                                                             n_head=2, n_embd=8), rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match="'transformer.wpe.weight' holds int32 values"):
+        models.gpt.from_torch_state_dict({**gpt_sd, "transformer.wpe.weight":
+                                          gpt_sd["transformer.wpe.weight"].astype(np.int32)}, n_head=2)
+    half = models.from_torch_state_dict("mlp", {k: v.astype(np.float16) for k, v in sd.items()})
+    assert np.isfinite(np.asarray(half.layers[0].kernel[...])).all()
+
+
 def test_registry_and_input_shapes():
     with pytest.raises(ValueError, match="use one of"):
         models.get("resnet")

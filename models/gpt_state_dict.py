@@ -141,7 +141,10 @@ def normalize_state_dict(state_dict: Mapping[str, Any]) -> tuple[dict[str, np.nd
 def _sizes(sd: Mapping[str, np.ndarray]) -> tuple[int, int, int, int]:
     """(vocab, block size, layers, width) of a normalized GPT-2 state dict."""
     vocab, width = sd["transformer.wte.weight"].shape
-    layers = 1 + max(int(k.split(".")[2]) for k in sd if k.startswith("transformer.h."))
+    # the blocks holding their attention weights: a stray key of a block beyond them (h.5.ln_1.weight in a 2-layer
+    # dict) is reported as unexpected, not read as 4 more layers whose keys are all missing
+    layers = 1 + max(int(k.split(".")[2]) for k in sd if k.startswith("transformer.h.") and
+                     k.endswith(".attn.c_attn.weight"))
     return int(vocab), int(sd["transformer.wpe.weight"].shape[0]), layers, int(width)
 
 
@@ -154,7 +157,8 @@ def config_from_state_dict(state_dict: Mapping[str, Any], n_head: int | None = N
         raise ValueError(f"the state dict holds a GPT of width {width} and {layers} layers, but the head count is not "
                          "in the weights; pass --n-head (n_head=...), or a config name such as gpt2.")
     return GPTConfig(vocab_size=vocab, block_size=block, n_layer=layers, n_head=n_head, n_embd=width,
-                     bias="transformer.ln_f.bias" in sd, **{k: v for k, v in overrides.items() if v is not None})
+                     bias="transformer.ln_f.bias" in sd or "transformer.h.0.ln_1.bias" in sd,  # one lost: missing
+                     **{k: v for k, v in overrides.items() if v is not None})
 
 
 def from_torch_state_dict(state_dict: Mapping[str, Any], n_head: int | None = None, name: str | None = None,

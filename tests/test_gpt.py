@@ -234,7 +234,12 @@ def bad_state_dicts():
             (untied, H, "ties them"),
             (sd, None, "pass --n-head"),
             (sd, 5, "does not divide the width"),
-            (short, H, "missing")]
+            (short, H, "missing"),
+            # a QA pass: the bias flag was read off ln_f.bias alone, the layer count off the largest block index
+            ({k: v for k, v in sd.items() if k != "transformer.ln_f.bias"}, H,
+             r"missing \['transformer.ln_f.bias'\], unexpected \[\]"),
+            ({**sd, "transformer.h.5.ln_1.weight": np.ones(C, np.float32)}, H,
+             r"\(2 layers, bias=True\): missing \[\], unexpected \['transformer.h.5.ln_1.weight'\]")]
 
 
 @pytest.mark.parametrize("sd, n_head, message", bad_state_dicts())

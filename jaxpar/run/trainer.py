@@ -1012,6 +1012,7 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
     loss_sum, count = position["loss_sum"], position["count"]  # the epoch's running train loss
     if cfg.resume and epoch_done and position.get("epoch_pending"):  # saved at its epoch's end, before the record
         last = end_epoch()
+        clock.skip()  # the evaluation is not training time
     if cfg.resume and epoch_done and step < total_steps:  # the checkpoint ended its epoch exactly: the next begins
         epoch, loss_sum, count = epoch + 1, 0.0, 0.0  # (it reported that epoch again, train_loss nan: a QA finding)
     completed = False

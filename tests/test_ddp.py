@@ -248,6 +248,11 @@ def test_bad_options_name_the_fix():
         DistributedDataParallel(objective, tx, mesh=pipeline_mesh(4, num_stages=2))
     with pytest.raises(ValueError, match="spmd='xmap' is not known"):
         DistributedDataParallel(objective, tx, spmd="xmap")
+    for bad in ("no", "off", None, 0.0):  # a QA pass: "no" and "off" ran with the overlap on, printing overlap=on
+        with pytest.raises(ValueError, match=f"overlap={bad!r} must be True or False"):
+            DistributedDataParallel(objective, tx, overlap=bad)
+    ddp = DistributedDataParallel(objective, tx, grad_accum=np.int64(2), overlap=np.False_)  # numpy's take
+    assert (ddp.grad_accum, ddp.overlap) == (2, False) and type(ddp.grad_accum) is int
 
 
 def test_a_plan_that_leaves_a_leaf_out_or_names_a_stranger_is_refused():

@@ -501,6 +501,9 @@ def test_bad_options_name_the_fix():
         jaxpar.ZeroRedundancy(objective, TX, stage=2, reduce="all_reduce")
     with pytest.raises(ValueError, match="grad_accum=2.5 must be an int >= 1"):
         jaxpar.ZeroRedundancy(objective, TX, grad_accum=2.5)
+    assert jaxpar.ZeroRedundancy(objective, TX, grad_accum=np.int64(2)).grad_accum == 2  # numpy's int: taken
+    with pytest.raises(ValueError, match="prefetch='no' must be True or False"):
+        jaxpar.ZeroRedundancy(objective, TX, stage=3, prefetch="no")
     from jaxpar.strategies.pipeline import pipeline_mesh
 
     with pytest.raises(ValueError, match="ZeroRedundancy runs on a 1-D mesh of axis 'data'.*jaxpar.make_mesh"):

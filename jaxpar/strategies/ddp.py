@@ -189,12 +189,15 @@ def make_ddp_step(objective: Objective, tx: optax.GradientTransformation, mesh: 
     return jax.jit(sharded, donate_argnums=0, compiler_options=compiler_options)
 
 
-def check_options(*, allreduce: str, spmd: str, grad_accum: int, grad_comm_dtype, bucket_cap_mb: float) -> None:
+def check_options(*, allreduce: str, spmd: str, grad_accum: int, grad_comm_dtype, bucket_cap_mb: float,
+                  overlap: bool = True) -> None:
+    if not isinstance(overlap, (bool, np.bool_)):  # "off" or "no" ran with the overlap on (a QA finding)
+        raise ValueError(f"overlap={overlap!r} must be True or False (train.py: --no-overlap turns it off).")
     if allreduce not in ALGORITHMS:
         raise ValueError(f"allreduce={allreduce!r} is not known; use one of {', '.join(ALGORITHMS)}.")
     if spmd not in SPMD:
         raise ValueError(f"spmd={spmd!r} is not known; use one of {', '.join(SPMD)}.")
-    if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum < 1:
+    if not isinstance(grad_accum, (int, np.integer)) or isinstance(grad_accum, (bool, np.bool_)) or grad_accum < 1:
         raise ValueError(f"grad_accum={grad_accum!r} must be an int >= 1; use 1 for no accumulation.")
     if grad_comm_dtype not in COMM_DTYPES:
         raise ValueError(f"grad_comm_dtype={grad_comm_dtype!r} is not known; use bf16, fp32 or leave it out.")
@@ -263,7 +266,8 @@ class DistributedDataParallel:
                  batch_size: int | None = None, leaf_order: Sequence[int] | None = None, **objective_options):
         self._layers_check = LayersCheck()  # armed by init where the layers run instead of __call__
         check_options(allreduce=allreduce, spmd=spmd, grad_accum=grad_accum, grad_comm_dtype=grad_comm_dtype,
-                      bucket_cap_mb=bucket_cap_mb)
+                      bucket_cap_mb=bucket_cap_mb, overlap=overlap)
+        overlap, grad_accum = bool(overlap), int(grad_accum)
         self.objective = objective_of(model, loss_fn, who="DistributedDataParallel", **objective_options)
         if leaf_order is None and isinstance(model, nnx.Module):
             leaf_order = ddp_overlap.forward_leaf_order(model, self.objective.wrt)

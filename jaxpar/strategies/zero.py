@@ -165,7 +165,7 @@ def check_options(*, stage: int, reduce: str, grad_accum: int, bucket_cap_mb: fl
     if reduce != "reduce_scatter" and stage != 1:
         raise ValueError(f"zero_reduce={reduce!r} applies to stage 1 only (stages 2 and 3 reduce-scatter inside the "
                          "backward); drop --zero-reduce or use --zero-stage 1.")
-    if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum < 1:
+    if not isinstance(grad_accum, (int, np.integer)) or isinstance(grad_accum, (bool, np.bool_)) or grad_accum < 1:
         raise ValueError(f"grad_accum={grad_accum!r} must be an int >= 1; use 1 for no accumulation.")
     check_mib("bucket_cap_mb", bucket_cap_mb)
 
@@ -187,6 +187,9 @@ class ZeroRedundancy:
                  prefetch: bool = True, fetch: str = "layer", **objective_options):
         self._layers_check = LayersCheck()  # armed by init where the layers run instead of __call__
         check_options(stage=stage, reduce=reduce, grad_accum=grad_accum, bucket_cap_mb=bucket_cap_mb)
+        grad_accum = int(grad_accum)
+        if not isinstance(prefetch, (bool, np.bool_)):  # "no" would run with the prefetch on
+            raise ValueError(f"prefetch={prefetch!r} must be True or False.")
         if fetch not in FETCHES:
             raise ValueError(f"fetch={fetch!r} (--zero-fetch) is not known; use 'layer' (stage 3 gathers each of the "
                              "model's `layers` as it runs them) or 'model' (every weight at once, the model's own "

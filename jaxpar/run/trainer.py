@@ -503,7 +503,7 @@ def make_model(cfg: Config, train_set, eval_set=None) -> nnx.Module:
             state_dict = weights.read(cfg.init_torch, "--init-torch")[0]
             known = models.kwargs_from_state_dict(cfg.model, state_dict)  # sizes come from the state dict
             outputs = next((known[k] for k in ("output_size", "out_features", "num_classes") if k in known), None)
-            classes = max(n for n in (train_set.num_classes, getattr(eval_set, "num_classes", None), 0) if n)
+            classes = max(n for n in (train_set.num_classes, getattr(eval_set, "num_classes", None)) if n)
             if outputs is not None and outputs < classes:  # a label without an output: NaN at the first step
                 raise ValueError(f"--init-torch {cfg.init_torch!r} holds a {cfg.model} with {outputs} outputs, but the "
                                  f"data has {classes} classes (labels up to {classes - 1}), which its cross-entropy "

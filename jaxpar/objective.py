@@ -33,6 +33,8 @@ After every training step each RNG stream's count advances by one, as if it had 
 from __future__ import annotations
 
 import dataclasses
+import re
+import weakref
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -82,6 +84,32 @@ def _same_trace(f: Callable, g: Callable, arg: Any) -> bool:
         return False
     return str(a.jaxpr) == str(b.jaxpr) and len(a.consts) == len(b.consts) and all(
         x is y or (jnp.shape(x) == jnp.shape(y) and bool(jnp.array_equal(x, y))) for x, y in zip(a.consts, b.consts))
+
+
+_INPUTS_CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # objective -> batch signatures checked
+_LIBRARIES = ("jax", "jaxlib", "flax", "opt_einsum", "numpy")  # whose shape rules refuse an input
+_ABOUT_SHAPES = re.compile(r"shape|dimension|size|broadcast|rank|type|expect", re.IGNORECASE)
+
+
+def _refuses_input(e: BaseException) -> bool:
+    """Whether `e`, raised while the model was traced on a batch, is a shape or dtype rule of JAX or Flax
+    refusing a value (dot_general's contracting dimensions, a conv's feature count, a reshape's size, an embedding
+    given floats), not an error of the user's own code, of jaxpar's checks, or of tracing (a Python `if` on a
+    traced value)."""
+    if not isinstance(e, (TypeError, ValueError)) or isinstance(e, (jax.errors.JAXTypeError,
+                                                                     jax.errors.JaxprTypeError)):
+        return False
+    tb, last = e.__traceback__, None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    module = (last.tb_frame.f_globals.get("__name__") or "") if last is not None else ""
+    return module.split(".")[0] in _LIBRARIES and bool(_ABOUT_SHAPES.search(str(e)))
+
+
+def describe_leaves(tree: PyTree, what: str = "batch") -> str:
+    """`tree`'s leaves as "batch['x'] (32, 100) float32, batch['y'] (32,) int32"."""
+    return ", ".join(f"{what}{jax.tree_util.keystr(path)} {tuple(np.shape(a))} {np.result_type(a)}"
+                     for path, a in jax.tree_util.tree_flatten_with_path(tree)[0])
 
 
 def check_rows_leading(out: PyTree, rows: int, fix: str = "") -> None:
@@ -451,6 +479,52 @@ class Objective:
 
         (_, aux), grads, seed = scaling.value_and_grad(f, loss_scale)(params)
         return aux, scaling.unscale(grads, seed)
+
+    def check_inputs(self, data: PyTree) -> None:
+        """ValueError, before any work, when the model cannot take the batch `data` (host arrays): its loss is
+        traced (jax.eval_shape: no compute) on the batch's shapes, in eval mode (the model's own __call__: where a
+        strategy runs the `layers` instead, check_layers says whether they are the same function), on one row per
+        call (per_sample) or the whole batch, and a shape or dtype rule of JAX or Flax that refuses the batch (an
+        input of 100 features reaching a Linear of 784: dot_general's contracting dimensions) is named in one line,
+        the original error chained. Once per batch signature (tree, row shapes, dtypes); any other error is left to
+        the step, which raises it where it always has."""
+        if self.shapes is None:
+            return
+        leaves, treedef = jax.tree.flatten(data)
+        if not leaves or any(not np.shape(a) for a in leaves):
+            return  # not a batch: num_rows names that
+        dtypes = [jax.dtypes.canonicalize_dtype(np.result_type(a)) for a in leaves]
+        n = 1 if self.per_sample else np.shape(leaves[0])[0]
+        shapes = [(n,) + tuple(np.shape(a)[1:]) for a in leaves]
+        key = (treedef, tuple(zip(shapes, map(str, dtypes))))
+        seen = _INPUTS_CHECKED.setdefault(self, set())
+        if key in seen:
+            return
+        specs = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes)])
+        rows = Rows(specs, jax.ShapeDtypeStruct((n,), jnp.float32), jax.ShapeDtypeStruct((n,), jnp.int32))
+        refused: list = []
+
+        def trace(params, model_state, rows):
+            try:
+                return self.sums(params, model_state, rows, train=False)[0]  # __call__ itself, as the user wrote it
+            except Exception as e:  # noqa: BLE001 -- told apart here, where the traceback is still whole
+                if _refuses_input(e):
+                    refused.append(e)
+                raise
+
+        try:
+            jax.eval_shape(trace, *self.shapes, rows)
+        except Exception as e:  # noqa: BLE001
+            if refused:
+                cause = refused[0]
+                first = (str(cause).strip().splitlines() or [""])[0][:200]
+                name = self.eval_graphdef.nodes[0].type.__name__
+                raise ValueError(f"{name} could not take the batch ({describe_leaves(data)}): "
+                                 f"{type(cause).__name__}: {first.rstrip('.')}; give the model inputs shaped as its "
+                                 "first layer expects (check the data's shape against the input size the model was "
+                                 "built with: the dataset, or its in_features / --model).") from cause
+            # not the batch's shape: the step itself raises it, where it always has
+        seen.add(key)
 
     def check_rows_apart(self, params: nnx.State, model_state: nnx.State, rows: Rows, count: int = 3) -> None:
         """ValueError when per_sample=True came by default and the mean loss (loss sum / weight sum) over the first

@@ -51,12 +51,13 @@ def files(tmp_path_factory):
     from jaxpar import models
 
     np.savez(root / "one_class.npz", **models.to_torch_state_dict(models.get("linear", input_size=5, output_size=1)))
+    np.savez(root / "seven_wide.npz", **models.to_torch_state_dict(models.get("linear", input_size=7, output_size=2)))
     ckpt = str(root / "linear_ckpt")
     trainer.run(Config(model="linear", dataset="npz", data_path=str(root / "ok.npz"), eval_split="", batch_size=16,
                        steps=1, quiet=True, checkpoint_dir=ckpt))
     names = ("ok.npz", "no_rows.npz", "tokens_odd.npz", "no_y.npz", "tokens_neg.npz", "targets_neg.npz", "eval_neg.npz",
              "tokens_short_y.npz", "mnist_ok", "mnist_truncated", "mnist_corrupt", "mnist_no_labels", "empty", "a_file",
-             "one_class.npz")
+             "one_class.npz", "seven_wide.npz")
     return {k.replace(".", "_"): str(root / k) for k in names} | {"ckpt": ckpt, "root": str(root)}
 
 
@@ -287,6 +288,10 @@ CASES = [
     ("--init-torch with fewer outputs than classes", ["--init-torch", "{one_class_npz}"],
      ["one_class.npz", "holds a linear with 1 outputs, but the data has 2 classes",
       "pass the state dict of a model with 2 outputs or more"]),
+    # a state dict of another input width: the data fits the flags, the weights do not (dot_general's TypeError)
+    ("--init-torch of another input width", ["--init-torch", "{seven_wide_npz}"],
+     ["does not fit the data", "got (5,) and (7,)",
+      "pass an --init-torch state dict of a linear built for rows shaped (5,) (the data's)"]),
     ("--init-torch corrupt", ["--init-torch", "{root}/bad.safetensors"], ["bad.safetensors", "could not be read as "
                                                                           ".safetensors", "pass a file safetensors"]),
     ("--export-torch without a suffix", ["--export-torch", "{root}/weights"], ["weights'", "suffix '(none)'",

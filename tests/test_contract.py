@@ -642,6 +642,64 @@ def test_bad_batches_are_named_before_any_work():
         jaxpar.make_eval_step(objective)(*jaxpar.init_state(model, TX)[::2], {"x": x, "y": y})
 
 
+
+class Wide(nnx.Module):
+    """A user's model whose first layer takes 784 features (an MNIST MLP)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.layers = nnx.List([nnx.Linear(784, 16, rngs=rngs), nnx.Linear(16, 3, rngs=rngs)])
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+WIDE_STRATEGIES = {
+    "single": lambda m, ps: jaxpar.SingleDevice(m, TX, per_sample=ps),
+    "ddp": lambda m, ps: jaxpar.DistributedDataParallel(m, TX, mesh=jaxpar.make_mesh(4), per_sample=ps),
+    "zero3": lambda m, ps: jaxpar.ZeroRedundancy(m, TX, stage=3, mesh=jaxpar.make_mesh(2), per_sample=ps),
+    "dp": lambda m, ps: jaxpar.DataParallel(m, TX, device_ids=[0, 1], per_sample=ps),
+    "pipeline": lambda m, ps: jaxpar.Pipeline(m, TX, num_stages=2, micro_batches=2, per_sample=ps),
+}
+
+
+@pytest.mark.parametrize("name", WIDE_STRATEGIES)
+def test_a_batch_the_model_cannot_take_is_named_before_any_work(name):
+    """A batch of 100 features for a model of 784: JAX's "dot_general requires contracting dimensions to have the
+    same shape" from deep inside tracing (or nothing until step()). Now put_batch (and evaluate) names the batch's
+    shapes, the model's refusal and the fix in one line, the original error chained; per sample or on whole
+    shards. A batch it takes trains; a model's own error that is not a shape rule still comes as it was."""
+    batch = {"x": np.ones((8, 100), np.float32), "y": np.zeros(8, np.int32)}
+    match = ("^Wide could not take the batch \\(batch\\['x'\\] \\(8, 100\\) float32, batch\\['y'\\] \\(8,\\) "
+             "int32\\): TypeError: dot_general requires contracting dimensions to have the same shape, got "
+             "\\(100,\\) and \\(784,\\); give the model inputs shaped as its first layer expects \\(check the "
+             "data's shape")
+    model = Wide(nnx.Rngs(0))
+    state = jaxpar.init_state(model, TX)
+    for per_sample in (True, False):
+        strategy = WIDE_STRATEGIES[name](model, per_sample)
+        placed = strategy.init(state)
+        with pytest.raises(ValueError, match=match) as info:
+            strategy.put_batch(batch)
+        assert len(str(info.value).splitlines()) == 1
+        assert isinstance(info.value.__cause__, TypeError)  # the original, chained
+        with pytest.raises(ValueError, match=match):  # evaluation's batches too
+            jaxpar.evaluate(strategy, placed, [batch])
+    if name != "single":
+        return
+    good = {"x": np.ones((8, 784), np.float32), "y": np.zeros(8, np.int32)}
+    strategy.step(placed, strategy.put_batch(good))  # a batch it takes trains
+
+    class Broken(Wide):  # an error of the model's own code, not a shape rule: as before, not renamed
+        def __call__(self, x):
+            raise ValueError("the model's own error")
+
+    broken = Broken(nnx.Rngs(0))
+    single = jaxpar.SingleDevice(broken, TX)
+    with pytest.raises(ValueError, match="^the model's own error"):
+        single.step(single.init(jaxpar.init_state(broken, TX)), single.put_batch(good))
+
 def test_evaluate_adds_the_sums_over_every_batch_under_every_strategy():
     """jaxpar.evaluate(strategy, placed, batches): eval mode, the loss and metrics summed over all the batches and
     divided by the total weight -- train.py's numbers -- from every strategy's placed state (the pipeline's own

@@ -718,6 +718,12 @@ def check_fits(objective, state: TrainState, train_set, cfg: Config) -> None:
         fix = ("data whose shapes fit it" + (" (npz: x and y token arrays of the same [N, T], y being x shifted "
                                              "by one)" if cfg.model in models.GPT_NAMES else "")
                if cfg.model in models.NAMES else "--model-kwargs (or data) whose shapes agree")
+        if cfg.init_torch and cfg.model in models.NAMES and cfg.model not in models.GPT_NAMES:
+            # the state dict fixed the input size, not the data (a 784-wide MLP on 5 features)
+            x = rows.data["x"] if isinstance(rows.data, dict) and "x" in rows.data else jax.tree.leaves(rows.data)[0]
+            row = tuple(np.shape(x)[1:])
+            fix = (f"an --init-torch state dict of a {cfg.model} built for rows shaped {row} (the data's), or data "
+                   "whose shapes fit the state dict's")
         raise ValueError(f"--model {cfg.model} with --loss {cfg.loss or 'cross_entropy'} does not fit the data "
                          f"(two rows: {shapes}): {type(e).__name__}: {first}; pass {fix}.") from None
 

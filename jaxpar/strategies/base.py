@@ -79,6 +79,8 @@ def evaluate(strategy: Any, placed: Any, batches: Iterable) -> dict[str, float]:
     totals = None
     for batch in batches:
         rows = as_rows(batch)
+        if own is None:  # a batch the model cannot take, in one line (the pipeline's put_batch checks its own)
+            getattr(strategy, "eval_objective", strategy.objective).check_inputs(rows.data)
         sums = jax.device_get(own(placed, rows) if own is not None else step(rows))
         totals = sums if totals is None else jax.tree.map(np.add, totals, sums)
     if totals is None:
@@ -235,11 +237,13 @@ def _check_tree(what: str, have: Any, want: Any, whose: str, fix: str, by_path: 
 class LayersCheck:
     """The first batch's checks, once: Objective.check_layers, armed by a strategy's init with the canonical state
     where the strategy runs the model's `layers` instead of its __call__, and Objective.check_rows_apart (armed by
-    `arm_first_batch`), run on the first batch's first rows by put_batch, then dropped."""
+    `arm_first_batch`), run on the first batch's first rows by put_batch, then dropped; and before them, on every
+    batch of a shape not seen yet, Objective.check_inputs (a batch the model cannot take, named in one line)."""
 
     def __init__(self):
         self.pending: tuple | None = None
         self.rows: tuple | None = None
+        self.inputs: Objective | None = None  # checks every new batch shape fits the model (armed by arm_rows)
 
     @staticmethod
     def _own(tree):  # numpy leaves (a state of the user's making) as jax arrays: the checked models would share
@@ -250,11 +254,15 @@ class LayersCheck:
         self.pending = (objective, self._own(state.params), self._own(state.model_state), why, fix, unpack)
 
     def arm_rows(self, objective: Objective, state: TrainState) -> None:
-        """Check that a loss left at per_sample=True by default does not mix rows (Objective.check_rows_apart)."""
+        """Check that a loss left at per_sample=True by default does not mix rows (Objective.check_rows_apart), and,
+        from now on, that every batch of a new shape fits the model (Objective.check_inputs, once per shape)."""
+        self.inputs = objective
         if objective.per_sample and objective.per_sample_default:
             self.rows = (objective, self._own(state.params), self._own(state.model_state))
 
     def __call__(self, rows) -> None:
+        if self.inputs is not None:  # first: the checks below would fail deep inside on a batch the model refuses
+            self.inputs.check_inputs(rows.data)
         if self.pending is not None:
             objective, params, model_state, why, fix, unpack = self.pending
             head = jax.tree.map(lambda a: np.asarray(a)[:2], rows.data)

@@ -482,6 +482,7 @@ class Pipeline:
         """Sums of the loss and metrics over the real rows of `batch` in eval mode, on the forward-only schedule."""
         if not self.objective.per_sample and not isinstance(batch, Batch):
             rows = as_rows(batch)
+            self.objective.check_inputs(rows.data)  # a batch the model cannot take, in one line (put_batch's check)
             if rows.size % (self.D * self.micro_batches):  # padding rows would reach the batch-mode loss (its sums
                 # see every row): the canonical state on one device, as the other strategies evaluate
                 from jaxpar.step import make_eval_step

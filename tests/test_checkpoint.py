@@ -3,7 +3,9 @@ with parameters and optimizer state BIT-identical to the run that was never stop
 import json
 import os
 import random
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -180,6 +182,7 @@ def test_resume_falls_back_past_a_damaged_newest_checkpoint(npz, uninterrupted, 
     again = checkpoint.Checkpointer(ckpt, info, resume=True)
     again.steps = [5]  # step 5 itself reads in full now
     assert int(again.restore(resumed["state"])[0].step) == 5
+    again.close()  # a Checkpointer holds the directory's lock until closed: another writer is refused till then
     with pytest.raises(ValueError, match=r"holds a newer step, 7, and checkpoints go in increasing steps \(orbax "
                                          r"wrote nothing for step 3\); pass a step above it"):
         checkpoint.save_checkpoint(ckpt, resumed["state"], step=3)  # the library call said it saved
@@ -730,3 +733,100 @@ def test_a_placed_state_split_over_devices_is_refused_by_save_and_init(tmp_path)
     restored, _ = jaxpar.restore_checkpoint(str(tmp_path / "ddp"), state)
     for a, b in zip(jax.tree.leaves(restored.params), jax.tree.leaves(state.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _lock_refusal(what: str, directory: str, holder: int, fix: str, head: str = "") -> str:
+    """The whole one-line refusal, as a pattern."""
+    lock = os.path.join(directory, ".jaxpar.lock")
+    return "^" + re.escape(f"{head}{what} '{directory}' is in use by another run ({holder}@{socket.gethostname()} "
+                           f"holds its lock '{lock}'): one directory takes one writing run at a time, since two "
+                           "runs writing at once can leave a step that lists as complete but holds truncated data; "
+                           f"{fix}.") + "$"
+
+
+def test_a_second_writer_of_a_checkpoint_dir_is_refused_until_the_first_closes(npz, tmp_path, monkeypatch):
+    """Two runs writing one --checkpoint-dir at once could leave a step that orbax lists as complete but holds
+    truncated data (a QA finding). The first writer holds a lock (flock on D/.jaxpar.lock, its pid@host) from its
+    first save until close(): a second Checkpointer, and save_checkpoint, are refused in one line naming it. A fresh
+    folder is not created at construction (both constructions pass; the second run's first save is refused);
+    the lock file is no step for all_steps, latest_step or orbax, and close() removes it. flock's locks belong to
+    an open file, so a second Checkpointer of the same process conflicts as another process's would. Without
+    fcntl (Windows) nothing is locked, silently."""
+    cfg = config(npz)
+    state = _regression_state(trainer.make_tx(cfg, steps_per_epoch=4), 7)
+    info, d = checkpoint.run_info(cfg, state), str(tmp_path / "ckpt")
+    first = checkpoint.Checkpointer(d, info, resume=False)
+    second = checkpoint.Checkpointer(d, info, resume=False)
+    assert not os.path.exists(d)  # construction writes nothing in a folder that does not exist yet
+    assert first.save(5, state, {"epoch": 0})
+    lock = os.path.join(d, ".jaxpar.lock")
+    assert open(lock).read() == f"{os.getpid()}@{socket.gethostname()}\n"
+    fix = "stop that run, or pass another --checkpoint-dir"
+    with pytest.raises(ValueError, match=_lock_refusal("--checkpoint-dir", d, os.getpid(), fix)):
+        second.save(6, state, {"epoch": 0})
+    with pytest.raises(ValueError, match=_lock_refusal("--checkpoint-dir", d, os.getpid(), fix)):
+        checkpoint.Checkpointer(d, info, resume=True)  # an existing folder: refused at construction
+    with pytest.raises(ValueError, match=_lock_refusal("save_checkpoint:", d, os.getpid(),
+                                                       "stop that run, or pass another directory")):
+        checkpoint.save_checkpoint(d, state, step=9)
+    first.close()
+    assert sorted(os.listdir(d)) == ["5"]  # the lock file went with the lock
+    second.close()
+    resumed = checkpoint.Checkpointer(d, info, resume=True)  # after close(), the next run takes the folder
+    assert os.path.exists(lock) and int(resumed.restore(state)[0].step) == int(state.step)
+    assert checkpoint.all_steps(d) == [5] and checkpoint.latest_step(d) == 5  # the lock file is no step
+    manager = checkpoint._manager(d, read_only=True)
+    assert manager.all_steps() == [5] and manager.latest_step() == 5
+    manager.close()
+    assert resumed.save(6, state, {"epoch": 0})
+    resumed.close()
+    open(lock, "w").write("1@a-run-that-died\n")  # a stale file (its holder killed): no lock, and no step
+    assert checkpoint.save_checkpoint(d, state, step=7) == 7  # the one-shot library calls read and write past it
+    assert int(checkpoint.restore_checkpoint(d, state)[0].step) == int(state.step)
+    assert checkpoint.all_steps(d) == [7, 6, 5] and not os.path.exists(lock)
+    monkeypatch.setattr(checkpoint, "fcntl", None)  # Windows: no lock, and nothing breaks
+    os.mkdir(tmp_path / "unlocked")  # an existing folder, which would be locked at construction
+    unlocked = [checkpoint.Checkpointer(str(tmp_path / "unlocked"), info, resume=False) for _ in range(2)]
+    assert unlocked[0].save(8, state, {"epoch": 0})
+    for c in unlocked:
+        c.close()
+    assert os.listdir(tmp_path / "unlocked") == ["8"]
+
+
+HOLD = """
+import json, sys, time
+from jaxpar.run import checkpoint
+held = checkpoint.Checkpointer(sys.argv[1], json.load(open(sys.argv[2])), resume=True)
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_resume_while_another_process_holds_the_dir_is_refused_until_that_process_dies(npz, tmp_path):
+    """A --resume started while another run still writes the folder is refused before any training: train.py
+    exits 2 with one line naming the holder's pid@host and the fix, and writes no step. A holder killed with
+    SIGKILL (its close() never runs) leaves its lock file but no lock: the OS drops it, and a resume goes on."""
+    ckpt = str(tmp_path / "ckpt")
+    trainer.run(config(npz, steps=2, checkpoint_dir=ckpt))
+    cfg = config(npz, steps=4)
+    info = checkpoint.run_info(cfg, _template(cfg))
+    (tmp_path / "info.json").write_text(json.dumps(info))
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, ckpt, str(tmp_path / "info.json")], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n", holder.communicate()[0]
+        refusal = _lock_refusal("--checkpoint-dir", ckpt, holder.pid, "stop that run, or pass another --checkpoint-dir")
+        with pytest.raises(ValueError, match=refusal):
+            checkpoint.Checkpointer(ckpt, info, resume=True)
+        out = subprocess.run(cli(npz, ckpt, "--resume"), capture_output=True, text=True, timeout=300)
+        assert out.returncode == 2 and out.stdout == "", (out.stdout, out.stderr)
+        assert re.match(_lock_refusal("--checkpoint-dir", ckpt, holder.pid, "stop that run, or pass another "
+                                      "--checkpoint-dir", head="train.py: error: "), out.stderr.strip()), out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1 and checkpoint.all_steps(ckpt) == [2]
+    finally:
+        holder.kill()
+        holder.wait()
+    assert os.path.exists(os.path.join(ckpt, ".jaxpar.lock"))  # left behind, unlocked
+    resumed = trainer.run(config(npz, steps=4, checkpoint_dir=ckpt, resume=True))
+    assert resumed["resumed_from"] == 2 and resumed["steps"] == 4
+    assert sorted(os.listdir(ckpt)) == ["2", "4"]

@@ -12,9 +12,17 @@ saving leaves the previous checkpoints intact; only renamed (complete) steps are
 Every process calls `save` (orbax's save is collective); the arrays are replicated host copies, which orbax writes
 from process 0 only.
 
+One run writes a directory at a time: two runs saving into it at once (train.py started twice on one
+--checkpoint-dir, or a --resume while the first still runs) could leave a step that orbax lists as complete but
+holds truncated data. So process 0 of a writing run holds an advisory lock (fcntl.flock) on `D/.jaxpar.lock`, a file
+holding its pid@host, for as long as it writes (the Checkpointer's life, save_checkpoint's call); a second writer is
+refused with a ValueError naming the holder. close() removes the file; the OS drops the lock of a process that
+dies (no stale locks: the file it leaves is unlocked and taken over). The lock file is no step: orbax lists
+numbered folders only. Without fcntl (Windows), or on a filesystem without locks, nothing is locked.
+
 In research code: `save_checkpoint(dir, strategy.unplace(placed), data=...)` and
 `state, data = restore_checkpoint(dir, jaxpar.init_state(model, tx))`. train.py's loop, roughly:
-    ckpt = Checkpointer(dir, run_info(cfg, state), resume=cfg.resume)   # checks only: writes nothing
+    ckpt = Checkpointer(dir, run_info(cfg, state), resume=cfg.resume)   # checks, and locks an existing dir
     state, position = ckpt.restore(state)                                # when resuming
     ckpt.save(step, strategy.unplace(placed), position); ...; ckpt.close()
 """
@@ -24,6 +32,7 @@ import dataclasses
 import json
 import os
 import signal
+import socket
 import tempfile
 import threading
 import zlib
@@ -34,6 +43,11 @@ import numpy as np
 
 from jaxpar.config import DEFAULT_LR
 from jaxpar.step import TrainState
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks, the directory is not locked
+    fcntl = None
 
 FORMAT = 1  # bump when the layout changes
 # train.py's default learning rates before they were torch's (checkpoints of then record none): SGD's was 0.01
@@ -134,6 +148,82 @@ def writable_file(path: str, flag: str) -> None:
     except OSError as e:
         raise ValueError(f"{flag} {path!r} is not writable ({e.strerror} in {folder!r}); "
                          "pass a path this user can write to.") from None
+
+
+LOCK_FILE = ".jaxpar.lock"  # in the checkpoint directory: a dot-name, which orbax never takes for a step
+RULE = "two runs writing at once can leave a step that lists as complete but holds truncated data"
+
+
+class _Lock:
+    """Process 0's exclusive advisory lock on `directory`/LOCK_FILE (flock, LOCK_EX | LOCK_NB), held until
+    release() (or the process ends: the OS drops it). `refused`: the holder ("pid@host") when another open file
+    holds it, else None. Other processes of a run take nothing (they must not refuse their own run's directory)."""
+
+    def __init__(self, directory: str):
+        self.path = os.path.join(directory, LOCK_FILE)
+        self.fd: int | None = None
+        self.refused: str | None = None
+        if fcntl is None or jax.process_index() != 0:
+            return
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # held: its holder wrote its pid@host (or is about to)
+                self.refused = os.read(fd, 256).decode(errors="replace").strip() or "a process not named yet"
+                os.close(fd)
+                return
+            except OSError:  # a filesystem without locks: go on unlocked, as on Windows
+                os.close(fd)
+                return
+            try:  # the holder before us may have removed the file (release): lock the file that is there now
+                same = os.path.samestat(os.stat(self.path), os.fstat(fd))
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}@{socket.gethostname()}\n".encode())
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            try:
+                os.remove(self.path)  # while still locked: a waiter that opened it sees another (or no) file
+            except OSError:
+                pass
+            os.close(fd)
+
+
+def _take_lock(directory: str, what: str, fix: str, attempt: bool = True) -> _Lock | None:
+    """Lock `directory` for this run when `attempt` (process 0 takes it; another process's _Lock holds nothing), or
+    raise a one-line ValueError naming the holder. With several processes all follow process 0 (one small
+    all-gather; the call is collective): all hold a _Lock when it tried, and all raise when it was refused.
+    Returns None when process 0 did not try (no `attempt`)."""
+    lock = _Lock(directory) if attempt else None
+    took, refused = lock is not None, lock is not None and lock.refused is not None
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        took, refused = (bool(v) for v in multihost_utils.process_allgather(np.array([took, refused], np.int32))[0])
+    path = os.path.join(directory, LOCK_FILE)
+    if refused:
+        holder = lock.refused if lock is not None else None
+        if lock is not None:
+            lock.release()
+        if holder is None:  # not process 0: name the holder when this process sees the same file
+            try:
+                with open(path, errors="replace") as f:
+                    holder = f.read(256).strip() or None
+            except OSError:
+                pass
+        raise ValueError(f"{what} {directory!r} is in use by another run ({holder or 'another process'} holds its "
+                         f"lock {path!r}): one directory takes one writing run at a time, since {RULE}; {fix}.")
+    if not took:
+        return None
+    return lock if lock is not None else _Lock(directory)  # another process's: holds nothing
 
 
 def _manager(directory: str, keep: int | None = None, read_only: bool = False):
@@ -331,12 +421,28 @@ def _set_aside(steps: list[int], directory: str) -> None:
 
 
 class Checkpointer:
-    """The checkpoints of one run in `directory`. Construction only checks (writes nothing); `save` creates the
-    folder on first use. Resuming takes the newest READABLE checkpoint: a damaged newer one (a disk that lost
-    its files) is named in a warning and skipped."""
+    """The checkpoints of one run in `directory`, locked against other writers (the module's docstring) until
+    close(). Construction checks, and writes one thing only: for a `directory` that already exists (a resume, a
+    leftover folder), process 0 takes the lock at once, writing the file `directory`/.jaxpar.lock (its pid@host),
+    so a second run is refused before any training. For a `directory` that does not exist yet it writes nothing:
+    the first `save` creates the folder and takes the lock there. close() releases it and removes that file.
+    Resuming takes the newest READABLE checkpoint: a damaged newer one (a disk that lost its files) is named in a
+    warning and skipped."""
+
+    FIX = "stop that run, or pass another --checkpoint-dir"
 
     def __init__(self, directory: str, info: dict, *, resume: bool, keep: int = 2):
+        self._lock = None
         writable_dir(directory, "--checkpoint-dir")
+        # an existing folder: locked before anything else, so a second run's refusal comes first
+        self._lock = _take_lock(directory, "--checkpoint-dir", self.FIX, attempt=os.path.isdir(directory))
+        try:
+            self._check(directory, info, resume, keep)
+        except BaseException:
+            self._release()
+            raise
+
+    def _check(self, directory: str, info: dict, resume: bool, keep: int) -> None:
         self.directory, self.info, self.keep = directory, info, keep
         self.steps = all_steps(directory)
         self.latest = self.steps[0] if self.steps else None
@@ -390,6 +496,10 @@ class Checkpointer:
         if not finite(leaves[:len(jax.tree.leaves(state.params))]):
             return False
         if self._mgr is None:
+            if self._lock is None:  # a new folder: created here, locked before orbax writes in it
+                if jax.process_index() == 0:
+                    os.makedirs(self.directory, exist_ok=True)
+                self._lock = _take_lock(self.directory, "--checkpoint-dir", self.FIX)
             self._mgr = _manager(self.directory, keep=self.keep)
         meta = {**self.info, "step": int(step), "data": data, "processes": jax.process_count(),
                 "crc32": checksums(leaves)}
@@ -402,11 +512,25 @@ class Checkpointer:
         return True
 
     def close(self) -> None:
-        """Wait for the last (asynchronous) save to be complete on disk."""
-        if self._mgr is not None:
-            self._mgr.wait_until_finished()
-            self._mgr.close()
-            self._mgr = None
+        """Wait for the last (asynchronous) save to be complete on disk, then release the directory's lock."""
+        try:
+            if self._mgr is not None:
+                self._mgr.wait_until_finished()
+                self._mgr.close()
+                self._mgr = None
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        if getattr(self, "_lock", None) is not None:
+            self._lock.release()
+            self._lock = None
+
+    def __del__(self) -> None:  # one never closed (a restore only) must not keep this process's own runs out
+        try:
+            self._release()
+        except Exception:
+            pass
 
 
 def save_checkpoint(directory: str, state: TrainState, *, step: int | None = None, data: Any = None,
@@ -461,7 +585,14 @@ def save_checkpoint(directory: str, state: TrainState, *, step: int | None = Non
     except TypeError as e:
         raise TypeError(f"save_checkpoint: data={data!r:.80} is not JSON ({e}); pass dicts, lists, strings, numbers "
                         "and None (numpy scalars as int() or float()).") from None
-    manager = _manager(directory, keep=keep)
+    if jax.process_index() == 0:
+        os.makedirs(directory, exist_ok=True)
+    lock = _take_lock(directory, "save_checkpoint:", "stop that run, or pass another directory")
+    try:
+        manager = _manager(directory, keep=keep)
+    except BaseException:
+        lock.release()
+        raise
     try:
         if not manager.save(int(step), args=ocp.args.Composite(state=ocp.args.StandardSave({"leaves": leaves}),
                                                                meta=ocp.args.JsonSave(meta))):
@@ -470,7 +601,10 @@ def save_checkpoint(directory: str, state: TrainState, *, step: int | None = Non
                              "above it, or another directory.")
         manager.wait_until_finished()
     finally:
-        manager.close()
+        try:
+            manager.close()
+        finally:
+            lock.release()
     return int(step)
 
 

@@ -835,19 +835,23 @@ def prepare_outputs(cfg: Config, state: TrainState, model: nnx.Module | None = N
         info = checkpoint.run_info(cfg, state, gpt and gpt.n_head, decay, gpt and gpt.activation_function)
         ckpt = checkpoint.Checkpointer(cfg.checkpoint_dir, info,
                                        resume=cfg.resume, keep=cfg.checkpoint_keep)
-
-    if cfg.metrics_out:
-        checkpoint.writable_file(cfg.metrics_out, "--metrics-out")
-    if cfg.export_torch:  # a folder (save_pretrained's) for GPT-2 in Hugging Face's layout only
-        gpt = isinstance(model, models.GPT) and cfg.torch_layout == "hf"
-        weights.check_writable(cfg.export_torch, "--export-torch", folder_ok=gpt)
-        if gpt and weights.is_folder(cfg.export_torch):
-            models.gpt.hf_config(model.config)  # refuses a GPT that transformers' GPT2 cannot hold
-        if model is not None and not any(callable(getattr(model, f, None)) for f in ("torch_state_dict",
-                                                                                      "torch_modules")):
-            raise ValueError(f"--export-torch: {type(model).__name__} has neither torch_state_dict() nor "
-                             "torch_modules(), so its weights have no PyTorch names; define one (the README's "
-                             "'Bring your own model'), or drop --export-torch.")
+    try:
+        if cfg.metrics_out:
+            checkpoint.writable_file(cfg.metrics_out, "--metrics-out")
+        if cfg.export_torch:  # a folder (save_pretrained's) for GPT-2 in Hugging Face's layout only
+            gpt = isinstance(model, models.GPT) and cfg.torch_layout == "hf"
+            weights.check_writable(cfg.export_torch, "--export-torch", folder_ok=gpt)
+            if gpt and weights.is_folder(cfg.export_torch):
+                models.gpt.hf_config(model.config)  # refuses a GPT that transformers' GPT2 cannot hold
+            if model is not None and not any(callable(getattr(model, f, None)) for f in ("torch_state_dict",
+                                                                                          "torch_modules")):
+                raise ValueError(f"--export-torch: {type(model).__name__} has neither torch_state_dict() nor "
+                                 "torch_modules(), so its weights have no PyTorch names; define one (the README's "
+                                 "'Bring your own model'), or drop --export-torch.")
+    except BaseException:
+        if ckpt is not None:
+            ckpt.close()  # releases the directory's lock
+        raise
     return ckpt
 
 
@@ -950,79 +954,79 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
     if not objective.per_sample:
         check_batch_divides(cfg, strategy, local_batch, replicas)
     ckpt = prepare_outputs(cfg, state, model, total_steps)
-    position = {"loss_sum": 0.0, "count": 0.0}
-    scaler = loss_scale_config(cfg)  # fp16: steps skipped on overflowing gradients advance no schedule
-    if ckpt is not None and cfg.resume:
-        state, position = ckpt.restore(state)
-        sampler.load_state_dict(sampler_state(position["sampler"], sampler))
-        if scaler is not None and not scaler.dynamic:  # the static --loss-scale given now, not the checkpoint's S
-            from jaxpar import loss_scale as scaling  # (a new one was silently ignored: a QA finding)
+    completed, writer = False, None
+    try:  # from here on the Checkpointer is closed (its lock released) whatever happens
+        position = {"loss_sum": 0.0, "count": 0.0}
+        scaler = loss_scale_config(cfg)  # fp16: steps skipped on overflowing gradients advance no schedule
+        if ckpt is not None and cfg.resume:
+            state, position = ckpt.restore(state)
+            sampler.load_state_dict(sampler_state(position["sampler"], sampler))
+            if scaler is not None and not scaler.dynamic:  # the static --loss-scale given now, not the checkpoint's S
+                from jaxpar import loss_scale as scaling  # (a new one was silently ignored: a QA finding)
 
-            state = state._replace(opt_state=scaling.with_scale(state.opt_state, scaler.loss_scale))
-    # every check passed: from here on the run writes
-    placed = strategy.init(state)
-    eval_step = make_eval_step(objective)
-    writer = report.MetricsWriter(cfg.metrics_out if main_process else None, append=cfg.resume)
-    log = print if main_process and not cfg.quiet else (lambda *a, **k: None)
-    step, epoch = int(state.step), sampler.epoch
-    log(f"jaxpar: {cfg.strategy} on {strategy.describe()}; model {cfg.model} "
-        f"({sum(a.size for a in jax.tree.leaves(state.params)):,} params); {len(train_set)} training samples"
-        + (f"; resumed from step {step} (epoch {epoch}) in {cfg.checkpoint_dir}" if cfg.resume else ""))
-    del state  # the strategy holds the weights now; this copy's optimizer state would sit on device 0 all run
-    model = abstract_model(model)  # and the model's own weights (the end reads its type and config only)
-    if cfg.epochs is not None and cfg.steps is not None and main_process:
-        print(f"jaxpar: note: --steps {cfg.steps} sets the run's length, not --epochs {cfg.epochs} (as Hugging Face's "
-              "max_steps overrides num_train_epochs).", file=sys.stderr)
-    for note in ckpt.notes if ckpt is not None and main_process else ():
-        print(f"jaxpar: note: resuming with a changed setting ({note}); the run will not match the original.",
-              file=sys.stderr)
-    for note in ckpt.ignored if ckpt is not None and main_process else ():
-        print(f"jaxpar: note: {note}.", file=sys.stderr)
-    if cfg.resume and step >= total_steps and main_process:
-        print(f"jaxpar: note: the checkpoint is at step {step}, and this run ends at step {total_steps}: nothing is "
-              "left to train; raise --steps or --epochs to train on.", file=sys.stderr)
-    writer.write({"event": "start", "strategy": cfg.strategy, "model": cfg.model, "devices": devices_used(strategy),
-                  "processes": nproc, "describe": strategy.describe(), "step": step,
-                  "config": dataclasses.asdict(cfg)})
+                state = state._replace(opt_state=scaling.with_scale(state.opt_state, scaler.loss_scale))
+        # every check passed: from here on the run writes
+        placed = strategy.init(state)
+        eval_step = make_eval_step(objective)
+        writer = report.MetricsWriter(cfg.metrics_out if main_process else None, append=cfg.resume)
+        log = print if main_process and not cfg.quiet else (lambda *a, **k: None)
+        step, epoch = int(state.step), sampler.epoch
+        log(f"jaxpar: {cfg.strategy} on {strategy.describe()}; model {cfg.model} "
+            f"({sum(a.size for a in jax.tree.leaves(state.params)):,} params); {len(train_set)} training samples"
+            + (f"; resumed from step {step} (epoch {epoch}) in {cfg.checkpoint_dir}" if cfg.resume else ""))
+        del state  # the strategy holds the weights now; this copy's optimizer state would sit on device 0 all run
+        model = abstract_model(model)  # and the model's own weights (the end reads its type and config only)
+        if cfg.epochs is not None and cfg.steps is not None and main_process:
+            print(f"jaxpar: note: --steps {cfg.steps} sets the run's length, not --epochs {cfg.epochs} (as Hugging "
+                  "Face's max_steps overrides num_train_epochs).", file=sys.stderr)
+        for note in ckpt.notes if ckpt is not None and main_process else ():
+            print(f"jaxpar: note: resuming with a changed setting ({note}); the run will not match the original.",
+                  file=sys.stderr)
+        for note in ckpt.ignored if ckpt is not None and main_process else ():
+            print(f"jaxpar: note: {note}.", file=sys.stderr)
+        if cfg.resume and step >= total_steps and main_process:
+            print(f"jaxpar: note: the checkpoint is at step {step}, and this run ends at step {total_steps}: nothing "
+                  "is left to train; raise --steps or --epochs to train on.", file=sys.stderr)
+        writer.write({"event": "start", "strategy": cfg.strategy, "model": cfg.model,
+                      "devices": devices_used(strategy), "processes": nproc, "describe": strategy.describe(),
+                      "step": step, "config": dataclasses.asdict(cfg)})
 
-    def save(pending: bool) -> None:
-        """`pending`: the save comes at the end of an epoch whose record (its evaluation) is not written yet: a
-        resumed run writes it first (a stop at an epoch's last step lost that epoch's record: a QA finding)."""
-        data = {"sampler": sampler.state_dict(), "loss_sum": loss_sum, "count": count, "skipped": skipped,
-                "epoch_pending": pending}
-        if not ckpt.save(step, strategy.unplace(placed), data):
-            raise Diverged(f"step {step} left non-finite parameters; not saved. " + _kept(cfg, ckpt))
+        def save(pending: bool) -> None:
+            """`pending`: the save comes at the end of an epoch whose record (its evaluation) is not written yet: a
+            resumed run writes it first (a stop at an epoch's last step lost that epoch's record: a QA finding)."""
+            data = {"sampler": sampler.state_dict(), "loss_sum": loss_sum, "count": count, "skipped": skipped,
+                    "epoch_pending": pending}
+            if not ckpt.save(step, strategy.unplace(placed), data):
+                raise Diverged(f"step {step} left non-finite parameters; not saved. " + _kept(cfg, ckpt))
 
-    def end_epoch() -> dict[str, Any]:
-        """The epoch's record: its train loss, the evaluation, written and logged."""
-        record = {"epoch": epoch, "step": step,  # NaN: every step of the epoch was skipped (fp16)
-                  "train_loss": loss_sum / count if count else float("nan")}
-        if eval_set is not None:  # a strategy with evaluate() runs it where its weights are (pipeline)
-            on = getattr(strategy, "evaluate", None)
-            record.update(evaluate(eval_step, strategy.unplace(placed), eval_set, eval_batch_size(cfg),
-                                   pad=objective.per_sample) if on is None else
-                          evaluate(lambda rows: on(placed, rows), None, eval_set, eval_batch_size(cfg),
-                                   pad=objective.per_sample))
-        writer.write({"event": "epoch", **record})
-        log(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
-        return record
+        def end_epoch() -> dict[str, Any]:
+            """The epoch's record: its train loss, the evaluation, written and logged."""
+            record = {"epoch": epoch, "step": step,  # NaN: every step of the epoch was skipped (fp16)
+                      "train_loss": loss_sum / count if count else float("nan")}
+            if eval_set is not None:  # a strategy with evaluate() runs it where its weights are (pipeline)
+                on = getattr(strategy, "evaluate", None)
+                record.update(evaluate(eval_step, strategy.unplace(placed), eval_set, eval_batch_size(cfg),
+                                       pad=objective.per_sample) if on is None else
+                              evaluate(lambda rows: on(placed, rows), None, eval_set, eval_batch_size(cfg),
+                                       pad=objective.per_sample))
+            writer.write({"event": "epoch", **record})
+            log(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
+            return record
 
-    def finished_epoch() -> bool:  # whether this rank's epoch has no batch left (else --steps ended it mid-epoch)
-        rest = len(sampler) - sampler.offset  # this rank's samples not yet trained on this epoch
-        return (rest // local_batch if cfg.drop_last else rest) == 0
+        def finished_epoch() -> bool:  # whether this rank's epoch has no batch left (else --steps ended it mid-epoch)
+            rest = len(sampler) - sampler.offset  # this rank's samples not yet trained on this epoch
+            return (rest // local_batch if cfg.drop_last else rest) == 0
 
-    # a resumed run that has nothing left to train counts its epochs as the run that saved it did
-    clock, stopped, start_step, epoch_done = report.Clock(), None, step, finished_epoch() if cfg.resume else True
-    skipped = skipped_before = int(position.get("skipped", 0))
-    last: dict[str, Any] = {}
-    loss_sum, count = position["loss_sum"], position["count"]  # the epoch's running train loss
-    if cfg.resume and epoch_done and position.get("epoch_pending"):  # saved at its epoch's end, before the record
-        last = end_epoch()
-        clock.skip()  # the evaluation is not training time
-    if cfg.resume and epoch_done and step < total_steps:  # the checkpoint ended its epoch exactly: the next begins
-        epoch, loss_sum, count = epoch + 1, 0.0, 0.0  # (it reported that epoch again, train_loss nan: a QA finding)
-    completed = False
-    try:
+        # a resumed run that has nothing left to train counts its epochs as the run that saved it did
+        clock, stopped, start_step, epoch_done = report.Clock(), None, step, finished_epoch() if cfg.resume else True
+        skipped = skipped_before = int(position.get("skipped", 0))
+        last: dict[str, Any] = {}
+        loss_sum, count = position["loss_sum"], position["count"]  # the epoch's running train loss
+        if cfg.resume and epoch_done and position.get("epoch_pending"):  # saved at its epoch's end, before the record
+            last = end_epoch()
+            clock.skip()  # the evaluation is not training time
+        if cfg.resume and epoch_done and step < total_steps:  # the checkpoint ended its epoch exactly: the next begins
+            epoch, loss_sum, count = epoch + 1, 0.0, 0.0  # (it reported that epoch again, train_loss nan: a QA finding)
         with StopSignals(enabled=ckpt is not None) as signals:
             while step < total_steps and stopped is None:
                 sampler.set_epoch(epoch)  # a resumed epoch keeps the checkpoint's offset
@@ -1136,7 +1140,8 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
                       "summary": summary_line(summary)})
         completed = True
     finally:
-        writer.close(keep_pending=completed)  # a run that failed before its first step leaves the file alone
+        if writer is not None:  # a run that failed before its first step leaves the file alone
+            writer.close(keep_pending=completed)
         if ckpt is not None:
             ckpt.close()  # waits for an asynchronous save: the last good checkpoint is complete on disk
     if main_process:

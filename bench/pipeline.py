@@ -5,7 +5,7 @@ and its bubble. Tables print in Markdown; run `uptime` before and after (the mac
     python bench/pipeline.py --processes 2 --threads 2   # ... each rank on 2 threads (torch's) / 2 cores (XLA's)
     python bench/pipeline.py --processes 2 --model stack --batch 256 --micro-batches 8 --pin   # the stack, a core each
     python bench/pipeline.py --stack                     # 16 x Linear(512), 2 simulated devices, S=2, M=8, batch 256
-                                                         # (and the engine against a hand-written twin)
+                                                         # (and the engine against hand-written twins)
     python bench/pipeline.py --one-stage                 # S=1, M=1 against the single-device step
     python bench/pipeline.py --zb                        # ZB-H1 and ZB-V vs 1F1B at S=4, M=8: analysis, executed
 
@@ -483,24 +483,28 @@ def two_devices_at_once(batch: dict, M: int, n_rounds: int) -> None:
 
 
 def hand_written_twin(runs: dict, batch: dict, M: int, n_rounds: int) -> None:
-    """Where the engine's own time goes: the --stack step of 1F1B with every W at the flush against a twin written
-    by hand in plain JAX -- the same layers, weights, batch and SGD, the same dispatch order (F0 F1 I0 F2 I1 ...,
-    the last stage's F and I fused, each stage's W's as one product over its micro-batches' rows), but stage
-    programs written for this model (no per-sample vmap, each ReLU's mask read off its output, no per-part
-    structure); checked equal to the engine after one step, then timed in alternating rounds."""
+    """Where the engine's own time goes: the --stack step of 1F1B against twins written by hand in plain JAX -- the
+    same layers, weights, batch and SGD, the same dispatch order (F0 F1 B0 F2 B1 ..., the last stage's forward and
+    backward in one program) -- for both of the engine's stored executions: each micro-batch's backward adding its
+    weight gradient to the stage's accumulator (1F1B as DeepSpeed and torch run it), and every W deferred to the
+    flush, each stage's W's as one product over its micro-batches' rows (defer_wgrad). The twins' stage programs are
+    written for this model (no per-sample vmap, each ReLU's mask read off its output, no per-part structure, the
+    update inside the last program); each is checked equal to its engine run after one step, then all are timed in
+    alternating rounds with the one-device step, which sets their bounds."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     import optax
 
-    pipe, state0, _ = runs["1f1b ckpt 0 dw"]
+    from jaxpar.pipeline import analysis
+
+    single, state0, _ = runs["single"]
+    pipe = runs["1f1b ckpt 0"][0]
     d0, d1 = (pipe.transport.devices[s][0] for s in range(2))
-    rows, tx = batch["x"].shape[0] // M, pipe.engine.tx
-    lin = [layer for layer in runs["single"][0].objective.merge(state0.params, state0.model_state).layers
+    rows, tx, n = batch["x"].shape[0] // M, pipe.engine.tx, batch["x"].shape[0]
+    lin = [layer for layer in single.objective.merge(state0.params, state0.model_state).layers
            if hasattr(layer, "kernel")]
     half = len(lin) // 2
-    params = [jax.device_put([(layer.kernel.get_value(), layer.bias.get_value()) for layer in lin[:half]], d0),
-              jax.device_put([(layer.kernel.get_value(), layer.bias.get_value()) for layer in lin[half:]], d1)]
     xs = [jax.device_put(batch["x"][m * rows:(m + 1) * rows], d0) for m in range(M)]
     ys = [jax.device_put(batch["y"][m * rows:(m + 1) * rows], d1) for m in range(M)]
 
@@ -520,69 +524,114 @@ def hand_written_twin(runs: dict, batch: dict, M: int, n_rounds: int) -> None:
             dy = dy @ ps[k][0].T
         return dy, cots[::-1]
 
-    def last_fi(ps, x, y):
+    def last_fb(ps, x, y):  # the last stage's forward and input gradient, from d(summed cross-entropy)/dz
         z, ins = forward(ps, x, True)
-        dz = jax.nn.softmax(z) - jax.nn.one_hot(y, z.shape[-1])  # d(summed cross-entropy)/dz
-        dx, cots = back(ps, ins, z, dz, True)
-        return dx, ins, cots, -jnp.sum(jnp.take_along_axis(jax.nn.log_softmax(z), y[:, None], 1))
+        dx, cots = back(ps, ins, z, jax.nn.softmax(z) - jax.nn.one_hot(y, z.shape[-1]), True)
+        return dx, ins, cots
 
-    def weights(ps, opt, inss, cotss, n):
-        grads = []
-        for k in range(len(ps)):
-            cot = jnp.concatenate([c[k] for c in cotss])
-            grads.append(((jnp.concatenate([i[k] for i in inss]).T @ cot) / n, cot.sum(0) / n))
-        updates, opt = tx.update(grads, opt, ps)
+    def grads_of(inss, cotss):  # each layer's weight gradient over the micro-batches' rows joined
+        cat = [(jnp.concatenate([i[k] for i in inss]), jnp.concatenate([c[k] for c in cotss]))
+               for k in range(len(inss[0]))]
+        return [(i.T @ c, c.sum(0)) for i, c in cat]
+
+    def update(ps, opt, grads):
+        updates, opt = tx.update([(w / n, b / n) for w, b in grads], opt, ps)
         return optax.apply_updates(ps, updates), opt
+
+    def add(acc, ins, cots):  # acc + this micro-batch's weight gradient (acc None: the step's first)
+        g = grads_of([ins], [cots])
+        return g if acc is None else [(a + w, c + b) for (a, c), (w, b) in zip(acc, g)]
 
     f0 = jax.jit(lambda ps, x: forward(ps, x, False))
     i0 = jax.jit(lambda ps, ins, out, dy: back(ps, ins, out, dy, False))
-    fi1, w = jax.jit(last_fi), jax.jit(weights, static_argnums=4, donate_argnums=(0, 1))
-    opts = [jax.device_put(tx.init(p), d) for p, d in zip(params, (d0, d1))]
+    fi1 = jax.jit(last_fb)
+    b0 = jax.jit(lambda acc, ps, ins, out, dy: add(acc, ins, back(ps, ins, out, dy, False)[1]))
+    fb1 = jax.jit(lambda acc, ps, x, y: (lambda dx, ins, cots: (add(acc, ins, cots), dx))(*last_fb(ps, x, y)))
+    w_update = jax.jit(lambda ps, opt, inss, cotss: update(ps, opt, grads_of(inss, cotss)), donate_argnums=(0, 1))
+    acc_update = jax.jit(update, donate_argnums=(0, 1, 2))
 
-    def twin():
-        st0, st1, act, grad = {}, {}, {}, {}
+    def make_twin(deferred: bool):
+        params = [jax.device_put([(np.array(k.get_value()), np.array(b.get_value())) for k, b in
+                                  ((layer.kernel, layer.bias) for layer in part)], d)
+                  for part, d in ((lin[:half], d0), (lin[half:], d1))]
+        opts = [jax.device_put(tx.init(p), d) for p, d in zip(params, (d0, d1))]
 
-        def fwd0(m):
-            out, ins = f0(params[0], xs[m])
-            st0[m], act[m] = [ins, out], jax.device_put(out, d1)
+        def step():
+            st0, st1, act, grad, acc = {}, {}, {}, {}, [None, None]
 
-        def fwd_in1(m):
-            dx, ins, cots, _ = fi1(params[1], act.pop(m), ys[m])
-            st1[m], grad[m] = (ins, cots), jax.device_put(dx, d0)
+            def fwd0(m):
+                out, ins = f0(params[0], xs[m])
+                st0[m], act[m] = (ins, out), jax.device_put(out, d1)
 
-        def in0(m):
-            ins, out = st0[m]
-            st0[m] = (ins, i0(params[0], ins, out, grad.pop(m))[1])
+            def last(m):
+                if deferred:
+                    dx, ins, cots = fi1(params[1], act.pop(m), ys[m])
+                    st1[m] = (ins, cots)
+                else:
+                    acc[1], dx = fb1(acc[1], params[1], act.pop(m), ys[m])
+                grad[m] = jax.device_put(dx, d0)
 
-        fwd0(0)
-        for m in range(M):
-            if m + 1 < M:
-                fwd0(m + 1)
-            fwd_in1(m)
-            in0(m)
-        for s, st in ((0, st0), (1, st1)):
-            params[s], opts[s] = w(params[s], opts[s], [st[m][0] for m in range(M)], [st[m][1] for m in range(M)],
-                                   batch["x"].shape[0])
-        return params
+            def back0(m):
+                ins, out = st0[m]
+                if deferred:
+                    st0[m] = (ins, i0(params[0], ins, out, grad.pop(m))[1])
+                else:
+                    acc[0] = b0(acc[0], params[0], ins, out, grad.pop(m))
+                    del st0[m]
 
-    placed, pb = pipe.init(state0), pipe.put_batch(batch)
-    box = [placed]
-    before = jax.device_get(params)
-    twin_params = jax.device_get(twin())  # one step of each from the same state: the twin computes the engine's step
-    box[0] = pipe.step(placed, pb)[0]
-    merged = runs["single"][0].objective.merge(*(lambda u: (u.params, u.model_state))(pipe.unplace(box[0])))
-    want = [(layer.kernel.get_value(), layer.bias.get_value()) for layer in merged.layers if hasattr(layer, "kernel")]
-    gap = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in
-              zip(jax.tree.leaves(twin_params[0] + twin_params[1]), jax.tree.leaves(want)))
-    moved = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in
-                zip(jax.tree.leaves(twin_params), jax.tree.leaves(before)))
-    assert gap < 1e-5 < moved, f"the twin's first step differs from the engine's by {gap} (it moved {moved})"
+            fwd0(0)
+            for m in range(M):
+                if m + 1 < M:
+                    fwd0(m + 1)
+                last(m)
+                back0(m)
+            for s, st in ((0, st0), (1, st1)):
+                if deferred:
+                    params[s], opts[s] = w_update(params[s], opts[s], [st[m][0] for m in range(M)],
+                                                  [st[m][1] for m in range(M)])
+                else:
+                    params[s], opts[s] = acc_update(params[s], opts[s], acc[s])
+            return params
 
-    def engine():
-        box[0], metrics = pipe.step(box[0], pb)
-        return box[0], metrics
+        return step, params
 
-    timings = {"hand-written twin": twin, "jaxpar 1f1b+dw": engine}
+    def weights_of(engine_pipe, placed):
+        merged = single.objective.merge(*(lambda u: (u.params, u.model_state))(engine_pipe.unplace(placed)))
+        return [(layer.kernel.get_value(), layer.bias.get_value()) for layer in merged.layers
+                if hasattr(layer, "kernel")]
+
+    timings, bounds = {}, {}
+    for name, deferred in (("1f1b ckpt 0", False), ("1f1b ckpt 0 dw", True)):
+        engine_pipe = runs[name][0]
+        twin, params = make_twin(deferred)
+        before = jax.device_get(params)
+        twin_params = jax.device_get(twin())  # one step of each from the same state: the twin computes the engine's
+        box = [engine_pipe.init(state0)]
+        pb = engine_pipe.put_batch(batch)
+        box[0] = engine_pipe.step(box[0], pb)[0]
+        gap = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in
+                  zip(jax.tree.leaves(twin_params[0] + twin_params[1]), jax.tree.leaves(weights_of(engine_pipe,
+                                                                                                  box[0]))))
+        moved = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in
+                    zip(jax.tree.leaves(twin_params), jax.tree.leaves(before)))
+        assert gap < 1e-5 < moved, f"the {name} twin's first step differs from the engine's by {gap} (moved {moved})"
+
+        def engine(p=engine_pipe, box=box, pb=pb):
+            box[0], metrics = p.step(box[0], pb)
+            return box[0], metrics
+
+        label = engine_pipe.schedule.name
+        timings[f"hand-written twin, {label}"], timings[f"jaxpar {label}"] = twin, engine
+        bubble = analysis.bubble_fraction(engine_pipe.schedule, analysis.COSTS)
+        bounds[f"hand-written twin, {label}"] = bounds[f"jaxpar {label}"] = 1.5 / (1 - bubble)
+    sbox = [single.init(state0)]
+    spb = single.put_batch(batch)
+
+    def one():
+        sbox[0], metrics = single.step(sbox[0], spb)
+        return sbox[0], metrics
+
+    timings["one device"] = one
     for run in timings.values():
         jax.block_until_ready(run()), jax.block_until_ready(run())
     best = {k: (float("inf"), 0.0) for k in timings}
@@ -595,13 +644,19 @@ def hand_written_twin(runs: dict, batch: dict, M: int, n_rounds: int) -> None:
             wall, cpu = (time.perf_counter() - t) / 5, (time.process_time() - c) / 5
             if wall < best[k][0]:
                 best[k] = (wall, cpu)
-    print("\nThe engine against a hand-written twin of the same 1F1B with the W's deferred (same model, weights, "
-          "batch, SGD, dispatch order; best of alternating rounds of 5 steps)\n")
-    print("| run | ms/step | CPU ms/step (all threads) | cores busy |")
-    print("|---|---:|---:|---:|")
+    t1 = best["one device"][0]
+    print("\nThe engine against hand-written twins of its two stored 1F1B executions (same model, weights, batch, SGD, "
+          f"dispatch order; best of alternating rounds of 5 steps; one device {t1 * 1e3:.1f} ms/step in the same "
+          "rounds sets the bounds)\n")
+    print("| run | ms/step | CPU ms/step (all threads) | cores busy | bound | step / bound |")
+    print("|---|---:|---:|---:|---:|---:|")
     for k, (wall, cpu) in best.items():
-        print(f"| {k} | {wall * 1e3:.1f} | {cpu * 1e3:.1f} | {cpu / wall:.2f} |")
-    print(f"\njaxpar / twin: {best['jaxpar 1f1b+dw'][0] / best['hand-written twin'][0]:.2f}x")
+        bound = f"{bounds[k] * t1 * 1e3:.1f} | {wall / (bounds[k] * t1):.2f}x" if k in bounds else "| "
+        print(f"| {k} | {wall * 1e3:.1f} | {cpu * 1e3:.1f} | {cpu / wall:.2f} | {bound} |")
+    for label in ("1f1b", "1f1b+dw"):
+        print(f"\njaxpar / twin, {label}: {best[f'jaxpar {label}'][0] / best[f'hand-written twin, {label}'][0]:.2f}x",
+              end="")
+    print()
 
 
 def executed(runs: dict, S: int, M: int) -> None:

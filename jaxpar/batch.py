@@ -108,6 +108,35 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def share_of(batch_size: int | None, processes: int, multiple: int) -> int | None:
+    """The rows each process pads its batch to under a global `batch_size`: ceil(batch_size / processes) rounded
+    up to `multiple` (its devices x micro-batches), one shape every step (one compile); None without a batch_size."""
+    return None if batch_size is None else round_up(-(-batch_size // processes), multiple)
+
+
+def padded_size(n: int, who: str, batch_size: int | None, multiple: int, processes: int = 1) -> int:
+    """The rows this process's batch of `n` is padded to: its share of `batch_size` (`share_of`), or without one
+    `n` rounded up to `multiple`. ValueError, before any padding or placing, for a batch above that share (one
+    process took it without a word: a second shape, a second compile, a batch larger than declared), or for several
+    processes without a batch_size (their shapes must agree). `who` names the strategy; every strategy that pads
+    to a batch_size (DDP, ZeRO, tensor parallelism, the pipeline) checks through here."""
+    if batch_size is None:
+        if processes > 1:
+            raise ValueError(f"{who}.put_batch across {processes} processes needs batch_size= (each process pads its "
+                             "rows to its share of the global batch, so that every process holds one shape); pass "
+                             "the global batch size as batch_size= (--batch-size).")
+        return round_up(n, multiple)
+    share = share_of(batch_size, processes, multiple)
+    if n > share:
+        here, whose = ("", f"batch_size={batch_size}") if processes == 1 else \
+            (" on this process", f"its share of batch_size={batch_size} over {processes} processes")
+        raise ValueError(f"{who}.put_batch got a batch of {n} rows{here}, more than the {share} that {whose} pads "
+                         f"every batch to (one shape, one compile); pass at most {share} rows"
+                         f"{here.replace('this', 'each')}, or build the strategy with batch_size={n * processes} or "
+                         "more (--batch-size).")
+    return share
+
+
 def split_rows(rows: Rows, k: int) -> Rows:
     """Every leaf [B, ...] -> [k, B/k, ...]: k consecutive micro-batches (B must divide by k)."""
     b = jax.tree.leaves(rows.mask)[0].shape[0]

@@ -474,3 +474,34 @@ def test_the_reports_cost_model_counts_the_busiest_device_as_the_compiled_count_
     r = ddp.report(placed)
     assert r["model_bytes_sent_per_device"] > 0
     assert r["model_bytes_sent_per_device"] == r["hlo_bytes_sent_per_device"] - cost.ring_bytes("all-reduce", 4, 12)
+
+
+def test_a_batch_larger_than_batch_size_is_refused_in_one_process_and_across_processes(monkeypatch):
+    """batch_size fixes every step's shape: a batch above its share was padded to a second shape without a word
+    in one process (a second compile, a batch larger than declared), and refused across processes only; there a
+    missing batch_size read 'its share None of batch_size=None'. One rule and one line each (jaxpar.batch.
+    padded_size), before any work (the processes are simulated: the check runs first)."""
+    import jax
+
+    from jaxpar.mesh import make_mesh
+    from jaxpar.strategies.ddp import DistributedDataParallel
+
+    objective, tx, _, batches = problem()
+    ddp = DistributedDataParallel(objective, tx, mesh=make_mesh(4), batch_size=8)
+    with pytest.raises(ValueError, match=r"^DistributedDataParallel\.put_batch got a batch of 16 rows, more than "
+                                         r"the 8 that batch_size=8 pads every batch to .*; pass at most 8 rows, or "
+                                         r"build the strategy with batch_size=16 or more \(--batch-size\)\.$"):
+        ddp.put_batch(batches[0])
+    assert ddp.put_batch(take(batches[0], slice(0, 8))).mask.shape == (8,)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)  # this process: all 8 devices, as rank 0 of 2
+    ddp = DistributedDataParallel(objective, tx, mesh=make_mesh(8), batch_size=13)
+    assert ddp.share == 8
+    assert ddp.put_batch(take(batches[0], slice(0, 8))).mask.shape == (8,)  # 8 rows: within the share
+    with pytest.raises(ValueError, match=r"^DistributedDataParallel\.put_batch got a batch of 9 rows on this process, "
+                                         r"more than the 8 that its share of batch_size=13 over 2 processes pads every "
+                                         r"batch to .*; pass at most 8 rows on each process, or build the strategy "
+                                         r"with batch_size=18 or more"):
+        ddp.put_batch(take(batches[0], slice(0, 9)))
+    with pytest.raises(ValueError, match=r"^DistributedDataParallel\.put_batch across 2 processes needs batch_size= "
+                                         r".*; pass the global batch size as batch_size= \(--batch-size\)\.$"):
+        DistributedDataParallel(objective, tx, mesh=make_mesh(8)).put_batch(batches[0])

@@ -934,3 +934,20 @@ def test_two_processes_equal_single(tmp_path):
 if __name__ == "__main__":
     if sys.argv[1] == "worker":
         worker(sys.argv[2])
+
+
+def test_a_batch_larger_than_batch_size_is_refused_but_evaluation_takes_any():
+    """batch_size fixes every step's shape: put_batch padded a batch above it to a second shape without a word (a
+    second compile, a larger global batch than declared). DDP's rule (jaxpar.batch.padded_size), one line, before
+    any work; evaluate's batches (--eval-batch-size, 1000 by default) are not training batches and still pass."""
+    model, loss, batch = mlp()  # 12 rows
+    state = jaxpar.init_state(model, TX)
+    pipe = pipeline(model, TX, loss_fn=loss, num_stages=2, micro_batches=2, batch_size=8)
+    placed = pipe.init(state)
+    with pytest.raises(ValueError, match=r"^Pipeline\.put_batch got a batch of 12 rows, more than the 8 that "
+                                         r"batch_size=8 pads every batch to .*; pass at most 8 rows, or build the "
+                                         r"strategy with batch_size=12 or more"):
+        pipe.put_batch(batch)
+    got = jaxpar.evaluate(pipe, placed, [batch])  # 12 rows > batch_size: evaluation pads them as it always did
+    want = jaxpar.evaluate(jaxpar.SingleDevice(model, TX, loss_fn=loss), state, [batch])
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)

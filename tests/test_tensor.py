@@ -796,3 +796,21 @@ def test_split_dropout_is_the_unsplit_dropout_cut_by_rank(broadcast_dims):
     with pytest.raises(ValueError, match="split_dropout: the nnx.Dropout holds no rngs and none were passed"):
         jax.shard_map(lambda xl: megatron.split_dropout(nnx.Dropout(0.5), xl, TENSOR, -1), mesh=mesh,
                       in_specs=P(None, None, TENSOR), out_specs=P(None, None, TENSOR), check_vma=False)(x)
+
+
+def test_a_batch_larger_than_batch_size_is_refused_as_ddp_refuses_it(monkeypatch):
+    """TensorParallel padded a batch above batch_size to a second shape without a word (a second compile, a global
+    batch larger than declared), and across processes took any batch: with no batch_size each process padded its
+    own rows to its own shape. DDP's rule (jaxpar.batch.padded_size), one line, before any work."""
+    x = np.zeros((9, CFG["block_size"]), np.int32)
+    tp = TensorParallel(model(), TX, tensor_parallel=2, mesh=Mesh(np.array(jax.devices()[:4]).reshape(2, 2),
+                                                                  (DATA, TENSOR)), batch_size=8)
+    with pytest.raises(ValueError, match=r"^TensorParallel\.put_batch got a batch of 9 rows, more than the 8 that "
+                                         r"batch_size=8 pads every batch to .*; pass at most 8 rows, or build the "
+                                         r"strategy with batch_size=9 or more"):
+        tp.put_batch({"x": x, "y": x})
+    monkeypatch.setattr(jax, "process_count", lambda: 2)  # this process: all 4 devices, as rank 0 of 2
+    tp = TensorParallel(model(), TX, tensor_parallel=2, mesh=Mesh(np.array(jax.devices()[:4]).reshape(2, 2),
+                                                                  (DATA, TENSOR)))
+    with pytest.raises(ValueError, match=r"^TensorParallel\.put_batch across 2 processes needs batch_size= "):
+        tp.put_batch({"x": x[:4], "y": x[:4]})

@@ -1047,3 +1047,24 @@ def test_a_mask_that_chooses_by_shape_is_refused(tx, monkeypatch):
             z.init(jaxpar.init_state(model, tx))
     same = optax.adamw(1e-2, weight_decay=0.5, mask=lambda p: jax.tree.map(lambda a: True, p))  # one choice for all
     assert zero_optim.check(same, params) is False
+
+
+@pytest.mark.parametrize("stage", zero_lib.STAGES)
+def test_a_batch_larger_than_batch_size_is_refused_as_ddp_refuses_it(stage):
+    """batch_size=30 fixes every step's shape (32 rows on 4 devices): a 33-row batch got past it without a word in
+    one process (padded to a second shape, 36 rows: a second compile, a batch larger than declared), where DDP's
+    rule refuses it. One line, before any work (no init needed); a short batch is still padded to the share."""
+    _, objective, batches, batch_size, _ = problem("mlp")
+    z = jaxpar.ZeroRedundancy(objective, TX, stage=stage, mesh=jaxpar.make_mesh(4), batch_size=batch_size)
+    ddp = jaxpar.DistributedDataParallel(objective, TX, mesh=jaxpar.make_mesh(4), batch_size=batch_size)
+    rng = np.random.default_rng(0)
+    for rows in (33, 40):
+        big = {"x": rng.normal(size=(rows, 8)).astype(np.float32), "y": rng.normal(size=(rows, 2)).astype(np.float32)}
+        for strategy, who in ((z, "ZeroRedundancy"), (ddp, "DistributedDataParallel")):
+            with pytest.raises(ValueError, match=rf"^{who}\.put_batch got a batch of {rows} rows, more than the "
+                                                 rf"32 that batch_size=30 pads every batch to .*; pass at most 32 "
+                                                 rf"rows, or build the strategy with batch_size={rows} or more "
+                                                 rf"\(--batch-size\)\.$"):
+                strategy.put_batch(big)
+    assert z.put_batch(jax.tree.map(lambda a: a[:5], batches[0])).mask.shape == (32,)  # short: padded to the share
+    assert z.put_batch(batches[0]).mask.shape == (32,)

@@ -17,7 +17,6 @@ replica normalises with its own shard's statistics and the running buffers of re
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -31,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import loss_scale
-from jaxpar.batch import Rows, as_rows, check_unpadded, num_rows, pad_rows, round_up, split_rows
+from jaxpar.batch import Rows, as_rows, check_unpadded, num_rows, pad_rows, padded_size, share_of, split_rows
 from jaxpar.comm import cost as comm_cost
 from jaxpar.comm import overlap as ddp_overlap
 from jaxpar.comm.buckets import BucketPlan, cap_text, check_mib, check_plan, plan_buckets
@@ -284,7 +283,7 @@ class DistributedDataParallel:
                              f"of the {nproc} processes; give it a mesh over every process's devices (train.py: drop "
                              "--num-devices).")
         self.multiple = n_local * self.grad_accum  # rows per process must be a multiple of this
-        self.share = None if self.batch_size is None else round_up(math.ceil(self.batch_size / nproc), self.multiple)
+        self.share = share_of(self.batch_size, nproc, self.multiple)
 
     def init(self, state: TrainState):
         check_state(state, self.tx, self.objective)
@@ -305,17 +304,10 @@ class DistributedDataParallel:
     def put_batch(self, batch) -> Rows:
         """This process's rows (a batch pytree or Rows), padded to its share and sharded over its devices."""
         local = None if isinstance(batch, Rows) else num_rows(batch)
+        target = padded_size(batch.size if local is None else local, "DistributedDataParallel", self.batch_size,
+                             self.multiple, jax.process_count())  # before any work: a larger batch is refused
         rows = as_rows(batch, offset=jax.process_index() * (local or 0))
         self._layers_check(rows)
-        n = rows.size
-        if self.share is not None and n <= self.share:
-            target = self.share
-        elif jax.process_count() > 1:
-            raise ValueError(f"this process's batch of {n} rows must be at most its share {self.share} of "
-                             f"batch_size={self.batch_size}; pass the global batch size as batch_size= "
-                             "(--batch-size).")
-        else:
-            target = round_up(n, self.multiple)
         rows = pad_rows(rows, target)
         if not self.objective.per_sample:
             check_unpadded(rows, "per_sample=False")

@@ -29,7 +29,7 @@ import optax
 from flax import nnx
 
 from jaxpar import loss_scale
-from jaxpar.batch import Rows, as_rows, check_unpadded, pad_rows, round_up
+from jaxpar.batch import Rows, as_rows, check_unpadded, num_rows, pad_rows, padded_size, round_up
 from jaxpar.config import Config
 from jaxpar.mesh import DATA, PIPE, TENSOR, make_mesh
 from jaxpar.objective import Objective, OutputLoss, Sums, metrics_of
@@ -420,9 +420,18 @@ class Pipeline:
 
     def put_batch(self, batch) -> Batch:
         """The whole global batch (a pytree or Rows; every process passes all of it) padded with masked rows to a
-        multiple of D x M, cut into micro-batches, each stage's leaves placed on its devices."""
+        multiple of D x M (to batch_size's, given one: a larger batch is refused), cut into micro-batches, each
+        stage's leaves placed on its devices."""
+        return self._put(batch, fixed=False)
+
+    def _put(self, batch, fixed: bool) -> Batch:
+        """put_batch; `fixed` False: without the batch_size rule (evaluate's batches, --eval-batch-size, may be
+        larger than the training batch)."""
         if self.engine.state_specs is None:
             raise ValueError("Pipeline.put_batch() before init(); call placed = pipe.init(state) first.")
+        if fixed:  # before any work; every process passes the whole batch: the rule is the global one
+            padded_size(batch.size if isinstance(batch, Rows) else num_rows(batch), "Pipeline", self.batch_size,
+                        self.D * self.micro_batches)
         rows = as_rows(batch)
         self._layers_check(rows)  # once: the model's __call__ is its layers in turn (armed by init)
         if self._split_check is not None:  # once: the split model computes the unsplit one (armed by init)
@@ -491,7 +500,7 @@ class Pipeline:
                     self._eval_step = make_eval_step(self.objective)
                 state = self.unplace(placed)
                 return self._eval_step(state.params, state.model_state, rows)
-        pb = batch if isinstance(batch, Batch) else self.put_batch(batch)
+        pb = batch if isinstance(batch, Batch) else self._put(batch, fixed=False)
         plan = self.engine.plan(pb.layout, self.eval_schedule)
         total, _, _ = self.engine.run(plan, placed.params, placed.model_state, pb.stages, train=False)
         n = plan.sums_treedef.num_leaves

@@ -31,7 +31,6 @@ the masks, and so the numbers, equal the single-device step's.
 """
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple, Sequence
 
 import jax
@@ -44,7 +43,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import loss_scale
-from jaxpar.batch import Rows, as_rows, check_unpadded, num_rows, pad_rows, round_up
+from jaxpar.batch import Rows, as_rows, check_unpadded, num_rows, pad_rows, padded_size, share_of
 from jaxpar.comm import cost as comm_cost
 from jaxpar.config import Config
 from jaxpar.mesh import DATA, TENSOR, tensor_group_error
@@ -258,8 +257,7 @@ class TensorParallel:
         self.tx, self.batch_size = tx, check_batch_size(batch_size)
         self.data = self.mesh.shape[DATA]
         self.multiple = len(local_devices(self.mesh)) // self.tp  # rows per process: a multiple of its data ranks
-        self.share = None if batch_size is None else round_up(math.ceil(batch_size / jax.process_count()),
-                                                              self.multiple)
+        self.share = share_of(self.batch_size, jax.process_count(), self.multiple)
         self._step = self._batch_spec = None
         self.zero_stage, self.zero, self.zero_reduce = zero_stage, None, zero_reduce
         if check_split not in (None, True, False):
@@ -320,9 +318,9 @@ class TensorParallel:
     def put_batch(self, batch) -> Rows:
         """This process's rows, padded to its share, sharded over DATA (replicated over TENSOR)."""
         local = None if isinstance(batch, Rows) else num_rows(batch)
+        target = padded_size(batch.size if local is None else local, "TensorParallel", self.batch_size,
+                             self.multiple, jax.process_count())  # before any work: a larger batch is refused
         rows = as_rows(batch, offset=jax.process_index() * (local or 0))
-        n = rows.size
-        target = self.share if self.share is not None and n <= self.share else round_up(n, self.multiple)
         rows = pad_rows(rows, target)
         if not self.objective.per_sample:
             check_unpadded(rows, "per_sample=False")

@@ -39,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import loss_scale
-from jaxpar.batch import Rows, as_rows, check_unpadded, num_rows, pad_rows, round_up, split_rows
+from jaxpar.batch import Rows, as_rows, check_unpadded, num_rows, pad_rows, padded_size, share_of, split_rows
 from jaxpar.comm import cost as comm_cost
 from jaxpar.comm import fetch, overlap
 from jaxpar.comm import shards as sh
@@ -224,7 +224,7 @@ class ZeroRedundancy:
                              f"of the {nproc} processes; give it a mesh over every process's devices (train.py: drop "
                              "--num-devices).")
         self.multiple = n_local * grad_accum
-        self.share = None if batch_size is None else round_up(math.ceil(batch_size / nproc), self.multiple)
+        self.share = share_of(self.batch_size, nproc, self.multiple)
 
     # -- set-up: the plan, the optimizer check, the compiled step -----------------------------------------
 
@@ -327,16 +327,10 @@ class ZeroRedundancy:
     def put_batch(self, batch) -> Rows:
         """This process's rows, padded to its share (a multiple of its devices x grad_accum) and sharded."""
         local = None if isinstance(batch, Rows) else num_rows(batch)
+        target = padded_size(batch.size if local is None else local, "ZeroRedundancy", self.batch_size,
+                             self.multiple, jax.process_count())  # before any work: a larger batch is refused
         rows = as_rows(batch, offset=jax.process_index() * (local or 0))
         self._layers_check(rows)
-        if self.share is not None and rows.size <= self.share:
-            target = self.share
-        elif jax.process_count() > 1:
-            raise ValueError(f"this process's batch of {rows.size} rows must be at most its share {self.share} of "
-                             f"batch_size={self.batch_size}; pass the global batch size as batch_size= "
-                             "(--batch-size).")
-        else:
-            target = round_up(rows.size, self.multiple)
         rows = pad_rows(rows, target)
         if not self.objective.per_sample:
             check_unpadded(rows, "per_sample=False")

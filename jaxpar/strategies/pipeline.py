@@ -422,7 +422,7 @@ class Pipeline:
         """The whole global batch (a pytree or Rows; every process passes all of it) padded with masked rows to a
         multiple of D x M (to batch_size's, given one: a larger batch is refused), cut into micro-batches, each
         stage's leaves placed on its devices."""
-        return self._put(batch, fixed=False)
+        return self._put(batch, fixed=True)
 
     def _put(self, batch, fixed: bool) -> Batch:
         """put_batch; `fixed` False: without the batch_size rule (evaluate's batches, --eval-batch-size, may be

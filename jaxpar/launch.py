@@ -40,14 +40,18 @@ from typing import Sequence
 
 
 def parser() -> argparse.ArgumentParser:
+    """torchrun's options, under its dashed names and (as torchrun takes them too) its underscored ones."""
     p = argparse.ArgumentParser(prog="python -m jaxpar.launch", description=__doc__.split("\n\n")[0])
-    p.add_argument("--nproc-per-node", type=int, default=1, help="processes on this node (default 1)")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1,
+                   help="processes on this node (default 1)")
     p.add_argument("--nnodes", type=int, default=1, help="nodes in the run (default 1)")
-    p.add_argument("--node-rank", type=int, default=0, help="this node's index in [0, nnodes) (default 0)")
-    p.add_argument("--master-addr", default="127.0.0.1", help="address of node 0 (default 127.0.0.1)")
-    p.add_argument("--master-port", type=int, default=None,
+    p.add_argument("--node-rank", "--node_rank", type=int, default=0,
+                   help="this node's index in [0, nnodes) (default 0)")
+    p.add_argument("--master-addr", "--master_addr", default="127.0.0.1", help="address of node 0 (default 127.0.0.1)")
+    p.add_argument("--master-port", "--master_port", type=int, default=None,
                    help="coordinator port on node 0 (default: a free port on one node, 29500 on several)")
-    p.add_argument("--max-restarts", type=int, default=0, help="restart the group this many times on failure")
+    p.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
+                   help="restart the group this many times on failure")
     p.add_argument("--term-timeout", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL (default 5)")
     p.add_argument("-m", "--module", action="store_true", help="run the script as a module (python -m)")
     p.add_argument("script", help="the training script (or module with -m), e.g. train.py")

@@ -281,3 +281,17 @@ def test_each_rank_gets_torchruns_variables():
         "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
         "ROLE_RANK": "3", "ROLE_WORLD_SIZE": "4", "GROUP_WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": "2",
         "TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_RUN_ID": "none", "RESTART_COUNT": "2", "MASTER_PORT": "29500"}
+
+
+def test_torchruns_underscore_spellings_are_accepted():
+    """torchrun takes --nproc_per_node, --node_rank, --master_addr, --master_port and --max_restarts beside the dashed
+    names (the spelling of most torch and DeepSpeed tutorials); jaxpar.launch, its counterpart, refused them as
+    'unrecognized arguments' (a QA finding)."""
+    from jaxpar.launch import parser
+
+    args = parser().parse_args(["--nproc_per_node", "2", "--nnodes", "2", "--node_rank", "1", "--master_addr",
+                                "10.0.0.1", "--master_port", "29501", "--max_restarts", "3", "train.py", "--steps",
+                                "1"])
+    assert (args.nproc_per_node, args.node_rank, args.master_addr, args.master_port, args.max_restarts) == (
+        2, 1, "10.0.0.1", 29501, 3)
+    assert args.script_args == ["--steps", "1"]

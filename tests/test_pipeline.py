@@ -951,3 +951,23 @@ def test_a_batch_larger_than_batch_size_is_refused_but_evaluation_takes_any():
     got = jaxpar.evaluate(pipe, placed, [batch])  # 12 rows > batch_size: evaluation pads them as it always did
     want = jaxpar.evaluate(jaxpar.SingleDevice(model, TX, loss_fn=loss), state, [batch])
     np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
+
+
+def test_a_state_placed_by_another_pipeline_is_refused_in_one_line():
+    """Another Pipeline's placed state (another cut of the same model) failed with an IndexError deep in the engine
+    on step() and evaluate(), and unplace() paired its leaves with this cut's paths: a TrainState of mis-shaped
+    leaves, without a word (a QA pass). schedule=None (a config left unset) raised an AttributeError."""
+    model, loss, batch = mlp()
+    state = jaxpar.init_state(model, TX)
+    pipe = pipeline(model, TX, loss_fn=loss, num_stages=2, micro_batches=2)
+    pipe.init(state)
+    for other in (pipeline(model, TX, loss_fn=loss, num_stages=3, micro_batches=2, mesh=pipeline_mesh(3, 3)),
+                  pipeline(model, TX, loss_fn=loss, num_stages=4, micro_batches=2, mesh=pipeline_mesh(4, 4))):
+        assert other.module.bounds != pipe.module.bounds
+        for who, call in (("unplace", lambda p: pipe.unplace(p)), ("step", lambda p: pipe.step(p, pipe.put_batch(batch))),
+                          ("evaluate", lambda p: pipe.evaluate(p, batch))):
+            with pytest.raises(ValueError, match=rf"^Pipeline\.{who}\(\) got a placed state that is not this "
+                                                 r"pipeline's cut \(its stage \d holds .*other\.unplace\(placed\)"):
+                call(other.init(state))
+    with pytest.raises(ValueError, match="schedule None is not known"):
+        Pipeline(model, TX, loss_fn=loss, schedule=None)

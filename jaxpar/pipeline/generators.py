@@ -210,9 +210,9 @@ def make(name: str, num_stages: int, num_microbatches: int, virtual_stages: int 
     """Build a schedule by name: gpipe, 1f1b, zbh1, interleaved or forward (the last two take virtual_stages),
     zbv (two chunks per stage, V placement: virtual_stages must be 2); a training schedule's name + "+dw" (as
     defer_wgrad names it): that schedule with its W's at the flush."""
-    if name.endswith("+dw") and name != "+dw":
+    if isinstance(name, str) and name.endswith("+dw") and name != "+dw":
         return defer_wgrad(make(name.removesuffix("+dw"), num_stages, num_microbatches, virtual_stages))
-    if name not in SCHEDULES:
+    if not isinstance(name, str) or name not in SCHEDULES:  # None (a config left unset) raised AttributeError
         raise ValueError(f"schedule {name!r} is not known (--schedule); use one of {', '.join(sorted(SCHEDULES))}.")
     _check_args(num_stages, num_microbatches, virtual_stages)
     if name == "zbv":

@@ -457,8 +457,33 @@ class Pipeline:
 
     # -- the step ------------------------------------------------------------------------------------------
 
+    def _check_cut(self, placed: PipelineState, who: str) -> None:
+        """ValueError unless `placed` holds this pipeline's stages, each with its parameters' shapes: another
+        Pipeline's placed state (another cut of the same model) failed with an IndexError deep in the engine, and
+        unplace() paired its leaves with this cut's paths without a word."""
+        mod = self.module
+        if not isinstance(placed, PipelineState):
+            raise TypeError(f"Pipeline.{who}() got a {type(placed).__name__}, not the PipelineState this strategy's "
+                            "init() returns; place a TrainState first: placed = pipe.init(state).")
+        mine = list(self.transport.local_stages)
+        for s in mine:
+            have = placed.params.get(s)
+            want = [tuple(mod.param_specs[j].shape) for j in mod.stage_params[s]]
+            if have is None or [tuple(np.shape(a)) for a in have] != want:
+                got = "nothing" if have is None else f"{len(have)} parameter leaves" + (
+                    " of other shapes" if len(have) == len(want) else "")
+                raise ValueError(f"Pipeline.{who}() got a placed state that is not this pipeline's cut (its stage {s} "
+                                 f"holds {got} where this pipeline's stage {s} holds {len(want)}): another Pipeline "
+                                 "placed it (other num_stages, virtual_stages or partition); move it with state = "
+                                 "other.unplace(placed), then placed = pipe.init(state).")
+        if sorted(placed.params) != sorted(mine):
+            raise ValueError(f"Pipeline.{who}() got a placed state of stages {sorted(placed.params)} where this "
+                             f"pipeline holds {mine}: it was placed by another Pipeline; move it with state = "
+                             "other.unplace(placed), then pipe.init(state).")
+
     def step(self, placed: PipelineState, batch: Batch) -> tuple[PipelineState, dict]:
         check_placed(batch, Batch, "Pipeline", placed)
+        self._check_cut(placed, "step")
         plan = self.engine.plan(batch.layout, self.schedule)
         scale = self._scale(placed.opt_state)  # fp16's loss scale S this step runs at (None without a scaler)
         last = self.module.stage_of(self.module.num_parts - 1)
@@ -489,6 +514,7 @@ class Pipeline:
 
     def evaluate(self, placed: PipelineState, batch) -> Sums:
         """Sums of the loss and metrics over the real rows of `batch` in eval mode, on the forward-only schedule."""
+        self._check_cut(placed, "evaluate")
         if not self.objective.per_sample and not isinstance(batch, Batch):
             rows = as_rows(batch)
             self.objective.check_inputs(rows.data)  # a batch the model cannot take, in one line (put_batch's check)
@@ -515,6 +541,7 @@ class Pipeline:
     def unplace(self, placed: PipelineState) -> TrainState:
         """The canonical TrainState (the tree of jaxpar.init_state(model, tx)), on this process's first device;
         across processes every stage's leaves are summed in from the process that owns them."""
+        self._check_cut(placed, "unplace")
         mod, tr = self.module, self.transport
         home = tr.first_device
 

@@ -422,6 +422,35 @@ def test_report_models_bf16_communication_at_two_bytes_a_word(allreduce):
     assert 2 * bf16["model_bytes_sent_per_device"] == fp32["model_bytes_sent_per_device"]
 
 
+def test_report_says_when_the_compiled_step_widened_bf16_communication():
+    """psum under grad_comm_dtype='bf16': jaxpar's program all-reduces bfloat16 (its StableHLO), but XLA:CPU compiles
+    the all-reduce in f32, so the compiled count is twice the model's with nothing in the report saying why (a known
+    gap of the last notes). The report now says so; the ring, whose collective-permutes send bf16's bits (u16), gets no
+    note."""
+    import re
+
+    from jaxpar.comm import cost
+    from jaxpar.mesh import make_mesh
+    from jaxpar.strategies.ddp import DistributedDataParallel
+
+    objective, tx, state, batches = problem()
+    got = {}
+    for allreduce in ("psum", "ring"):
+        ddp = DistributedDataParallel(objective, tx, mesh=make_mesh(4), allreduce=allreduce, bucket_cap_mb=0,
+                                      grad_comm_dtype="bf16", batch_size=16)
+        placed, _ = ddp.step(ddp.init(state), ddp.put_batch(batches[0]))
+        asked = re.findall(r"stablehlo\.all_reduce.*?\) : \(tensor<\d+x(\w+)>\)",
+                           ddp._step.lower(placed, ddp._batch_spec).as_text(), re.S)
+        got[allreduce] = (ddp.report(placed), cost.hlo_collectives(ddp.hlo(placed)), asked)
+    psum, ops, asked = got["psum"]
+    assert "bf16" in asked  # premise: jaxpar's program all-reduces bf16 ...
+    assert {c.dtype for c in ops if c.kind == "all-reduce"} == {"f32"}  # ... and XLA:CPU compiled it in f32
+    assert psum["hlo_bytes_sent_per_device"] > 1.9 * psum["model_bytes_sent_per_device"]
+    assert "note" in psum and "f32" in psum["note"] and "bf16" in psum["note"]
+    ring, ring_ops, _ = got["ring"]
+    assert any(c.dtype == "u16" for c in ring_ops) and "note" not in ring  # bf16's bits, as they are sent
+
+
 def test_report_models_each_buckets_own_dtype_as_the_compiled_step_sends_it():
     """bf16 parameters: their gradients go out at 2 bytes a word, with or without grad_comm_dtype='bf16'; the
     model assumed 4-byte words, so it reported half what the step sends under bf16 communication and 1176

@@ -364,6 +364,13 @@ class DistributedDataParallel:
             out["hlo_collectives"] = {k: len({c.name for c in ops if c.kind == k}) for k in comm_cost.KINDS
                                       if any(c.kind == k for c in ops)}  # the metrics add one small psum
             out["hlo_bytes_sent_per_device"] = max(comm_cost.hlo_bytes_per_device(text, n))
+            two = [c for c in ops if comm_cost.DTYPE_BYTES.get(c.dtype) == 2]  # bf16 (or its u16 bits)
+            if self.grad_comm_dtype == "bf16" and self.allreduce == "psum" and not two:
+                # jaxpar's program all-reduces bfloat16; the backend's compiler widened it
+                out["note"] = ("the compiled step all-reduces in f32 where grad_comm_dtype='bf16' asked for bf16 "
+                               "(XLA:CPU promotes a bf16 all-reduce): it sends 4-byte words where the model counts 2; "
+                               "the buckets are still rounded to bfloat16 before the sum (allreduce='ring' sends "
+                               "bf16 words)")
         return out
 
 

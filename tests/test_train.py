@@ -549,3 +549,23 @@ def test_a_batch_size_beyond_the_dataset_pads_to_the_data_not_to_the_batch_size(
     assert 8 in widest and max(widest) <= 56, widest
     for got, ref in zip(leaves(out["state"]), leaves(want["state"])):
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=2e-6)
+
+
+def test_an_eval_set_with_no_weight_reports_nan_not_a_perfect_loss():
+    """Every held-out target masked out: the mean is 0/0, NaN (null in --metrics-out) as jaxpar.evaluate and torch's
+    mean over no targets give, not eval_loss 0 (a QA finding: the weight was floored at 1e-30)."""
+    import types
+
+    from jaxpar.objective import Sums
+    from jaxpar.run import trainer
+
+    data = type("Data", (), {"__len__": lambda self: 4, "batch": lambda self, idx: {"x": np.zeros((len(idx), 2))}})()
+    state = types.SimpleNamespace(params=None, model_state=None)
+
+    def sums(loss, weight, correct):
+        return lambda params, model_state, rows: Sums(np.float32(loss), np.float32(weight), np.float32(4),
+                                                      {"accuracy": np.float32(correct)})
+
+    out = trainer.evaluate(sums(0, 0, 0), state, data, 4)
+    assert np.isnan(out["eval_loss"]) and np.isnan(out["eval_accuracy"])
+    assert trainer.evaluate(sums(6, 3, 1.5), state, data, 4) == {"eval_loss": 2.0, "eval_accuracy": 0.5}

@@ -812,8 +812,9 @@ def evaluate(eval_step, state: TrainState, dataset, batch_size: int, pad: bool =
             rows = pad_rows(rows, batch_size)
         sums = jax.device_get(eval_step(rows) if state is None else eval_step(state.params, state.model_state, rows))
         totals = sums if totals is None else jax.tree.map(np.add, totals, sums)
-    w = max(float(totals.weight), 1e-30)
-    return {"eval_loss": float(totals.loss) / w, **{f"eval_{k}": float(v) / w for k, v in totals.metrics.items()}}
+    w = float(totals.weight)  # 0 (every target masked out): the mean is 0/0, NaN as jaxpar.evaluate's and torch's
+    mean = (lambda v: float(v) / w) if w else (lambda v: float("nan"))  # noqa: E731
+    return {"eval_loss": mean(totals.loss), **{f"eval_{k}": mean(v) for k, v in totals.metrics.items()}}
 
 
 class Diverged(RuntimeError):

@@ -246,10 +246,14 @@ class TensorParallel:
         if sequence_parallel and whole:  # a whole head's logits and their gradient would be counted T times
             raise ValueError(f"--sequence-parallel needs the embedding split by vocabulary rows, but {whole[0]}; "
                              "pad the vocabulary to a multiple of --tensor-parallel (GPT-2's 50257 to 50304).")
-        # each rank updates slices of leaves: the optimizer must be elementwise (or want only the global norm)
+        # each rank updates slices of leaves: the optimizer must be elementwise (or want only the global norm);
+        # with ZeRO-1 it sees flat pieces of them (zero_optim.check), else the tree of its slices (check_slices)
         params = nnx.split(model, wrt, ...)[1]
-        self.needs_norm = zero_optim.check(tx, params, slices=rank_shapes(jax.tree.leaves(params), self.plan,
-                                                                            tensor_parallel))
+        if zero_stage:
+            self.needs_norm = zero_optim.check(tx, params, slices=rank_shapes(jax.tree.leaves(params), self.plan,
+                                                                                tensor_parallel))
+        else:
+            self.needs_norm = zero_optim.check_slices(tx, params, [lay.axis for lay in self.plan], tensor_parallel)
         self.parallel_output = resolve_parallel_output(parallel_output, loss_fn) and not whole
         set_tensor_axis(model, TENSOR, tensor_parallel, sequence_parallel, self.parallel_output)
         self.sequence_parallel = bool(sequence_parallel)

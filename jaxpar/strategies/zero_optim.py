@@ -150,6 +150,59 @@ def check(tx: optax.GradientTransformation, params, rtol: float = 1e-5, slices: 
                      f"equal the single-device step; {FIX}.")
 
 
+def check_slices(tx: optax.GradientTransformation, params, axes: list, tp: int, rtol: float = 1e-5) -> bool:
+    """`check` for tensor parallelism without ZeRO, where each rank updates the parameter tree of its own slices
+    (each leaf cut along its axis in `axes`, flatten order, None: whole on every rank): whether tx needs the global
+    gradient norm (True) or is elementwise (False); ValueError otherwise. Update steps on small copies of the
+    parameters, whole and as each rank's slices, with jaxpar.optim.probe_gradients; and the per-parameter choices
+    tx makes from the parameter tree on the slices (`shape_choices`, flat=False). A choice by ndim (nanoGPT's "decay
+    the 2-D weights") passes here: a slice keeps its leaf's ndim, where ZeRO's flat pieces (`check`) do not."""
+    leaves, treedef = jax.tree.flatten(params)
+    shrink = [tuple(2 * tp if k == ax else min(d, 3) for k, d in enumerate(np.shape(a))) for a, ax in zip(leaves, axes)]
+    shape_choices(tx, params, [tuple(d // tp if k == ax else d for k, d in enumerate(s)) for s, ax in
+                               zip(shrink, axes)], flat=False)
+    tx = optax.with_extra_args_support(tx)
+    rng = np.random.default_rng(0)
+    p0 = [rng.standard_normal(s).astype(np.float32) for s in shrink]
+    grads = optim.probe_gradients(shrink, rng)  # unit, then 1e12 with an inf: clipping and skipping show
+
+    def cut(xs, r):  # rank r's slices (None: the whole tree, as one device holds it)
+        if r is None:
+            return xs
+        return [x if ax is None else np.split(x, tp, axis=ax)[r] for x, ax in zip(xs, axes)]
+
+    def run(r, norm: bool) -> list[list[np.ndarray]]:  # each step's update leaves on rank r
+        tree = lambda xs: jax.tree.unflatten(treedef, [jnp.asarray(x) for x in cut(xs, r)])  # noqa: E731
+        p, out = tree(p0), []
+        state = tx.init(p)
+        for g_all in grads:
+            extra = {"global_norm": jnp.sqrt(sum(jnp.sum(jnp.square(a)) for a in g_all))} if norm else {}
+            u, state = tx.update(tree(g_all), state, p, **extra)
+            p = optax.apply_updates(p, u)
+            out.append([np.asarray(a) for a in jax.tree.leaves(u)])
+        return out
+
+    def agrees(norm: bool) -> bool:  # the whole tree as the single-device step runs it: no norm given
+        whole = run(None, False)
+        ranks = [run(r, norm) for r in range(tp)]
+        return all(np.allclose(got, want, rtol=rtol, atol=1e-7, equal_nan=True)
+                   for r, steps in enumerate(ranks) for step, (us, ws) in enumerate(zip(steps, whole))
+                   for got, want in zip(us, cut(ws, r)))
+
+    try:  # a loss scaler skips on the global norm: every rank must be given the same one
+        if agrees(False):
+            return loss_scale.wraps(tx, params)
+        if agrees(True):
+            return True
+    except (TypeError, ValueError, KeyError) as e:  # a transform that wants the whole parameter tree
+        raise ValueError(f"the optimizer fails on a tensor-parallel rank's slices of the parameters "
+                         f"({type(e).__name__}: {e}); {FIX}.") from e
+    raise ValueError(f"the optimizer is not elementwise (e.g. optax.clip_by_global_norm, optax.lamb's per-parameter "
+                     f"trust ratio, or jaxpar.optim.clip_by_global_norm anywhere but first in the chain): its update "
+                     f"of a tensor-parallel rank's slices of the parameters differs from its update of the whole "
+                     f"tree, so each rank's slices would not equal the single-device step; {FIX}.")
+
+
 CHOOSERS = ("mask", "param_labels")  # optax.masked's mask, optax.multi_transform's labels: a tree, or a callable
 
 

@@ -137,17 +137,25 @@ def check(tx: optax.GradientTransformation, params, rtol: float = 1e-5, slices: 
                                equal_nan=True)
                    for step, w in enumerate(whole))
 
-    try:  # a loss scaler skips on the global norm: every shard must be given the same one
+    return _verdict(agrees, tx, params, "a flat parameter vector", "a slice of the parameters",
+                    "optax.clip_by_global_norm, optax.apply_if_finite")
+
+
+def _verdict(agrees, tx, params, fails_on: str, pieces: str, examples: str) -> bool:
+    """From `agrees(norm)` (the pieces' updates equal the whole tree's, given the global norm or not): False, or a
+    loss scaler's True (elementwise; a loss scaler skips on the global norm, which every piece must be given), or
+    True (needs the global norm); ValueError where tx fails on the pieces (a transform that looks into the parameter
+    tree), or where neither agrees (`pieces`: what each device updates; `examples`: transforms that couple them)."""
+    try:
         if agrees(False):
             return loss_scale.wraps(tx, params)
         if agrees(True):
             return True
-    except (TypeError, ValueError, KeyError) as e:  # a transform that looks into the parameter tree
-        raise ValueError(f"the optimizer fails on a flat parameter vector ({type(e).__name__}: {e}); {FIX}.") from e
-    raise ValueError(f"the optimizer is not elementwise (e.g. optax.clip_by_global_norm, optax.apply_if_finite, or "
-                     f"jaxpar.optim.clip_by_global_norm anywhere but first in the chain): its update of a slice of "
-                     f"the parameters differs from its update of the whole tree, so each device's slice would not "
-                     f"equal the single-device step; {FIX}.")
+    except (TypeError, ValueError, KeyError) as e:
+        raise ValueError(f"the optimizer fails on {fails_on} ({type(e).__name__}: {e}); {FIX}.") from e
+    raise ValueError(f"the optimizer is not elementwise (e.g. {examples}, or jaxpar.optim.clip_by_global_norm "
+                     f"anywhere but first in the chain): its update of {pieces} differs from its update of the whole "
+                     f"tree, so what each device updates would not equal the single-device step; {FIX}.")
 
 
 def check_slices(tx: optax.GradientTransformation, params, axes: list, tp: int, rtol: float = 1e-5) -> bool:
@@ -189,18 +197,8 @@ def check_slices(tx: optax.GradientTransformation, params, axes: list, tp: int, 
                    for r, steps in enumerate(ranks) for step, (us, ws) in enumerate(zip(steps, whole))
                    for got, want in zip(us, cut(ws, r)))
 
-    try:  # a loss scaler skips on the global norm: every rank must be given the same one
-        if agrees(False):
-            return loss_scale.wraps(tx, params)
-        if agrees(True):
-            return True
-    except (TypeError, ValueError, KeyError) as e:  # a transform that wants the whole parameter tree
-        raise ValueError(f"the optimizer fails on a tensor-parallel rank's slices of the parameters "
-                         f"({type(e).__name__}: {e}); {FIX}.") from e
-    raise ValueError(f"the optimizer is not elementwise (e.g. optax.clip_by_global_norm, optax.lamb's per-parameter "
-                     f"trust ratio, or jaxpar.optim.clip_by_global_norm anywhere but first in the chain): its update "
-                     f"of a tensor-parallel rank's slices of the parameters differs from its update of the whole "
-                     f"tree, so each rank's slices would not equal the single-device step; {FIX}.")
+    return _verdict(agrees, tx, params, "a tensor-parallel rank's slices of the parameters",
+                    "a tensor-parallel rank's slices of the parameters", "optax.clip_by_global_norm, optax.lamb")
 
 
 CHOOSERS = ("mask", "param_labels")  # optax.masked's mask, optax.multi_transform's labels: a tree, or a callable

@@ -846,3 +846,7 @@ def test_a_mask_by_ndim_trains_under_tensor_parallelism_without_zero_and_a_per_l
         TensorParallel(model(), tx, tensor_parallel=2, mesh=mesh, zero_stage=1)
     with pytest.raises(ValueError, match="not elementwise .* a tensor-parallel rank's slices"):
         TensorParallel(model(), optax.lamb(1e-2), tensor_parallel=2, mesh=mesh)
+    # a size threshold the true slices fall on the same side of (every matrix's slice holds > 100 entries, every
+    # bias's and LayerNorm's <= 100) chooses as on one device: accepted, judged on the slices' true shapes
+    TensorParallel(model(), optax.adamw(1e-2, mask=lambda p: jax.tree.map(lambda a: a.size > 100, p)),
+                   tensor_parallel=2, mesh=mesh)

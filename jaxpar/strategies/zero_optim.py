@@ -167,8 +167,8 @@ def check_slices(tx: optax.GradientTransformation, params, axes: list, tp: int, 
     the 2-D weights") passes here: a slice keeps its leaf's ndim, where ZeRO's flat pieces (`check`) do not."""
     leaves, treedef = jax.tree.flatten(params)
     shrink = [tuple(2 * tp if k == ax else min(d, 3) for k, d in enumerate(np.shape(a))) for a, ax in zip(leaves, axes)]
-    shape_choices(tx, params, [tuple(d // tp if k == ax else d for k, d in enumerate(s)) for s, ax in
-                               zip(shrink, axes)], flat=False)
+    shape_choices(tx, params, [tuple(d // tp if k == ax else d for k, d in enumerate(np.shape(a))) for a, ax in
+                               zip(leaves, axes)], flat=False)  # the true slices: a size threshold shows there
     tx = optax.with_extra_args_support(tx)
     rng = np.random.default_rng(0)
     p0 = [rng.standard_normal(s).astype(np.float32) for s in shrink]

@@ -432,7 +432,6 @@ class Checkpointer:
     FIX = "stop that run, or pass another --checkpoint-dir"
 
     def __init__(self, directory: str, info: dict, *, resume: bool, keep: int = 2):
-        self._lock = None
         writable_dir(directory, "--checkpoint-dir")
         # an existing folder: locked before anything else, so a second run's refusal comes first
         self._lock = _take_lock(directory, "--checkpoint-dir", self.FIX, attempt=os.path.isdir(directory))
@@ -590,21 +589,17 @@ def save_checkpoint(directory: str, state: TrainState, *, step: int | None = Non
     lock = _take_lock(directory, "save_checkpoint:", "stop that run, or pass another directory")
     try:
         manager = _manager(directory, keep=keep)
-    except BaseException:
-        lock.release()
-        raise
-    try:
-        if not manager.save(int(step), args=ocp.args.Composite(state=ocp.args.StandardSave({"leaves": leaves}),
-                                                               meta=ocp.args.JsonSave(meta))):
-            raise ValueError(f"save_checkpoint: {directory!r} holds a newer step, {manager.latest_step()}, and "
-                             f"checkpoints go in increasing steps (orbax wrote nothing for step {step}); pass a step "
-                             "above it, or another directory.")
-        manager.wait_until_finished()
-    finally:
         try:
-            manager.close()
+            if not manager.save(int(step), args=ocp.args.Composite(state=ocp.args.StandardSave({"leaves": leaves}),
+                                                                   meta=ocp.args.JsonSave(meta))):
+                raise ValueError(f"save_checkpoint: {directory!r} holds a newer step, {manager.latest_step()}, and "
+                                 f"checkpoints go in increasing steps (orbax wrote nothing for step {step}); pass a "
+                                 "step above it, or another directory.")
+            manager.wait_until_finished()
         finally:
-            lock.release()
+            manager.close()
+    finally:
+        lock.release()
     return int(step)
 
 

@@ -249,11 +249,9 @@ class TensorParallel:
         # each rank updates slices of leaves: the optimizer must be elementwise (or want only the global norm);
         # with ZeRO-1 it sees flat pieces of them (zero_optim.check), else the tree of its slices (check_slices)
         params = nnx.split(model, wrt, ...)[1]
-        if zero_stage:
-            self.needs_norm = zero_optim.check(tx, params, slices=rank_shapes(jax.tree.leaves(params), self.plan,
-                                                                                tensor_parallel))
-        else:
-            self.needs_norm = zero_optim.check_slices(tx, params, [lay.axis for lay in self.plan], tensor_parallel)
+        slices = rank_shapes(jax.tree.leaves(params), self.plan, tensor_parallel)
+        self.needs_norm = zero_optim.check(tx, params, slices=slices) if zero_stage else \
+            zero_optim.check_slices(tx, params, slices, [lay.axis for lay in self.plan], tensor_parallel)
         self.parallel_output = resolve_parallel_output(parallel_output, loss_fn) and not whole
         set_tensor_axis(model, TENSOR, tensor_parallel, sequence_parallel, self.parallel_output)
         self.sequence_parallel = bool(sequence_parallel)

@@ -158,17 +158,18 @@ def _verdict(agrees, tx, params, fails_on: str, pieces: str, examples: str) -> b
                      f"tree, so what each device updates would not equal the single-device step; {FIX}.")
 
 
-def check_slices(tx: optax.GradientTransformation, params, axes: list, tp: int, rtol: float = 1e-5) -> bool:
+def check_slices(tx: optax.GradientTransformation, params, slices: list, axes: list, tp: int,
+                 rtol: float = 1e-5) -> bool:
     """`check` for tensor parallelism without ZeRO, where each rank updates the parameter tree of its own slices
-    (each leaf cut along its axis in `axes`, flatten order, None: whole on every rank): whether tx needs the global
+    (each leaf cut along its axis in `axes` into `tp`, flatten order, None: whole on every rank; `slices`: each
+    leaf's shape there, tensor.rank_shapes): whether tx needs the global
     gradient norm (True) or is elementwise (False); ValueError otherwise. Update steps on small copies of the
     parameters, whole and as each rank's slices, with jaxpar.optim.probe_gradients; and the per-parameter choices
     tx makes from the parameter tree on the slices (`shape_choices`, flat=False). A choice by ndim (nanoGPT's "decay
     the 2-D weights") passes here: a slice keeps its leaf's ndim, where ZeRO's flat pieces (`check`) do not."""
     leaves, treedef = jax.tree.flatten(params)
     shrink = [tuple(2 * tp if k == ax else min(d, 3) for k, d in enumerate(np.shape(a))) for a, ax in zip(leaves, axes)]
-    shape_choices(tx, params, [tuple(d // tp if k == ax else d for k, d in enumerate(np.shape(a))) for a, ax in
-                               zip(leaves, axes)], flat=False)  # the true slices: a size threshold shows there
+    shape_choices(tx, params, slices, flat=False)  # the true slices: a size threshold shows there
     tx = optax.with_extra_args_support(tx)
     rng = np.random.default_rng(0)
     p0 = [rng.standard_normal(s).astype(np.float32) for s in shrink]

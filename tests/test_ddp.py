@@ -227,10 +227,46 @@ def test_forward_leaf_order_follows_layers_not_names():
     model = Backwards(nnx.Rngs(0))
     names = leaf_names(nnx.split(model, nnx.Param, ...)[1])
     order = forward_leaf_order(model)
-    assert [names[i] for i in order] == ["z_in.bias", "z_in.kernel", "a_out.bias", "a_out.kernel"]
+    assert [names[i] for i in order] == ["z_in.kernel", "z_in.bias", "a_out.kernel", "a_out.bias"]
     plan = bucket_plan(nnx.split(model)[1], 0, order)
-    assert [names[b[0]] for b in plan] == ["a_out.kernel", "a_out.bias", "z_in.kernel", "z_in.bias"]
+    assert [names[b[0]] for b in plan] == ["a_out.bias", "a_out.kernel", "z_in.bias", "z_in.kernel"]
     assert len(jax.tree.leaves(nnx.split(model)[1])) == 4
+
+
+def test_buckets_of_a_model_are_torchs():
+    """Within a layer the leaves follow its definition order (torch's registration order: the weight, then the
+    bias), so a Linear's bias is ready before its kernel and joins its bucket. torch 2.13's DDP on
+    nn.Sequential(nn.Linear(400, 400), nn.Linear(400, 800)), default cap, reduced [[1.bias, 1.weight], [0.bias,
+    0.weight]] (a comm hook after the rebuild); the path-sorted order put 1.kernel (1.25 MiB) alone in the first
+    bucket and 1.bias with layer 0."""
+    from flax import nnx
+
+    from jaxpar.comm.overlap import forward_leaf_order, leaf_names
+    from jaxpar.strategies.ddp import bucket_plan
+
+    model = nnx.Sequential(nnx.Linear(400, 400, rngs=nnx.Rngs(0)), nnx.Linear(400, 800, rngs=nnx.Rngs(1)))
+    params = nnx.split(model, nnx.Param, ...)[1]
+    names = leaf_names(params)
+    plan = bucket_plan(params, None, forward_leaf_order(model))
+    assert [[names[i].rsplit(".", 2)[-2:] for i in b] for b in plan] == \
+        [[["1", "bias"], ["1", "kernel"]], [["0", "bias"], ["0", "kernel"]]]
+
+
+def test_gpt_forward_order_is_nanogpts():
+    """GPT's `layers` wrap its modules on the fly (Embedding, LMHead): their leaves count where the wrapper runs,
+    the tied wte at its first use, so ln_f's gradient is ready first and the embeddings' last, as in torch (the
+    path-sorted order put wte and wpe at the end of the forward, first to be reduced)."""
+    from flax import nnx
+
+    from jaxpar import models
+    from jaxpar.comm.overlap import forward_leaf_order, leaf_names
+
+    model = models.get("gpt-nano")
+    names = leaf_names(nnx.split(model, nnx.Param, ...)[1])
+    order = [names[i] for i in forward_leaf_order(model)]
+    assert sorted(order) == sorted(names)
+    assert order[:4] == ["wte.embedding", "wpe.embedding", "h.0.ln_1.scale", "h.0.ln_1.bias"]
+    assert order[-2:] == ["ln_f.scale", "ln_f.bias"]
 
 
 def test_bad_options_name_the_fix():
@@ -305,7 +341,7 @@ def test_build_from_config():
     cfg = Config(strategy="ddp", num_devices=2, allreduce="ring", bucket_cap_mb=0, overlap=False, batch_size=6)
     ddp = get_builder("ddp")(model, optax.sgd(0.1), cfg)
     assert (ddp.mesh.size, ddp.allreduce, ddp.overlap, ddp.share) == (2, "ring", False, 6)
-    assert ddp.leaf_order == [0, 1, 2, 3]  # layers/0 then layers/2
+    assert ddp.leaf_order == [1, 0, 3, 2]  # layers/0 then layers/2, each its kernel then its bias (as defined)
 
 
 def test_buffers_of_replica_0_keep_their_dtype():

@@ -13,8 +13,9 @@ cap that opens a bucket is alone in it. bucket_cap_mb=0 gives one leaf per bucke
 order they become ready (the position of their last leaf).
 
 The forward order is NOT the flatten order of an nnx.State (alphabetical by module path: `classifier` before
-`features`); pass `order`, the leaf indices in forward order (e.g. from the model's `layers`). Without it the
-flatten order is taken as the forward order.
+`features`, a Linear's `bias` before its `kernel`); pass `order`, the leaf indices in forward order
+(jaxpar.comm.overlap.forward_leaf_order: the model's `layers`, each layer's leaves as it defines them, as torch
+registers a Linear's weight before its bias). Without it the flatten order is taken as the forward order.
 """
 from __future__ import annotations
 

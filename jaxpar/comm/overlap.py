@@ -27,20 +27,44 @@ def forward_leaf_order(model: nnx.Module, wrt=nnx.Param) -> list[int]:
     """Indices of the leaves of `nnx.split(model, wrt, ...)[1]` (the trained params) in forward order.
 
     The order comes from the model's `layers` sequence (nnx.Sequential's, models.as_layers): each layer's
-    leaves, layer by layer. Leaves that no layer in `layers` holds, and every leaf of a model without `layers`,
-    follow in flatten (path-sorted) order, which is not the forward order in general (AlexNet's `classifier`
-    sorts before `features`).
+    leaves, layer by layer, within a layer in the order it defines them (torch's registration order: a Linear's
+    kernel before its bias, a GPT block's ln_1, attn, ln_2, mlp), a leaf two layers share (a tied embedding) at
+    its first use; a layer built on the fly around the model's modules (GPT's Embedding and LMHead) counts
+    them. Leaves that no layer in `layers` holds, and every leaf of a model without `layers`, follow in flatten
+    (path-sorted) order, which is not the forward order in general (AlexNet's `classifier` sorts before
+    `features`).
     """
     state = nnx.split(model, wrt, ...)[1]
-    paths = [_path_of(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
-    where = {id(node): path for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Module)}
+    index = {tuple(map(str, _path_of(p))): i for i, (p, _) in enumerate(jax.tree_util.tree_flatten_with_path(state)[0])}
+    leaf_of = {id(node): index[key] for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Variable)
+               and (key := tuple(map(str, path))) in index}
     order: list[int] = []
-    for layer in getattr(model, "layers", None) or ():
-        prefix = where.get(id(layer))
-        if prefix is None:  # a parameter-free layer built on the fly (ReLU(), Flatten()), or a plain function
-            continue
-        order += [i for i, p in enumerate(paths) if p[:len(prefix)] == tuple(prefix) and i not in order]
-    return order + [i for i in range(len(paths)) if i not in order]
+    seen: set[int] = set()
+    for layer in getattr(model, "layers", None) or ():  # a plain function (relu) holds no Variable
+        for var in _defined_variables(layer, seen):
+            if id(var) in leaf_of and leaf_of[id(var)] not in order:
+                order.append(leaf_of[id(var)])
+    return order + [i for i in range(len(index)) if i not in order]
+
+
+def _defined_variables(node, seen: set[int]) -> list:
+    """The Variables under `node` in the order its attributes were set (lists and dicts in their own order), each
+    Variable and Module once over the calls sharing `seen`."""
+    if id(node) in seen:
+        return []
+    if isinstance(node, nnx.Variable):
+        seen.add(id(node))
+        return [node]
+    if isinstance(node, (list, tuple)):
+        items = list(node)
+    elif isinstance(node, dict):
+        items = list(node.values())
+    elif isinstance(node, nnx.Module):
+        seen.add(id(node))
+        items = [v for k, v in vars(node).items() if not k.startswith("_pytree__")]
+    else:
+        return []
+    return [var for v in items for var in _defined_variables(v, seen)]
 
 
 def leaf_names(params) -> list[str]:

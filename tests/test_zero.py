@@ -4,7 +4,7 @@ per device are the ZeRO paper's; the compiled step moves DDP's volume (stages 1,
 Problems: the stock nnx.Sequential regression MLP of examples/ (450 parameters: 4 and 8 do not divide them) and
 a tiny GPT-2 (jaxpar.models.gpt, one block, no biases; 2,604 parameters: 8 does not divide them), dropout on, Adam (the
 state ZeRO partitions), 3 steps on batches the devices do not divide (30 rows; 11 sequences). Every stage x
-N in {1, 2, 4, 8} runs on the MLP, each stage once on the GPT (a covering design: GPT compiles are dear).
+N in {1, 2, 4, 8} runs on the MLP and on the GPT.
 """
 from __future__ import annotations
 

@@ -133,7 +133,6 @@ def test_sync_batch_norm_makes_ddp_equal_the_single_step():
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
-
 @pytest.mark.parametrize("stage", [1, 3])
 def test_sync_batch_norm_makes_zero_equal_the_single_step(stage):
     """The README lists ZeRO beside DDP for sync_batch_norm (the refusal DataParallel and the pipeline give names
@@ -142,10 +141,14 @@ def test_sync_batch_norm_makes_zero_equal_the_single_step(stage):
     batches = [{"x": rng.standard_normal((16, 6)).astype(np.float32) * (1 + s), "y": rng.integers(0, 3, 16)}
                for s in range(3)]
     single = run_bn(jaxpar.SingleDevice(bn_model(), TX), bn_model(), batches)
+    local = run_bn(jaxpar.ZeroRedundancy(bn_model(), TX, stage=stage, mesh=jaxpar.make_mesh(4)), bn_model(), batches)
+    diff = max(np.abs(a - b).max() for a, b in zip(jax.tree.leaves(local), jax.tree.leaves(single)))
+    assert diff > 1e-3  # without the sync: each replica's own statistics, not the single step's
     synced = run_bn(jaxpar.ZeroRedundancy(bn_model(True), TX, stage=stage, mesh=jaxpar.make_mesh(4)),
                     bn_model(True), batches)
     for a, b in zip(jax.tree.leaves(synced), jax.tree.leaves(single)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
 
 def test_zero_keeps_replica_0s_buffers_on_every_replica_as_ddp():
     """ZeRO (stage 3) in batch mode (a BatchNorm model, 2 replicas of 8 rows): the running statistics are replica

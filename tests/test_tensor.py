@@ -842,7 +842,7 @@ def test_a_mask_by_ndim_trains_under_tensor_parallelism_without_zero_and_a_per_l
         if "c_attn" in jax.tree_util.keystr(path) and a.ndim == 1:  # the key's bias: Adam-normalised rounding
             a, b = np.delete(a, np.arange(e, 2 * e)), np.delete(b, np.arange(e, 2 * e))  # noise (the test above)
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
-    with pytest.raises(ValueError, match="chooses by a parameter's shape: .* on ZeRO's flat pieces"):
+    with pytest.raises(ValueError, match="chooses per parameter .by its shape or its path.: .* on ZeRO's flat pieces"):
         TensorParallel(model(), tx, tensor_parallel=2, mesh=mesh, zero_stage=1)
     with pytest.raises(ValueError, match="not elementwise .* a tensor-parallel rank's slices"):
         TensorParallel(model(), optax.lamb(1e-2), tensor_parallel=2, mesh=mesh)

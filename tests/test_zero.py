@@ -1042,11 +1042,34 @@ def test_a_mask_that_chooses_by_shape_is_refused(tx, monkeypatch):
         zero_optim.check(tx, params)  # the numeric check misses it
     for stage in (1, 3):
         z = jaxpar.ZeroRedundancy(objective, tx, stage=stage, mesh=jaxpar.make_mesh(2))
-        with pytest.raises(ValueError, match="function by_(size|ndim) chooses by a parameter's shape: on the "
-                                             "parameters it gives .* on ZeRO's flat pieces.*decay_params='matrices'"):
+        with pytest.raises(ValueError, match="function by_(size|ndim) chooses per parameter .by its shape or its "
+                                             "path.: on the parameters it gives .* on ZeRO's flat pieces.*"
+                                             "decay_params='matrices'"):
             z.init(jaxpar.init_state(model, tx))
     same = optax.adamw(1e-2, weight_decay=0.5, mask=lambda p: jax.tree.map(lambda a: True, p))  # one choice for all
     assert zero_optim.check(same, params) is False
+
+
+def by_path(p):  # "decay the kernels": a choice by path, which ZeRO's flat pieces cannot keep either
+    return jax.tree_util.tree_map_with_path(lambda path, a: "kernel" in jax.tree_util.keystr(path), p)
+
+
+def test_a_mask_that_chooses_by_path_is_refused_without_advising_a_path():
+    """A QA pass: a mask by path was refused under ZeRO as one that "chooses by a parameter's shape", whose fix
+    read "choose by the parameter's path" -- the very mask refused. The flat pieces keep no paths: the refusal
+    says so, and names the strategies that keep the tree (DDP takes the same mask and equals the single step)."""
+    model, objective, batches, _, _ = problem("mlp")
+    tx = optax.adamw(1e-2, weight_decay=0.5, mask=by_path)
+    for stage in (1, 3):
+        z = jaxpar.ZeroRedundancy(objective, tx, stage=stage, mesh=jaxpar.make_mesh(2))
+        with pytest.raises(ValueError) as e:
+            z.init(jaxpar.init_state(model, tx))
+        msg = str(e.value)
+        assert "function by_path chooses per parameter (by its shape or its path)" in msg
+        assert "keep neither the parameters' shapes nor their paths" in msg and "DDP" in msg
+        assert "choose by the parameter's path" not in msg
+    ddp = jaxpar.DistributedDataParallel(objective, tx, mesh=jaxpar.make_mesh(2))
+    ddp.init(jaxpar.init_state(model, tx))  # the advice holds: a strategy that keeps the tree takes it
 
 
 @pytest.mark.parametrize("stage", zero_lib.STAGES)

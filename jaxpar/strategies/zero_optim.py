@@ -261,12 +261,20 @@ def shape_choices(tx: optax.GradientTransformation, params, slices: list | None 
             except Exception:  # noqa: BLE001
                 continue
             if got != own if leafwise else not (len(set(got)) == 1 and set(own) == set(got)):
+                # a rank's slices keep their leaves' paths, so only a choice by shape differs there; ZeRO's flat
+                # pieces keep neither, so a choice by path is refused there too (a QA pass: the old advice, "choose
+                # by the parameter's path", was refused by this same check)
+                how, fix = ("by a parameter's shape", "choose by the parameter's path, not its shape, or") \
+                    if leafwise else ("per parameter (by its shape or its path)",
+                                      "ZeRO's flat pieces keep neither the parameters' shapes nor their paths, so no "
+                                      "mask or label function can choose per parameter there: keep such a choice to "
+                                      "a strategy without ZeRO (DDP, the pipeline, tensor parallelism), or")
                 raise ValueError(
                     f"the optimizer's {'mask' if name == 'mask' else 'labels'} function "
-                    f"{getattr(fn, '__name__', type(fn).__name__)} chooses by a parameter's shape: on the parameters "
+                    f"{getattr(fn, '__name__', type(fn).__name__)} chooses {how}: on the parameters "
                     f"it gives {_summary(own)}, on {where} {_summary(got)}, so those elements would be updated "
-                    "otherwise than on one device, without a word; choose by the parameter's path, not its shape, "
-                    "or for a decay on the matrices only use jaxpar.optim.add_decayed_weights_to_matrices "
+                    f"otherwise than on one device, without a word; {fix} "
+                    "for a decay on the matrices only use jaxpar.optim.add_decayed_weights_to_matrices "
                     "(make_optimizer(decay_params='matrices'), train.py's --decay-params matrices), which the "
                     "strategies apply per element.")
 

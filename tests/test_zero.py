@@ -1091,3 +1091,23 @@ def test_a_batch_larger_than_batch_size_is_refused_as_ddp_refuses_it(stage):
                 strategy.put_batch(big)
     assert z.put_batch(jax.tree.map(lambda a: a[:5], batches[0])).mask.shape == (32,)  # short: padded to the share
     assert z.put_batch(batches[0]).mask.shape == (32,)
+
+
+def test_multisteps_around_a_decay_on_the_matrices_is_refused_naming_the_dropped_extra_arguments():
+    """A QA pass: optax.MultiSteps (a plain GradientTransformation) around add_decayed_weights_to_matrices drops
+    the decay_mask ZeRO hands it, so the flat pieces got no decay; it was refused as "not elementwise" with the
+    advice to use add_decayed_weights_to_matrices, the transform already inside. The refusal names the cause."""
+    model, objective, _, _, _ = problem("mlp")
+    inner = optax.chain(optax.scale_by_adam(), jaxpar.optim.add_decayed_weights_to_matrices(0.1),
+                        optax.scale_by_learning_rate(1e-2))
+    for tx in (optax.MultiSteps(inner, every_k_schedule=2), optax.MultiSteps(inner, 2).gradient_transformation()):
+        z = jaxpar.ZeroRedundancy(objective, tx, stage=2, mesh=jaxpar.make_mesh(2))
+        with pytest.raises(ValueError, match="not elementwise.*plain optax.GradientTransformation .e.g. "
+                                             "optax.MultiSteps., which drops the extra arguments.*decay_mask"):
+            z.init(jaxpar.init_state(model, tx))
+    z = jaxpar.ZeroRedundancy(objective, optax.lamb(1e-2), stage=2, mesh=jaxpar.make_mesh(2))
+    with pytest.raises(ValueError, match="not elementwise") as e:  # an optimizer that takes them: no such hint
+        z.init(jaxpar.init_state(model, optax.lamb(1e-2)))
+    assert "plain optax.GradientTransformation" not in str(e.value)
+    z = jaxpar.ZeroRedundancy(objective, optax.MultiSteps(optax.adam(1e-2), 2), stage=2, mesh=jaxpar.make_mesh(2))
+    z.init(jaxpar.init_state(model, optax.MultiSteps(optax.adam(1e-2), 2)))  # elementwise inside: accepted

@@ -104,7 +104,7 @@ def check(tx: optax.GradientTransformation, params, rtol: float = 1e-5, slices: 
     rank, in flatten order), against those."""
     layouts(tx, params)
     shape_choices(tx, params, slices)
-    tx = optax.with_extra_args_support(tx)
+    plain, tx = not isinstance(tx, optax.GradientTransformationExtraArgs), optax.with_extra_args_support(tx)
     rng = np.random.default_rng(0)
     leaves, treedef = jax.tree.flatten(params)
     shrink = [tuple(min(d, 3) for d in np.shape(a)) for a in leaves]
@@ -138,10 +138,10 @@ def check(tx: optax.GradientTransformation, params, rtol: float = 1e-5, slices: 
                    for step, w in enumerate(whole))
 
     return _verdict(agrees, tx, params, "a flat parameter vector", "a slice of the parameters",
-                    "optax.clip_by_global_norm, optax.apply_if_finite")
+                    "optax.clip_by_global_norm, optax.apply_if_finite", plain)
 
 
-def _verdict(agrees, tx, params, fails_on: str, pieces: str, examples: str) -> bool:
+def _verdict(agrees, tx, params, fails_on: str, pieces: str, examples: str, plain: bool = False) -> bool:
     """From `agrees(norm)` (the pieces' updates equal the whole tree's, given the global norm or not): False, or a
     loss scaler's True (elementwise; a loss scaler skips on the global norm, which every piece must be given), or
     True (needs the global norm); ValueError where tx fails on the pieces (a transform that looks into the parameter
@@ -155,7 +155,8 @@ def _verdict(agrees, tx, params, fails_on: str, pieces: str, examples: str) -> b
         raise ValueError(f"the optimizer fails on {fails_on} ({type(e).__name__}: {e}); {FIX}.") from e
     raise ValueError(f"the optimizer is not elementwise (e.g. {examples}, or jaxpar.optim.clip_by_global_norm "
                      f"anywhere but first in the chain): its update of {pieces} differs from its update of the whole "
-                     f"tree, so what each device updates would not equal the single-device step; {FIX}.")
+                     f"tree, so what each device updates would not equal the single-device step; {FIX}"
+                     f"{PLAIN if plain else ''}.")
 
 
 def check_slices(tx: optax.GradientTransformation, params, slices: list, axes: list, tp: int,
@@ -170,7 +171,7 @@ def check_slices(tx: optax.GradientTransformation, params, slices: list, axes: l
     leaves, treedef = jax.tree.flatten(params)
     shrink = [tuple(2 * tp if k == ax else min(d, 3) for k, d in enumerate(np.shape(a))) for a, ax in zip(leaves, axes)]
     shape_choices(tx, params, slices, flat=False)  # the true slices: a size threshold shows there
-    tx = optax.with_extra_args_support(tx)
+    plain, tx = not isinstance(tx, optax.GradientTransformationExtraArgs), optax.with_extra_args_support(tx)
     rng = np.random.default_rng(0)
     p0 = [rng.standard_normal(s).astype(np.float32) for s in shrink]
     grads = optim.probe_gradients(shrink, rng)  # unit, then 1e12 with an inf: clipping and skipping show
@@ -199,8 +200,17 @@ def check_slices(tx: optax.GradientTransformation, params, slices: list, axes: l
                    for got, want in zip(us, cut(ws, r)))
 
     return _verdict(agrees, tx, params, "a tensor-parallel rank's slices of the parameters",
-                    "a tensor-parallel rank's slices of the parameters", "optax.clip_by_global_norm, optax.lamb")
+                    "a tensor-parallel rank's slices of the parameters", "optax.clip_by_global_norm, optax.lamb",
+                    plain)
 
+
+# a plain optax.GradientTransformation (optax.MultiSteps, its .gradient_transformation(), a user's own) drops the
+# extra arguments the strategies hand the optimizer: ZeRO's decay_mask, the global norm (a QA pass: MultiSteps around
+# add_decayed_weights_to_matrices was refused as "not elementwise" with the advice to use that very transform)
+PLAIN = ("; the optimizer is a plain optax.GradientTransformation (e.g. optax.MultiSteps), which drops the extra "
+         "arguments a strategy hands it (decay_mask for jaxpar.optim.add_decayed_weights_to_matrices, global_norm for "
+         "jaxpar.optim.clip_by_global_norm): inside it those two act as on one whole tree; use the strategy's "
+         "grad_accum= for the accumulation instead of MultiSteps")
 
 CHOOSERS = ("mask", "param_labels")  # optax.masked's mask, optax.multi_transform's labels: a tree, or a callable
 

@@ -261,12 +261,54 @@ def test_gpt_forward_order_is_nanogpts():
     from jaxpar import models
     from jaxpar.comm.overlap import forward_leaf_order, leaf_names
 
+    from jaxpar.strategies.ddp import bucket_plan
+
     model = models.get("gpt-nano")
-    names = leaf_names(nnx.split(model, nnx.Param, ...)[1])
+    params = nnx.split(model, nnx.Param, ...)[1]
+    names = leaf_names(params)
     order = [names[i] for i in forward_leaf_order(model)]
     assert sorted(order) == sorted(names)
-    assert order[:4] == ["wte.embedding", "wpe.embedding", "h.0.ln_1.scale", "h.0.ln_1.bias"]
-    assert order[-2:] == ["ln_f.scale", "ln_f.bias"]
+    assert order[:4] == ["wte.embedding", "wpe.embedding", "h.0.ln_1.bias", "h.0.ln_1.scale"]
+    assert order[-2:] == ["ln_f.bias", "ln_f.scale"]
+    # the order torch 2.13's DDP readies (and, at bucket_cap_mb=0, reduces) tests/gpt_torch.py's gpt-nano twin's
+    # gradients, read off a comm hook after the rebuild: a Linear's bias before its weight, a LayerNorm's weight
+    # before its bias, wpe before the tied wte (whose gradient the lm head adds to first)
+    torch_ready = ["ln_f.weight", "ln_f.bias"]
+    for i in (2, 1, 0):
+        torch_ready += [f"h.{i}.{k}" for k in ("mlp.c_proj.bias", "mlp.c_proj.weight", "mlp.c_fc.bias",
+                                               "mlp.c_fc.weight", "ln_2.weight", "ln_2.bias", "attn.c_proj.bias",
+                                               "attn.c_proj.weight", "attn.c_attn.bias", "attn.c_attn.weight",
+                                               "ln_1.weight", "ln_1.bias")]
+    torch_ready += ["wpe.weight", "wte.weight"]
+    torch_name = {"kernel": "weight", "scale": "weight", "embedding": "weight", "bias": "bias"}
+    plan = bucket_plan(params, 0, forward_leaf_order(model))
+    assert [[".".join([*names[i].split(".")[:-1], torch_name[names[i].split(".")[-1]]]) for i in b]
+            for b in plan] == [[k] for k in torch_ready]
+
+
+def test_buckets_of_conv_layers_are_torchs():
+    """A convolution's (and a norm's) weight gradient is ready before its bias in torch (one backward node yields
+    both; a Linear's bias comes first), so the bias and weight of a conv fall in buckets as torch's do. torch
+    2.13's DDP on the MNIST Net twin (tests/make_torch_fixtures.py), read off a comm hook after the rebuild: at
+    bucket_cap_mb=0.07 (73,400 B) conv2.weight (73,728 B) closes a bucket on its own and conv2.bias joins conv1's;
+    the definition order alone made [conv2.bias, conv2.weight], [conv1.bias, conv1.weight]."""
+    from flax import nnx
+
+    from jaxpar import models
+    from jaxpar.comm.overlap import forward_leaf_order, leaf_names
+    from jaxpar.strategies.ddp import bucket_plan
+
+    model = models.get("convnet")
+    params = nnx.split(model, nnx.Param, ...)[1]
+    names = [n.replace("kernel", "weight") for n in leaf_names(params)]
+    order = forward_leaf_order(model)
+    buckets = {cap: [[names[i] for i in b] for b in bucket_plan(params, cap, order)] for cap in (0, 0.07, None)}
+    assert buckets[0] == [[k] for k in ("fc2.bias", "fc2.weight", "fc1.bias", "fc1.weight", "conv2.weight",
+                                        "conv2.bias", "conv1.weight", "conv1.bias")]
+    assert buckets[0.07] == [["fc2.bias", "fc2.weight", "fc1.bias", "fc1.weight"], ["conv2.weight"],
+                             ["conv2.bias", "conv1.weight", "conv1.bias"]]
+    assert buckets[None] == [["fc2.bias", "fc2.weight", "fc1.bias", "fc1.weight"],
+                             ["conv2.weight", "conv2.bias", "conv1.weight", "conv1.bias"]]
 
 
 def test_bad_options_name_the_fix():

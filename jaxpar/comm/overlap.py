@@ -30,9 +30,15 @@ def forward_leaf_order(model: nnx.Module, wrt=nnx.Param) -> list[int]:
     leaves, layer by layer, within a layer in the order it defines them (torch's registration order: a Linear's
     kernel before its bias, a GPT block's ln_1, attn, ln_2, mlp), a leaf two layers share (a tied embedding) at
     its first use; a layer built on the fly around the model's modules (GPT's Embedding and LMHead) counts
-    them. Leaves that no layer in `layers` holds, and every leaf of a model without `layers`, follow in flatten
-    (path-sorted) order, which is not the forward order in general (AlexNet's `classifier` sorts before
-    `features`).
+    them. Buckets fill in the reverse of this order, the order torch's autograd readies the gradients, and that
+    is not the reverse of registration for every layer: a Linear's bias is ready before its weight (addmm's
+    backward hands the weight's gradient on through a transpose), but a convolution's or a norm's weight is
+    ready before its bias (one backward node yields both; torch 2.13, DDP's buckets and post-accumulate-grad
+    hooks alike), so those layers (_weight_ready_first) list their bias first. Leaves that no layer in `layers`
+    holds, and every leaf of a model without `layers`, follow in flatten (path-sorted) order, which is not the
+    forward order in general (AlexNet's `classifier` sorts before `features`). The definition order is that of
+    a model built by its __init__: nnx.merge and nnx.eval_shape rebuild modules with their attributes sorted
+    by name (a Linear's bias then kernel, a GPT block's attn before ln_1), so pass the model itself.
     """
     state = nnx.split(model, wrt, ...)[1]
     index = {tuple(map(str, _path_of(p))): i for i, (p, _) in enumerate(jax.tree_util.tree_flatten_with_path(state)[0])}
@@ -62,9 +68,19 @@ def _defined_variables(node, seen: set[int]) -> list:
     elif isinstance(node, nnx.Module):
         seen.add(id(node))
         items = [v for k, v in vars(node).items() if not k.startswith("_pytree__")]
+        if isinstance(node, _weight_ready_first()):  # weight, bias -> bias, weight: torch readies the weight first
+            items = items[::-1]
     else:
         return []
     return [var for v in items for var in _defined_variables(v, seen)]
+
+
+def _weight_ready_first() -> tuple[type, ...]:
+    """The layers whose torch twins' weight gradient is ready before the bias's (one backward node computes both:
+    torch 2.13's Conv1d/Conv2d, BatchNorm2d, GroupNorm, LayerNorm; a Linear's bias comes first)."""
+    from jaxpar.models.layers import Conv2d  # jaxpar.models imports jaxpar.comm
+
+    return (Conv2d, nnx.Conv, nnx.LayerNorm, nnx.BatchNorm, nnx.GroupNorm)
 
 
 def leaf_names(params) -> list[str]:

@@ -1111,3 +1111,58 @@ def test_multisteps_around_a_decay_on_the_matrices_is_refused_naming_the_dropped
     assert "plain optax.GradientTransformation" not in str(e.value)
     z = jaxpar.ZeroRedundancy(objective, optax.MultiSteps(optax.adam(1e-2), 2), stage=2, mesh=jaxpar.make_mesh(2))
     z.init(jaxpar.init_state(model, optax.MultiSteps(optax.adam(1e-2), 2)))  # elementwise inside: accepted
+
+
+def test_a_mask_that_only_a_one_element_piece_or_a_ranks_slice_sees_otherwise_is_refused():
+    """shape_choices judges a mask on flat pieces of 1, 7 and all the elements, and (given `slices`, ZeRO-1 under
+    tensor parallelism) on each rank's slices. "Decay everything but scalars" (size > 1) gives True for every leaf
+    of a model without scalars, and for pieces of 7 or all elements, but False for a 1-element piece; a rule that
+    a matrix of 12 entries changes its mind on gives True on the whole (4, 6) leaf and on every flat piece, but
+    False on a rank's (4, 3) slice. Both are refused, the second only when the slices are passed."""
+    from jaxpar.strategies import zero_optim
+
+    params = {"a": jnp.zeros((3, 3)), "b": jnp.zeros((4,))}
+    with pytest.raises(ValueError, match=r"chooses per parameter \(by its shape or its path\): .* on ZeRO's flat "
+                                         "pieces"):
+        zero_optim.check(optax.adamw(1e-2, mask=lambda p: jax.tree.map(lambda a: a.size > 1, p)), params)
+    params = {"w": jnp.zeros((4, 6))}
+    tx = optax.adamw(1e-2, mask=lambda p: jax.tree.map(lambda a: a.ndim < 2 or a.size > 20, p))
+    zero_optim.shape_choices(tx, params)  # the flat pieces alone: one choice, as on the whole
+    with pytest.raises(ValueError, match="chooses by a parameter's shape: .* on a tensor-parallel rank's slices"):
+        zero_optim.check(tx, params, slices=[(4, 3)])
+
+
+def test_an_optimizer_that_raises_a_value_error_on_the_pieces_is_refused_in_the_checks_line():
+    """A transform that looks into the parameter tree and raises ValueError there (not only TypeError or
+    KeyError) is named as failing on the pieces, in the check's one line with the fix, the original chained."""
+    from jaxpar.strategies import zero_optim
+
+    def update(updates, state, params=None):
+        if set(updates) == {"shard"}:
+            raise ValueError("this transform needs the model's own tree")
+        return updates, state
+
+    tx = optax.chain(optax.GradientTransformation(lambda p: optax.EmptyState(), update), optax.sgd(1e-2))
+    params = {"w": jnp.zeros((3, 3)), "b": jnp.zeros((3,))}
+    with pytest.raises(ValueError, match=r"^the optimizer fails on a flat parameter vector \(ValueError: this "
+                                         r"transform needs the model's own tree\); use an elementwise") as info:
+        zero_optim.check(tx, params)
+    assert isinstance(info.value.__cause__, ValueError)
+
+
+def test_the_slices_check_compares_every_rank_and_every_leaf():
+    """check_slices runs tx on each tensor rank's slices and compares them with the same slice of the whole
+    tree's update, leaf by leaf. A transform that treats a leaf's first entry specially (freezing a padding
+    row: updates.at[0, 0].set(0)) agrees on rank 0's slice of a matrix cut along its columns but not on rank 1's,
+    whose [0, 0] is another entry of the whole; the cut leaf sorts after a whole one, so every leaf of every
+    rank must be compared for it to show."""
+    from jaxpar.strategies import zero_optim
+
+    def first_frozen(updates, state, params=None):
+        return jax.tree.map(lambda u: u.at[(0,) * u.ndim].set(0.0) if u.ndim else u, updates), state
+
+    tx = optax.chain(optax.sgd(1e-2), optax.GradientTransformation(lambda p: optax.EmptyState(), first_frozen))
+    params = {"a_bias": jnp.zeros((4,)), "w": jnp.zeros((4, 6))}
+    with pytest.raises(ValueError, match="not elementwise .* a tensor-parallel rank's slices"):
+        zero_optim.check_slices(tx, params, [(4,), (4, 3)], [None, 1], 2)
+    assert zero_optim.check_slices(optax.sgd(1e-2), params, [(4,), (4, 3)], [None, 1], 2) is False

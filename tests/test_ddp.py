@@ -612,3 +612,19 @@ def test_a_batch_larger_than_batch_size_is_refused_in_one_process_and_across_pro
     with pytest.raises(ValueError, match=r"^DistributedDataParallel\.put_batch across 2 processes needs batch_size= "
                                          r".*; pass the global batch size as batch_size= \(--batch-size\)\.$"):
         DistributedDataParallel(objective, tx, mesh=make_mesh(8)).put_batch(batches[0])
+
+
+def test_each_process_pads_to_its_share_of_the_global_batch_rounded_up(monkeypatch):
+    """A process's share of batch_size is ceil(batch_size / processes) rounded up to its devices x grad_accum
+    (jaxpar.batch.share_of): 17 rows over 2 processes of 8 devices is 9 rows each, padded to 16. Rounding the
+    division down (8, already a multiple of 8) would refuse a 9-row share that the global batch needs."""
+    import jax
+
+    from jaxpar.mesh import make_mesh
+    from jaxpar.strategies.ddp import DistributedDataParallel
+
+    objective, tx, _, batches = problem()
+    monkeypatch.setattr(jax, "process_count", lambda: 2)  # this process: all 8 devices, as rank 0 of 2
+    ddp = DistributedDataParallel(objective, tx, mesh=make_mesh(8), batch_size=17)
+    assert ddp.share == 16
+    assert ddp.put_batch(take(batches[0], slice(0, 9))).mask.shape == (16,)

@@ -971,3 +971,17 @@ def test_a_state_placed_by_another_pipeline_is_refused_in_one_line():
                 call(other.init(state))
     with pytest.raises(ValueError, match="schedule None is not known"):
         Pipeline(model, TX, loss_fn=loss, schedule=None)
+
+
+def test_a_batch_up_to_batch_size_rounded_to_the_micro_batches_is_taken():
+    """The pipeline pads every training batch to batch_size rounded up to data ranks x micro_batches, so a batch
+    of up to that many rows has the same shape and is taken (batch_size=5 with 2 micro-batches: 6 rows), as DDP
+    takes up to its rounded share; one row more is refused naming that 6."""
+    model, loss, batch = mlp()  # 12 rows
+    state = jaxpar.init_state(model, TX)
+    pipe = pipeline(model, TX, loss_fn=loss, num_stages=2, micro_batches=2, batch_size=5)
+    placed = pipe.init(state)
+    pipe.step(placed, pipe.put_batch(jax.tree.map(lambda a: a[:6], batch)))
+    with pytest.raises(ValueError, match=r"^Pipeline\.put_batch got a batch of 7 rows, more than the 6 that "
+                                         r"batch_size=5 pads every batch to "):
+        pipe.put_batch(jax.tree.map(lambda a: a[:7], batch))

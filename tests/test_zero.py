@@ -1166,3 +1166,18 @@ def test_the_slices_check_compares_every_rank_and_every_leaf():
     with pytest.raises(ValueError, match="not elementwise .* a tensor-parallel rank's slices"):
         zero_optim.check_slices(tx, params, [(4,), (4, 3)], [None, 1], 2)
     assert zero_optim.check_slices(optax.sgd(1e-2), params, [(4,), (4, 3)], [None, 1], 2) is False
+
+
+def test_a_batch_above_this_processes_share_is_refused_across_processes(monkeypatch):
+    """ZeroRedundancy.put_batch checks its rows against its process's share of batch_size, as DDP does: with 2
+    processes, batch_size=30 gives each 15 rows, padded to 16 on its 8 devices; 17 rows on one process are refused
+    naming the share, and without batch_size the processes' shapes could disagree: refused too."""
+    _, objective, batches, _, _ = problem("mlp")
+    monkeypatch.setattr(jax, "process_count", lambda: 2)  # this process: all 8 devices, as rank 0 of 2
+    z = jaxpar.ZeroRedundancy(objective, TX, stage=2, mesh=jaxpar.make_mesh(8), batch_size=30)
+    assert z.put_batch(jax.tree.map(lambda a: a[:16], batches[0])).mask.shape == (16,)
+    with pytest.raises(ValueError, match=r"^ZeroRedundancy\.put_batch got a batch of 17 rows on this process, "
+                                         r"more than the 16 that its share of batch_size=30 over 2 processes"):
+        z.put_batch(jax.tree.map(lambda a: a[:17], batches[0]))
+    with pytest.raises(ValueError, match=r"^ZeroRedundancy\.put_batch across 2 processes needs batch_size= "):
+        jaxpar.ZeroRedundancy(objective, TX, stage=2, mesh=jaxpar.make_mesh(8)).put_batch(batches[0])

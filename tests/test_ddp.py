@@ -628,3 +628,35 @@ def test_each_process_pads_to_its_share_of_the_global_batch_rounded_up(monkeypat
     ddp = DistributedDataParallel(objective, tx, mesh=make_mesh(8), batch_size=17)
     assert ddp.share == 16
     assert ddp.put_batch(take(batches[0], slice(0, 9))).mask.shape == (16,)
+
+
+def test_forward_leaf_order_keeps_a_layers_dicts_and_tuples_in_their_order_and_every_leaf():
+    """Within a layer, a dict's modules come in insertion order (not key order) and a tuple's in its own order,
+    after each other in the order the layer set them; a leaf no layer holds (`extra`) follows at the end, so the
+    order still names every leaf once; a sublayer that refers back to its layer (a cycle in the graph) is
+    walked once."""
+    import jax
+    from flax import nnx
+
+    from jaxpar.comm.overlap import forward_leaf_order, leaf_names
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.heads = nnx.data({"z": nnx.Linear(2, 2, rngs=rngs), "a": nnx.Linear(2, 2, rngs=rngs)})
+            self.pair = nnx.data((nnx.Linear(2, 3, rngs=rngs), nnx.Linear(3, 2, rngs=rngs)))
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.block = Block(rngs)
+            self.extra = nnx.Param(jax.numpy.zeros(3))
+
+        @property
+        def layers(self):
+            return (self.block,)
+
+    model = Net(nnx.Rngs(0))
+    model.block.pair[0].owner = model.block  # a cycle inside the layer
+    names = leaf_names(nnx.split(model, nnx.Param, ...)[1])
+    assert [names[i] for i in forward_leaf_order(model)] == [
+        "block.heads.z.kernel", "block.heads.z.bias", "block.heads.a.kernel", "block.heads.a.bias",
+        "block.pair.0.kernel", "block.pair.0.bias", "block.pair.1.kernel", "block.pair.1.bias", "extra"]

@@ -985,3 +985,24 @@ def test_a_batch_up_to_batch_size_rounded_to_the_micro_batches_is_taken():
     with pytest.raises(ValueError, match=r"^Pipeline\.put_batch got a batch of 7 rows, more than the 6 that "
                                          r"batch_size=5 pads every batch to "):
         pipe.put_batch(jax.tree.map(lambda a: a[:7], batch))
+
+
+def test_the_cut_check_compares_each_stages_shapes_and_the_stage_set():
+    """_check_cut compares each local stage's parameter shapes with this cut's, stage by stage (a stage with as
+    many leaves of other shapes is another cut too), then the set of stages (one more stage than this pipeline
+    has, its own stages intact, is another pipeline's), and names a TrainState given where the placed state
+    belongs."""
+    model, loss, batch = mlp()
+    state = jaxpar.init_state(model, TX)
+    pipe = pipeline(model, TX, loss_fn=loss, num_stages=2, micro_batches=2)
+    placed = pipe.init(state)
+    assert int(pipe.unplace(placed).step) == int(state.step)  # its own: every stage's shapes, not stage 0's
+    wide = [jnp.zeros(np.shape(a) + (1,)) for a in placed.params[1]]
+    with pytest.raises(ValueError, match=rf"^Pipeline\.unplace\(\) got a placed state that is not this pipeline's "
+                                         rf"cut \(its stage 1 holds {len(wide)} parameter leaves of other shapes"):
+        pipe.unplace(placed._replace(params={**placed.params, 1: wide}))
+    with pytest.raises(ValueError, match=r"^Pipeline\.step\(\) got a placed state of stages \[0, 1, 2\] where this "
+                                         r"pipeline holds \[0, 1\]"):
+        pipe.step(placed._replace(params={**placed.params, 2: []}), pipe.put_batch(batch))
+    with pytest.raises(TypeError, match=r"^Pipeline\.unplace\(\) got a TrainState, not the PipelineState"):
+        pipe.unplace(state)

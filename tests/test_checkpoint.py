@@ -830,3 +830,70 @@ def test_a_resume_while_another_process_holds_the_dir_is_refused_until_that_proc
     resumed = trainer.run(config(npz, steps=4, checkpoint_dir=ckpt, resume=True))
     assert resumed["resumed_from"] == 2 and resumed["steps"] == 4
     assert sorted(os.listdir(ckpt)) == ["2", "4"]
+
+
+def test_a_checkpointers_steps_carry_their_crc32_and_a_stale_lock_file_is_overwritten(npz, tmp_path, capsys):
+    """A Checkpointer's save keeps each leaf's CRC-32 in the meta, as save_checkpoint does: a byte flipped in its
+    newest step reads as damaged and the restore falls back to the step before. A lock file left by a killed run
+    with a longer name than this one's is taken over and truncated: it then names this process alone (a second
+    writer's refusal reads the holder from it)."""
+    cfg = config(npz, steps=2)
+    state = trainer.run(cfg)["state"]
+    later = state._replace(step=state.step + 1, params=jax.tree.map(lambda a: a + 1, state.params))
+    info, d = checkpoint.run_info(cfg, state), str(tmp_path / "ckpt")
+    os.makedirs(d)
+    lock = os.path.join(d, ".jaxpar.lock")
+    open(lock, "w").write("1@a-run-that-died-on-a-host-with-a-long-name.example.org\n")
+    ckpt = checkpoint.Checkpointer(d, info, resume=False)  # an existing folder: locked at construction
+    assert open(lock).read() == f"{os.getpid()}@{socket.gethostname()}\n"
+    assert ckpt.save(int(state.step), state, {"epoch": 0}) and ckpt.save(int(later.step), later, {"epoch": 0})
+    ckpt.close()
+    data = sorted((os.path.join(r, f) for r, _, fs in os.walk(os.path.join(d, str(int(later.step)), "state"))
+                   for f in fs if os.sep + "d" + os.sep in os.path.join(r, f)), key=os.path.getsize)[-1]
+    raw = bytearray(open(data, "rb").read())
+    raw[len(raw) // 2] ^= 0x10
+    open(data, "wb").write(raw)
+    capsys.readouterr()
+    got, _ = checkpoint.restore_checkpoint(d, state)
+    err = capsys.readouterr().err
+    assert f"checkpoint step {int(later.step)}" in err and "damaged" in err, err
+    assert int(got.step) == int(state.step)
+    assert_bit_identical(got, state, "the step before the damaged one")
+
+
+def test_a_refused_construction_lets_go_of_the_lock_and_a_lock_file_unlinked_under_it_is_not_held(npz, tmp_path,
+                                                                                                  monkeypatch):
+    """A Checkpointer whose checks refuse the folder (checkpoints there, no --resume) releases the lock it took at
+    construction at once, while the refused object is still alive (the exception holds it): the next run takes
+    the folder. And a lock file removed between this process's open and its flock (its holder releasing) is not
+    held: the lock is taken again on the file now at the path, so a second writer is still refused."""
+    cfg = config(npz)
+    state = _regression_state(trainer.make_tx(cfg, steps_per_epoch=4), 7)
+    info, d = checkpoint.run_info(cfg, state), str(tmp_path / "ckpt")
+    ckpt = checkpoint.Checkpointer(d, info, resume=False)
+    assert ckpt.save(5, state, {"epoch": 0})
+    ckpt.close()
+    with pytest.raises(ValueError, match="already holds checkpoints up to step 5; pass --resume") as refused:
+        checkpoint.Checkpointer(d, info, resume=False)
+    resumed = checkpoint.Checkpointer(d, info, resume=True)
+    resumed.close()
+    del refused
+    real, lock = checkpoint.fcntl, os.path.join(d, ".jaxpar.lock")
+
+    class Racing:  # the holder before us removes the file after our open, before our flock
+        LOCK_EX, LOCK_NB, raced = real.LOCK_EX, real.LOCK_NB, []
+
+        def flock(self, fd, how):
+            if not self.raced:
+                self.raced.append(os.fstat(fd).st_ino)
+                os.remove(lock)
+            return real.flock(fd, how)
+
+    monkeypatch.setattr(checkpoint, "fcntl", Racing())
+    first = checkpoint.Checkpointer(d, info, resume=True)
+    monkeypatch.setattr(checkpoint, "fcntl", real)
+    assert os.path.exists(lock) and open(lock).read() == f"{os.getpid()}@{socket.gethostname()}\n"
+    with pytest.raises(ValueError, match=_lock_refusal("--checkpoint-dir", d, os.getpid(),
+                                                       "stop that run, or pass another --checkpoint-dir")):
+        checkpoint.Checkpointer(d, info, resume=True)
+    first.close()

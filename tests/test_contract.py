@@ -1211,3 +1211,36 @@ def test_a_target_outside_the_vocabulary_is_never_counted_correct():
     out = jaxpar.cross_entropy(logits, {"y": jnp.asarray([0, 3, -5])})
     assert np.isnan(float(out.loss)) and float(out.weight) == 3
     assert float(out.metrics["accuracy"]) == 1.0  # the row whose target is 0 only
+
+
+class Pairs(Wide):
+    """A batch-mode model that reads its rows in pairs (x.reshape(-1, 2 x features)): one row alone cannot be
+    reshaped so; the whole batch can."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.layers = nnx.List([nnx.Linear(1568, 3, rngs=rngs)])
+
+    def __call__(self, x):
+        return jnp.repeat(self.layers[0](x.reshape(-1, 2 * x.shape[-1])), 2, axis=0)
+
+
+class OwnShapeError(Wide):
+    """A model whose own code raises a ValueError that talks about shapes: not a rule of JAX or Flax."""
+
+    def __call__(self, x):
+        raise ValueError("my model expects a shape it was not given")
+
+
+def test_the_input_check_traces_the_whole_batch_and_leaves_the_models_own_errors_alone():
+    """per_sample=False: check_inputs traces the model on the batch's own row count (a model that reads rows in
+    pairs takes 8 rows but not 1, so a trace on one row would refuse a batch it takes). An error raised by the
+    model's own code is not renamed as the batch's fault even when its words mention a shape (only a rule of JAX
+    or Flax is): it comes from the step as it was."""
+    good = {"x": np.ones((8, 784), np.float32), "y": np.zeros(8, np.int32)}
+    model = Pairs(nnx.Rngs(0))
+    single = jaxpar.SingleDevice(model, TX, per_sample=False)
+    single.step(single.init(jaxpar.init_state(model, TX)), single.put_batch(good))
+    model = OwnShapeError(nnx.Rngs(0))
+    single = jaxpar.SingleDevice(model, TX)
+    with pytest.raises(ValueError, match="^my model expects a shape it was not given"):
+        single.step(single.init(jaxpar.init_state(model, TX)), single.put_batch(good))

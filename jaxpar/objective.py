@@ -323,6 +323,9 @@ class Objective:
     shapes: Any = None  # (params, model_state) of the model it was made from, as ShapeDtypeStructs: init checks states
     per_sample_default: bool = False  # per_sample=True by default, not chosen: check_rows_apart checks the loss
     cast_params: bool = True  # False: the parameters reach the model as given (ZeRO-3 casts each gathered weight)
+    # the trained leaves in forward order, read off the model itself (jaxpar.comm.overlap.forward_leaf_order): DDP's
+    # buckets and ZeRO's partitions follow it; a model rebuilt by nnx.merge has its attributes sorted by name
+    leaf_order: tuple | None = None
 
     @classmethod
     def of(cls, model: nnx.Module, loss_fn: LossFn | None = None, *, wrt: Any = nnx.Param,
@@ -332,6 +335,7 @@ class Objective:
         integer labels ``batch["y"]``). per_sample None: True unless the model holds nnx.BatchStat.
         activation_checkpoint_interval N > 0: training runs the model's `layers` in N-layer segments that keep
         only their input and are recomputed in the backward (jaxpar.recompute); evaluation runs them plainly."""
+        from jaxpar.comm.overlap import forward_leaf_order
         from jaxpar.losses import cross_entropy
         from jaxpar.recompute import checkpointed
 
@@ -373,7 +377,8 @@ class Objective:
                                  "leaves it out.")
         shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), a.dtype), nnx.split(model, wrt, ...)[1:])
         return cls(graphdef, nnx.split(evaluated, wrt, ...)[0], loss_fn, wrt, bool(per_sample), rows_per_call,
-                   compute_dtype, activation_checkpoint_interval, shapes, defaulted)
+                   compute_dtype, activation_checkpoint_interval, shapes, defaulted,
+                   leaf_order=tuple(forward_leaf_order(model, wrt)))
 
     def replace(self, **changes) -> "Objective":
         return dataclasses.replace(self, **changes)

@@ -660,3 +660,30 @@ def test_forward_leaf_order_keeps_a_layers_dicts_and_tuples_in_their_order_and_e
     assert [names[i] for i in forward_leaf_order(model)] == [
         "block.heads.z.kernel", "block.heads.z.bias", "block.heads.a.kernel", "block.heads.a.bias",
         "block.pair.0.kernel", "block.pair.0.bias", "block.pair.1.kernel", "block.pair.1.bias", "extra"]
+
+
+def test_an_objective_carries_the_models_own_leaf_order_to_ddp_and_zero():
+    """nnx.merge rebuilds a module with its attributes sorted by name (a Linear's bias before its kernel), so the
+    forward order read off the merged model is not torch's; Objective.of reads it off the model itself, and DDP and
+    ZeRO built from that Objective bucket and partition as they do built from the model."""
+    import optax
+    from flax import nnx
+
+    from jaxpar import DistributedDataParallel, Objective, ZeroRedundancy, init_state
+    from jaxpar.comm.overlap import forward_leaf_order
+    from jaxpar.mesh import make_mesh
+
+    model = nnx.Sequential(nnx.Linear(400, 400, rngs=nnx.Rngs(0)), nnx.Linear(400, 800, rngs=nnx.Rngs(1)))
+    tx = optax.sgd(0.1)
+    objective, state = Objective.of(model), init_state(model, tx)
+    merged = forward_leaf_order(objective.merge(state.params, state.model_state))
+    assert merged != forward_leaf_order(model) == list(objective.leaf_order)  # the premise: merge loses the order
+    built = DistributedDataParallel(model, tx, mesh=make_mesh(2))
+    given = DistributedDataParallel(objective, tx, mesh=make_mesh(2))
+    built.init(state), given.init(state)
+    assert [list(b) for b in given.plan] == [list(b) for b in built.plan]
+    assert len(built.plan) == 2  # each layer's kernel and bias together, as torch's DDP buckets them
+    zeros = [ZeroRedundancy(m, tx, stage=2, mesh=make_mesh(2)) for m in (model, objective)]
+    for z in zeros:
+        z.init(state)
+    assert zeros[0].plan == zeros[1].plan

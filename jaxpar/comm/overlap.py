@@ -38,7 +38,8 @@ def forward_leaf_order(model: nnx.Module, wrt=nnx.Param) -> list[int]:
     holds, and every leaf of a model without `layers`, follow in flatten (path-sorted) order, which is not the
     forward order in general (AlexNet's `classifier` sorts before `features`). The definition order is that of
     a model built by its __init__: nnx.merge and nnx.eval_shape rebuild modules with their attributes sorted
-    by name (a Linear's bias then kernel, a GPT block's attn before ln_1), so pass the model itself.
+    by name (a Linear's bias then kernel, a GPT block's attn before ln_1), so pass the model itself
+    (Objective.of keeps its order as `leaf_order`, which DDP and ZeRO take).
     """
     state = nnx.split(model, wrt, ...)[1]
     index = {tuple(map(str, _path_of(p))): i for i, (p, _) in enumerate(jax.tree_util.tree_flatten_with_path(state)[0])}

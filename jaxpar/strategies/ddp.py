@@ -268,8 +268,8 @@ class DistributedDataParallel:
                       bucket_cap_mb=bucket_cap_mb, overlap=overlap)
         overlap, grad_accum = bool(overlap), int(grad_accum)
         self.objective = objective_of(model, loss_fn, who="DistributedDataParallel", **objective_options)
-        if leaf_order is None and isinstance(model, nnx.Module):
-            leaf_order = ddp_overlap.forward_leaf_order(model, self.objective.wrt)
+        if leaf_order is None:  # read off the model itself (an Objective holds it from Objective.of)
+            leaf_order = self.objective.leaf_order
         self.tx, self.mesh = tx, mesh or make_mesh()
         check_data_mesh(self.mesh, "DistributedDataParallel")
         self.allreduce, self.bucket_cap_mb, self.overlap = allreduce, bucket_cap_mb, overlap

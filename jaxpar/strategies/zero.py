@@ -210,8 +210,8 @@ class ZeroRedundancy:
             raise ValueError(f"ZeRO stage 3 runs each layer under its own fetching recomputation, so "
                              f"activation_checkpoint_interval={self.objective.activation_checkpoint_interval} would "
                              "be ignored; use stage 1 or 2 with it, or interval 0 with stage 3.")
-        if leaf_order is None and isinstance(model, nnx.Module):
-            leaf_order = overlap.forward_leaf_order(model, self.objective.wrt)
+        if leaf_order is None:  # read off the model itself (an Objective holds it from Objective.of)
+            leaf_order = self.objective.leaf_order
         self.tx, self.mesh, self.stage, self.reduce = tx, mesh or make_mesh(), stage, reduce
         check_data_mesh(self.mesh, "ZeroRedundancy")
         self.bucket_cap_mb, self.grad_accum, self.batch_size = bucket_cap_mb, grad_accum, check_batch_size(batch_size)

@@ -201,6 +201,15 @@ def test_a_stray_empty_step_folder_is_named_once_without_orbaxs_warnings(npz, tm
     assert "checkpoint step 9" in lines[0] and "resuming from step 4" in lines[0] and len(lines) == 2, lines
 
 
+def flip_a_byte(step_dir: str) -> None:
+    """One bit flipped in the middle of the largest array data file of a saved step (its bytes changed on disk)."""
+    data = sorted((os.path.join(r, f) for r, _, fs in os.walk(os.path.join(step_dir, "state")) for f in fs
+                   if os.sep + "d" + os.sep in os.path.join(r, f)), key=os.path.getsize)[-1]
+    raw = bytearray(open(data, "rb").read())
+    raw[len(raw) // 2] ^= 0x10
+    open(data, "wb").write(raw)
+
+
 def test_a_checkpoint_whose_bytes_changed_on_disk_reads_as_damaged(npz, tmp_path, capsys):
     """One byte flipped in the middle of a saved step's largest data file restored without an error, a parameter
     changed (a QA pass): each leaf's CRC-32 is now kept at save and compared at restore, so the newest step reads
@@ -210,11 +219,7 @@ def test_a_checkpoint_whose_bytes_changed_on_disk_reads_as_damaged(npz, tmp_path
     ckpt = str(tmp_path / "ckpt")
     checkpoint.save_checkpoint(ckpt, state)
     checkpoint.save_checkpoint(ckpt, later)
-    data = sorted((os.path.join(r, f) for r, _, fs in os.walk(os.path.join(ckpt, "3", "state")) for f in fs
-                   if os.sep + "d" + os.sep in os.path.join(r, f)), key=os.path.getsize)[-1]
-    raw = bytearray(open(data, "rb").read())
-    raw[len(raw) // 2] ^= 0x10
-    open(data, "wb").write(raw)
+    flip_a_byte(os.path.join(ckpt, "3"))
     capsys.readouterr()
     got, _ = checkpoint.restore_checkpoint(ckpt, state)
     err = capsys.readouterr().err
@@ -848,11 +853,7 @@ def test_a_checkpointers_steps_carry_their_crc32_and_a_stale_lock_file_is_overwr
     assert open(lock).read() == f"{os.getpid()}@{socket.gethostname()}\n"
     assert ckpt.save(int(state.step), state, {"epoch": 0}) and ckpt.save(int(later.step), later, {"epoch": 0})
     ckpt.close()
-    data = sorted((os.path.join(r, f) for r, _, fs in os.walk(os.path.join(d, str(int(later.step)), "state"))
-                   for f in fs if os.sep + "d" + os.sep in os.path.join(r, f)), key=os.path.getsize)[-1]
-    raw = bytearray(open(data, "rb").read())
-    raw[len(raw) // 2] ^= 0x10
-    open(data, "wb").write(raw)
+    flip_a_byte(os.path.join(d, str(int(later.step))))
     capsys.readouterr()
     got, _ = checkpoint.restore_checkpoint(d, state)
     err = capsys.readouterr().err

@@ -210,7 +210,7 @@ class ZeroRedundancy:
             raise ValueError(f"ZeRO stage 3 runs each layer under its own fetching recomputation, so "
                              f"activation_checkpoint_interval={self.objective.activation_checkpoint_interval} would "
                              "be ignored; use stage 1 or 2 with it, or interval 0 with stage 3.")
-        if leaf_order is None:  # read off the model itself (an Objective holds it from Objective.of)
+        if leaf_order is None and stage < 3:  # read off the model itself (an Objective holds it from Objective.of)
             leaf_order = self.objective.leaf_order
         self.tx, self.mesh, self.stage, self.reduce = tx, mesh or make_mesh(), stage, reduce
         check_data_mesh(self.mesh, "ZeroRedundancy")
@@ -231,8 +231,9 @@ class ZeroRedundancy:
     def _setup(self, state: TrainState) -> None:
         n, params = self.mesh.size, state.params
         order = self.leaf_order
-        if order is None:
-            order = overlap.forward_leaf_order(self.objective.merge(params, state.model_state), self.objective.wrt)
+        if order is None:  # stage 3: each module's leaves in name order (forward_leaf_order's registration=False)
+            order = overlap.forward_leaf_order(self.objective.merge(params, state.model_state), self.objective.wrt,
+                                               registration=self.stage < 3)
         groups = [[i] for i in order] if self.stage == 3 else list(plan_buckets(params, self.bucket_cap_mb,
                                                                                 order=order))
         self.plan = sh.shard_plan(params, n, groups)
@@ -481,5 +482,6 @@ def build(model: nnx.Module, tx: optax.GradientTransformation, cfg: Config, loss
     reduce = cfg.zero_reduce or "reduce_scatter"  # DeepSpeed's stage 1 default: reduce_scatter: true
     return ZeroRedundancy(cfg_objective(model, loss_fn, cfg), tx, stage=stage, reduce=reduce,
                           mesh=make_mesh(cfg.num_devices), bucket_cap_mb=cfg.bucket_cap_mb, grad_accum=cfg.grad_accum,
-                          batch_size=cfg.batch_size, leaf_order=overlap.forward_leaf_order(model),
+                          batch_size=cfg.batch_size,
+                          leaf_order=overlap.forward_leaf_order(model, registration=stage < 3),
                           fetch=cfg.zero_fetch or "layer")

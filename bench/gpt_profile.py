@@ -355,7 +355,7 @@ def main(argv=None) -> None:
     peak = flops.peak_tflops()
     print(f"\nGPT {args.model}: batch {args.batch_size} x {args.seq_len}, vocab {vocab}, bf16, jax {jax.__version__} "
           f"on {jax.devices()[0].device_kind}; {args.rounds} rounds x {args.steps} steps, alternating; "
-          f"{fpt / 1e6:.1f} MFLOP/token; peak {peak} TFLOP/s")
+          f"{fpt / 1e6:.1f} MFLOP/token; peak " + (f"{peak} TFLOP/s" if peak else "unknown (no MFU)"))
     head = "| run | tokens/s | ms/step | MFU | GPU busy | GEMM ms | attention ms | other ms | copy ms |"
     print("\n" + head)
     print("|---|" + "---:|" * (head.count("|") - 2))
@@ -367,7 +367,8 @@ def main(argv=None) -> None:
         if args.trace_steps:
             save = os.path.join(args.save_trace, "gpt_profile.xplane.pb") if args.save_trace and k == first else None
             kinds, top, busy = profile(run, args.trace_steps, save)
-            cells = [f"{100 * busy:.0f} %"] + [f"{kinds.get(c, 0.0):.2f}" for c in KIND_COLUMNS]
+            if kinds:  # none on a CPU: the cells stay "-" (not "nan %" and zeros), as in the flag sweep's table
+                cells = [f"{100 * busy:.0f} %"] + [f"{kinds.get(c, 0.0):.2f}" for c in KIND_COLUMNS]
             if k == first:
                 top_first = top
         rows.append({"run": k, "tokens_per_s": best, "ms_per_step": n / best * 1e3, "mfu": mfu,

@@ -101,7 +101,8 @@ def train(args) -> None:
     write = lambda rec: (log.write(json.dumps(rec) + "\n"), log.flush())  # noqa: E731
     write({"event": "start", **vars(args), "params": model.num_params(), "load": os.getloadavg()})
     print(f"{args.model}: {model.num_params():,} params (less wpe); {len(train_set):,} training windows of "
-          f"{args.seq_len} bytes; DDP on {args.devices} devices; {args.minutes} min; load {os.getloadavg()[0]:.2f}")
+          f"{args.seq_len} bytes; DDP on {args.devices} devices; "
+          f"{f'{args.steps} steps' if args.steps else f'{args.minutes} min'}; load {os.getloadavg()[0]:.2f}")
     next_eval, compiled = 0.0, False
     if args.steps:
         budget = math.inf

@@ -8,7 +8,7 @@ Every row times the same shapes and values on both sides, alternating, best of -
 (jitted on the JAX side, eager torch with torch.set_num_threads(--threads)). The question each table answers:
 
 - gemm: is XLA:CPU's matrix multiply slower than torch's? (the ratio is torch time / jax time: > 1 means JAX
-  is faster);
+  is faster; every table's ratio reads so);
 - conv: the ConvNet's second convolution (32 -> 64 channels, 3x3, 26x26, batch 128), forward and forward +
   backward, XLA's conv, jaxpar's "chunked" (32 samples per call, the CPU default) and im2col against torch's
   conv2d (oneDNN);
@@ -98,14 +98,14 @@ def conv(args) -> None:
         (torch.nn.functional.conv2d(xt, kt) ** 2).sum().backward()
 
     print("\n| conv 32->64, 3x3, 26x26, batch 128 | jax fwd ms | torch fwd ms | jax fwd+bwd ms | torch fwd+bwd ms | "
-          "fwd+bwd jax / torch |")
+          "fwd+bwd jax speed vs torch |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, impl in (("xla", conv_xla), ("chunked (CPU default)", conv_chunked), ("im2col", conv_im2col)):
         f = jax.jit(lambda x, k, impl=impl: impl(x, k, (1, 1), (0, 0)))
         g = jax.jit(jax.grad(lambda x, k, impl=impl: jnp.sum(impl(x, k, (1, 1), (0, 0)) ** 2), argnums=(0, 1)))
         jf, tf = best_pair(lambda: f(xj, kj), torch_fwd, args.repeats, args.calls)
         jb, tb = best_pair(lambda: g(xj, kj), torch_fwd_bwd, args.repeats, max(args.calls // 2, 1))
-        print(f"| {name} | {jf * 1e3:.1f} | {tf * 1e3:.1f} | {jb * 1e3:.1f} | {tb * 1e3:.1f} | {jb / tb:.2f}x |")
+        print(f"| {name} | {jf * 1e3:.1f} | {tf * 1e3:.1f} | {jb * 1e3:.1f} | {tb * 1e3:.1f} | {tb / jb:.2f}x |")
 
 
 def gpt(args) -> None:

@@ -415,14 +415,15 @@ def sp_rows(cases=(("gpt-cpu", 16, 64, 0.0), ("gpt-mini", 8, 256, 0.1))) -> list
             for name, batch, seq, dropout in cases]
 
 
-def parallel_output_rows(cases=(("gpt-cpu", 8, 256, 2), ("gpt-cpu", 8, 256, 4))) -> list[dict]:
+def parallel_output_rows(cases=(("gpt-cpu", 8, 256, 2), ("gpt-cpu", 8, 256, 4)), devices: int = 8) -> list[dict]:
     """Megatron's parallel_output: the TP step's temporaries with GPT-2's vocabulary (50304) when the head's logits
-    are all-gathered for the loss and when they go split into vocab_parallel_cross_entropy."""
+    are all-gathered for the loss and when they go split into vocab_parallel_cross_entropy (the cases whose T fits
+    on `devices`)."""
     return [{"model": name, "batch": batch, "seq": seq, "tp": tp,
              "logits": batch * seq * 50304 * 4,  # one float32 copy of the whole [tokens, V] logits
              **{key: tp_temps(name, batch, seq, tp, vocab=50304, parallel_output=on)
                 for key, on in (("gathered", False), ("split", True))}}
-            for name, batch, seq, tp in cases]
+            for name, batch, seq, tp in cases if tp <= devices]
 
 
 def tp_table(rows: list[dict]) -> str:
@@ -552,7 +553,7 @@ def main(argv=None) -> dict:
             print(f"| {r['model']} | {r['batch']} x {r['seq']} | {r['dropout']} | {_mib(r['tp'])} | {_mib(r['sp'])} | "
                   f"{r['sp'] / r['tp']:.3f} |")
     if args.parallel_output:
-        po = parallel_output_rows()
+        po = parallel_output_rows(devices=args.devices)
         print("\nMegatron's parallel_output: the compiled TP step's temporaries, vocabulary 50304\n"
               "| model | batch x seq | T | whole logits MiB | gathered MiB | split MiB | split / gathered |\n"
               "|---|---|---:|---:|---:|---:|---:|")

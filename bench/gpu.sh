@@ -167,7 +167,8 @@ for s in os.environ["TRAINED"].split():
     summary = [l for l in read(f"train_{s}.log").splitlines() if l.startswith("summary:")]
     if summary:
         kv = dict(re.findall(r"(\w+)=(\S+)", summary[-1]))
-        detail = f"{float(kv.get('tokens_per_s', 'nan')):,.0f} tokens/s, MFU {kv.get('mfu', '-')}, " \
+        tps = kv.get("tokens_per_s", "null")  # null: no step was timed (NaN in train.py, a run too short)
+        detail = f"{'-' if tps == 'null' else f'{float(tps):,.0f}'} tokens/s, MFU {kv.get('mfu', '-')}, " \
                  f"train loss {kv.get('train_loss')}, held-out bits/byte {kv.get('eval_bits_per_byte')}" + \
                  (f", skipped steps {kv.get('skipped_steps', 0)}" if s.endswith("fp16") else "")
     else:

@@ -52,8 +52,9 @@ def parse(argv=None):
     p.add_argument("--zb", action="store_true", help="ZB-H1 and ZB-V vs 1F1B at S=4, M=8")
     p.add_argument("--schedules", default="1f1b,gpipe", help="comma separated (--processes): 1f1b, gpipe, zbh1; "
                    "NAME+dw: jaxpar's NAME with every W at the flush (defer_wgrad), against torch's NAME")
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--micro-batches", type=int, default=4)
+    p.add_argument("--batch", type=int, default=64, help="--processes, and --one-stage's AlexNet: the batch "
+                   "(--stack, --zb and --one-stage's stack: 256)")
+    p.add_argument("--micro-batches", type=int, default=4, help="--processes: the micro-batches")
     p.add_argument("--image", type=int, default=64, help="AlexNet image side")
     p.add_argument("--model", default="alexnet", choices=("alexnet", "stack"), help="--processes: the model")
     p.add_argument("--threads", type=int, default=1, help="threads per pipeline process (torch's; 1 pins every rank "

@@ -250,3 +250,15 @@ def test_ranks_together_train_what_one_process_trains():
     shards.put_batch(glob[0])  # full batches pass
     with pytest.raises(ValueError, match="1 padding rows would reach a loss that sees whole shards"):
         shards.put_batch(glob[-1])
+
+
+def test_a_dataset_or_sampler_of_another_kind_is_named():
+    """QA: arrays as the dataset failed at the first batch ('ndarray' object has no attribute 'batch'), a list of
+    indices as the sampler with "'list' object has no attribute 'num_samples'"."""
+    ds = dataset()
+    with pytest.raises(TypeError, match="dataset is a ndarray, which has no batch\\(idx\\) method and len\\(\\); pass "
+                                        "a jaxpar.Dataset"):
+        Loader(ds.x, 4, DistributedSampler(N))
+    with pytest.raises(TypeError, match="sampler is a list, not a jaxpar.DistributedSampler; pass "
+                                        "jaxpar.DistributedSampler\\(len\\(dataset\\)"):
+        Loader(ds, 4, list(range(N)))

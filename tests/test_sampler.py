@@ -245,3 +245,12 @@ def test_replicas_and_rank_default_to_the_processes_as_torchs_do_to_the_process_
                                          "num_replicas and rank"):
         DistributedSampler(10)
     assert DistributedSampler(10, 2, 1).rank == 1
+
+
+def test_a_state_without_its_position_is_refused_before_anything_changes():
+    """QA: load_state_dict({"epoch": 3}) set the epoch, then raised KeyError('offset'): half a state loaded."""
+    sampler = DistributedSampler(10, 1, 0, seed=5)
+    with pytest.raises(ValueError, match="the sampler state lacks \\['offset'\\] \\(it has \\['epoch', 'seed'\\]\\); "
+                                         "pass a state from DistributedSampler.state_dict\\(\\)"):
+        sampler.load_state_dict({"epoch": 3, "seed": 9})
+    assert (sampler.epoch, sampler.offset, sampler.seed) == (0, 0, 5)

@@ -46,6 +46,13 @@ class Loader:
             raise ValueError(f"{batch_size=} must be an integer >= 1; use this process's share of the batch.")
         if isinstance(prefetch, bool) or not isinstance(prefetch, (int, np.integer)) or prefetch < 0:
             raise ValueError(f"{prefetch=} must be an integer >= 0 (0: call put on the consumer's thread).")
+        if not callable(getattr(dataset, "batch", None)) or not hasattr(dataset, "__len__"):
+            raise TypeError(f"dataset is a {type(dataset).__name__}, which has no batch(idx) method and len(); pass a "
+                            "jaxpar.Dataset (jaxpar.load(...)) or an object with both, e.g. "
+                            "jaxpar.Dataset(x, y, num_classes, name).")
+        if not isinstance(sampler, DistributedSampler):
+            raise TypeError(f"sampler is a {type(sampler).__name__}, not a jaxpar.DistributedSampler; pass "
+                            "jaxpar.DistributedSampler(len(dataset), num_replicas, rank).")
         if sampler.num_samples != len(dataset):
             raise ValueError(f"the sampler covers {sampler.num_samples} samples but the dataset has "
                              f"{len(dataset)}; build the sampler with len(dataset).")

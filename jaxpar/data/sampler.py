@@ -159,6 +159,10 @@ class DistributedSampler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at `state`'s epoch, offset and seed. The settings that define the epoch's indices must
         match (any rank's state fits: all ranks consume in step)."""
+        missing = [k for k in ("epoch", "offset") if k not in state]  # a KeyError, after the seed and epoch were set
+        if missing:
+            raise ValueError(f"the sampler state lacks {missing} (it has {sorted(state)}); pass a state from "
+                             "DistributedSampler.state_dict().")
         for key in ("num_samples", "num_replicas", "shuffle", "drop_last"):
             if key in state and state[key] != getattr(self, key):
                 raise ValueError(f"state {key}={state[key]!r} differs from this sampler's {key}="

@@ -107,6 +107,8 @@ def test_bad_devices_are_named():
         DataParallel(model, TX, output_device=8)
     with pytest.raises(ValueError, match="distinct"):
         DataParallel(model, TX, device_ids=[1, 1])
+    with pytest.raises(ValueError, match="device_ids=\\[\\] names no device; pass at least one index"):
+        DataParallel(model, TX, device_ids=[])  # QA: TypeError '<=' not supported between int and NoneType
 
 
 def test_gathering_outputs_needs_a_loss_on_outputs():

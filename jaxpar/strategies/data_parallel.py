@@ -167,6 +167,9 @@ class DataParallel:
             print_shapes
         local = jax.local_devices()
         ids = list(range(len(local))) if device_ids is None else list(device_ids)
+        if not ids:  # the check below compared None with an int
+            raise ValueError(f"device_ids={ids} names no device; pass at least one index into the {len(local)} local "
+                             "devices (or None for all of them).")
         output_device = ids[0] if output_device is None and ids else output_device  # torch's default
         self.output_device = output_device
         bad = [i for i in ids + [output_device] if not 0 <= i < len(local)]

@@ -103,7 +103,7 @@ _CLASSES: dict = {}
 def checkpointed(model: nnx.Module, interval: int) -> nnx.Module:
     """A clone of `model` whose __call__ runs its `layers` in segments of `interval`, recomputed in the backward
     (the model itself is left as it is). `interval` 0: `model` unchanged."""
-    if not isinstance(interval, int) or interval < 0:
+    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
         raise ValueError(f"activation_checkpoint_interval={interval!r} must be an int >= 0; pass 0 (keep "
                          "every activation) or N (recompute each N-layer segment in the backward).")
     if not interval:

@@ -175,6 +175,8 @@ def test_refusals():
         jaxpar.Objective.of(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), activation_checkpoint_interval=1)
     with pytest.raises(ValueError, match=r"activation_checkpoint_interval=-1 must be an int >= 0"):
         jaxpar.Objective.of(problem()[0], activation_checkpoint_interval=-1)
+    with pytest.raises(ValueError, match=r"activation_checkpoint_interval=True must be an int >= 0"):  # taken as 1 (QA)
+        jaxpar.Objective.of(problem()[0], activation_checkpoint_interval=True)
     with pytest.raises(ValueError, match=r"ZeRO stage 3 .* use stage 1 or 2"):
         jaxpar.ZeroRedundancy(problem()[0], TX, stage=3, mesh=jaxpar.make_mesh(2), activation_checkpoint_interval=1)
     model = problem()[0]

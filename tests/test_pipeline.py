@@ -754,6 +754,9 @@ def test_bad_input_is_refused_before_any_work():
             Pipeline(model, TX, **{"loss_fn": loss, **kw})
     with pytest.raises(ValueError, match="has no `layers`"):
         Pipeline(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), TX, loss_fn=loss)
+    with pytest.raises(TypeError, match="PipelineModule got layers=LayerSpec, not a list of layers; pass them in a "
+                                        "list"):  # QA: "object of type 'LayerSpec' has no len()"
+        jaxpar.PipelineModule(jaxpar.LayerSpec(nnx.Linear, 2, 2), num_stages=1)
     looped = jaxpar.PipelineModule.from_model(model, 2, virtual_stages=2)  # chunks placed for interleaved
     with pytest.raises(ValueError, match="places its chunks 'loop' but schedule='zbv' runs them 'v'"):
         Pipeline(looped, TX, loss_fn=loss, schedule="zbv", virtual_stages=2)

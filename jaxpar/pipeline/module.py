@@ -221,6 +221,9 @@ class PipelineModule:
             raise TypeError(f"loss_fn={loss_fn!r} is not callable; pass loss_fn(outputs, batch) -> (loss_sum, "
                             "weight_sum), e.g. jaxpar.cross_entropy (DeepSpeed's takes (outputs, labels): here the "
                             "labels are batch['y']).")
+        if model is None and (isinstance(layers, (str, bytes)) or not hasattr(layers, "__len__")):
+            raise TypeError(f"PipelineModule got layers={type(layers).__name__}, not a list of layers; pass them in "
+                            "a list, e.g. PipelineModule([LayerSpec(...), ...], num_stages).")
         if model is None and not len(layers):
             raise ValueError("PipelineModule got no layers; pass the model's layers in order (modules, callables, "
                              "LayerSpecs, TiedLayerSpecs), or PipelineModule.from_model(model, ...) for a model "

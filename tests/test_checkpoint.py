@@ -898,3 +898,21 @@ def test_a_refused_construction_lets_go_of_the_lock_and_a_lock_file_unlinked_und
                                                        "stop that run, or pass another --checkpoint-dir")):
         checkpoint.Checkpointer(d, info, resume=True)
     first.close()
+
+
+def test_a_placed_state_an_earlier_step_consumed_is_not_saved(tmp_path):
+    """QA: save_checkpoint of a DDP placed state that a step had consumed (its buffers donated) raised JAX's
+    "Array has been deleted"; it is named in one line, and nothing is written."""
+    import optax
+    from flax import nnx
+
+    import jaxpar
+
+    model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.Linear(8, 3, rngs=nnx.Rngs(1)))
+    ddp = jaxpar.DistributedDataParallel(model, optax.sgd(0.1), mesh=jaxpar.make_mesh(2))
+    placed = ddp.init(jaxpar.init_state(model, ddp.tx))
+    ddp.step(placed, ddp.put_batch({"x": np.ones((4, 4), np.float32), "y": np.zeros(4, np.int32)}))
+    with pytest.raises(ValueError, match="^save_checkpoint got a placed state that an earlier step consumed .*pass "
+                                         "the state the last step returned"):
+        jaxpar.save_checkpoint(str(tmp_path / "ckpt"), placed)
+    assert not (tmp_path / "ckpt").exists()

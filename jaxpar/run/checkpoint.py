@@ -553,8 +553,9 @@ def save_checkpoint(directory: str, state: TrainState, *, step: int | None = Non
     if spread is not None:  # a placed state across processes: no process holds it whole
         raise TypeError(f"save_checkpoint: state{spread} is spread over processes (a placed state); pass "
                         "strategy.unplace(placed), the canonical state every process holds whole.")
-    from jaxpar.strategies.base import split_leaf
+    from jaxpar.strategies.base import check_not_consumed, split_leaf
 
+    check_not_consumed(state, "save_checkpoint")
     split = split_leaf(state)
     if split is not None:  # ZeRO's shards, tensor parallelism's slices (its qkv columns reordered): not the model
         raise TypeError(f"save_checkpoint: state{split} is split over devices (a strategy's placed state, in its "

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxpar.batch import as_rows
+from jaxpar.batch import Rows, as_rows
 from jaxpar.objective import Objective, metrics_of
 from jaxpar.step import TrainState, make_eval_step
 from jaxpar.types import Batch, Metrics
@@ -70,6 +70,10 @@ def evaluate(strategy: Any, placed: Any, batches: Iterable) -> dict[str, float]:
     over all the batches, then divided by the total weight (not a mean of per-batch means). A strategy with its
     own evaluate (the pipeline: the forward-only schedule, the weights where they are) runs it; the others
     evaluate the canonical state (`unplace`) on one device."""
+    if isinstance(batches, (dict, Rows, np.ndarray, jax.Array, str)):  # iterating it gave its keys or rows
+        raise TypeError(f"evaluate() got one {type(batches).__name__} as batches, which it would iterate over (its "
+                        "keys or rows); pass an iterable of batches: jaxpar.evaluate(strategy, placed, [batch]).")
+    check_not_consumed(placed, f"evaluate() with {type(strategy).__name__}")
     own = getattr(strategy, "evaluate", None)
     if own is None:
         state = strategy.unplace(placed)
@@ -78,6 +82,12 @@ def evaluate(strategy: Any, placed: Any, batches: Iterable) -> dict[str, float]:
         step = functools.partial(_EVAL_STEPS[strategy], state.params, state.model_state)
     totals = None
     for batch in batches:
+        if type(batch).__module__.startswith("jaxpar.strategies") or own is None and any(  # the pipeline's Batch,
+                isinstance(a, jax.Array) and len(a.sharding.device_set) > 1 for a in jax.tree.leaves(batch)):
+            # or rows over devices where the state is evaluated on one
+            raise TypeError(f"evaluate() got a batch that {type(strategy).__name__}.put_batch placed (its own layout, "
+                            "on its devices); pass the batches themselves (dicts of arrays or Rows), as put_batch "
+                            "takes them: jaxpar.evaluate(strategy, placed, [batch]).")
         rows = as_rows(batch)
         if own is None:  # a batch the model cannot take, in one line (the pipeline's put_batch checks its own)
             getattr(strategy, "eval_objective", strategy.objective).check_inputs(rows.data)
@@ -164,6 +174,14 @@ def from_process_0(state: TrainState) -> TrainState:
         print(f"jaxpar: process {jax.process_index()}'s initial state differs from process 0's ({len(differ)} "
               f"leaves, first {path}); every process starts from process 0's, as torch DDP does.", file=sys.stderr)
     return from_host(state, got)  # jax arrays (writable Variables), typed keys rewrapped
+
+
+def check_not_consumed(placed: Any, who: str) -> None:
+    """ValueError if `placed` is a state whose buffers a step consumed (donated): JAX's "Array has been deleted"
+    from deep inside unplace, evaluate or a checkpoint's save."""
+    if any(isinstance(a, jax.Array) and a.is_deleted() for a in jax.tree.leaves(placed)):
+        raise ValueError(f"{who} got a placed state that an earlier step consumed (the step donates its buffers); "
+                         "pass the state the last step returned (placed, metrics = strategy.step(placed, rows)).")
 
 
 def check_placed(batch: Any, kind: type, who: str, state: Any = None, same_devices: bool = False) -> None:

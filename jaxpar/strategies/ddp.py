@@ -39,8 +39,9 @@ from jaxpar.config import Config
 from jaxpar.mesh import DATA, check_data_mesh, make_mesh
 from jaxpar.objective import Objective, Sums, advance_rng, metrics_of
 from jaxpar.step import TrainState, apply_updates, grad_norm
-from jaxpar.strategies.base import (LayersCheck, arm_first_batch, cfg_objective, check_batch_size, check_placed,
-                                    check_state, from_process_0, objective_of, processes)
+from jaxpar.strategies.base import (LayersCheck, arm_first_batch, cfg_objective, check_batch_size,
+                                    check_not_consumed, check_placed, check_state, from_process_0, objective_of,
+                                    processes)
 from jaxpar.types import Params
 
 SPMD = ("shard_map", "pmap")
@@ -325,6 +326,7 @@ class DistributedDataParallel:
         return state, metrics
 
     def unplace(self, placed) -> TrainState:
+        check_not_consumed(placed, "DistributedDataParallel.unplace()")
         return unreplicate(placed, self.spmd)
 
     def describe(self) -> str:

@@ -43,8 +43,9 @@ from jaxpar.pipeline.transfer import Transport
 from jaxpar.step import TrainState
 from jaxpar.strategies.tensor import TensorParallel, check_split_computes, foreign_split, rank_shapes
 from jaxpar.strategies.zero1 import check_reduce_is_read, is_stage
-from jaxpar.strategies.base import (LayersCheck, check_batch_size, check_objective_options, check_placed, check_state,
-                                    check_tx, from_process_0, processes, refuse_sync_batch_norm)
+from jaxpar.strategies.base import (LayersCheck, check_batch_size, check_not_consumed, check_objective_options,
+                                    check_placed, check_state, check_tx, from_process_0, processes,
+                                    refuse_sync_batch_norm)
 
 __all__ = ["Batch", "LayerSpec", "Pipeline", "PipelineModule", "PipelineState", "TiedLayerSpec", "build",
            "pipeline_mesh"]
@@ -545,6 +546,7 @@ class Pipeline:
         """The canonical TrainState (the tree of jaxpar.init_state(model, tx)), on this process's first device;
         across processes every stage's leaves are summed in from the process that owns them."""
         self._check_cut(placed, "unplace")
+        check_not_consumed(placed, "Pipeline.unplace()")
         mod, tr = self.module, self.transport
         home = tr.first_device
 

@@ -49,8 +49,9 @@ from jaxpar.mesh import DATA, check_data_mesh, make_mesh
 from jaxpar.objective import Objective, advance_rng, check_wrt_within, metrics_of
 from jaxpar.step import TrainState
 from jaxpar.strategies import zero_optim
-from jaxpar.strategies.base import (LayersCheck, arm_first_batch, cfg_objective, check_batch_size, check_placed,
-                                    check_state, from_process_0, objective_of, processes)
+from jaxpar.strategies.base import (LayersCheck, arm_first_batch, cfg_objective, check_batch_size,
+                                    check_not_consumed, check_placed, check_state, from_process_0, objective_of,
+                                    processes)
 from jaxpar.strategies.ddp import from_replica_0, local_devices, place_rows, psum_sums, replicate
 
 STAGES = (1, 2, 3)
@@ -346,6 +347,7 @@ class ZeroRedundancy:
 
     def unplace(self, placed) -> TrainState:
         """The canonical single-device TrainState (jaxpar.init_state's tree), gathered from the pieces."""
+        check_not_consumed(placed, "ZeroRedundancy.unplace()")
         flat = lambda a: zero_optim.gather_to_host(a).reshape(self.mesh.size, -1)  # noqa: E731
         abstract = self._abstract_params()
         _, kinds, _ = zero_optim.layouts(self.tx, abstract)

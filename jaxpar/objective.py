@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import weakref
+from collections.abc import Mapping
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -150,6 +151,9 @@ def to_loss_output(out: Any, what: str = "loss_fn") -> LossOutput:
     else:
         raise TypeError(f"{what} returned {_kind(out)}; return (loss_sum, weight_sum) or "
                         "(loss_sum, weight_sum, metrics) -- sums over the batch, e.g. (jnp.sum(losses), losses.size).")
+    if metrics is not None and not isinstance(metrics, Mapping):
+        raise TypeError(f"{what} returned metrics as {_kind(metrics)}, not a dict; return (loss_sum, weight_sum, "
+                        "{'name': summed_value, ...}).")
     metrics = dict(metrics or {})
     clash = [k for k in metrics if k in RESERVED]
     if clash:
@@ -157,6 +161,9 @@ def to_loss_output(out: Any, what: str = "loss_fn") -> LossOutput:
                         "rename them.")
     values = {"loss": loss, "weight": weight, **{f"metrics[{k!r}]": v for k, v in metrics.items()}}
     for name, v in values.items():
+        if not isinstance(v, (int, float, np.generic, np.ndarray, jax.Array)):  # None, text: failed inside jnp.asarray
+            raise TypeError(f"{what} returned {name}={v!r:.40} ({type(v).__name__}); return numbers (arrays or "
+                            "Python numbers) summed over the batch, e.g. (jnp.sum(losses), losses.size).")
         if jnp.shape(v) != ():
             raise TypeError(f"{what} returned {name} of shape {jnp.shape(v)}; return scalars summed over the batch "
                             "(jnp.sum(...)), the strategies divide by the global weight.")
@@ -193,6 +200,13 @@ class OutputLoss:
 
     fn: Callable[[Any, PyTree], Any]
     inputs: Callable[[PyTree], PyTree] = default_inputs
+
+    def __post_init__(self):  # else "'int' object is not callable" at the first batch
+        for name in ("fn", "inputs"):
+            if not callable(getattr(self, name)):
+                raise TypeError(f"OutputLoss({name}={getattr(self, name)!r}) is not callable; pass fn(outputs, batch) "
+                                "-> (loss_sum, weight_sum[, metrics]) and inputs(batch) -> the model's input, e.g. "
+                                "OutputLoss(jaxpar.cross_entropy).")
 
     def __call__(self, model: nnx.Module, batch: PyTree):
         return self.fn(model(self.inputs(batch)), batch)
@@ -524,6 +538,11 @@ class Objective:
                 cause = refused[0]
                 first = (str(cause).strip().splitlines() or [""])[0][:200]
                 name = self.eval_graphdef.nodes[0].type.__name__
+                if f"{name}( # " in first:  # JAX refused the model itself (its repr), not the batch
+                    raise TypeError(f"the loss handed the model itself ({name}) to JAX as an array "
+                                    f"({type(cause).__name__}); loss_fn is called as loss_fn(model, batch): for a "
+                                    "loss of (outputs, targets) pass jaxpar.OutputLoss(lambda out, batch: ...).") \
+                        from cause
                 raise ValueError(f"{name} could not take the batch ({describe_leaves(data)}): "
                                  f"{type(cause).__name__}: {first.rstrip('.')}; give the model inputs shaped as its "
                                  "first layer expects (check the data's shape against the input size the model was "

@@ -35,6 +35,14 @@ class TrainState(NamedTuple):
 
 def init_state(model: nnx.Module, tx: optax.GradientTransformation, wrt: Any = nnx.Param) -> TrainState:
     """A fresh TrainState of `model`: its `wrt` state as params (an Objective's wrt), tx.init over them."""
+    from jaxpar.strategies.base import check_tx
+
+    if not isinstance(model, nnx.Module):  # nnx.split of anything else gave a state with no params, silently
+        fix = ("pass the module's model: jaxpar.init_state(module.model, tx)" if isinstance(
+            getattr(model, "model", None), nnx.Module) else "pass the model given to the strategy: "
+               "jaxpar.init_state(model, tx)")
+        raise TypeError(f"init_state: model is a {type(model).__name__}, not a flax.nnx.Module; {fix}.")
+    check_tx(tx)
     if isinstance(wrt, Objective):
         wrt = wrt.wrt
     _, params, rest = nnx.split(model, wrt, ...)

@@ -1244,3 +1244,71 @@ def test_the_input_check_traces_the_whole_batch_and_leaves_the_models_own_errors
     single = jaxpar.SingleDevice(model, TX)
     with pytest.raises(ValueError, match="^my model expects a shape it was not given"):
         single.step(single.init(jaxpar.init_state(model, TX)), single.put_batch(good))
+
+
+def test_a_consumed_or_placed_state_or_batch_is_named_by_unplace_and_evaluate():
+    """QA: a placed state an earlier step consumed (donated) reached unplace() and evaluate() as JAX's "Array has
+    been deleted"; a batch put_batch placed over devices reached evaluate() as JAX's "incompatible devices" (DDP)
+    or "batch leaf .layout.treedef is a scalar" (the pipeline); one batch passed as `batches` was iterated over
+    (its keys, named as text)."""
+    _, loss, batches, objective, _ = problem("regression")
+    model = regression.make_model(8, 16, 2, 0.3, rngs=nnx.Rngs(0))
+    batch = {"x": batches[0].data["x"][:4], "y": batches[0].data["y"][:4]}
+    for strategy in (jaxpar.DistributedDataParallel(objective, TX, mesh=jaxpar.make_mesh(2)),
+                     jaxpar.ZeroRedundancy(objective, TX, stage=3, mesh=jaxpar.make_mesh(2)),
+                     jaxpar.Pipeline(model, TX, loss_fn=loss, num_stages=2)):
+        name = type(strategy).__name__
+        placed = strategy.init(jaxpar.init_state(model, TX))
+        with pytest.raises(TypeError, match=f"^evaluate\\(\\) got a batch that {name}.put_batch placed .*pass the "
+                                            "batches themselves"):
+            jaxpar.evaluate(strategy, placed, [strategy.put_batch(batch)])
+        with pytest.raises(TypeError, match="^evaluate\\(\\) got one dict as batches.*jaxpar.evaluate\\(strategy, "
+                                            "placed, \\[batch\\]\\)"):
+            jaxpar.evaluate(strategy, placed, batch)
+        jaxpar.evaluate(strategy, placed, [batch])  # the batches themselves: taken
+        strategy.step(placed, strategy.put_batch(batch))  # consumes `placed`
+        with pytest.raises(ValueError, match=f"^evaluate\\(\\) with {name} got a placed state that an earlier step "
+                                             "consumed.*pass the state the last step returned"):
+            jaxpar.evaluate(strategy, placed, [batch])
+        with pytest.raises(ValueError, match=f"^{name}.unplace\\(\\) got a placed state that an earlier step "
+                                             "consumed"):
+            strategy.unplace(placed)
+
+
+def test_bad_init_state_loss_outputs_and_devices_are_named():
+    """QA: init_state(a function or a PipelineModule, tx) returned a state with no params without a word (a
+    PipelineModule's then failed init as "0 leaves against 4"), init_state(model, a function) raised
+    AttributeError 'init'; a loss's metrics as a list ("cannot convert dictionary update sequence element"), its
+    weight as None ("None is not a valid value for jnp.array") or text (named as the batch's fault); and
+    SingleDevice(device=1) failed in jax.device_put at init."""
+    _, _, batches, _, state = problem("regression")
+    model = regression.make_model(8, 16, 2, 0.3, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="^init_state: model is a function, not a flax.nnx.Module; pass the model "
+                                        "given to the strategy"):
+        jaxpar.init_state(lambda x: x, TX)
+    module = jaxpar.PipelineModule([jaxpar.LayerSpec(nnx.Linear, 8, 4), jaxpar.LayerSpec(nnx.Linear, 4, 2)],
+                                   num_stages=2)
+    with pytest.raises(TypeError, match="^init_state: model is a PipelineModule, not a flax.nnx.Module; pass the "
+                                        "module's model: jaxpar.init_state\\(module.model, tx\\)"):
+        jaxpar.init_state(module, TX)
+    jaxpar.init_state(module.model, TX)  # the fix it names
+    with pytest.raises(TypeError, match="^tx=.* is not an optax GradientTransformation; pass one"):
+        jaxpar.init_state(model, lambda grads: grads)
+    for out, match in (((1.0, 1.0, [1.0]), "^loss_fn returned metrics as a list, not a dict"),
+                       ((1.0, None), "^loss_fn returned weight=None \\(NoneType\\); return numbers"),
+                       ((1.0, "8"), "^loss_fn returned weight='8' \\(str\\); return numbers")):
+        strategy = jaxpar.SingleDevice(model, TX, loss_fn=lambda m, b, out=out: out)
+        strategy.init(state)
+        with pytest.raises(TypeError, match=match):
+            strategy.put_batch(batches[0])
+    strategy = jaxpar.SingleDevice(model, TX, loss_fn=optax.l2_loss)  # a loss of (predictions, targets), not
+    strategy.init(state)  # (model, batch): named as the batch's fault ("Sequential could not take the batch")
+    with pytest.raises(TypeError, match="^the loss handed the model itself \\(Sequential\\) to JAX as an array "
+                                        "\\(TypeError\\); loss_fn is called as loss_fn\\(model, batch\\)"):
+        strategy.put_batch(batches[0])
+    for bad in (dict(fn=3), dict(fn=jaxpar.cross_entropy, inputs="x")):  # failed at the first batch: 'int' object
+        with pytest.raises(TypeError, match="^OutputLoss\\((fn=3|inputs='x')\\) is not callable"):  # is not callable
+            OutputLoss(**bad)
+    with pytest.raises(TypeError, match="^device=1 is not a jax.Device; pass one, e.g. device=jax.local_devices"):
+        jaxpar.SingleDevice(model, TX, device=1)
+    jaxpar.SingleDevice(model, TX, device=jax.local_devices()[1])  # a device: taken

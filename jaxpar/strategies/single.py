@@ -36,6 +36,9 @@ class SingleDevice:
                              "use DistributedDataParallel or Pipeline (--strategy ddp or pipeline) across processes.")
         self.objective = objective_of(model, loss_fn, who="SingleDevice", **objective_options)
         self.tx = tx
+        if device is not None and not isinstance(device, jax.Device):  # failed in jax.device_put, at init
+            raise TypeError(f"device={device!r} is not a jax.Device; pass one, e.g. device=jax.local_devices()[1], "
+                            "or None for the first local device.")
         self.device = device or jax.local_devices()[0]
         mesh = Mesh(np.array([self.device]), (DATA,))
         body = lambda state, rows: train_step(self.objective, tx, state, rows)  # noqa: E731

@@ -269,8 +269,8 @@ class DistributedDataParallel:
                       bucket_cap_mb=bucket_cap_mb, overlap=overlap)
         overlap, grad_accum = bool(overlap), int(grad_accum)
         self.objective = objective_of(model, loss_fn, who="DistributedDataParallel", **objective_options)
-        if leaf_order is None:  # read off the model itself (an Objective holds it from Objective.of)
-            leaf_order = self.objective.leaf_order
+        if leaf_order is None and self.objective.leaf_order is not None:  # read off the model by Objective.of
+            leaf_order = list(self.objective.leaf_order)
         self.tx, self.mesh = tx, mesh or make_mesh()
         check_data_mesh(self.mesh, "DistributedDataParallel")
         self.allreduce, self.bucket_cap_mb, self.overlap = allreduce, bucket_cap_mb, overlap
@@ -380,5 +380,4 @@ def build(model: nnx.Module, tx: optax.GradientTransformation, cfg: Config, loss
     return DistributedDataParallel(
         cfg_objective(model, loss_fn, cfg), tx, mesh=make_mesh(cfg.num_devices), allreduce=cfg.allreduce,
         bucket_cap_mb=cfg.bucket_cap_mb, overlap=cfg.overlap, grad_accum=cfg.grad_accum,
-        grad_comm_dtype=cfg.grad_comm_dtype, spmd=cfg.spmd, batch_size=cfg.batch_size,
-        leaf_order=ddp_overlap.forward_leaf_order(model))
+        grad_comm_dtype=cfg.grad_comm_dtype, spmd=cfg.spmd, batch_size=cfg.batch_size)

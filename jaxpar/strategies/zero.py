@@ -211,8 +211,8 @@ class ZeroRedundancy:
             raise ValueError(f"ZeRO stage 3 runs each layer under its own fetching recomputation, so "
                              f"activation_checkpoint_interval={self.objective.activation_checkpoint_interval} would "
                              "be ignored; use stage 1 or 2 with it, or interval 0 with stage 3.")
-        if leaf_order is None and stage < 3:  # read off the model itself (an Objective holds it from Objective.of)
-            leaf_order = self.objective.leaf_order
+        if leaf_order is None and stage < 3 and self.objective.leaf_order is not None:  # read off the model by
+            leaf_order = list(self.objective.leaf_order)  # Objective.of; stage 3's own order is made in _setup
         self.tx, self.mesh, self.stage, self.reduce = tx, mesh or make_mesh(), stage, reduce
         check_data_mesh(self.mesh, "ZeroRedundancy")
         self.bucket_cap_mb, self.grad_accum, self.batch_size = bucket_cap_mb, grad_accum, check_batch_size(batch_size)
@@ -484,6 +484,4 @@ def build(model: nnx.Module, tx: optax.GradientTransformation, cfg: Config, loss
     reduce = cfg.zero_reduce or "reduce_scatter"  # DeepSpeed's stage 1 default: reduce_scatter: true
     return ZeroRedundancy(cfg_objective(model, loss_fn, cfg), tx, stage=stage, reduce=reduce,
                           mesh=make_mesh(cfg.num_devices), bucket_cap_mb=cfg.bucket_cap_mb, grad_accum=cfg.grad_accum,
-                          batch_size=cfg.batch_size,
-                          leaf_order=overlap.forward_leaf_order(model, registration=stage < 3),
-                          fetch=cfg.zero_fetch or "layer")
+                          batch_size=cfg.batch_size, fetch=cfg.zero_fetch or "layer")

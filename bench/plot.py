@@ -8,7 +8,9 @@
 
 Inputs:
 - run files: train.py --metrics-out records (see jaxpar/report.py): "step" records give the loss curve and the
-  gradient norm before clipping (x = step), "epoch" records the eval loss, the "summary" record the throughput.
+  gradient norm before clipping (x = step), "epoch" records the eval loss (a "partial" one, of a run --steps ended
+  mid-epoch, at the step it stopped), the last "summary" record the throughput. A resumed run's file holds one
+  record per step and per epoch (train.py replaces what the resumed run writes again).
   The run's label is its strategy (from the "start" record), or the file name when two runs share a strategy.
   A file holding several runs (several "start" records not written by --resume) is drawn as one line per run,
   "LABEL run i/n", each with its own throughput bar.

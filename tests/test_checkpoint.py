@@ -331,6 +331,47 @@ def test_a_stop_at_an_epochs_last_step_keeps_that_epochs_record(npz, tmp_path):
     assert epochs(parts) == want
 
 
+def test_resumed_runs_leave_one_record_per_step_and_epoch_in_metrics_out(npz, tmp_path):
+    """--metrics-out across resumes (a QA finding: records were only appended). A run that crashed at step 5 with
+    its last save at step 3 had written steps 4-5 and epoch 0's record (step 4); the resumed run trains them again
+    and wrote them twice. A run ended mid-epoch by --steps wrote epoch 0's record at step 2, and a resumed run
+    wrote epoch 0's again. Now the later steps' records go when a run resumes, and an epoch's record replaces its
+    partial one (marked "partial": a later partial one, or the whole epoch's); a resume with nothing left to train
+    keeps it. Either way the file's step and epoch records are an uninterrupted run's."""
+    def records(path, event):
+        drop = ("samples_per_s", "step_time_s")  # timings differ between runs
+        return [{k: v for k, v in r.items() if k not in drop}
+                for r in map(json.loads, open(path)) if r["event"] == event]
+
+    def crash_at(step):
+        def on_step(s, metrics):
+            if s == step:
+                raise RuntimeError("crashed")
+        return on_step
+
+    kw = dict(eval_split="train[:20]", log_every=1)
+    whole = str(tmp_path / "whole.jsonl")
+    trainer.run(config(npz, steps=8, metrics_out=whole, **kw))
+    want = {e: records(whole, e) for e in ("step", "epoch")}
+    assert [(r["epoch"], r["step"], r["partial"]) for r in want["epoch"]] == [(0, 4, False), (1, 8, False)]
+
+    ckpt, parts = str(tmp_path / "crash"), str(tmp_path / "crash.jsonl")
+    with pytest.raises(RuntimeError, match="crashed"):
+        trainer.run(config(npz, steps=8, checkpoint_dir=ckpt, checkpoint_every=3, metrics_out=parts, **kw),
+                    on_step=crash_at(5))
+    assert [r["step"] for r in records(parts, "step")] == [1, 2, 3, 4, 5] and len(records(parts, "epoch")) == 1
+    trainer.run(config(npz, steps=8, checkpoint_dir=ckpt, checkpoint_every=3, resume=True, metrics_out=parts, **kw))
+    assert {e: records(parts, e) for e in ("step", "epoch")} == want
+
+    ckpt, parts = str(tmp_path / "steps"), str(tmp_path / "steps.jsonl")
+    for steps, epochs in ((2, [(0, 2, True)]), (3, [(0, 3, True)]), (3, [(0, 3, True)]),
+                          (8, [(0, 4, False), (1, 8, False)])):
+        trainer.run(config(npz, steps=steps, checkpoint_dir=ckpt, resume=steps > 2, metrics_out=parts, **kw))
+        assert [(r["epoch"], r["step"], r["partial"]) for r in records(parts, "epoch")] == epochs, steps
+    assert {e: records(parts, e) for e in ("step", "epoch")} == want
+    assert sorted(os.listdir(tmp_path)) == ["crash", "crash.jsonl", "steps", "steps.jsonl", "whole.jsonl"]
+
+
 def test_resume_notes_a_new_grad_comm_dtype_and_an_init_torch_it_does_not_read(npz, tmp_path, capsys):
     """Two flags a resumed run took without a word (a QA pass): --grad-comm-dtype bf16 added changes the
     trajectory (2e-4 in the weights after 7 more steps) and is noted as a changed setting; --init-torch is not

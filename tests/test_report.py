@@ -245,3 +245,26 @@ def test_memory_fields_flatten_the_held_memory_for_metrics_out():
         "memory_held_bytes": 350, "memory_model_state_bytes": 7, "memory_paper_bytes": 400,
         "memory_paper_formula": "(2 + 2 + K) Psi / N"}
     assert report.memory_fields({"devices": 4}) == {}
+
+
+def test_a_resumed_writer_rewrites_its_file_atomically_without_later_steps_or_a_torn_line(tmp_path):
+    """A resumed writer (resumed_at: its checkpoint's step) drops an earlier run's records of later steps and a last
+    line cut short by a kill (which the next record was appended onto: two unreadable lines), keeps other lines as
+    they were, and replaces the file in one os.replace: its permissions kept, no temporary file left."""
+    path = tmp_path / "m.jsonl"
+    lines = [json.dumps(r) + "\n" for r in (
+        {"event": "start", "step": 0}, {"event": "step", "step": 2, "epoch": 0},
+        {"event": "epoch", "epoch": 0, "step": 2, "partial": True}, {"event": "summary", "steps": 2},
+        {"event": "start", "step": 2}, {"event": "step", "step": 4, "epoch": 0})]
+    path.write_text("".join(lines) + "not json, kept\n" + '{"event": "step", "st')
+    os.chmod(path, 0o640)
+    writer = report.MetricsWriter(str(path), append=True, resumed_at=2)
+    writer.write({"event": "start", "step": 2})
+    writer.begin()
+    writer.write({"event": "epoch", "epoch": 0, "step": 3, "partial": False})
+    writer.close()
+    # the partial record of epoch 0 goes when its whole record is written, step 4's and the torn line at begin()
+    assert path.read_text().splitlines() == [line.rstrip("\n") for line in lines[:2] + lines[3:5]] + [
+        "not json, kept", '{"event": "start", "step": 2}',
+        '{"event": "epoch", "epoch": 0, "step": 3, "partial": false}']
+    assert oct(os.stat(path).st_mode & 0o777) == oct(0o640) and os.listdir(tmp_path) == ["m.jsonl"]

@@ -510,6 +510,31 @@ def test_each_epochs_train_loss_is_the_running_mean_of_its_own_steps(tmp_path):
     np.testing.assert_allclose(out["train_loss"], epochs[-1]["train_loss"], rtol=1e-6)
 
 
+def test_a_run_stopped_by_steps_mid_epoch_and_resumed_keeps_one_epoch_record_per_epoch(tmp_path):
+    """--steps 2 of an epoch of 3, then --resume to --epochs 2: the stopped run's record of epoch 0 (its train loss
+    over 2 steps, evaluated at step 2) stayed in --metrics-out beside the resumed run's record of the whole epoch,
+    two "epoch" records of epoch 0 (a QA finding). The stopped run's record is now marked "partial" and the whole
+    epoch's replaces it: the file's epoch and step records are an uninterrupted run's."""
+    def records(path, event):
+        keys = ("epoch", "step", "partial", "loss", "train_loss", "eval_loss", "eval_accuracy", "grad_norm", "lr")
+        return [{k: r[k] for k in keys if k in r} for r in map(json.loads, path.read_text().splitlines())
+                if r.get("event") == event]
+
+    run = BASE + ["--strategy", "single", "--epochs", "2", "--log-every", "1"]
+    whole = tmp_path / "whole.jsonl"
+    train.main(run + ["--metrics-out", str(whole)])
+    assert [(r["epoch"], r["step"], r["partial"]) for r in records(whole, "epoch")] == [(0, 3, False), (1, 6, False)]
+    parts, ckpt = tmp_path / "parts.jsonl", str(tmp_path / "ckpt")
+    stopped = train.main(run + ["--metrics-out", str(parts), "--checkpoint-dir", ckpt, "--steps", "2"])
+    partial = records(parts, "epoch")
+    assert [(r["epoch"], r["step"], r["partial"]) for r in partial] == [(0, 2, True)]  # marked, not an epoch's end
+    assert partial[0]["eval_loss"] == pytest.approx(stopped["eval_loss"])
+    resumed = train.main(run + ["--metrics-out", str(parts), "--checkpoint-dir", ckpt, "--resume"])
+    assert records(parts, "epoch") == records(whole, "epoch")  # one per epoch, the whole epoch's numbers
+    assert records(parts, "step") == records(whole, "step")
+    assert resumed["eval_loss"] == records(parts, "epoch")[-1]["eval_loss"]
+
+
 def test_drop_last_drops_the_short_batch_from_the_epochs_and_their_learning_rates(tmp_path):
     """40 samples in batches of 16 with --drop-last: 2 steps an epoch (the 8 left over dropped, as torch's
     DataLoader(drop_last=True)), so --epochs 2 is 4 updates, and the per-epoch StepLR decays after the second;

@@ -4,21 +4,29 @@
 
     {"event": "start",   "strategy", "model", "devices", "processes", "describe", "step", "config": {...}}
     {"event": "step",    "step", "epoch", "loss", "train_loss", "samples_per_s", "step_time_s"}   # every --log-every
-    {"event": "epoch",   "epoch", "step", "train_loss", "eval_loss", "eval_accuracy"}             # each epoch's end
+    {"event": "epoch",   "epoch", "step", "partial", "train_loss", "eval_loss", "eval_accuracy"}  # each epoch's end
     {"event": "stopped", "step", "signal", "checkpoint"}                                          # SIGTERM / SIGINT
     {"event": "diverged", "step", "loss", "checkpoint"}                                           # NaN / inf loss
     {"event": "summary", ...the run summary's numbers...}
 
 "loss" is that step's mean loss, "train_loss" the mean over the epoch so far, "samples_per_s" and "step_time_s"
-cover the steps since the previous record (warm-up steps, evaluation and saves left out: see Clock).
-bench/plot.py reads these files.
+cover the steps since the previous record (warm-up steps, evaluation and saves left out: see Clock). An "epoch"
+record with "partial": true is the end of a run that --steps ended mid-epoch: its train loss covers the epoch so
+far, its evaluation the weights at that step.
+
+A file holds one record per epoch and per step, across --resume too: a resumed run first drops the records of
+steps after its checkpoint's (an earlier run's that it trains again: a crash after the last save), and an epoch's
+record replaces that epoch's partial one (a run stopped by --steps mid-epoch, then resumed), the file rewritten
+atomically. bench/plot.py reads these files.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import stat
 import sys
+import tempfile
 import time
 from typing import Any, Iterable
 
@@ -27,10 +35,18 @@ class MetricsWriter:
     """JSON lines written to `path`: a fresh run starts the file anew (a note on stderr when it held records), a
     resumed run (`append`) continues it; a no-op without a path. The file is opened at `begin()` -- train.py calls
     it once the first step has run, so a run refused while its step is traced leaves an earlier run's file as it
-    was -- and the records before it wait in memory; `close()` writes them unless told to drop them."""
+    was -- and the records before it wait in memory; `close()` writes them unless told to drop them.
 
-    def __init__(self, path: str | None, append: bool = False):
-        self.path, self.append, self.f, self.pending = path, append, None, []
+    `resumed_at` (a resumed run's checkpoint step) keeps the file one record per step and per epoch: at `begin()`
+    the records of later steps (an earlier run's, past its last save, that this run trains again) are dropped, and
+    an "epoch" record drops an earlier partial record of its epoch ("partial": true, a run that --steps ended
+    mid-epoch) when it is written. The file is then rewritten whole: a temporary file in its folder, os.replace'd.
+    A last line with no newline (a run killed while writing it) is dropped then too."""
+
+    def __init__(self, path: str | None, append: bool = False, resumed_at: int | None = None):
+        self.path, self.append, self.f, self.pending = path, append or resumed_at is not None, None, []
+        self.resumed_at = resumed_at
+        self.partial: set = set()  # the epochs whose record in the file is a partial one
 
     def begin(self) -> None:
         if not self.path or self.f is not None:
@@ -38,6 +54,8 @@ class MetricsWriter:
         if not self.append and os.path.isfile(self.path) and os.path.getsize(self.path):
             print(f"jaxpar: note: --metrics-out {self.path} held an earlier run's records; this run (no --resume) "
                   "starts it anew. Pass another file to keep both.", file=sys.stderr)
+        if self.append and os.path.isfile(self.path):
+            self._keep(lambda r: self.resumed_at is None or _step_of(r) is None or _step_of(r) <= self.resumed_at)
         self.f = open(self.path, "a" if self.append else "w")
         pending, self.pending = self.pending, []
         for record in pending:
@@ -47,10 +65,52 @@ class MetricsWriter:
         if self.path and self.f is None:
             self.pending.append(record)
         elif self.f:
+            if record.get("event") == "epoch" and record.get("epoch") in self.partial:  # superseded
+                self.f.close()
+                self._keep(lambda r: not (r.get("event") == "epoch" and r.get("partial")
+                                          and r.get("epoch") == record["epoch"]))
+                self.f = open(self.path, "a")
+            if record.get("event") == "epoch" and record.get("partial"):
+                self.partial.add(record.get("epoch"))
             # strict JSON (RFC 8259 has no NaN/Infinity; JSON.parse, pandas' engines and jq<1.7 reject them): a
             # value that is not a finite number (samples_per_s before any timed step, an fp16 epoch of skips) is null
             self.f.write(json.dumps(_finite(record), default=_plain, allow_nan=False) + "\n")
             self.f.flush()
+
+    def _keep(self, keep) -> None:
+        """Rewrite the (closed) file with the records `keep` accepts; lines that are not a JSON object stay, but a
+        torn last line (no newline) goes. Atomic: a temporary file in the same folder, os.replace'd. Notes which
+        epochs the kept records hold partially."""
+        with open(self.path) as f:
+            lines = f.readlines()
+        kept, self.partial = [], set()
+        for i, line in enumerate(lines):
+            if not line.endswith("\n"):  # the last line, cut short: a run killed while writing it
+                continue
+            try:
+                r = json.loads(line)
+            except ValueError:
+                r = None
+            if isinstance(r, dict) and not keep(r):
+                continue
+            if isinstance(r, dict) and r.get("event") == "epoch":
+                (self.partial.add if r.get("partial") else self.partial.discard)(r.get("epoch"))
+            kept.append(line)
+        if len(kept) == len(lines):
+            return
+        folder = os.path.dirname(os.path.abspath(self.path))
+        fd, tmp = tempfile.mkstemp(prefix=".metrics-", suffix=".tmp", dir=folder)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.writelines(kept)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, stat.S_IMODE(os.stat(self.path).st_mode))
+            os.replace(tmp, self.path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
 
     def close(self, keep_pending: bool = True) -> None:
         """Close the file; records not yet written go to it (`begin()` first), or are dropped (keep_pending=False:
@@ -61,6 +121,12 @@ class MetricsWriter:
         if self.f:
             self.f.close()
             self.f = None
+
+
+def _step_of(record: dict) -> int | None:
+    """The step a record belongs to: its "step" (a summary's "steps"); None for a record without one."""
+    step = record.get("step", record.get("steps"))
+    return step if isinstance(step, (int, float)) and not isinstance(step, bool) else None
 
 
 def _finite(x: Any) -> Any:

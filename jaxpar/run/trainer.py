@@ -969,7 +969,9 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
         # every check passed: from here on the run writes
         placed = strategy.init(state)
         eval_step = make_eval_step(objective)
-        writer = report.MetricsWriter(cfg.metrics_out if main_process else None, append=cfg.resume)
+        # a resumed run's file keeps one record per step and epoch: later steps' records (trained again) go
+        writer = report.MetricsWriter(cfg.metrics_out if main_process else None, append=cfg.resume,
+                                      resumed_at=int(state.step) if cfg.resume else None)
         log = print if main_process and not cfg.quiet else (lambda *a, **k: None)
         step, epoch = int(state.step), sampler.epoch
         log(f"jaxpar: {cfg.strategy} on {strategy.describe()}; model {cfg.model} "
@@ -1000,8 +1002,9 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
             if not ckpt.save(step, strategy.unplace(placed), data):
                 raise Diverged(f"step {step} left non-finite parameters; not saved. " + _kept(cfg, ckpt))
 
-        def end_epoch() -> dict[str, Any]:
-            """The epoch's record: its train loss, the evaluation, written and logged."""
+        def end_epoch(partial: bool = False) -> dict[str, Any]:
+            """The epoch's record: its train loss, the evaluation, written and logged. `partial`: --steps ended the
+            run mid-epoch; the record says so, and the record of the whole epoch replaces it (a resumed run)."""
             record = {"epoch": epoch, "step": step,  # NaN: every step of the epoch was skipped (fp16)
                       "train_loss": loss_sum / count if count else float("nan")}
             if eval_set is not None:  # a strategy with evaluate() runs it where its weights are (pipeline)
@@ -1010,7 +1013,7 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
                                        pad=objective.per_sample) if on is None else
                               evaluate(lambda rows: on(placed, rows), None, eval_set, eval_batch_size(cfg),
                                        pad=objective.per_sample))
-            writer.write({"event": "epoch", **record})
+            writer.write({"event": "epoch", "epoch": epoch, "step": step, "partial": partial, **record})
             log(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
             return record
 
@@ -1087,7 +1090,7 @@ def run(cfg: Config, on_step: Callable[[int, dict], None] | None = None) -> dict
                     last = {"epoch": epoch, "step": step, "train_loss": loss_sum / count if count else float("nan")}
                     break
                 epoch_done = finished_epoch()
-                last = end_epoch()
+                last = end_epoch(partial=not epoch_done)
                 if after_record:
                     save(False)
                 clock.skip()

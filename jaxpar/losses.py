@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.comm import megatron
-from jaxpar.objective import LossOutput, OutputLoss
+from jaxpar.objective import LossOutput, OutputLoss, record_classes
 
 IGNORE_INDEX = -100  # torch's CrossEntropyLoss default
 
@@ -49,8 +49,9 @@ def cross_entropy(logits, batch, *, key: str = "y", ignore_index: int = IGNORE_I
     """Summed softmax cross-entropy of `logits` [..., C] against integer targets [...] (torch's CrossEntropyLoss,
     its `label_smoothing` too: (1 - e) x the target's -log p + e x the mean of -log p over the C classes); `logits`
     split by vocabulary over tensor ranks (VocabParallelLogits) go through Megatron's vocab_parallel_cross_entropy,
-    never gathered. A target outside [0, C) other than `ignore_index` makes the loss NaN in every strategy (torch
-    raises; a jitted step cannot), and adds nothing to the gradient. A target that is not counted (ignore_index,
+    never gathered. A counted target outside [0, C) makes the loss NaN (torch raises; a jitted step cannot) and adds
+    nothing to the gradient; as the default loss (an OutputLoss of it), every strategy's put_batch refuses one held
+    on the host before any work (Objective.check_ids). A target that is not counted (ignore_index,
     or mask 0) adds nothing to the loss whatever it holds (a pad id outside [0, C) too) and whatever its logits
     hold (an inf or NaN in a padded row: the loss stays finite, and those logits' gradient is NaN, both as torch's)."""
     if not 0.0 <= label_smoothing <= 1.0:
@@ -71,6 +72,8 @@ def cross_entropy(logits, batch, *, key: str = "y", ignore_index: int = IGNORE_I
     w = _mask(batch, y.shape) * (y != ignore_index)
     counted = w != 0
     classes = local.shape[-1] * (jax.lax.psum(1, logits.axis) if split else 1)
+    if not split:  # while Objective.check_inputs traces the loss: the bound every step checks host targets against
+        record_classes(classes)
     inside = (y >= 0) & (y < classes)
     safe = jnp.where(counted & inside, y, 0)
     if split:

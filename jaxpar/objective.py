@@ -32,7 +32,9 @@ After every training step each RNG stream's count advances by one, as if it had 
 """
 from __future__ import annotations
 
+import contextvars
 import dataclasses
+import functools
 import re
 import weakref
 from collections.abc import Mapping
@@ -87,7 +89,17 @@ def _same_trace(f: Callable, g: Callable, arg: Any) -> bool:
         x is y or (jnp.shape(x) == jnp.shape(y) and bool(jnp.array_equal(x, y))) for x, y in zip(a.consts, b.consts))
 
 
-_INPUTS_CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # objective -> batch signatures checked
+_INPUTS_CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # objective -> {batch signature:
+# the number of classes jaxpar.cross_entropy saw in the logits when check_inputs traced the loss on it, or None}
+_CLASSES: contextvars.ContextVar = contextvars.ContextVar("jaxpar_classes", default=None)  # check_inputs' recorder
+
+
+def record_classes(classes: int) -> None:
+    """Called by jaxpar.cross_entropy with its logits' class count (a static shape) while check_inputs traces the
+    loss: the bound check_inputs then holds the batch's class targets to, on the host, at every step."""
+    seen = _CLASSES.get()
+    if seen is not None:
+        seen.append(int(classes))
 _LIBRARIES = ("jax", "jaxlib", "flax", "opt_einsum", "numpy")  # whose shape rules refuse an input
 _ABOUT_SHAPES = re.compile(r"shape|dimension|size|broadcast|rank|type|expect", re.IGNORECASE)
 
@@ -499,14 +511,15 @@ class Objective:
         (_, aux), grads, seed = scaling.value_and_grad(f, loss_scale)(params)
         return aux, scaling.unscale(grads, seed)
 
-    def check_inputs(self, data: PyTree) -> None:
+    def check_inputs(self, data: PyTree, row_mask: Any = None) -> None:
         """ValueError, before any work, when the model cannot take the batch `data` (host arrays): its loss is
         traced (jax.eval_shape: no compute) on the batch's shapes, in eval mode (the model's own __call__: where a
         strategy runs the `layers` instead, check_layers says whether they are the same function), on one row per
         call (per_sample) or the whole batch, and a shape or dtype rule of JAX or Flax that refuses the batch (an
         input of 100 features reaching a Linear of 784: dot_general's contracting dimensions) is named in one line,
         the original error chained. Once per batch signature (tree, row shapes, dtypes); any other error is left to
-        the step, which raises it where it always has."""
+        the step, which raises it where it always has. Then, on every batch, `check_ids`: class targets and token ids
+        outside the model's outputs or vocabulary (`row_mask`: the Rows' mask, which rows count)."""
         if self.shapes is None:
             return
         leaves, treedef = jax.tree.flatten(data)
@@ -516,8 +529,9 @@ class Objective:
         n = 1 if self.per_sample else np.shape(leaves[0])[0]
         shapes = [(n,) + tuple(np.shape(a)[1:]) for a in leaves]
         key = (treedef, tuple(zip(shapes, map(str, dtypes))))
-        seen = _INPUTS_CHECKED.setdefault(self, set())
+        seen = _INPUTS_CHECKED.setdefault(self, {})
         if key in seen:
+            self.check_ids(data, row_mask, seen[key])
             return
         specs = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes)])
         rows = Rows(specs, jax.ShapeDtypeStruct((n,), jnp.float32), jax.ShapeDtypeStruct((n,), jnp.int32))
@@ -531,9 +545,12 @@ class Objective:
                     refused.append(e)
                 raise
 
+        classes: list = []
+        token = _CLASSES.set(classes)
         try:
             jax.eval_shape(trace, *self.shapes, rows)
         except Exception as e:  # noqa: BLE001
+            classes.clear()  # the loss did not trace: nothing to hold the targets to
             if refused:
                 cause = refused[0]
                 first = (str(cause).strip().splitlines() or [""])[0][:200]
@@ -548,7 +565,113 @@ class Objective:
                                  "first layer expects (check the data's shape against the input size the model was "
                                  "built with: the dataset, or its in_features / --model).") from cause
             # not the batch's shape: the step itself raises it, where it always has
-        seen.add(key)
+        finally:
+            _CLASSES.reset(token)
+        seen[key] = classes[0] if len(set(classes)) == 1 else None
+        self.check_ids(data, row_mask, seen[key])
+
+    def _cross_entropy_options(self) -> tuple[str, int] | None:
+        """(key, ignore_index) where the loss is jaxpar.cross_entropy on the model's outputs (the default, train.py's
+        --loss cross_entropy, a functools.partial of it: label_smoothing and all), else None: a loss of the user's
+        own may read other targets, or none."""
+        from jaxpar.losses import IGNORE_INDEX, cross_entropy
+
+        if not isinstance(self.loss_fn, OutputLoss):
+            return None
+        fn, options = self.loss_fn.fn, {}
+        while isinstance(fn, functools.partial):
+            if fn.args:
+                return None
+            options = {**fn.keywords, **options}  # the outer partial's keywords win
+            fn = fn.func
+        if fn is not cross_entropy:
+            return None
+        return options.get("key", "y"), options.get("ignore_index", IGNORE_INDEX)
+
+    def _vocabulary(self) -> int | None:
+        """The rows of jaxpar.GPT's token table (wte) where the model is one and takes ``batch["x"]`` (the default
+        inputs), else None."""
+        from jaxpar.models.gpt import GPT
+
+        if not (isinstance(self.loss_fn, OutputLoss) and self.loss_fn.inputs is default_inputs and self.shapes
+                and issubclass(self.eval_graphdef.nodes[0].type, GPT)):
+            return None
+        try:
+            return int(jnp.shape(self.shapes[0]["wte"]["embedding"])[0])
+        except (KeyError, TypeError, IndexError):
+            return None
+
+    def check_ids(self, data: PyTree, row_mask: Any, classes: int | None) -> None:
+        """ValueError, before any work, for a counted class target outside [0, `classes`) of jaxpar.cross_entropy
+        (not its ignore_index, its batch["mask"] not 0, in a real row: `row_mask` > 0 under per_sample), and for a
+        token id outside jaxpar.GPT's vocabulary in batch["x"] (a real row's), where torch raises ('Target 10 is
+        out of bounds', 'index out of range in self') and a jitted step cannot: the step reported a NaN loss (the
+        target left out of the gradient but counted in the weight); a token id >= the vocabulary turned the loss
+        and the parameters NaN, one below 0 read another token's row. On host (numpy) values only: min and max,
+        O(batch), no trace, compile or sync; a leaf that is a jax.Array (Rows placed on a device, which put_batch passes through) is not read, and
+        trains as before."""
+        def host(a):
+            return a if isinstance(a, np.ndarray) and not isinstance(a, jax.Array) else None
+
+        rows = host(row_mask) if self.per_sample else None  # per_sample=False counts every row (padding is refused)
+        if self.per_sample and rows is None:
+            return  # which rows count is on a device
+        real = None if rows is None or rows.all() else rows > 0
+
+        def outside(values, n, skip=None):
+            """(the first counted value outside [0, n), its index, how many) or None."""
+            if values is None or values.size == 0 or not np.issubdtype(values.dtype, np.integer):
+                return None  # cross_entropy's own TypeError names float targets
+            if values.min() >= 0 and values.max() < n:  # the fast path: two passes over the batch
+                return None
+            bad = (values < 0) | (values >= n)
+            if skip is not None:
+                bad &= skip
+            if real is not None:
+                bad &= real.reshape((-1,) + (1,) * (values.ndim - 1))
+            where = np.argwhere(bad)
+            if not len(where):
+                return None
+            at = tuple(int(i) for i in where[0])
+            return int(values[at]), at, len(where)
+
+        ce = self._cross_entropy_options() if classes else None
+        if ce is not None:
+            key, ignore = ce
+            if isinstance(data, dict):
+                y, name, mask = host(data.get(key)), f"batch[{key!r}]", data.get("mask")
+            elif isinstance(data, (tuple, list)) and len(data) > 1:
+                y, name, mask = host(data[1]), "batch[1]", None
+            else:
+                y, name, mask = None, "", None
+            counted = None if y is None else y != ignore
+            if mask is not None and y is not None:
+                mask = host(mask)
+                if mask is None or mask.shape != y.shape:
+                    y = None  # on a device, or the loss's own shape error
+                else:
+                    counted &= mask != 0
+            found = outside(y, classes, counted)
+            if found:
+                v, at, n = found
+                more = f", and {n - 1} more" if n > 1 else ""
+                grow = f", or give the model {v + 1} outputs" if v >= classes else ""
+                raise ValueError(f"{name} holds class target {v} at {at}{more}, outside [0, {classes}) for the "
+                                 f"model's {classes} outputs: cross_entropy would report the loss NaN and leave the "
+                                 f"target out of the gradient, not of the weight (torch's CrossEntropyLoss raises "
+                                 f"'Target {v} is out of bounds'); give class ids 0..{classes - 1}, skip a target with "
+                                 f"ignore_index={ignore} or batch['mask'] 0{grow}.")
+        vocab = self._vocabulary()
+        if vocab is not None and isinstance(data, dict):
+            found = outside(host(data.get("x")), vocab)
+            if found:
+                v, at, n = found
+                more = f", and {n - 1} more" if n > 1 else ""
+                raise ValueError(f"batch['x'] holds token id {v} at {at}{more}, outside GPT's vocabulary [0, {vocab}): "
+                                 "its embedding lookup would turn the logits, the loss and, after the update, the "
+                                 "parameters NaN (or, below 0, read another token's row; torch's nn.Embedding raises "
+                                 f"'index out of range in self'); give token ids 0..{vocab - 1}, or build the model "
+                                 f"with vocab_size={max(v + 1, vocab)} or more.")
 
     def check_rows_apart(self, params: nnx.State, model_state: nnx.State, rows: Rows, count: int = 3) -> None:
         """ValueError when per_sample=True came by default and the mean loss (loss sum / weight sum) over the first

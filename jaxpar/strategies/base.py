@@ -90,7 +90,7 @@ def evaluate(strategy: Any, placed: Any, batches: Iterable) -> dict[str, float]:
                             "takes them: jaxpar.evaluate(strategy, placed, [batch]).")
         rows = as_rows(batch)
         if own is None:  # a batch the model cannot take, in one line (the pipeline's put_batch checks its own)
-            getattr(strategy, "eval_objective", strategy.objective).check_inputs(rows.data)
+            getattr(strategy, "eval_objective", strategy.objective).check_inputs(rows.data, rows.mask)
         sums = jax.device_get(own(placed, rows) if own is not None else step(rows))
         totals = sums if totals is None else jax.tree.map(np.add, totals, sums)
     if totals is None:
@@ -257,7 +257,8 @@ class LayersCheck:
     """The first batch's checks, once: Objective.check_layers, armed by a strategy's init with the canonical state
     where the strategy runs the model's `layers` instead of its __call__, and Objective.check_rows_apart (armed by
     `arm_first_batch`), run on the first batch's first rows by put_batch, then dropped; and before them, on every
-    batch of a shape not seen yet, Objective.check_inputs (a batch the model cannot take, named in one line)."""
+    batch of a shape not seen yet, Objective.check_inputs (a batch the model cannot take, named in one line), and on
+    every batch its check_ids (host class targets or GPT token ids outside the model's outputs or vocabulary)."""
 
     def __init__(self):
         self.pending: tuple | None = None
@@ -281,7 +282,7 @@ class LayersCheck:
 
     def __call__(self, rows) -> None:
         if self.inputs is not None:  # first: the checks below would fail deep inside on a batch the model refuses
-            self.inputs.check_inputs(rows.data)
+            self.inputs.check_inputs(rows.data, rows.mask)
         if self.pending is not None:
             objective, params, model_state, why, fix, unpack = self.pending
             head = jax.tree.map(lambda a: np.asarray(a)[:2], rows.data)

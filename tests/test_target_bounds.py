@@ -1,0 +1,122 @@
+"""Class targets (and GPT token ids) outside the model's outputs are refused by put_batch, before any work, when
+they are host values; torch's CrossEntropyLoss raises 'Target 10 is out of bounds', a jitted step cannot, and the
+step turned the loss and then every parameter NaN without a word (a QA finding). Targets already on a device
+(Rows of jax.Arrays, which put_batch passes through) are not read: the loss is still NaN."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxpar
+
+TX = optax.sgd(0.1)
+C = 10
+
+
+def make_model():
+    return nnx.Sequential(nnx.Linear(4, 16, rngs=nnx.Rngs(0)), nnx.relu, nnx.Linear(16, C, rngs=nnx.Rngs(1)))
+
+
+STRATEGIES = {
+    "single": lambda m, loss: jaxpar.SingleDevice(m, TX, loss_fn=loss),
+    "ddp": lambda m, loss: jaxpar.DistributedDataParallel(m, TX, loss_fn=loss, mesh=jaxpar.make_mesh(2)),
+}
+
+
+def batch(y, mask=None):
+    out = {"x": np.ones((len(y), 4), np.float32), "y": np.asarray(y, np.int32)}
+    if mask is not None:
+        out["mask"] = np.asarray(mask, np.float32)
+    return out
+
+
+def finite(tree) -> bool:
+    return all(bool(np.isfinite(np.asarray(a)).all()) for a in jax.tree.leaves(tree))
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_an_out_of_range_class_target_is_refused_before_any_work(name, smoothing):
+    loss = None if not smoothing else jaxpar.OutputLoss(functools.partial(jaxpar.cross_entropy,
+                                                                          label_smoothing=smoothing))
+    model = make_model()
+    strategy = STRATEGIES[name](model, loss)
+    placed = strategy.init(jaxpar.init_state(model, TX))
+    for bad, at in ((C, 2), (-1, 1)):
+        y = [0, 1, 2, 3]
+        y[at] = bad
+        grow = f", or give the model {C + 1} outputs" if bad == C else ""
+        match = (f"^batch\\['y'\\] holds class target {bad} at \\({at},\\), outside \\[0, {C}\\) for the model's {C} "
+                 f"outputs: cross_entropy would report the loss NaN and leave the target out of the gradient, not "
+                 f"of the weight \\(torch's CrossEntropyLoss raises 'Target {bad} is out of bounds'\\); give class ids 0..{C - 1}, skip a "
+                 f"target with ignore_index=-100 or batch\\['mask'\\] 0{grow}\\.$")
+        with pytest.raises(ValueError, match=match):
+            strategy.put_batch(batch(y))
+        with pytest.raises(ValueError, match=match):  # evaluation's batches too
+            jaxpar.evaluate(strategy, placed, [batch(y)])
+    # not counted, so taken: ignore_index, a masked-out bad target (mask 0), and a bad target in both
+    for ok in (batch([0, -100, 2, 3]), batch([0, C, -7, 3], mask=[1, 0, 0, 1]), batch([-100, 99, 2, 3], [1, 0, 1, 1])):
+        placed, metrics = strategy.step(placed, strategy.put_batch(ok))
+        assert np.isfinite(float(metrics["loss"])) and finite(strategy.unplace(placed).params)
+    # the check runs on every batch, not once per shape: the same shape with a bad target is refused again
+    with pytest.raises(ValueError, match="holds class target 10 at \\(0,\\), and 1 more"):
+        strategy.put_batch(batch([C, C, 1, 2]))
+    placed, _ = strategy.step(placed, strategy.put_batch(batch([0, 1, 2, 3])))  # the state was never consumed
+    assert finite(strategy.unplace(placed).params)
+
+
+def test_a_custom_key_and_ignore_index_are_respected():
+    loss = jaxpar.OutputLoss(functools.partial(jaxpar.cross_entropy, key="labels", ignore_index=-1))
+    model = make_model()
+    strategy = jaxpar.SingleDevice(model, TX, loss_fn=loss)
+    strategy.init(jaxpar.init_state(model, TX))
+    strategy.put_batch({"x": np.ones((2, 4), np.float32), "labels": np.array([-1, 3], np.int32)})  # -1: ignored
+    with pytest.raises(ValueError, match="^batch\\['labels'\\] holds class target -100 at \\(0,\\).*"
+                                         "ignore_index=-1 or"):
+        strategy.put_batch({"x": np.ones((2, 4), np.float32), "labels": np.array([-100, 3], np.int32)})
+    strategy = jaxpar.SingleDevice(model, TX)  # the default loss on a tuple batch (x, y)
+    strategy.init(jaxpar.init_state(model, TX))
+    with pytest.raises(ValueError, match="^batch\\[1\\] holds class target 12 at \\(1,\\)"):
+        strategy.put_batch((np.ones((2, 4), np.float32), np.array([3, 12], np.int32)))
+
+
+def test_targets_already_on_a_device_are_not_read_and_still_give_a_nan_loss():
+    """Rows of jax.Arrays pass through put_batch as they are: reading them would sync the device every step, so
+    the check leaves them, and the step reports a NaN loss, as before (documented); the bad target is left out of
+    the gradient, so the parameters stay finite (a GPT token id past the vocabulary turns them NaN)."""
+    model = make_model()
+    strategy = jaxpar.SingleDevice(model, TX)
+    placed = strategy.init(jaxpar.init_state(model, TX))
+    host = batch([0, C, 2, 3])
+    rows = jaxpar.as_rows({k: jax.device_put(v) for k, v in host.items()})  # as_rows copies these to the host
+    with pytest.raises(ValueError, match="holds class target 10"):
+        strategy.put_batch(rows)
+    on_device = jaxpar.Rows(jax.device_put(host), jax.device_put(rows.mask), jax.device_put(rows.ids))
+    placed, metrics = strategy.step(placed, strategy.put_batch(on_device))
+    assert np.isnan(float(metrics["loss"])) and finite(strategy.unplace(placed).params)
+
+
+def test_a_gpt_token_id_outside_the_vocabulary_is_refused():
+    cfg = jaxpar.GPTConfig.named("gpt-nano", vocab_size=16, block_size=8)
+    model = jaxpar.GPT(cfg, rngs=nnx.Rngs(params=0, dropout=0))
+    strategy = jaxpar.SingleDevice(model, TX)
+    placed = strategy.init(jaxpar.init_state(model, TX))
+    x = np.zeros((2, 8), np.int32)
+    y = np.ones((2, 8), np.int32)
+    for bad in (16, -1):
+        x[1, 5] = bad
+        with pytest.raises(ValueError, match=f"^batch\\['x'\\] holds token id {bad} at \\(1, 5\\), outside GPT's "
+                                             "vocabulary \\[0, 16\\).*give token ids 0..15"):
+            strategy.put_batch({"x": x, "y": y})
+    x[1, 5] = 3
+    y[0, 2] = 16
+    with pytest.raises(ValueError, match="^batch\\['y'\\] holds class target 16 at \\(0, 2\\), outside \\[0, 16\\)"):
+        strategy.put_batch({"x": x, "y": y})
+    y[0, 2] = -100
+    placed, metrics = strategy.step(placed, strategy.put_batch({"x": x, "y": y}))
+    assert np.isfinite(float(metrics["loss"]))

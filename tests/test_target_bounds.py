@@ -1,7 +1,8 @@
 """Class targets (and GPT token ids) outside the model's outputs are refused by put_batch, before any work, when
-they are host values; torch's CrossEntropyLoss raises 'Target 10 is out of bounds', a jitted step cannot, and the
-step turned the loss and then every parameter NaN without a word (a QA finding). Targets already on a device
-(Rows of jax.Arrays, which put_batch passes through) are not read: the loss is still NaN."""
+they are host values; torch's CrossEntropyLoss raises 'Target 10 is out of bounds', a jitted step cannot: the step
+reported a NaN loss without a word (the target left out of the gradient, so the parameters stayed finite), and a GPT
+token id >= the vocabulary turned the parameters NaN, one below 0 read another token's row (a QA finding). Targets
+already on a device (Rows of jax.Arrays, which put_batch passes through) are not read: the loss is still NaN."""
 from __future__ import annotations
 
 import functools

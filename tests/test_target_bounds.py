@@ -121,3 +121,29 @@ def test_a_gpt_token_id_outside_the_vocabulary_is_refused():
     y[0, 2] = -100
     placed, metrics = strategy.step(placed, strategy.put_batch({"x": x, "y": y}))
     assert np.isfinite(float(metrics["loss"]))
+
+
+def test_the_pipeline_and_tensor_parallelism_refuse_them_too():
+    """The check sits in the input check every strategy's put_batch runs: the pipeline (its own stages' put_batch)
+    and tensor parallelism (GPT's logits split by vocabulary in the step; the loss traced whole by the check) refuse
+    a class target and a token id as one device does, before anything is compiled."""
+    from jax.sharding import Mesh
+
+    model = make_model()
+    pipe = jaxpar.Pipeline(model, TX, num_stages=2, micro_batches=2, mesh=jaxpar.make_mesh(2, pipe=2))
+    pipe.init(jaxpar.init_state(model, TX))
+    pipe.put_batch(batch([0, 1, 2, 3]))
+    with pytest.raises(ValueError, match="^batch\\['y'\\] holds class target 10 at \\(3,\\), outside \\[0, 10\\)"):
+        pipe.put_batch(batch([0, 1, 2, C]))
+    cfg = jaxpar.GPTConfig.named("gpt-nano", vocab_size=16, block_size=8, n_head=2)
+    gpt = jaxpar.GPT(cfg, rngs=nnx.Rngs(params=0, dropout=0))
+    tp = jaxpar.TensorParallel(gpt, TX, tensor_parallel=2,
+                               mesh=Mesh(np.array(jax.devices()[:2]).reshape(1, 2), (jaxpar.DATA, jaxpar.TENSOR)))
+    tp.init(jaxpar.init_state(gpt, TX))
+    x, y = np.zeros((2, 8), np.int32), np.ones((2, 8), np.int32)
+    tp.put_batch({"x": x, "y": y})
+    with pytest.raises(ValueError, match="^batch\\['y'\\] holds class target 16 at \\(1, 7\\), outside \\[0, 16\\)"):
+        tp.put_batch({"x": x, "y": np.where((np.arange(2)[:, None] == 1) & (np.arange(8) == 7), 16, y)})
+    x[0, 1] = -1
+    with pytest.raises(ValueError, match="^batch\\['x'\\] holds token id -1 at \\(0, 1\\), outside GPT's vocabulary"):
+        tp.put_batch({"x": x, "y": y})

@@ -131,6 +131,48 @@ def test_bad_arguments_name_the_fix():
         K.comm_cost("tree", 4, 100)
 
 
+def test_comm_dtype_mean_divides_each_input_by_n_in_bf16_before_the_sum():
+    """torch's bf16_compress_hook divides the bf16 tensor by world_size and then all-reduces. With N = 3 (not a power
+    of two, so the division rounds) dividing after the sum gives other bits: the hand-written algorithms must equal
+    their twins on bf16(x) / N bit for bit (test_comm_dtype_follows_torch_bf16_compress_hook's N = 4 cannot tell)."""
+    n = 3
+    xs = per_device_inputs(n, (2, 7), np.float32)
+    out = run_all(xs, comm_dtype=jnp.bfloat16)
+    bf, n_bf = xs.astype(jnp.bfloat16), np.asarray(n, jnp.bfloat16)
+    for alg in C.ALGORITHMS:
+        twin = C.REFERENCES["ring" if alg == "psum" else alg]
+        want = twin(bf / n_bf, "sum").astype(np.float32)
+        divided_after = (twin(bf, "sum") / n_bf).astype(np.float32)
+        assert not np.array_equal(want, divided_after)  # the two orders really differ on these inputs
+        if alg == "psum":  # XLA adds in float32: only close
+            np.testing.assert_allclose(out[(alg, "mean")], want, rtol=0.02, atol=0.05)
+        else:
+            np.testing.assert_array_equal(out[(alg, "mean")], want, err_msg=alg)
+
+
+@pytest.mark.parametrize("alg", ["ring", "reduce_broadcast", "all_to_all"])
+def test_a_zero_size_array_all_reduces_to_itself(alg):
+    """A zero-size leaf (a 0-wide layer's bias) in tree_all_reduce: nothing to add, the same empty shape and dtype
+    back, as psum gives (the ring used to build its chunks from nothing: concatenate of an empty list)."""
+    xs = np.zeros((4, 0, 3), np.float32)
+
+    def body(x):
+        return {op: (C.all_reduce(x[0], DATA, alg, op)[None], C.psum_all_reduce(x[0], DATA, op)[None])
+                for op in C.OPS}
+
+    out = jax.jit(jax.shard_map(body, mesh=submesh(4), in_specs=P(DATA), out_specs=P(DATA)))(xs)
+    for op, (got, psum) in out.items():
+        assert got.shape == psum.shape == (4, 0, 3) and got.dtype == psum.dtype, (op, got.shape, got.dtype)
+
+
+@pytest.mark.parametrize("root", [-1, 4, 5])
+def test_reduce_broadcast_refuses_a_root_outside_the_axis(root):
+    f = jax.shard_map(lambda x: C.reduce_broadcast_all_reduce(x, DATA, root=root), mesh=submesh(4),
+                      in_specs=P(DATA), out_specs=P(DATA))
+    with pytest.raises(ValueError, match=rf"root={root} must be a device index on axis 'data' of size 4; use 0..3"):
+        jax.eval_shape(f, jax.ShapeDtypeStruct((4, 2), np.float32))
+
+
 def test_cost_model_numbers():
     s = 1000
     ring = K.comm_cost("ring", 8, s)

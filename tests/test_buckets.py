@@ -124,6 +124,31 @@ def test_bad_plans_name_the_fix():
         reduce_buckets([jnp.zeros(3)], plan_buckets([jnp.zeros(3), jnp.zeros(1)]), lambda b: b)
 
 
+def test_a_negative_or_boolean_leaf_index_is_refused_not_wrapped():
+    """Python lists take -1 as the last leaf: a plan or order naming -1 (or True as 1) would reduce some other leaf,
+    or the same leaf twice, without a word. check_plan, reduce_buckets and plan_buckets(order=) refuse them."""
+    from jaxpar.comm.buckets import check_plan
+
+    with pytest.raises(ValueError, match=r"names -1, not a leaf index 0..2"):
+        check_plan([[0, 1, 2, -1]], 3)  # every leaf in one bucket, and -1 besides
+    with pytest.raises(ValueError, match=r"bucket \[0, -1\] names a leaf outside 0..1"):
+        reduce_buckets([jnp.zeros(2), jnp.ones(3)], [[0, -1]], lambda b: b)
+    with pytest.raises(ValueError, match=r"order=\[True, False\] must hold leaf indices"):
+        plan_buckets([1, 2], order=[True, False])
+    check_plan([[2, 0], [1]], 3)  # a complete plan passes
+
+
+def test_a_plan_for_other_shapes_is_refused_and_a_plan_from_sizes_is_not_checked():
+    """A plan made for leaves of other shapes (same count) would cut the flat buffer at the wrong places; a plan made
+    from byte sizes has no shapes to check, and reduces by the grads' own shapes."""
+    grads = [jnp.arange(2.0), jnp.arange(3.0) + 10]
+    with pytest.raises(ValueError, match=r"plan was made for 2 leaves of shapes \[\(3,\), \(2,\)\]"):
+        reduce_buckets(grads, plan_buckets([jnp.zeros(3), jnp.zeros(2)]), lambda b: b)
+    out = reduce_buckets(grads, plan_buckets([8, 12]), lambda b: b * 2)  # sizes: one bucket of both
+    for got, g in zip(out, grads):
+        np.testing.assert_array_equal(got, np.asarray(g) * 2)
+
+
 def test_flatten_unflatten_round_trip():
     leaves = [jnp.arange(6.0).reshape(2, 3), jnp.float32(7.0), jnp.arange(4.0).reshape(2, 1, 2), jnp.zeros(0)]
     buf = flatten_bucket(leaves)

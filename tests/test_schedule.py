@@ -198,13 +198,39 @@ def test_malformed_tables_get_a_schedule_error_not_a_python_one():
     assert sch.validate(base) is base
 
 
+def test_instruction_lists_that_do_not_match_the_grid_in_shape_are_rule_5():
+    """steps with a tick more than the grid (an extra forward the engine would run), a tick less, or a tick with a
+    list for a stage that does not exist: each is rule 5, not accepted (the dry run reads only stages 0..S-1) and not
+    an IndexError."""
+    c = sch.add_communication(sch.gpipe(2, 1))
+    assert c.num_ticks == 4
+    extra_tick = c.steps + (((Action(0, Op.F, 0),), ()),)
+    with pytest.raises(ScheduleError, match=r"^rule 5 .*: 5 instruction ticks for 4 grid ticks"):
+        sch.validate(dataclasses.replace(c, steps=extra_tick))
+    with pytest.raises(ScheduleError, match=r"^rule 5 .*: 3 instruction ticks for 4 grid ticks"):
+        sch.validate(dataclasses.replace(c, steps=c.steps[:-1]))
+    third_stage = (c.steps[0] + ((Action(2, Op.F, 0),),),) + c.steps[1:]
+    with pytest.raises(ScheduleError, match=r"^rule 5 .*: tick 0 has 2 grid cells and 3 instruction lists for 2 stages"):
+        sch.validate(dataclasses.replace(c, steps=third_stage))
+    assert sch.validate(c) is c
+
+
+def test_a_chunk_the_schedule_does_not_have_is_rule_1():
+    """An action of chunk 1 in a schedule of one chunk per stage is rule 1 (named with the chunks allowed), not a
+    deadlock found later by the dry run (its receive from virtual stage 1 has no sender)."""
+    rows = ["F0 .", ". F0", ". B0", "B0 .", "F0c1 ."]
+    with pytest.raises(ScheduleError, match=r"^rule 1 .*0F0c1 occurs 1 times \(micro-batches 0..0, chunks 0..0,"):
+        sch.validate(with_grid(sch.gpipe(2, 1), rows))
+
+
 def test_dry_run_detects_deadlock():
     c = sch.add_communication(sch.one_f_one_b(2, 3))
     steps = [list(map(list, row)) for row in c.steps]
     steps[0][0].insert(0, steps[3][0].pop(0))  # stage 0 waits for gradient 0 before sending activation 0
     bad = dataclasses.replace(c, steps=tuple(tuple(map(tuple, row)) for row in steps))
-    with pytest.raises(ScheduleError, match=r"^rule 6 .*stage 0 blocks at 0RG0 \(tick 0\) waiting for 1SG0") as e:
-        sch.validate(bad)
+    with pytest.raises(ScheduleError, match=r"^rule 6 .*stage 0 blocks at 0RG0 \(tick 0\) waiting for 1SG0; "
+                                            r"stage 1 blocks at 1RA0 \(tick 1\) waiting for 0SA0\n") as e:
+        sch.validate(bad)  # each blocked receive names the send it waits for: a gradient from v+1, an activation v-1
     assert e.value.cells == [(0, 0), (1, 1)]
     assert ">F0<" in str(e.value)
     steps = [list(map(list, row)) for row in c.steps]

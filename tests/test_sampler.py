@@ -133,6 +133,59 @@ def test_load_state_dict_checks_the_settings():
         DistributedSampler(20, 2, 0).load_state_dict({**state, "offset": 11})
 
 
+@pytest.mark.parametrize("key, other", [("num_samples", 21), ("shuffle", False), ("drop_last", True),
+                                        ("num_replicas", 4)])
+def test_a_state_from_other_settings_is_refused_for_each_setting(key, other):
+    """Each setting the offset is relative to (the dataset's length, the process count, shuffle, drop_last) changes
+    which samples an offset means: a state that differs in any one of them is refused, naming it."""
+    state = DistributedSampler(20, 2, 0).state_dict()
+    settings = {"num_samples": 20, "num_replicas": 2, "shuffle": True, "drop_last": False, key: other}
+    mine = DistributedSampler(settings["num_samples"], settings["num_replicas"], 0, shuffle=settings["shuffle"],
+                              drop_last=settings["drop_last"])
+    with pytest.raises(ValueError, match=rf"state {key}={state[key]!r} differs from this sampler's {key}={other!r}"):
+        mine.load_state_dict(state)
+
+
+def torch_batches(indices, batch_size, drop_last):
+    """torch.utils.data.BatchSampler.__iter__ (2.13), written out as the reference: fill a batch, yield it when
+    full; the partial batch left at the end is yielded unless drop_last."""
+    out, batch = [], []
+    for i in indices:
+        batch.append(i)
+        if len(batch) == batch_size:
+            out.append(batch)
+            batch = []
+    if batch and not drop_last:
+        out.append(batch)
+    return out
+
+
+@pytest.mark.parametrize("n, batch_size", [(16, 4), (17, 4), (18, 3), (3, 4)])
+def test_batch_plan_drop_last_is_torchs_batch_sampler(n, batch_size):
+    """batch_plan(b, drop_last) cuts this rank's indices as torch's BatchSampler(sampler, b, drop_last) does: every
+    full batch kept (also when the rest divides evenly), only a short last batch dropped."""
+    s = DistributedSampler(2 * n, 2, 1, seed=7)
+    for drop_last in (False, True):
+        want = torch_batches(s.indices().tolist(), batch_size, drop_last)
+        assert [b.tolist() for b in s.batch_plan(batch_size, drop_last)] == want, drop_last
+
+
+def test_loading_a_state_after_a_finished_pass_resumes_at_its_offset():
+    """A sampler whose pass ran to the end (the next pass would start over) that then loads a mid-epoch state
+    resumes at the state's offset, not at 0."""
+    s = DistributedSampler(10, 2, 0, shuffle=False)
+    assert len(list(s.batches(2))) == 3 and s.start == 0  # ran out: the next pass would start over
+    s.load_state_dict({**s.state_dict(), "offset": 2})
+    assert s.start == 2 and list(s) == torch_indices(10, 2, 0, False)[2:]
+
+
+def test_a_0d_array_is_refused_in_one_line():
+    """A 0-d array has no rows to count (len() of it is a TypeError): it is refused as a num_samples that is not
+    an int, not taken as a dataset."""
+    with pytest.raises(ValueError, match=r"num_samples=array\(7\) must be an integer >= 0"):
+        DistributedSampler(np.array(7), 2, 0)
+
+
 @pytest.mark.parametrize("n, replicas, padding_ranks", [
     (41, 2, [1]), (41, 3, [2]), (41, 4, [1, 2, 3]), (3, 8, [3, 4, 5, 6, 7]), (12, 4, []), (7, 7, [])])
 @pytest.mark.parametrize("shuffle", [False, True])

@@ -210,7 +210,8 @@ def test_instruction_lists_that_do_not_match_the_grid_in_shape_are_rule_5():
     with pytest.raises(ScheduleError, match=r"^rule 5 .*: 3 instruction ticks for 4 grid ticks"):
         sch.validate(dataclasses.replace(c, steps=c.steps[:-1]))
     third_stage = (c.steps[0] + ((Action(2, Op.F, 0),),),) + c.steps[1:]
-    with pytest.raises(ScheduleError, match=r"^rule 5 .*: tick 0 has 2 grid cells and 3 instruction lists for 2 stages"):
+    with pytest.raises(ScheduleError, match=r"^rule 5 .*: tick 0 has 2 grid cells and 3 instruction lists for 2 "
+                                            r"stages"):
         sch.validate(dataclasses.replace(c, steps=third_stage))
     assert sch.validate(c) is c
 

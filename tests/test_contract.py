@@ -878,6 +878,44 @@ def test_targets_that_are_not_counted_add_nothing_whatever_they_or_their_logits_
     assert np.isnan(float(loss(logits, y, mask)[0]))
 
 
+def test_cross_entropy_ignore_index_smoothing_bounds_negative_targets_and_shapes():
+    """torch's CrossEntropyLoss written out in numpy: a given ignore_index (3) is the one skipped; label_smoothing
+    takes all of [0, 1] (1.0: the mean -log p over the classes) and nothing outside; a counted target below 0 (not
+    the ignore index) makes the loss NaN as one past the last class does (a negative id would otherwise read the
+    last class); logits, a mask or MSE outputs of another shape are refused, not broadcast."""
+    rng = np.random.default_rng(5)
+    logits = (rng.normal(size=(6, 5)) * 3).astype(np.float32)
+    y = np.array([3, 0, 3, 4, 1, 2])
+    logp = logits - logits.max(-1, keepdims=True)
+    logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
+    counted = y != 3
+    nll = -np.take_along_axis(logp, y[:, None], -1)[:, 0]
+    out = jaxpar.cross_entropy(jnp.asarray(logits), {"y": jnp.asarray(y)}, ignore_index=3)
+    np.testing.assert_allclose(float(out.loss), nll[counted].sum(), rtol=1e-5)
+    assert float(out.weight) == 4
+    whole = jaxpar.cross_entropy(jnp.asarray(logits), {"y": jnp.asarray(y)})  # the default -100: all six count
+    np.testing.assert_allclose(float(whole.loss), nll.sum(), rtol=1e-5)
+    assert float(whole.weight) == 6
+    uniform = jaxpar.cross_entropy(jnp.asarray(logits), {"y": jnp.asarray(y)}, label_smoothing=1.0)
+    np.testing.assert_allclose(float(uniform.loss), -logp.mean(-1).sum(), rtol=1e-5)
+    assert abs(-logp.mean(-1).sum() - nll.sum()) > 0.1  # the check can fail: smoothing 1 is not the plain loss
+    for bad in (-0.1, 1.01):
+        with pytest.raises(ValueError, match=rf"label_smoothing={bad} must be in \[0, 1\]"):
+            jaxpar.cross_entropy(jnp.asarray(logits), {"y": jnp.asarray(y)}, label_smoothing=bad)
+    negative = y.copy()
+    negative[1] = -1  # counted: not the ignore index
+    for smoothing in (0.0, 0.1):
+        assert np.isnan(float(jaxpar.cross_entropy(jnp.asarray(logits), {"y": jnp.asarray(negative)},
+                                                   label_smoothing=smoothing).loss))
+    with pytest.raises(ValueError, match=r"logits \(6, 5\) do not match targets \(3,\): expected logits of shape "
+                                         r"\(3,\) \+ \(classes,\)"):
+        jaxpar.cross_entropy(jnp.asarray(logits), {"y": jnp.asarray(y[:3])})
+    with pytest.raises(ValueError, match=r"batch\['mask'\] has shape \(6, 1\) but the targets have \(6,\)"):
+        jaxpar.cross_entropy(jnp.asarray(logits), {"y": jnp.asarray(y), "mask": jnp.ones((6, 1))})
+    with pytest.raises(ValueError, match=r"outputs \(6, 1\) and targets \(6,\) differ in shape"):
+        jaxpar.mse(jnp.ones((6, 1)), {"y": jnp.ones(6)})
+
+
 def test_mse_elements_under_mask_0_add_nothing_whatever_they_hold():
     """jaxpar.mse with batch["mask"]: a masked element's NaN or inf output leaves the loss the sum over
     the counted elements (it was 0 x NaN, NaN)."""

@@ -38,6 +38,9 @@ def run_all(xs, comm_dtype=None):
 
 CASES = [(n, shape, np.float32) for n in (1, 2, 3, 4, 8) for shape in [(), (7,), (2, 3, 4)]]
 CASES += [(n, (2, 3, 5), dt) for n in (3, 8) for dt in (np.int32, jnp.bfloat16)]
+# 9 elements on 8 devices: chunks of 2, so chunks 5..7 start past the end (the ring must leave them out, not
+# slice [: size - j*c] with a negative bound); every case above ends inside its last chunk
+CASES += [(8, (3, 3), np.float32)]
 
 
 @pytest.mark.parametrize("n,shape,dtype", CASES)

@@ -247,6 +247,11 @@ def test_programs_that_deadlock():
     assert e.value.cells == [(1, 0), (1, 1)]
     with pytest.raises(ScheduleError, match="^rule 1 .*0B1 never runs"):
         sch.from_programs([acts("0F0 0F1 0B0"), acts("1F0 1F1 1B0 1B1")])
+    with pytest.raises(ScheduleError, match=r"^rule 5 .*program of stage 0 holds 1F0: programs hold compute actions "
+                                            r"of their own stage"):
+        sch.from_programs([acts("1F0 0B0"), acts("1F0 1B0")])
+    with pytest.raises(ScheduleError, match=r"^rule 1 .*0I0 never runs"):  # a W alone reads as a split backward
+        sch.from_programs([acts("0F0 0W0"), acts("1F0 1W0")])
     custom = sch.from_programs([acts("0F0 0F1 0B0 0B1"), acts("1F0 1B0 1F1 1B1")])
     assert sch.validate(custom).num_ticks == 6
 
@@ -381,6 +386,10 @@ def test_zb_v_placement():
     assert [sch.virtual(sch.Action(s, Op.F, 0, c), S, "v") for c in (0, 1) for s in range(S)] == [0, 1, 2, 5, 4, 3]
     assert [sch.at(v, Op.F, 0, S, "v").stage for v in range(2 * S)] == [0, 1, 2, 2, 1, 0]
     assert [sch.virtual(sch.Action(s, Op.F, 0, 1), S) for s in range(S)] == [3, 4, 5]  # loop: unchanged
+    # more chunks zigzag: the even ones run down the stages, the odd ones back up; stage_of inverts virtual
+    assert [sch.virtual(sch.Action(s, Op.F, 0, c), S, "v") for c in range(4) for s in range(S)] == \
+        [0, 1, 2, 5, 4, 3, 6, 7, 8, 11, 10, 9]
+    assert [sch.stage_of(v, S, "v") for v in range(4 * S)] == [0, 1, 2, 2, 1, 0] * 2
     z = sch.add_communication(sch.zb_v(S, 5))
     crossing = [(x.src.stage, x.dst.stage) for x in sch.transfers(z) if x.kind == "act"]
     assert (2, 2) in crossing and all(abs(a - b) <= 1 for a, b in crossing)  # neighbours only; S-1 keeps its own

@@ -140,13 +140,17 @@ def test_a_negative_or_boolean_leaf_index_is_refused_not_wrapped():
 
 def test_a_plan_for_other_shapes_is_refused_and_a_plan_from_sizes_is_not_checked():
     """A plan made for leaves of other shapes (same count) would cut the flat buffer at the wrong places; a plan made
-    from byte sizes has no shapes to check, and reduces by the grads' own shapes."""
+    from byte sizes has no shapes to check, and reduces by the grads' own shapes; a leaf a (hand-made) plan leaves out
+    is returned unreduced, as reduce_buckets documents."""
     grads = [jnp.arange(2.0), jnp.arange(3.0) + 10]
     with pytest.raises(ValueError, match=r"plan was made for 2 leaves of shapes \[\(3,\), \(2,\)\]"):
         reduce_buckets(grads, plan_buckets([jnp.zeros(3), jnp.zeros(2)]), lambda b: b)
     out = reduce_buckets(grads, plan_buckets([8, 12]), lambda b: b * 2)  # sizes: one bucket of both
     for got, g in zip(out, grads):
         np.testing.assert_array_equal(got, np.asarray(g) * 2)
+    partial = reduce_buckets(grads, [[1]], lambda b: b * 2)  # a leaf in no bucket comes back as it was
+    np.testing.assert_array_equal(partial[0], grads[0])
+    np.testing.assert_array_equal(partial[1], np.asarray(grads[1]) * 2)
 
 
 def test_flatten_unflatten_round_trip():

@@ -882,7 +882,8 @@ def test_cross_entropy_ignore_index_smoothing_bounds_negative_targets_and_shapes
     """torch's CrossEntropyLoss written out in numpy: a given ignore_index (3) is the one skipped; label_smoothing
     takes all of [0, 1] (1.0: the mean -log p over the classes) and nothing outside; a counted target below 0 (not
     the ignore index) makes the loss NaN as one past the last class does (a negative id would otherwise read the
-    last class); logits, a mask or MSE outputs of another shape are refused, not broadcast."""
+    last class); logits, a mask or MSE outputs of another shape are refused, not broadcast; a tuple batch's targets
+    are its second item; the weight is a float32 count (exact past bfloat16's 256)."""
     rng = np.random.default_rng(5)
     logits = (rng.normal(size=(6, 5)) * 3).astype(np.float32)
     y = np.array([3, 0, 3, 4, 1, 2])
@@ -914,6 +915,14 @@ def test_cross_entropy_ignore_index_smoothing_bounds_negative_targets_and_shapes
         jaxpar.cross_entropy(jnp.asarray(logits), {"y": jnp.asarray(y), "mask": jnp.ones((6, 1))})
     with pytest.raises(ValueError, match=r"outputs \(6, 1\) and targets \(6,\) differ in shape"):
         jaxpar.mse(jnp.ones((6, 1)), {"y": jnp.ones(6)})
+    x = jnp.ones((6, 2))  # a tuple (or list) batch (x, y): the targets are its second item
+    for batch in ((x, jnp.asarray(y)), [x, jnp.asarray(y)]):
+        got = jaxpar.cross_entropy(jnp.asarray(logits), batch)
+        np.testing.assert_allclose(float(got.loss), nll.sum(), rtol=1e-5)
+    with pytest.raises(TypeError, match=r"a tuple batch has no targets; use a dict with 'y' or a tuple \(x, y\)"):
+        jaxpar.cross_entropy(jnp.asarray(logits), (jnp.asarray(y),))
+    many = jaxpar.cross_entropy(jnp.zeros((257, 5)), {"y": jnp.zeros(257, jnp.int32)})  # 257: not a bfloat16
+    assert many.weight.dtype == many.loss.dtype == jnp.float32 and float(many.weight) == 257
 
 
 def test_mse_elements_under_mask_0_add_nothing_whatever_they_hold():

@@ -153,6 +153,27 @@ def test_comm_dtype_mean_divides_each_input_by_n_in_bf16_before_the_sum():
             np.testing.assert_array_equal(out[(alg, "mean")], want, err_msg=alg)
 
 
+def test_tree_all_reduce_reduces_every_leaf_with_the_algorithm_op_and_comm_dtype():
+    """tree_all_reduce passes the algorithm, the op and comm_dtype on to every leaf: a mean of an int32 leaf is
+    psum's float32 mean; a bf16-compressed sum is the ring's bf16 twin, bit for bit."""
+    n = 4
+    xs = {"w": per_device_inputs(n, (5,), np.float32, seed=2), "k": per_device_inputs(n, (2, 2), np.int32, seed=3)}
+
+    def body(t):
+        t = jax.tree.map(lambda a: a[0], t)
+        mean = C.tree_all_reduce(t, DATA, "ring", "mean")
+        compressed = C.tree_all_reduce({"w": t["w"]}, DATA, "ring", "sum", comm_dtype=jnp.bfloat16)
+        return jax.tree.map(lambda a: a[None], (mean, compressed))
+
+    mean, compressed = jax.jit(jax.shard_map(body, mesh=submesh(n), in_specs=P(DATA), out_specs=P(DATA)))(xs)
+    for k, v in xs.items():
+        assert mean[k].dtype == np.float32, k
+        np.testing.assert_allclose(mean[k], np.broadcast_to(v.astype(np.float64).mean(0), v.shape), rtol=1e-6)
+    want = C.ring_all_reduce_ref(xs["w"].astype(jnp.bfloat16), "sum").astype(np.float32)
+    np.testing.assert_array_equal(compressed["w"], want)
+    assert compressed["w"].dtype == np.float32 and not np.allclose(compressed["w"], xs["w"].sum(0), rtol=1e-6)
+
+
 @pytest.mark.parametrize("alg", ["ring", "reduce_broadcast", "all_to_all"])
 def test_a_zero_size_array_all_reduces_to_itself(alg):
     """A zero-size leaf (a 0-wide layer's bias) in tree_all_reduce: nothing to add, the same empty shape and dtype

@@ -113,7 +113,8 @@ def test_default_corpus_is_the_standard_librarys_python_sources():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(split="valid"), "split 'valid' is not valid"),
-    (dict(split="test[5:5]"), "selects no windows"),
+    (dict(split="test[0:0]"), "selects no windows"),
+    (dict(split="test[:8000]"), "the bound 8000 lies beyond the 2 windows .test. has"),
     (dict(seq_len=0), "--seq-len 0 must be an int >= 1"),
     (dict(seq_len=600), "too few for windows of --seq-len 600"),
     (dict(path="/nonexistent/text"), "neither a file nor a folder"),
@@ -130,3 +131,28 @@ def test_percent_bounds_round_to_the_closest_window():
     2.7, so 'train[:90%]' holds 3 (not 2, truncated); 27 % of 10 is 2.7, so 'test[27%:]' starts at window 3."""
     assert text.parse_split("train[:90%]", {"train": 3, "test": 10}) == ("train", 0, 3)
     assert text.parse_split("test[27%:]", {"train": 3, "test": 10}) == ("test", 3, 10)
+
+
+@pytest.mark.parametrize("spec", ["test[:8000]", "test[-60:]", "train[:150%]", "train[1:10%]", "train[:]",
+                                  "train[1.:5]", "test[:12.5%]", "test[-50:]", "train[:-100%]", "test[3:40%]"])
+def test_slices_read_as_tfds_reads_them(spec):
+    """A text split is read by tfds's rules, as every other source's: an out-of-range absolute bound is refused (it
+    was cut to the windows there are: 'test[:8000]' of 50 gave 50), a slice with one percent bound is in percent
+    ('train[1:10%]' was windows 1 to 10 %), a percent beyond 100 is refused. tfds itself is the reference."""
+    from types import SimpleNamespace
+
+    from tensorflow_datasets.core import splits as tfds_splits
+
+    sizes = {"train": 100, "test": 50}
+    infos = {s: SimpleNamespace(num_examples=n, shard_lengths=[n]) for s, n in sizes.items()}
+    try:
+        (a,) = tfds_splits.ReadInstruction.from_spec(spec).to_absolute(infos)
+        expected = (a.splitname, a.from_ or 0, sizes[a.splitname] if a.to is None else a.to)
+    except ValueError:
+        expected = None
+    if expected is None or expected[2] <= expected[1]:
+        with pytest.raises(text.TextError) as e:
+            text.parse_split(spec, sizes)
+        assert spec in str(e.value) and "\n" not in str(e.value)
+    else:
+        assert text.parse_split(spec, sizes) == expected

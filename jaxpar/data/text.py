@@ -124,18 +124,40 @@ class TextDataset:
 
 
 def parse_split(spec: str, sizes: dict[str, int]) -> tuple[str, int, int]:
-    """(split, lo, hi) of 'train', 'test', or a slice such as 'test[:100]', 'train[10%:20%]', 'test[-50:]'."""
-    m = re.fullmatch(r"(\w+)(?:\[(-?\d+%?)?:(-?\d+%?)?\])?", spec.strip())
+    """(split, lo, hi) of 'train', 'test', or a slice such as 'test[:100]', 'train[10%:20%]', 'test[-50:]'.
+
+    tfds's rules (tensorflow_datasets.core.splits, without importing it): a slice is in percent when either bound
+    is ('train[1:10%]' is 1 % to 10 %, as tfds reads it), a percent bound lies in [-100, 100] and is rounded to the
+    closest window, an absolute bound's magnitude is at most the split's size ('test[:8000]' of 500 windows is
+    refused, as tfds refuses it, not cut to the 500 there are)."""
+    m = re.fullmatch(r"(\w+)(?:\[(-?\d+(?:\.\d*)?%?)?:(-?\d+(?:\.\d*)?%?)?\])?", spec.strip())
     if not m or m.group(1) not in sizes:
         raise TextError(f"split {spec!r} is not valid for text; use 'train', 'test', or a slice of one such as "
                         "'test[:100]' or 'train[:10%]' (windows).")
     name, n = m.group(1), sizes[m.group(1)]
+    pct = any(b is not None and b.endswith("%") for b in m.group(2, 3))
+    if m.group(0).count("[") and m.group(2) is None and m.group(3) is None:
+        raise TextError(f"split {spec!r} is not valid for text: a slice needs a bound (tfds's rule); use {name!r} "
+                        "for all of it.")
 
     def bound(s, default):
         if s is None:
             return default
-        v = round(n * int(s[:-1]) / 100) if s.endswith("%") else int(s)
-        return max(0, min(n, v + n if v < 0 else v))
+        v = float(s.rstrip("%"))
+        if pct:
+            if not -100 <= v <= 100:
+                raise TextError(f"split {spec!r}: the percent bound {s!r} must be in [-100%, 100%] (tfds's rule); "
+                                f"use e.g. '{name}[:10%]'.")
+            v = int(round(v * n / 100))
+        elif "." in s:
+            raise TextError(f"split {spec!r}: the bound {s!r} is a fraction of a window; use whole windows, or a "
+                            f"percent such as '{name}[:12.5%]'.")
+        elif abs(v) > n:
+            raise TextError(f"split {spec!r}: the bound {s} lies beyond the {n} windows {name!r} has (tfds refuses "
+                            f"an out-of-range slice too); use a bound in [-{n}, {n}], or a percent such as "
+                            f"'{name}[:10%]'.")
+        v = int(v)
+        return v + n if v < 0 else v
 
     lo, hi = bound(m.group(2), 0), bound(m.group(3), n)
     if hi <= lo:

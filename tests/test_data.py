@@ -401,3 +401,19 @@ def test_idx_files_of_wider_types_read_in_native_byte_order(tmp_path):
         assert got.dtype == np.dtype(dtype) and got.dtype.isnative, got.dtype.str
         np.testing.assert_array_equal(got, want)
         assert got.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("write, message", [
+    (lambda p: np.save(p, np.zeros((3, 4))), "is not an .npz .* it is a .npy array, which names no x and y"),
+    (lambda p: open(p, "w").write("a,b\n1,2\n"), "is not an .npz .* it starts b'a,b"),
+])
+def test_npz_path_to_another_format_is_one_line(tmp_path, write, message):
+    """--data-path to a .npy (np.load returns an array: a TypeError traceback from `with`) or a CSV (np.load's
+    pickle error, suggesting allow_pickle) is refused in one line naming the file, the format and np.savez."""
+    path = tmp_path / "data.npz"
+    write(tmp_path / "data")  # np.save appends .npy
+    (tmp_path / ("data.npy" if (tmp_path / "data.npy").exists() else "data")).rename(path)
+    path = str(path)
+    with pytest.raises(DataError, match=message) as e:
+        load("npz", "train", data_path=path, model="linear")
+    assert path in str(e.value) and "np.savez" in str(e.value) and "\n" not in str(e.value)

@@ -262,9 +262,17 @@ def _npz_arrays(path: str | None) -> dict[str, np.ndarray]:
     if not path:
         raise DataError("--dataset npz needs --data-path FILE.npz holding arrays x and y.")
     try:
+        with open(path, "rb") as f:  # np.load reads a .npy (an array, no names) or a pickle too: say what it is
+            head = f.read(6)
+        if not head.startswith(b"PK"):  # an .npz is a zip archive of .npy files
+            what = "it is a .npy array, which names no x and y" if head == b"\x93NUMPY" else f"it starts {head!r}"
+            raise DataError(f"--data-path {path!r} is not an .npz (a zip archive of named arrays): {what}; write it "
+                            "with np.savez(path, x=..., y=...).")
         with np.load(path) as f:
             return dict(f)
     except (OSError, ValueError) as e:
+        if isinstance(e, DataError):
+            raise
         raise DataError(f"--data-path {path!r} could not be read as .npz ({e}); write it with "
                         f"np.savez(path, x=..., y=...).") from e
 

@@ -417,3 +417,11 @@ def test_npz_path_to_another_format_is_one_line(tmp_path, write, message):
     with pytest.raises(DataError, match=message) as e:
         load("npz", "train", data_path=path, model="linear")
     assert path in str(e.value) and "np.savez" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["synthetic", "text"])
+def test_negative_seed_is_refused_in_one_line(name):
+    """jaxpar.load(..., seed=-1) said numpy's bare "expected non-negative integer" from deep in SeedSequence."""
+    with pytest.raises(ValueError, match=r"seed=-1 must be an integer >= 0.*pass e.g. seed=0") as e:
+        load(name, "test[:5]", seed=-1)
+    assert "\n" not in str(e.value)

@@ -71,6 +71,9 @@ def load(name: str, split: str = "train", *, data_dir: str | None = None, data_p
     """
     if name not in DATASETS:
         raise ValueError(f"{name=} is not a dataset; use one of {DATASETS}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:  # numpy's SeedSequence's rule
+        raise ValueError(f"{seed=} must be an integer >= 0 (the synthetic data's and text windows' numpy seed); "
+                         "pass e.g. seed=0.")
     if name == "text":  # token windows: no model-specific shaping
         from jaxpar.data import text
 

@@ -170,6 +170,8 @@ def load(split: str = "train", path: str | None = None, seq_len: int = 256, seed
     """The `split` of the byte corpus at `path` (None: the standard library), in windows of `seq_len` bytes."""
     if not isinstance(seq_len, int) or seq_len < 1:
         raise TextError(f"--seq-len {seq_len!r} must be an int >= 1 (the window length in bytes).")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:  # numpy's SeedSequence's rule
+        raise TextError(f"{seed=} must be an integer >= 0 (the training windows' numpy seed); pass e.g. seed=0.")
     data = corpus(path)
     n_train = int(len(data) * (1 - HELD_OUT))
     n_test = len(data) - n_train

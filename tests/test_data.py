@@ -425,3 +425,19 @@ def test_negative_seed_is_refused_in_one_line(name):
     with pytest.raises(ValueError, match=r"seed=-1 must be an integer >= 0.*pass e.g. seed=0") as e:
         load(name, "test[:5]", seed=-1)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.float32])
+@pytest.mark.parametrize("shape, model", [((1, 28, 28), "convnet"), ((3, 32, 32), "alexnet"), ((1, 28, 28), "mlp")])
+def test_channels_first_images_are_named(tmp_path, dtype, shape, model):
+    """PyTorch's NCHW images in an npz: uint8 ones were refused as having "28 channels" with the advice to store
+    float32 instead, and float32 ones went to AlexNet as 64x64 images of 28 or 32 channels (H resized from 1 or 3).
+    Now one line names the layout and the transpose. (mlp on float NCHW: a flat vector either way, accepted.)"""
+    path = str(tmp_path / "nchw.npz")
+    np.savez(path, x=np.zeros((4, *shape), dtype), y=np.arange(4))
+    if model == "mlp" and dtype == np.float32:
+        assert load("npz", "train", data_path=path, model=model).x.shape == (4, int(np.prod(shape)))
+        return
+    with pytest.raises(DataError, match=r"channels first .*PyTorch's layout.*x\.transpose\(0, 2, 3, 1\)") as e:
+        load("npz", "train", data_path=path, model=model)
+    assert "\n" not in str(e.value)

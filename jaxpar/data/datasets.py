@@ -182,6 +182,11 @@ def _prepare(x: np.ndarray, model: str | None, image_size: int | None, normalise
             raise DataError(f"{what} holds vectors {x.shape[1:]} but {model=} takes images; use --model linear "
                             f"or mlp, or store images [N, H, W(, C)].")
         return x.astype(np.float32)
+    if (x.ndim == 4 and x.shape[1] in (1, 3) and x.shape[-1] not in (1, 3)
+            and (model in ("convnet", "alexnet") or x.dtype == np.uint8)):  # 28 or 32 read as channels otherwise
+        raise DataError(f"{what} holds images {x.shape[1:]}, channels first ([N, C, H, W], PyTorch's layout), but "
+                        f"jaxpar's models and normalisation take channels last ([N, H, W, C]); store "
+                        f"x.transpose(0, 2, 3, 1), images {(*x.shape[2:], x.shape[1])}.")
     x = x[..., None] if x.ndim == 3 else x
     if x.dtype == np.uint8:
         x = x.astype(np.float32)

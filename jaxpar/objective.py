@@ -572,14 +572,18 @@ class Objective:
 
     def _cross_entropy_options(self) -> tuple[str, int] | None:
         """(key, ignore_index) where the loss is jaxpar.cross_entropy on the model's outputs (the default, train.py's
-        --loss cross_entropy, a functools.partial of it: label_smoothing and all), else None: a loss of the user's
-        own may read other targets, or none."""
+        --loss cross_entropy, a functools.partial of it: label_smoothing and all; a PipelineModule's
+        loss_fn=jaxpar.cross_entropy, which the pipeline wraps), else None: a loss of the user's own may read other
+        targets, or none."""
         from jaxpar.losses import IGNORE_INDEX, cross_entropy
 
         if not isinstance(self.loss_fn, OutputLoss):
             return None
         fn, options = self.loss_fn.fn, {}
-        while isinstance(fn, functools.partial):
+        while isinstance(fn, functools.partial) or getattr(fn, "jaxpar_wrapped", None) is not None:
+            if not isinstance(fn, functools.partial):  # a PipelineModule's loss_fn, in the pipeline's wrapper
+                fn = fn.jaxpar_wrapped
+                continue
             if fn.args:
                 return None
             options = {**fn.keywords, **options}  # the outer partial's keywords win

@@ -147,3 +147,19 @@ def test_the_pipeline_and_tensor_parallelism_refuse_them_too():
     x[0, 1] = -1
     with pytest.raises(ValueError, match="^batch\\['x'\\] holds token id -1 at \\(0, 1\\), outside GPT's vocabulary"):
         tp.put_batch({"x": x, "y": y})
+
+
+@pytest.mark.parametrize("loss", [jaxpar.cross_entropy, functools.partial(jaxpar.cross_entropy, label_smoothing=0.1)],
+                         ids=["cross_entropy", "partial"])
+def test_a_pipeline_modules_own_cross_entropy_refuses_them_too(loss):
+    """DeepSpeed's way, the loss in the module: PipelineModule(..., loss_fn=jaxpar.cross_entropy). The pipeline
+    wraps such a loss (to name a DeepSpeed-style (outputs, labels) loss when it fails), and the wrapper hid
+    cross_entropy from the check: a target of 10 trained silently with a NaN loss and a zero gradient norm (a QA
+    finding), where OutputLoss(jaxpar.cross_entropy) given to the Pipeline was refused."""
+    module = jaxpar.PipelineModule([jaxpar.LayerSpec(nnx.Linear, 4, 16), nnx.relu, jaxpar.LayerSpec(nnx.Linear, 16, C)],
+                                   2, loss_fn=loss, partition_method="uniform")
+    pipe = jaxpar.Pipeline(module, TX, micro_batches=2, mesh=jaxpar.make_mesh(2, pipe=2))
+    pipe.init(jaxpar.init_state(module.model, TX))
+    pipe.put_batch(batch([0, 1, 2, 3]))
+    with pytest.raises(ValueError, match="^batch\\['y'\\] holds class target 10 at \\(3,\\), outside \\[0, 10\\)"):
+        pipe.put_batch(batch([0, 1, 2, C]))

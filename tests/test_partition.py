@@ -279,3 +279,20 @@ def test_activation_checkpoint_interval_n_puts_n_layers_in_each_recomputed_segme
     assert all(seg.remat for seg in pm.parts[0])
     plain = PipelineModule([nnx.Linear(4, 4, rngs=nnx.Rngs(0)), nnx.relu], 1, partition_method="uniform")
     assert [(seg.layers, seg.remat) for seg in plain.parts[0]] == [(range(0, 1), False), (range(1, 2), False)]
+
+
+@pytest.mark.parametrize("name", ["topology", "seed_layers", "base_seed", "seed_fn", "activation_checkpoint_func",
+                                  "checkpointable_layers", "dynamic_shape"])
+def test_deepspeeds_own_arguments_are_named_with_what_to_pass_instead(name):
+    """A port from DeepSpeed passes PipelineModule(..., topology=, seed_layers=, base_seed=, ...): each is refused
+    in one line saying what jaxpar takes instead, where Python's 'unexpected keyword argument' named no fix; so is
+    DeepSpeed's positional order (layers, num_stages, topology, loss_fn), which put the loss in partition_method."""
+    table = [LayerSpec(nnx.Linear, 4, 4), LayerSpec(nnx.Linear, 4, 4)]
+    fix = {"topology": "pipeline_mesh", "activation_checkpoint_func": "leave it out",
+           "checkpointable_layers": "leave it out", "dynamic_shape": "batch_size"}.get(name, "pass seed=N")
+    with pytest.raises(TypeError, match=rf"^PipelineModule\({name}=\.\.\.\) is DeepSpeed's, not jaxpar's: .*{fix}"):
+        PipelineModule(table, 2, **{name: 1})
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'partition'"):
+        PipelineModule(table, 2, partition="uniform")
+    with pytest.raises(TypeError, match=r"fourth argument is partition_method, got <function .*pass loss_fn= by key"):
+        PipelineModule(table, 2, None, lambda outputs, labels: (outputs.sum(), outputs.size))

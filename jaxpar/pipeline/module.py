@@ -192,6 +192,22 @@ def _flat_paths(state) -> list[tuple]:
     return [tuple(p) for p, _ in nnx.to_flat_state(state)]
 
 
+_SEEDED = ("jaxpar seeds every LayerSpec by its position, nnx.Rngs(fold_in(key(seed), layer index)), always (DeepSpeed's "
+           "seed_layers=True, base_seed 1234); pass seed=N (default 0)")
+# DeepSpeed PipelineModule arguments jaxpar does not take, and what a port passes instead
+DEEPSPEED_ONLY = {
+    "topology": "pass num_stages=S here and the data x pipe grid as jaxpar.Pipeline(..., mesh=jaxpar.strategies."
+                "pipeline.pipeline_mesh(devices, num_stages=S)) (DeepSpeed's PipeDataParallelTopology)",
+    "seed_layers": _SEEDED, "base_seed": _SEEDED, "seed_fn": _SEEDED,
+    "activation_checkpoint_func": "activation_checkpoint_interval=N recomputes each N-layer segment with jaxpar's "
+                                  "own recompute; leave it out",
+    "checkpointable_layers": "activation_checkpoint_interval=N recomputes every N-layer segment, with or without "
+                             "parameters; leave it out",
+    "dynamic_shape": "a new batch shape compiles the stages again (Pipeline(batch_size=B) pads every batch to one "
+                     "shape); leave it out",
+}
+
+
 class PipelineModule:
     """`model`'s layers cut into `num_stages` (x `virtual_stages`) contiguous parts; see the module docstring.
 
@@ -207,7 +223,14 @@ class PipelineModule:
     def __init__(self, layers: Sequence[Any], num_stages: int, loss_fn: Callable | None = None,
                  partition_method: str = "parameters", activation_checkpoint_interval: int = 0, *,
                  virtual_stages: int = 1, seed: int = 0, wrt: Any = nnx.Param, example_input: Any = None,
-                 model: nnx.Module | None = None, placement: str = "loop"):
+                 model: nnx.Module | None = None, placement: str = "loop", **deepspeed_only):
+        for name in deepspeed_only:  # DeepSpeed's own arguments: say what jaxpar takes instead
+            if name not in DEEPSPEED_ONLY:
+                raise TypeError(f"PipelineModule() got an unexpected keyword argument {name!r}")
+            raise TypeError(f"PipelineModule({name}=...) is DeepSpeed's, not jaxpar's: {DEEPSPEED_ONLY[name]}.")
+        if callable(partition_method):  # DeepSpeed's order: (layers, num_stages, topology, loss_fn)
+            raise TypeError(f"PipelineModule's fourth argument is partition_method, got {partition_method!r}; "
+                            "jaxpar's third is loss_fn (DeepSpeed's is topology): pass loss_fn= by keyword.")
         if placement not in schedule_lib.PLACEMENTS:
             raise ValueError(f"placement={placement!r} must be one of {schedule_lib.PLACEMENTS} ('v' is zbv's: chunk "
                              "1 of stage s is virtual stage 2S-1-s)")

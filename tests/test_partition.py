@@ -296,3 +296,19 @@ def test_deepspeeds_own_arguments_are_named_with_what_to_pass_instead(name):
         PipelineModule(table, 2, partition="uniform")
     with pytest.raises(TypeError, match=r"fourth argument is partition_method, got <function .*pass loss_fn= by key"):
         PipelineModule(table, 2, None, lambda outputs, labels: (outputs.sum(), outputs.size))
+
+
+def test_a_layer_spec_given_rngs_by_position_is_built_with_them():
+    """LayerSpec(Block, 8, nnx.Rngs(3)) for a Block(dim, rngs): the spec's own rngs, where they were also passed
+    as rngs=... by keyword ('got multiple values for argument rngs', with the Rngs' repr over 14 lines)."""
+    class Block(nnx.Module):
+        def __init__(self, dim, rngs):
+            self.l = nnx.Linear(dim, dim, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l(x)
+
+    module = PipelineModule([LayerSpec(Block, 4, nnx.Rngs(3)), LayerSpec(Block, 4, rngs=nnx.Rngs(3)), LayerSpec(Block, 4)], 3)
+    first, second, third = (np.asarray(layer.l.kernel.get_value()) for layer in module.layers)
+    np.testing.assert_array_equal(first, second)  # the same Rngs(3), by position and by keyword
+    assert not np.array_equal(first, third)  # the third seeded by its position

@@ -51,9 +51,13 @@ class LayerSpec:
     def build(self, seed: int = 0, index: int = 0) -> Any:
         kwargs = dict(self.kwargs)
         try:
-            fn = self.typename.__init__ if isinstance(self.typename, type) else self.typename
-            takes_rngs = "rngs" in inspect.signature(fn).parameters
-        except (TypeError, ValueError):
+            cls = isinstance(self.typename, type)
+            signature = inspect.signature(self.typename.__init__ if cls else self.typename)
+            takes_rngs = "rngs" in signature.parameters
+            if takes_rngs:  # not where the spec's own arguments give it, by position too: LayerSpec(Block, 8, rngs)
+                takes_rngs = "rngs" not in signature.bind_partial(*((None,) if cls else ()), *self.args,
+                                                                  **kwargs).arguments
+        except (TypeError, ValueError):  # no signature, or arguments it cannot take: the call below names them
             takes_rngs = False
         if takes_rngs and "rngs" not in kwargs:
             kwargs["rngs"] = nnx.Rngs(jax.random.fold_in(jax.random.key(seed), index))

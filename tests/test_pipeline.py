@@ -419,6 +419,12 @@ def test_zero_1_refusals():
             Pipeline(model, kw.pop("tx", TX), loss_fn=loss, **kw)
     assert "ZeRO-1 over one data replica (nothing to split)" in \
         Pipeline(model, TX, loss_fn=loss, zero_stage=1).describe()  # S=2 on 2 devices: it said "over its 1 replicas"
+    # a stage of parameter-free layers ('parameters' puts tanh alone on stage 1): refused in one line, where ZeRO's
+    # flat plan raised "groups=[[]] must list each of the 0 leaf indices once" from jaxpar/comm/shards.py
+    bare = jaxpar.PipelineModule([jaxpar.LayerSpec(nnx.Linear, 4, 4), nnx.relu, nnx.gelu, nnx.tanh], 2)
+    with pytest.raises(ValueError, match="^zero_stage=1 splits .* but stage 1 holds none \\(its layers: tanh\\); .*"
+                                         "partition_method='parameters' .* or pass zero_stage=0"):
+        Pipeline(bare, TX, loss_fn=loss, zero_stage=1)
     mask = jax.tree.map(lambda a: a.ndim > 1, nnx.state(model, nnx.Param))  # the whole model's tree: no stage's
     with pytest.raises(ValueError, match="the optimizer fails on stage 0's parameters alone .*adamw\\(mask=fn\\)"):
         Pipeline(model, optax.adamw(1e-3, mask=mask), loss_fn=loss)

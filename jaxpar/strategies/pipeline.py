@@ -309,6 +309,15 @@ class Pipeline:
             from jaxpar.strategies import zero1
 
             zero_optim.check(tx, tree, slices=slices)
+            for s in range(S):  # ZeRO's flat plan needs something to split
+                if not module.stage_params[s]:
+                    held = " ".join(module.names[i] for v in range(module.num_parts) if module.stage_of(v) == s
+                                    for i in range(module.bounds[v], module.bounds[v + 1]))
+                    raise ValueError(f"zero_stage=1 splits each stage's trained parameters over its data replicas, "
+                                     f"but stage {s} holds none (its layers: {held}); cut the model so that every "
+                                     f"stage holds some (partition_method={module.partition_method!r} gave it only "
+                                     "layers without parameters: try 'uniform', 'type:REGEX' or fewer stages), or "
+                                     "pass zero_stage=0.")
             self.engine.zero = {s: zero1.of(self.transport.meshes[s], device_params(self, s),
                                             [None if lays is None else lays[j].axis for j in module.stage_params[s]])
                                 for s in range(S)}

@@ -211,6 +211,7 @@ class Group:
         self.failure: str | None = None  # "rank R (pid P) was killed by SIGKILL" / "... exited with status C"
         self.threads: list[threading.Thread] = []
         self.seen: list[set[bytes]] = [set() for _ in range(args.nproc_per_node)]  # per local rank, JOIN_TIMED_OUT's
+        self.exited_at: dict[int, float] = {}  # local index -> when its process ended (a waiter thread's clock)
 
     def start(self, stop=lambda: False) -> "Group":
         """Start every local process and its output relays; `stop()` true (a Ctrl-C came): start no more."""
@@ -226,12 +227,19 @@ class Group:
             self.ranks.append(env["RANK"])
             if stop():
                 break
-        for proc, prefix, seen in zip(self.procs, prefixes, self.seen):
+        for i, (proc, prefix, seen) in enumerate(zip(self.procs, prefixes, self.seen)):
             for stream, out in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
                 t = threading.Thread(target=_relay, args=(stream, out, prefix, lock, seen), daemon=True)
                 t.start()
                 self.threads.append(t)
+            threading.Thread(target=self._note_exit, args=(i, proc), daemon=True).start()
         return self
+
+    def _note_exit(self, i: int, proc: subprocess.Popen) -> None:
+        """When process `i` ends, to the millisecond: its peers fail a moment after it (a collective's closed
+        socket), usually within one poll of wait(), which must still name the first, not the lowest rank."""
+        proc.wait()
+        self.exited_at[i] = time.monotonic()
 
     def wait(self, poll_s: float = 0.1, stop=lambda: False) -> int | None:
         """0 when every process exits 0; else the first failure's status, the others stopped; None once `stop()`
@@ -241,6 +249,9 @@ class Group:
                 return None
             codes = [p.poll() for p in self.procs]
             failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
+            # the first to end is the cause: a SIGKILLed rank 1 was reported as rank 0's status 1 (rank 0's
+            # gloo error when it read its loss, within the same 0.1 s poll), the lowest failed rank (a QA finding)
+            failed.sort(key=lambda i: self.exited_at.get(i, float("inf")))
             if failed:
                 i, code = failed[0], codes[failed[0]]
                 how = f"was killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() \

@@ -295,3 +295,33 @@ def test_torchruns_underscore_spellings_are_accepted():
     assert (args.nproc_per_node, args.node_rank, args.master_addr, args.master_port, args.max_restarts) == (
         2, 1, "10.0.0.1", 29501, 3)
     assert args.script_args == ["--steps", "1"]
+
+
+def test_the_rank_that_failed_first_is_named_not_the_lowest(tmp_path):
+    """Rank 1 is SIGKILLed; rank 0 then fails with status 1 (as a peer's collective does when its socket closes).
+    Both had ended by the launcher's first poll, and it named rank 0's status 1, hiding the cause (a QA finding:
+    a kill -9 of rank 1 in a ddp run was reported as 'rank 0 ... exited with status 1')."""
+    from jaxpar import launch as launch_mod
+
+    marker = tmp_path / "rank1_dies"
+    script = tmp_path / "cascade.py"
+    script.write_text("import os, signal, sys, time\n"
+                      f"marker = {str(marker)!r}\n"
+                      "if os.environ['RANK'] == '1':\n"
+                      "    open(marker, 'w').close()\n"
+                      "    os.kill(os.getpid(), signal.SIGKILL)\n"
+                      "while not os.path.exists(marker):\n"
+                      "    time.sleep(0.01)\n"
+                      "time.sleep(0.3)\n"  # rank 1 is surely gone: this one fails second
+                      "open(marker + '.0', 'w').close()\n"
+                      "sys.exit(1)\n")
+    args = launch_mod.parser().parse_args(["--term-timeout", "2", "--nproc-per-node", "2", str(script)])
+    group = launch_mod.Group(args, restart=0).start()
+    deadline = time.monotonic() + 30
+    while not os.path.exists(f"{marker}.0") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # both have ended before wait()'s first poll
+    code = group.wait()
+    group.stop(2.0)
+    assert code == 128 + signal.SIGKILL, group.failure
+    assert group.failure.startswith("rank 1 (pid ") and group.failure.endswith("was killed by SIGKILL"), group.failure

@@ -19,8 +19,8 @@ to leave by themselves first (every rank refuses, and train.py's ranks leave tog
 stop every process the same way (a second one SIGKILLs them at once); on Linux the processes are also killed
 (SIGKILL) when the launcher dies, even of SIGKILL: no checkpoint is saved then (JAX's runtime catches SIGTERM, and a
 rank waiting in a collective for a dead peer never sees it).
-A script that is not a file and a --master-port already in use on this node are refused in one line before any
-process starts. A rank that JAX aborts because not every process joined in time (its C++ fatal log,
+A script that is not a file (with -m, a module whose top-level package is not on the path) and a --master-port
+already in use on this node are refused in one line before any process starts. A rank that JAX aborts because not every process joined in time (its C++ fatal log,
 DEADLINE_EXCEEDED on RegisterTask) gets one line at the end that says which nodes to start.
 """
 from __future__ import annotations
@@ -71,9 +71,31 @@ def check(args: argparse.Namespace) -> None:
                          "on one node (a free one is chosen).")
     if not args.term_timeout >= 0:
         raise ValueError(f"--term-timeout {args.term_timeout} must be >= 0 (seconds between SIGTERM and SIGKILL).")
+    if args.module and not _top_level_module_found(args.script):
+        raise ValueError(f"the module {args.script!r} is not found (from {os.getcwd()}): no "
+                         f"{args.script.split('.')[0]!r} on the path; give the module's dotted name as python -m "
+                         "takes it (run from the folder that holds it, or add it to PYTHONPATH), or a script's path "
+                         "without -m.")
     if not args.module and not os.path.isfile(args.script):
         raise ValueError(f"the script {args.script!r} is not a file (from {os.getcwd()}); give the training script's "
                          "path, e.g. train.py, or a module with -m (python -m jaxpar.launch -m pkg.train).")
+
+
+def _top_level_module_found(name: str) -> bool:
+    """Whether python -m `name`, started here, finds its top-level package or module (`name`'s first part; found
+    without importing anything, so a missing submodule of a package that is there is left to the rank to report)."""
+    import importlib.machinery
+    import importlib.util
+
+    top = name.split(".")[0]
+    if not top:
+        return False  # python -m refuses a relative name
+    try:
+        if importlib.util.find_spec(top) is not None:
+            return True
+    except (ImportError, ValueError):
+        return False
+    return importlib.machinery.PathFinder.find_spec(top, [os.getcwd()]) is not None  # the rank's sys.path[0]
 
 
 def is_local(addr: str) -> bool:

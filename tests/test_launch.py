@@ -171,6 +171,20 @@ def test_a_script_that_is_not_there_is_refused_before_any_process_starts(tmp_pat
     assert out.stderr.startswith(f"jaxpar.launch: error: the script '{tmp_path / 'trian.py'}' is not a file"), out.stderr
 
 
+
+def test_a_module_that_is_not_there_is_refused_before_any_process_starts(tmp_path):
+    """With -m, every rank failed with python's "No module named", status 1, which --max-restarts restarted (3
+    attempts of 2 ranks for --max-restarts 2, a QA finding); a module that is there still runs."""
+    out = subprocess.run(LAUNCH + ["--nproc-per-node", "2", "--max-restarts", "2", "-m", "trian_nope.train"],
+                         cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stdout == "" and out.stderr.count("\n") == 1, out.stdout + out.stderr
+    assert out.stderr.startswith("jaxpar.launch: error: the module 'trian_nope.train' is not found"), out.stderr
+    (tmp_path / "here_mod.py").write_text("print('ran')\n")  # found in the folder the launch runs from
+    out = subprocess.run(LAUNCH + ["--nproc-per-node", "1", "-m", "here_mod"], cwd=tmp_path, env=ENV,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout == "[rank 0] ran\n", out.stdout + out.stderr
+
 @pytest.mark.filterwarnings(r"ignore:os\.fork\(\) was called:RuntimeWarning")  # this worker imported JAX; each rank
 def test_a_ctrl_c_while_the_ranks_start_stops_those_started(tmp_path, monkeypatch):  # execs at once
     """A Ctrl-C that lands while the launcher is still starting its processes (here during the second of three

@@ -318,12 +318,26 @@ def _status(code: int) -> int:
     return 128 - code if code < 0 else code  # killed by signal s: 128 + s, as a shell reports it
 
 
+def unresolved(addr: str) -> str | None:
+    """Why `addr` does not resolve to an address now (getaddrinfo's error), or None when it does."""
+    try:
+        socket.getaddrinfo(addr, None)
+    except (socket.gaierror, UnicodeError) as e:
+        return getattr(e, "strerror", None) or str(e)
+    return None
+
+
 def join_timeout_message(args: argparse.Namespace) -> str:
     """The one line for a group JAX aborted because not every process joined in time."""
     from jaxpar.run.distributed import JOIN_TIMEOUT
 
     timeout = os.environ.get("JAXPAR_JOIN_TIMEOUT") or JOIN_TIMEOUT
     world = args.nnodes * args.nproc_per_node
+    problem = unresolved(args.master_addr)
+    if problem:  # no node could reach the coordinator: starting the others would not have helped
+        return (f"jaxpar.launch: not every one of the {world} processes joined at {args.master_addr}:"
+                f"{args.master_port} within {timeout} s (JAXPAR_JOIN_TIMEOUT): --master-addr {args.master_addr!r} "
+                f"does not resolve ({problem}); pass node 0's name or IP address, one that every node resolves.")
     return (f"jaxpar.launch: not every one of the {world} processes joined at {args.master_addr}:{args.master_port} "
             f"within {timeout} s (JAXPAR_JOIN_TIMEOUT), so JAX aborted this node's; start every node (--nnodes "
             f"{args.nnodes}, each --node-rank once) with the same --master-addr and --master-port, or raise "
@@ -336,6 +350,11 @@ def run(args: argparse.Namespace) -> int:
     if args.master_port is None:
         args.master_port = free_port() if args.nnodes == 1 else 29500
     check_port(args)
+    problem = unresolved(args.master_addr)
+    if problem:  # a typo waits out JAXPAR_JOIN_TIMEOUT; a name that is yet to exist (a cluster's) may come in time
+        print(f"jaxpar.launch: warning: --master-addr {args.master_addr!r} does not resolve now ({problem}); the "
+              "ranks keep trying until JAXPAR_JOIN_TIMEOUT, then abort: check the name (node 0's address).",
+              file=sys.stderr, flush=True)
     if checkpoint_dir(args.script_args) is not None:  # orbax reads it through JAX, whose backend starts here
         import jax
 

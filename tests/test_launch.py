@@ -162,6 +162,26 @@ def test_a_node_whose_peers_never_join_ends_with_one_line_that_says_so(tmp_path)
         "and --master-port, or raise JAXPAR_JOIN_TIMEOUT."), out.stderr[-2000:]
 
 
+
+def test_a_master_addr_that_does_not_resolve_is_named(monkeypatch):
+    """--master-addr with a typo: every rank waited out JAXPAR_JOIN_TIMEOUT (300 s by default) and the last line
+    said to start the other nodes, which would not have helped (a QA finding). The launcher now warns at the start
+    (it still waits: a cluster's name may resolve later) and the last line names the address that does not resolve.
+    RFC 6761 reserves .invalid: it never resolves."""
+    from jaxpar import launch as launch_mod
+
+    monkeypatch.setenv("JAXPAR_JOIN_TIMEOUT", "5")
+    args = launch_mod.parser().parse_args(["--nnodes", "2", "--node-rank", "1", "--master-addr",
+                                           "node0.example.invalid", "--master-port", "29500", "train.py"])
+    line = launch_mod.join_timeout_message(args)
+    assert line.startswith("jaxpar.launch: not every one of the 2 processes joined at node0.example.invalid:29500 "
+                           "within 5 s (JAXPAR_JOIN_TIMEOUT): --master-addr 'node0.example.invalid' does not "
+                           "resolve ("), line
+    assert "start every node" not in line and "\n" not in line, line
+    args.master_addr = "127.0.0.1"
+    assert "start every node" in launch_mod.join_timeout_message(args)
+    assert launch_mod.unresolved("node0.example.invalid") and launch_mod.unresolved("127.0.0.1") is None
+
 def test_a_script_that_is_not_there_is_refused_before_any_process_starts(tmp_path):
     """It started every rank, each failed with python's "can't open file", and the launcher reported rank 0's
     status 2 (a QA finding)."""

@@ -219,6 +219,7 @@ def _relay(stream, out, prefix: bytes, lock: threading.Lock, seen: set[bytes]) -
     stream.close()
 
 
+DUPLICATE_SIGNAL_S = 0.25  # a stop signal this soon after the first is the same request, not a second Ctrl-C
 USAGE_GRACE_S = 2.0  # after a usage error, how long the others get to leave too (they left a barrier together)
 
 
@@ -362,8 +363,13 @@ def run(args: argparse.Namespace) -> int:
         warnings.filterwarnings("ignore", r"os\.fork\(\) was called", RuntimeWarning)  # each child execs at once
     at_start = newest_checkpoint(args.script_args)  # an earlier run's, which a restart must not resume
     stopping: list[int] = []
+    first_at: list[float] = []
 
     def on_signal(sig, frame):
+        now = time.monotonic()
+        if stopping and now - first_at[0] < DUPLICATE_SIGNAL_S:
+            return  # the same stop request delivered twice (coreutils' timeout signals the launcher and its group)
+        first_at[:] = first_at or [now]
         # only noted: the loops below look at it every 0.1 s. Raising from here (a KeyboardInterrupt, as before)
         # could land in an at-fork hook of a starting rank, where Python prints and drops it: the launcher then
         # restarted on and ignored every later signal (a QA finding), or it escaped with a traceback

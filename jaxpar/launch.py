@@ -328,6 +328,22 @@ def unresolved(addr: str) -> str | None:
     return None
 
 
+def address_warnings(args: argparse.Namespace) -> list[str]:
+    """Warnings about --master-addr before the ranks start: both mistakes make every rank wait out
+    JAXPAR_JOIN_TIMEOUT (300 s by default). Not refusals: a cluster's host name may resolve later, and node 0 may
+    reach itself through an address it does not hold (a NAT's)."""
+    problem = unresolved(args.master_addr)
+    if problem:
+        return [f"jaxpar.launch: warning: --master-addr {args.master_addr!r} does not resolve now ({problem}); the "
+                "ranks keep trying until JAXPAR_JOIN_TIMEOUT, then abort: check the name (node 0's address)."]
+    if args.node_rank == 0 and args.nnodes > 1 and not is_local(args.master_addr):
+        return [f"jaxpar.launch: warning: this is --node-rank 0, which runs the coordinator, but --master-addr "
+                f"{args.master_addr!r} is not an address of this machine; the ranks connect to it and wait until "
+                "JAXPAR_JOIN_TIMEOUT: pass this machine's address on every node, or run --node-rank 0 on "
+                f"{args.master_addr}."]
+    return []
+
+
 def join_timeout_message(args: argparse.Namespace) -> str:
     """The one line for a group JAX aborted because not every process joined in time."""
     from jaxpar.run.distributed import JOIN_TIMEOUT
@@ -339,6 +355,11 @@ def join_timeout_message(args: argparse.Namespace) -> str:
         return (f"jaxpar.launch: not every one of the {world} processes joined at {args.master_addr}:"
                 f"{args.master_port} within {timeout} s (JAXPAR_JOIN_TIMEOUT): --master-addr {args.master_addr!r} "
                 f"does not resolve ({problem}); pass node 0's name or IP address, one that every node resolves.")
+    if args.node_rank == 0 and args.nnodes > 1 and not is_local(args.master_addr):
+        return (f"jaxpar.launch: not every one of the {world} processes joined at {args.master_addr}:"
+                f"{args.master_port} within {timeout} s (JAXPAR_JOIN_TIMEOUT): this --node-rank 0 runs the "
+                f"coordinator, but --master-addr {args.master_addr!r} is not an address of this machine; pass this "
+                f"machine's address on every node, or run --node-rank 0 on {args.master_addr}.")
     return (f"jaxpar.launch: not every one of the {world} processes joined at {args.master_addr}:{args.master_port} "
             f"within {timeout} s (JAXPAR_JOIN_TIMEOUT), so JAX aborted this node's; start every node (--nnodes "
             f"{args.nnodes}, each --node-rank once) with the same --master-addr and --master-port, or raise "
@@ -351,11 +372,8 @@ def run(args: argparse.Namespace) -> int:
     if args.master_port is None:
         args.master_port = free_port() if args.nnodes == 1 else 29500
     check_port(args)
-    problem = unresolved(args.master_addr)
-    if problem:  # a typo waits out JAXPAR_JOIN_TIMEOUT; a name that is yet to exist (a cluster's) may come in time
-        print(f"jaxpar.launch: warning: --master-addr {args.master_addr!r} does not resolve now ({problem}); the "
-              "ranks keep trying until JAXPAR_JOIN_TIMEOUT, then abort: check the name (node 0's address).",
-              file=sys.stderr, flush=True)
+    for line in address_warnings(args):
+        print(line, file=sys.stderr, flush=True)
     if checkpoint_dir(args.script_args) is not None:  # orbax reads it through JAX, whose backend starts here
         import jax
 

@@ -182,6 +182,28 @@ def test_a_master_addr_that_does_not_resolve_is_named(monkeypatch):
     assert "start every node" in launch_mod.join_timeout_message(args)
     assert launch_mod.unresolved("node0.example.invalid") and launch_mod.unresolved("127.0.0.1") is None
 
+
+def test_node_0_with_a_master_addr_of_another_machine_is_warned_about():
+    """--node-rank 0 runs the coordinator; with node 1's address as --master-addr (a swapped pair of commands) its
+    ranks connected there and waited out JAXPAR_JOIN_TIMEOUT with no word of why (a QA finding). 192.0.2.1 is
+    TEST-NET-1 (RFC 5737): no machine's address."""
+    from jaxpar import launch as launch_mod
+
+    def warnings_for(*argv: str) -> list[str]:
+        return launch_mod.address_warnings(launch_mod.parser().parse_args([*argv, "train.py"]))
+
+    (line,) = warnings_for("--nnodes", "2", "--node-rank", "0", "--master-addr", "192.0.2.1")
+    assert line.startswith("jaxpar.launch: warning: this is --node-rank 0, which runs the coordinator, but "
+                           "--master-addr '192.0.2.1' is not an address of this machine"), line
+    args = launch_mod.parser().parse_args(["--nnodes", "2", "--master-addr", "192.0.2.1", "--master-port", "29500",
+                                           "train.py"])
+    assert "is not an address of this machine" in launch_mod.join_timeout_message(args)
+    assert warnings_for("--nnodes", "2", "--node-rank", "1", "--master-addr", "192.0.2.1") == []  # node 1: fine
+    assert warnings_for("--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1") == []
+    assert warnings_for("--nnodes", "2", "--node-rank", "0", "--master-addr", "localhost") == []
+    (line,) = warnings_for("--nnodes", "2", "--node-rank", "1", "--master-addr", "node0.example.invalid")
+    assert "does not resolve now" in line, line
+
 def test_a_script_that_is_not_there_is_refused_before_any_process_starts(tmp_path):
     """It started every rank, each failed with python's "can't open file", and the launcher reported rank 0's
     status 2 (a QA finding)."""

@@ -20,8 +20,10 @@ stop every process the same way (a second one SIGKILLs them at once); on Linux t
 (SIGKILL) when the launcher dies, even of SIGKILL: no checkpoint is saved then (JAX's runtime catches SIGTERM, and a
 rank waiting in a collective for a dead peer never sees it).
 A script that is not a file (with -m, a module whose top-level package is not on the path) and a --master-port
-already in use on this node are refused in one line before any process starts. A rank that JAX aborts because not every process joined in time (its C++ fatal log,
-DEADLINE_EXCEEDED on RegisterTask) gets one line at the end that says which nodes to start.
+already in use on this node are refused in one line before any process starts; a --master-addr that does not
+resolve, or on --node-rank 0 is not this machine's, is warned about. A rank that JAX aborts because not every
+process joined in time (its C++ fatal log, DEADLINE_EXCEEDED on RegisterTask) gets one line at the end that says
+which nodes to start (or what is wrong with --master-addr). When several ranks fail, the first to end is named.
 """
 from __future__ import annotations
 

@@ -525,7 +525,9 @@ class Objective:
         leaves, treedef = jax.tree.flatten(data)
         if not leaves or any(not np.shape(a) for a in leaves):
             return  # not a batch: num_rows names that
-        dtypes = [jax.dtypes.canonicalize_dtype(np.result_type(a)) for a in leaves]
+        # a jax.Array's own dtype (np.result_type of one is a deprecated array-to-dtype conversion)
+        dtypes = [jax.dtypes.canonicalize_dtype(a.dtype if isinstance(a, jax.Array) else np.result_type(a))
+                  for a in leaves]
         n = 1 if self.per_sample else np.shape(leaves[0])[0]
         shapes = [(n,) + tuple(np.shape(a)[1:]) for a in leaves]
         key = (treedef, tuple(zip(shapes, map(str, dtypes))))

@@ -39,10 +39,28 @@ def _field_help() -> dict[str, str]:
     return dict(re.findall(r"^\s+(\w+): [^=]+=[^#\n]+#\s*(.+)$", inspect.getsource(config), re.M))
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line, as every other refusal here (argparse prints its whole usage block
+    first: 47 lines for train.py, once per rank under the launcher), naming the closest flag to an unknown one and
+    --help; exit status 2, as argparse's."""
+
+    def error(self, message: str):
+        import difflib
+
+        fix = f"{self.prog} --help lists every flag"
+        unknown = message.split("unrecognized arguments: ", 1)[1].split() if "unrecognized arguments: " in message \
+            else []
+        flags = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+        close = [c for u in unknown if u.startswith("--")
+                 for c in difflib.get_close_matches(u.split("=", 1)[0], flags, n=1, cutoff=0.75)]
+        if close:
+            fix = f"did you mean {close[0]}? ({fix})"
+        self.exit(2, f"{self.prog}: error: {message}; {fix}.\n")
+
+
 def parser() -> argparse.ArgumentParser:
     prog = "jaxpar-train" if os.path.basename(sys.argv[0]) == "jaxpar-train" else "train.py"  # the console script
-    p = argparse.ArgumentParser(prog=prog, description="jaxpar: parallel training strategies in JAX.",
-                                allow_abbrev=False)
+    p = OneLineParser(prog=prog, description="jaxpar: parallel training strategies in JAX.", allow_abbrev=False)
     defaults, helps = Config(), _field_help()
     for f in dataclasses.fields(Config):
         default = getattr(defaults, f.name)

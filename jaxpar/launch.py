@@ -43,7 +43,9 @@ from typing import Sequence
 
 def parser() -> argparse.ArgumentParser:
     """torchrun's options, under its dashed names and (as torchrun takes them too) its underscored ones."""
-    p = argparse.ArgumentParser(prog="python -m jaxpar.launch", description=__doc__.split("\n\n")[0])
+    from jaxpar.cli import OneLineParser  # one-line usage errors, as train.py's
+
+    p = OneLineParser(prog="python -m jaxpar.launch", description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1,
                    help="processes on this node (default 1)")
     p.add_argument("--nnodes", type=int, default=1, help="nodes in the run (default 1)")

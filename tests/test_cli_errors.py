@@ -414,6 +414,25 @@ def test_flags_are_never_abbreviated(capsys):
         assert e.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
 
 
+def test_a_malformed_invocation_is_one_line_naming_the_closest_flag(capsys):
+    """argparse printed its whole usage block (47 lines; once per rank under the launcher) before its error; now the
+    error alone, with the closest flag to an unknown one and --help, exit status 2 -- train.py's and the launcher's."""
+    from jaxpar.launch import parser as launch_parser
+
+    cases = [(["--modle", "mlp"], "unrecognized arguments: --modle mlp; did you mean --model?"),
+             (["--los=mse"], "unrecognized arguments: --los=mse; did you mean --loss?"),
+             (["--epochs", "x"], "argument --epochs: invalid int value: 'x'; train.py --help lists every flag."),
+             (["--zzz"], "unrecognized arguments: --zzz; train.py --help lists every flag.")]
+    for argv, want in cases:
+        code, err = run_main(argv, capsys)
+        assert code == 2 and err.count("\n") == 1 and err.startswith("train.py: error: ") and want in err, err
+    with pytest.raises(SystemExit) as e:
+        launch_parser().parse_args(["--nproc-per-nde", "2", "train.py"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert "unrecognized arguments: --nproc-per-nde; did you mean --nproc-per-node?" in err, err
+
+
 def test_help_gives_every_flag_a_meaning_and_a_visible_default():
     """--help is the flags' reference: each has its config.py comment, and a whitespace default (the sample
     prompt's newline) shows quoted instead of as an empty '(default: )'."""

@@ -512,6 +512,31 @@ def test_bad_options_name_the_fix():
         jaxpar.ZeroRedundancy(objective, TX).step(None, None)
 
 
+@pytest.mark.parametrize("key, value, fix", [
+    ("reduce_bucket_size", 5e8, "pass bucket_cap_mb=MiB"),
+    ("offload_optimizer", {"device": "cpu"}, "ZeRO-Offload and ZeRO-Infinity are not in jaxpar"),
+    ("stage3_param_persistence_threshold", 100000, "stage 3 partitions every parameter"),
+    ("stage3_max_live_parameters", 10**9, "stage 3 gathers one layer at a time"),
+    ("overlap_comm", True, "from inside the backward"),
+    ("gradient_clipping", 1.0, "jaxpar.optim.clip_by_global_norm\\(max_norm\\) first in tx"),
+    ("zero_stage", 2, "pass stage=1, 2 or 3"),
+])
+def test_a_deepspeed_config_key_names_what_jaxpar_takes_instead(key, value, fix):
+    """A port passing DeepSpeed's zero_optimization keys as keywords was told to "pass reduce_bucket_size to the
+    strategy that has it" (none has; with an Objective, that "an Objective already holds its loss and options"),
+    and offload was nowhere: one line naming the key, its value and the fix, with a model or an Objective."""
+    import re
+
+    model, objective, _, _, _ = problem("mlp")
+    for given in (dict(model=objective), dict(model=model, loss_fn=OutputLoss(regression.loss))):
+        with pytest.raises(TypeError, match=f"^ZeroRedundancy\\({key}={re.escape(repr(value))}\\) is DeepSpeed's "
+                                            f"config key.*{fix}") as e:
+            jaxpar.ZeroRedundancy(tx=TX, stage=3, **given, **{key: value})
+        assert "\n" not in str(e.value)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bucket_size'"):  # a plain typo: as before
+        jaxpar.ZeroRedundancy(model, TX, loss_fn=OutputLoss(regression.loss), bucket_size=1)
+
+
 @pytest.mark.parametrize("tx, message", [
     (optax.adafactor(1e-2, min_dim_size_to_factor=4), "does not split element by element"),
     (optax.lamb(1e-2), "not elementwise"),

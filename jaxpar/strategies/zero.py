@@ -171,6 +171,46 @@ def check_options(*, stage: int, reduce: str, grad_accum: int, bucket_cap_mb: fl
     check_mib("bucket_cap_mb", bucket_cap_mb)
 
 
+_NO_OFFLOAD = ("ZeRO-Offload and ZeRO-Infinity are not in jaxpar: the partitions stay on the devices (stage=3 "
+               "holds the least, 16 Psi/N bytes in float32 Adam); leave it out")
+_ONE_LAYER = ("stage 3 gathers one layer at a time and prefetches the next (prefetch=True, the default, or False; "
+              "fetch='model' gathers every weight at once); leave it out")
+# DeepSpeed's "zero_optimization" (and nearby) config keys that a port passes as keywords, and what jaxpar takes instead
+DEEPSPEED_ONLY = {
+    "zero_stage": "pass stage=1, 2 or 3", "zero_optimization": "pass stage=1, 2 or 3 and this class's own options",
+    "reduce_bucket_size": "pass bucket_cap_mb=MiB (stages 1-2; DeepSpeed counts elements: reduce_bucket_size x 4 / "
+                          "2**20 for float32 gradients), or leave it out for torch's 25 MiB buckets",
+    "allgather_bucket_size": "stages 1-2 all-gather the updated shards once after the update, with no bucket size; "
+                             "leave it out",
+    "reduce_scatter": "pass reduce='reduce_scatter' (the default) or 'all_reduce' (stage 1)",
+    "overlap_comm": "stage 2 always reduce-scatters each bucket from inside the backward and stage 3 prefetches "
+                    "(prefetch=True); stage 1 reduces after the backward; leave it out",
+    "contiguous_gradients": "each device's gradient shard is always one flat vector; leave it out",
+    "stage3_prefetch_bucket_size": _ONE_LAYER, "prefetch_bucket_size": _ONE_LAYER,
+    "stage3_max_live_parameters": _ONE_LAYER, "max_live_parameters": _ONE_LAYER,
+    "stage3_max_reuse_distance": _ONE_LAYER, "max_reuse_distance": _ONE_LAYER,
+    "stage3_param_persistence_threshold": "stage 3 partitions every parameter, small ones too (no persistence "
+                                          "threshold); leave it out",
+    "param_persistence_threshold": "stage 3 partitions every parameter, small ones too (no persistence threshold); "
+                                   "leave it out",
+    "offload_optimizer": _NO_OFFLOAD, "offload_param": _NO_OFFLOAD, "cpu_offload": _NO_OFFLOAD,
+    "cpu_offload_param": _NO_OFFLOAD,
+    "gradient_clipping": "chain jaxpar.optim.clip_by_global_norm(max_norm) first in tx (DeepSpeed clips at 1.0 when "
+                         "its config omits it; jaxpar clips only when asked)",
+    "gradient_accumulation_steps": "pass grad_accum=K",
+    "fp16": "pass compute_dtype=jnp.float16 and wrap tx in jaxpar.loss_scaling(tx) (DeepSpeed's dynamic loss scaler)",
+    "bf16": "pass compute_dtype=jnp.bfloat16 (the weights and optimizer state stay float32)",
+}
+
+
+def check_deepspeed_only(options: dict) -> None:
+    """TypeError in one line for a DeepSpeed ZeRO config key given as a keyword, naming what jaxpar takes."""
+    for key in options:
+        if key in DEEPSPEED_ONLY:
+            raise TypeError(f"ZeroRedundancy({key}={options[key]!r}) is DeepSpeed's config key, not an option of "
+                            f"jaxpar's: {DEEPSPEED_ONLY[key]}.")
+
+
 class ZeroRedundancy:
     """DeepSpeed ZeRO on a 1-D DATA mesh: `ZeroRedundancy(model, tx, stage=2, loss_fn=..., mesh=...)` or
     `ZeroRedundancy(objective, tx, ...)`. `batch_size` (global) fixes every batch's padded shape (one compile);
@@ -187,6 +227,7 @@ class ZeroRedundancy:
                  grad_accum: int = 1, batch_size: int | None = None, leaf_order: Sequence[int] | None = None,
                  prefetch: bool = True, fetch: str = "layer", **objective_options):
         self._layers_check = LayersCheck()  # armed by init where the layers run instead of __call__
+        check_deepspeed_only(objective_options)  # before the objective's "unexpected keyword argument"
         check_options(stage=stage, reduce=reduce, grad_accum=grad_accum, bucket_cap_mb=bucket_cap_mb)
         grad_accum = int(grad_accum)
         if not isinstance(prefetch, (bool, np.bool_)):  # "no" would run with the prefetch on

@@ -11,7 +11,7 @@ the gradient of the same global mean loss.
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -82,9 +82,32 @@ def train_step(objective: Objective, tx: optax.GradientTransformation, state: Tr
     return apply_updates(tx, state, grads, model_state), metrics
 
 
+class _Reference:
+    """A jitted bare step (`lower`, `trace`, ... as jax.jit's) whose model naming a mesh axis (jaxpar.sync_batch_norm's
+    pmean over DATA) is refused in one line, where JAX raised "NameError: unbound axis name: data" from the trace."""
+
+    def __init__(self, fn: Callable, what: str):
+        self.jitted, self.what = jax.jit(fn), what
+
+    def __call__(self, *args):
+        try:
+            return self.jitted(*args)
+        except NameError as e:
+            if "unbound axis name" not in str(e):
+                raise
+            axis = str(e).split("unbound axis name: ", 1)[1].split(".")[0].split()[0]
+            raise ValueError(f"the model reduces over the mesh axis {axis!r} (jaxpar.sync_batch_norm's statistics, "
+                             f"or a collective in a layer), which {self.what} does not give it: run it under a "
+                             "strategy, jaxpar.SingleDevice(model, tx) on one device (a collective over one device "
+                             "is the identity) or DDP / ZeRO across devices.") from None
+
+    def __getattr__(self, name: str):
+        return getattr(self.jitted, name)
+
+
 def make_train_step(objective: Objective, tx: optax.GradientTransformation):
     """Jitted reference step `(state, rows) -> (state, metrics)` on one device."""
-    return jax.jit(lambda state, rows: train_step(objective, tx, state, rows))
+    return _Reference(lambda state, rows: train_step(objective, tx, state, rows), "make_train_step")
 
 
 def eval_sums(objective: Objective, params: Params, model_state: Any, rows: Rows) -> Sums:

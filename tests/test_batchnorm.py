@@ -300,3 +300,19 @@ def test_one_value_per_channel_in_training_is_refused_as_torch_does():
     strategy = jaxpar.SingleDevice(conv, TX)
     _, m = strategy.step(strategy.init(jaxpar.init_state(conv, TX)), strategy.put_batch(image))
     assert np.isfinite(float(m["loss"]))
+
+
+def test_the_bare_reference_step_refuses_a_synced_model_in_one_line():
+    """jaxpar.make_train_step runs the model outside any mesh, so sync_batch_norm's pmean over DATA raised JAX's
+    "NameError: unbound axis name: data" from inside the trace (a QA finding); now one line naming the axis and the
+    strategies that give it. The unsynced model steps, and evaluation (running statistics, no pmean) runs either."""
+    model = bn_model(True)
+    objective, state = jaxpar.Objective.of(model), jaxpar.init_state(model, TX)
+    rows = jaxpar.as_rows({"x": np.ones((4, 6), np.float32), "y": np.zeros(4, np.int32)})
+    with pytest.raises(ValueError, match=r"^the model reduces over the mesh axis 'data' \(jaxpar.sync_batch_norm's "
+                                         r"statistics, .*jaxpar.SingleDevice\(model, tx\) on one device") as e:
+        jaxpar.make_train_step(objective, TX)(state, rows)
+    assert "\n" not in str(e.value)
+    jaxpar.make_eval_step(objective)(state.params, state.model_state, rows)
+    plain = bn_model()
+    jaxpar.make_train_step(jaxpar.Objective.of(plain), TX)(jaxpar.init_state(plain, TX), rows)

@@ -535,6 +535,11 @@ def test_a_deepspeed_config_key_names_what_jaxpar_takes_instead(key, value, fix)
         assert "\n" not in str(e.value)
     with pytest.raises(TypeError, match="unexpected keyword argument 'bucket_size'"):  # a plain typo: as before
         jaxpar.ZeroRedundancy(model, TX, loss_fn=OutputLoss(regression.loss), bucket_size=1)
+    # beside an Objective too (it was told the Objective already holds its options), and a real option is named
+    with pytest.raises(TypeError, match="^ZeroRedundancy\\(\\) got an unexpected keyword argument 'bucket_size'"):
+        jaxpar.ZeroRedundancy(objective, TX, bucket_size=1)
+    with pytest.raises(ValueError, match="already holds its loss and options, so loss_fn, per_sample cannot come"):
+        jaxpar.ZeroRedundancy(objective, TX, loss_fn=OutputLoss(regression.loss), per_sample=True)
 
 
 @pytest.mark.parametrize("tx, message", [

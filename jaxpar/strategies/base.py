@@ -342,8 +342,10 @@ def objective_of(model: nnx.Module | Objective, loss_fn=None, *, who: str = "the
     module is wrapped; `who` (the strategy's class name) is named for an option Objective.of does not take."""
     if isinstance(model, Objective):
         if loss_fn is not None or kwargs:
-            raise ValueError("an Objective already holds its loss and options; pass either an Objective, or the "
-                             "model with loss_fn=... and options.")
+            check_objective_options(who, kwargs)  # a misspelled option is named as one, not as an Objective's
+            given = ", ".join(["loss_fn"] * (loss_fn is not None) + sorted(kwargs))
+            raise ValueError(f"an Objective already holds its loss and options, so {given} cannot come beside it; "
+                             "pass either an Objective, or the model with loss_fn=... and options.")
         return model.check_trains()
     check_objective_options(who, kwargs)
     return Objective.of(model, loss_fn, **kwargs).check_trains()

@@ -22,12 +22,22 @@ def unwrapped(state_dict: Mapping[str, object]) -> dict[str, object]:
     """The state dict under the wrapped model's own keys: the prefixes of torch.compile (`_orig_mod.`) and
     DistributedDataParallel (`module.`) stripped, in any order (DDP of a compiled model saves `module._orig_mod.`),
     as torch.nn.modules.utils.consume_prefix_in_state_dict_if_present strips DDP's."""
-    out = {}
-    for key, value in state_dict.items():
+    out, source = {}, {}
+    for original, value in state_dict.items():
+        key = original
         while key.startswith(WRAPPERS):
             key = key.split(".", 1)[1]
-        out[key] = value
+        if key in out:  # two keys of one weight: either would be dropped without a word
+            raise ValueError(duplicate_key_message(source[key], original, key))
+        out[key], source[key] = value, original
     return out
+
+
+def duplicate_key_message(first: str, second: str, key: str) -> str:
+    """One line: two keys of a state dict name the same weight `key` once a wrapper's prefix is stripped."""
+    return (f"state dict keys {first!r} and {second!r} both name the weight {key!r} (a wrapper's or a model's "
+            "prefix stripped), so one would be dropped without a word; pass the state dict of one model (drop one "
+            "of the two keys).")
 
 
 def as_array(value: object) -> np.ndarray:

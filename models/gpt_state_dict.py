@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar.models.convert import as_array, check_values, unwrapped
+from jaxpar.models.convert import as_array, check_values, duplicate_key_message, unwrapped
 from jaxpar.models.gpt import CONFIGS, GPT, LN_EPS, GPTConfig
 
 LAYOUTS = ("hf", "nanogpt")
@@ -100,13 +100,14 @@ def normalize_state_dict(state_dict: Mapping[str, Any]) -> tuple[dict[str, np.nd
     Accepts HF's GPT2LMHeadModel and GPT2Model (no `transformer.` prefix) dicts and nanoGPT's, under the prefixes
     torch's wrappers add (`convert.unwrapped`); drops the causal-mask buffers; checks lm_head.weight equals wte
     (tied). The layout is read off c_attn's weight: [C, 3C] is HF's Conv1D, [3C, C] nanoGPT's nn.Linear."""
-    sd = {}
-    for key, value in unwrapped(state_dict).items():
-        if key.endswith(_BUFFERS):
+    sd, source = {}, {}
+    for original, value in unwrapped(state_dict).items():
+        if original.endswith(_BUFFERS):
             continue
-        if not key.startswith(("transformer.", "lm_head.")):
-            key = f"transformer.{key}"
-        sd[key] = as_array(value)
+        key = original if original.startswith(("transformer.", "lm_head.")) else f"transformer.{original}"
+        if key in sd:  # GPT2Model's key and GPT2LMHeadModel's of one weight: one would be dropped in silence
+            raise ValueError(duplicate_key_message(source[key], original, key))
+        sd[key], source[key] = as_array(value), original
     needed = ("transformer.wte.weight", "transformer.wpe.weight", "transformer.h.0.attn.c_attn.weight")
     if any(np.ndim(sd.get(k)) != 2 for k in needed):
         got = {k: np.shape(sd[k]) if k in sd else "missing" for k in needed}

@@ -890,6 +890,23 @@ def test_a_ddp_wrapped_state_dict_loads_as_the_plain_one():
             np.testing.assert_array_equal(got[key], want[key], err_msg=f"{prefix} {layout} {key}")
 
 
+
+def test_two_keys_of_one_weight_are_refused_not_one_dropped():
+    """A state dict holding a weight twice -- under its own key and a DDP wrapper's `module.` one, or under
+    GPT2LMHeadModel's `transformer.` key and GPT2Model's bare one -- is refused in one line naming both keys, as torch's
+    load_state_dict(strict=True) refuses the second as unexpected; the last one read used to win without a word."""
+    model = gpt.GPT(gpt.GPTConfig(**TINY), rngs=nnx.Rngs(0))
+    sd = model.torch_state_dict("hf")
+    zeros = np.zeros_like(sd["transformer.h.0.ln_1.weight"])
+    for extra in ("h.0.ln_1.weight", "module.transformer.h.0.ln_1.weight"):
+        with pytest.raises(ValueError, match=f"keys 'transformer.h.0.ln_1.weight' and '{re.escape(extra)}' both "
+                                             "name the weight 'transformer.h.0.ln_1.weight'") as e:
+            gpt.from_torch_state_dict({**sd, extra: zeros}, n_head=H)
+        assert "\n" not in str(e.value)
+    mlp = jaxpar.to_torch_state_dict(jaxpar.get_model("mlp", in_features=3, hidden_dim=4, out_features=2))
+    with pytest.raises(ValueError, match="keys '0.weight' and 'module.0.weight' both name the weight '0.weight'"):
+        jaxpar.from_torch_state_dict("mlp", {**mlp, "module.0.weight": np.zeros_like(mlp["0.weight"])})
+
 def test_cudnn_attention_takes_head_sizes_up_to_128(monkeypatch):
     """cuDNN's fused attention takes head sizes that are multiples of 8 up to 128 inclusive: 128 (a 1024-wide GPT
     of 8 heads) runs it under 'auto' and may be asked for; 136 falls back to XLA, or is refused when asked for."""

@@ -22,6 +22,8 @@ from jaxpar.models.gpt import CONFIGS, GPT, LN_EPS, GPTConfig
 LAYOUTS = ("hf", "nanogpt")
 _LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # HF Conv1D / nanoGPT nn.Linear
 _BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers older checkpoints carry: not weights
+_BASE_KEYS = ("wte.", "wpe.", "h.", "ln_f.")  # GPT2Model's (transformers' bare GPT-2) keys: GPT2LMHeadModel's less
+# its `transformer.` prefix
 # transformers' activation_function names of the GELUs jaxpar's GPT runs -> its own (gpt.ACTIVATIONS)
 HF_ACTIVATIONS = {"gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new", "gelu_fast": "gelu_new", "gelu": "gelu"}
 
@@ -45,8 +47,10 @@ def load_torch_state_dict(model: GPT, state_dict: Mapping[str, Any]) -> None:
     missing, extra = [k for k in expected if k not in sd], [k for k in sd if k not in expected]
     if missing or extra:
         raise ValueError(f"state dict does not match this GPT ({model.config.n_layer} layers, bias="
-                         f"{model.config.bias}): missing {missing[:4]}, unexpected {extra[:4]}; build the model "
-                         "from the state dict (from_torch_state_dict) so its sizes are read off it.")
+                         f"{model.config.bias}): missing {missing[:4]}, unexpected {extra[:4]}; a GPT-2 state dict "
+                         "(GPT2LMHeadModel's, GPT2Model's or nanoGPT's) holds exactly these keys: drop the weights of "
+                         "other heads or modules (a GPT2ForSequenceClassification's score), or build the model from the "
+                         "state dict (from_torch_state_dict) so its sizes are read off it.")
     for key, shape in expected.items():
         if tuple(np.shape(sd[key])) != shape:
             raise ValueError(f"state dict key {key!r} has shape {tuple(np.shape(sd[key]))}, this GPT expects "
@@ -104,7 +108,8 @@ def normalize_state_dict(state_dict: Mapping[str, Any]) -> tuple[dict[str, np.nd
     for original, value in unwrapped(state_dict).items():
         if original.endswith(_BUFFERS):
             continue
-        key = original if original.startswith(("transformer.", "lm_head.")) else f"transformer.{original}"
+        # GPT2Model's keys under GPT2LMHeadModel's prefix; any other key as given, so an error names the file's key
+        key = f"transformer.{original}" if original.startswith(_BASE_KEYS) else original
         if key in sd:  # GPT2Model's key and GPT2LMHeadModel's of one weight: one would be dropped in silence
             raise ValueError(duplicate_key_message(source[key], original, key))
         sd[key], source[key] = as_array(value), original

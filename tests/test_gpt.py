@@ -239,7 +239,12 @@ def bad_state_dicts():
             ({k: v for k, v in sd.items() if k != "transformer.ln_f.bias"}, H,
              r"missing \['transformer.ln_f.bias'\], unexpected \[\]"),
             ({**sd, "transformer.h.5.ln_1.weight": np.ones(C, np.float32)}, H,
-             r"\(2 layers, bias=True\): missing \[\], unexpected \['transformer.h.5.ln_1.weight'\]")]
+             r"\(2 layers, bias=True\): missing \[\], unexpected \['transformer.h.5.ln_1.weight'\]"),
+            # a QA pass: another head's key was named with a `transformer.` prefix the file does not have
+            ({**sd, "score.weight": np.zeros((3, C), np.float32)}, H,
+             r"missing \[\], unexpected \['score.weight'\]; a GPT-2 state dict .* holds exactly these keys: drop"),
+            ({**{k[12:]: v for k, v in sd.items() if k.startswith("transformer.")}, "score.weight": np.zeros((3, C))},
+             H, r"missing \[\], unexpected \['score.weight'\]")]
 
 
 @pytest.mark.parametrize("sd, n_head, message", bad_state_dicts())

@@ -98,8 +98,11 @@ def torch_shapes(model: nnx.Module) -> dict[str, tuple[int, ...]]:
 
 
 def to_torch_state_dict(model: nnx.Module) -> dict[str, np.ndarray]:
-    """The model's weights under PyTorch's keys and layouts (OIHW conv weights, [out, in] linear weights)."""
-    return {key: np.ascontiguousarray(_to_torch(layer, name, np.asarray(getattr(layer, name)[...])))
+    """The model's weights under PyTorch's keys and layouts (OIHW conv weights, [out, in] linear weights), each a
+    writable array of its own: np.asarray of a CPU jax.Array is a read-only view of JAX's buffer, which
+    torch.from_numpy warns of and an in-place torch update (load_state_dict(assign=True), then a step) would write
+    into the model's weights."""
+    return {key: np.array(_to_torch(layer, name, np.asarray(getattr(layer, name)[...])), order="C")
             for key, layer, name in _entries(model)}
 
 

@@ -30,12 +30,13 @@ HF_ACTIVATIONS = {"gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new", "gelu
 
 def to_torch_state_dict(model: GPT, layout: str = "hf") -> dict[str, np.ndarray]:
     """The weights under GPT2LMHeadModel's keys (`layout='hf'`, Conv1D weights [in, out]) or nanoGPT's
-    (`'nanogpt'`, nn.Linear weights [out, in]); lm_head.weight is wte's copy, as both state dicts hold it."""
+    (`'nanogpt'`, nn.Linear weights [out, in]); lm_head.weight is wte's array, as both state dicts hold it. Each
+    array is writable and its own (convert.to_torch_state_dict: not a read-only view of JAX's buffer)."""
     _check_layout(layout)
     out = {}
     for key, (module, name) in _entries(model).items():
         value = np.asarray(getattr(module, name)[...], np.float32)
-        out[key] = np.ascontiguousarray(value.T if layout == "nanogpt" and _is_linear_weight(key) else value)
+        out[key] = np.array(value.T if layout == "nanogpt" and _is_linear_weight(key) else value, order="C")
     out["lm_head.weight"] = out["transformer.wte.weight"]
     return out
 
@@ -49,8 +50,8 @@ def load_torch_state_dict(model: GPT, state_dict: Mapping[str, Any]) -> None:
         raise ValueError(f"state dict does not match this GPT ({model.config.n_layer} layers, bias="
                          f"{model.config.bias}): missing {missing[:4]}, unexpected {extra[:4]}; a GPT-2 state dict "
                          "(GPT2LMHeadModel's, GPT2Model's or nanoGPT's) holds exactly these keys: drop the weights of "
-                         "other heads or modules (a GPT2ForSequenceClassification's score), or build the model from the "
-                         "state dict (from_torch_state_dict) so its sizes are read off it.")
+                         "other heads or modules (a GPT2ForSequenceClassification's score), or build the model from "
+                         "the state dict (from_torch_state_dict) so its sizes are read off it.")
     for key, shape in expected.items():
         if tuple(np.shape(sd[key])) != shape:
             raise ValueError(f"state dict key {key!r} has shape {tuple(np.shape(sd[key]))}, this GPT expects "

@@ -912,6 +912,23 @@ def test_two_keys_of_one_weight_are_refused_not_one_dropped():
     with pytest.raises(ValueError, match="keys '0.weight' and 'module.0.weight' both name the weight '0.weight'"):
         jaxpar.from_torch_state_dict("mlp", {**mlp, "module.0.weight": np.zeros_like(mlp["0.weight"])})
 
+
+def test_an_exported_state_dict_is_writable_and_not_the_models_memory():
+    """to_torch_state_dict gives arrays of their own: it gave np.asarray views of JAX's CPU buffers (every GPT
+    weight but nanoGPT's transposed ones, every bias of the tutorial models), read-only, so torch.from_numpy warned,
+    and a torch tensor made from one and updated in place (load_state_dict(assign=True), then a step) changed the
+    jaxpar model's weights under JAX."""
+    model = gpt.GPT(gpt.GPTConfig(**TINY), rngs=nnx.Rngs(0))
+    mlp = jaxpar.get_model("mlp", in_features=3, hidden_dim=4, out_features=2)
+    before = (np.array(model.ln_f.bias[...]), np.array(mlp.layers[0].bias[...]))
+    for sd, key in ((model.torch_state_dict("hf"), "transformer.ln_f.bias"),
+                    (model.torch_state_dict("nanogpt"), "transformer.ln_f.bias"),
+                    (jaxpar.to_torch_state_dict(mlp), "0.bias")):
+        assert all(v.flags.writeable for v in sd.values()), [k for k, v in sd.items() if not v.flags.writeable]
+        sd[key] += 100.0  # what a torch tensor sharing the array's memory does in place
+    np.testing.assert_array_equal(model.ln_f.bias[...], before[0])
+    np.testing.assert_array_equal(mlp.layers[0].bias[...], before[1])
+
 def test_cudnn_attention_takes_head_sizes_up_to_128(monkeypatch):
     """cuDNN's fused attention takes head sizes that are multiples of 8 up to 128 inclusive: 128 (a 1024-wide GPT
     of 8 heads) runs it under 'auto' and may be asked for; 136 falls back to XLA, or is refused when asked for."""

@@ -149,12 +149,21 @@ def _is_state(x) -> bool:
 
 
 def find(opt_state: Any) -> LossScaleState | None:
-    """The LossScaleState inside an optimizer state (any nesting), or None."""
-    found = [x for x in jax.tree.leaves(opt_state, is_leaf=_is_state) if _is_state(x)]
+    """The LossScaleState of an optimizer state, or None. ValueError where the scaler wraps only part of the
+    optimizer (its state nested in a chain's, MultiSteps', ...): the transforms outside it would still run on a
+    skipped step's inf/NaN gradients (Adam ahead of it turned its moments NaN for good, weight decay after it moved
+    the weights of a step reported as skipped)."""
+    found = [(path, x) for path, x in jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=_is_state)[0]
+             if _is_state(x)]
     if len(found) > 1:
         raise ValueError("the optimizer holds more than one loss scaler; wrap the whole optimizer in one "
                          "jaxpar.loss_scaling.")
-    return found[0] if found else None
+    if found and found[0][0]:
+        raise ValueError(f"the loss scaler wraps only part of the optimizer (its state is opt_state"
+                         f"{jax.tree_util.keystr(found[0][0])}), so the transforms outside it still run on the inf/NaN "
+                         "gradients of a step it skips (Adam's moments turn NaN, weight decay moves the weights); wrap "
+                         "the whole optimizer: jaxpar.loss_scaling(optax.chain(...)), outermost.")
+    return found[0][1] if found else None
 
 
 def wraps(tx: optax.GradientTransformation, params: Any) -> bool:

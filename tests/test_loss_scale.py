@@ -490,3 +490,20 @@ def test_pipeline_scaled_sgd_step_divides_the_seed_out(name="1f1b"):
     assert max(np.abs(a - b).max() for a, b in zip(plain[0][0], init)) > 1e-4  # the step moves the weights
     for a, b in zip(plain[0][0], scaled[0][0]):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6 * np.abs(a).max())
+
+
+@pytest.mark.parametrize("name", ["single", "dp", "ddp", "zero1", "zero3"])
+@pytest.mark.parametrize("tx, where", [
+    (optax.chain(optax.scale_by_adam(), loss_scaling(optax.sgd(1e-3))), "opt_state[1]"),  # Adam's moments went NaN
+    (optax.chain(loss_scaling(optax.adam(1e-3)), optax.add_decayed_weights(0.1)), "opt_state[0]"),  # decay moved
+    (optax.MultiSteps(loss_scaling(optax.adam(1e-3)), 2).gradient_transformation(), "opt_state.inner_opt_state")])
+def test_a_loss_scaler_inside_the_optimizer_is_refused_at_init(name, tx, where):
+    """A scaler around part of the optimizer skips only that part: the transforms outside it ran on a skipped step's
+    inf gradients (Adam ahead of it kept NaN moments for good; weight decay after it moved the weights of a step
+    reported as skipped). Refused in one line at the strategy's init, before any step, naming where it sits."""
+    model = TwoLeaves(nnx.Rngs(0))
+    strategy = STRATEGIES[name](Objective.of(model, OutputLoss(mse_sum), compute_dtype=jnp.float16), tx)
+    with pytest.raises(ValueError, match=re.escape(f"wraps only part of the optimizer (its state is {where})")):
+        strategy.init(jaxpar.init_state(model, tx))
+    with pytest.raises(ValueError, match="jaxpar.loss_scaling\\(optax.chain\\(...\\)\\), outermost"):
+        loss_scale.wraps(tx, {"w": jnp.zeros(3)})  # the pipeline's and ZeRO's check at construction

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxpar import loss_scale
 from jaxpar.batch import Rows, as_rows
 from jaxpar.objective import Objective, metrics_of
 from jaxpar.step import TrainState, make_eval_step
@@ -127,6 +128,7 @@ def check_state(state: TrainState, tx, objective: Objective | None = None) -> No
             _check_tree(f"state.{name}", have, want, "the strategy's model has", fix, by_path=True,
                         dtypes=name == "params")
     have, want = state.opt_state, jax.eval_shape(tx.init, state.params)
+    loss_scale.find(want)  # a loss scaler inside the optimizer, not around it, refused before any step
     _check_tree("state.opt_state", have, want, "the strategy's tx makes",
                 "build the state with jaxpar.init_state(model, tx) from the optimizer given to the strategy")
 

@@ -64,6 +64,16 @@ class LossScaleConfig:
             if given:
                 bad(", ".join(given), f"set(s) the dynamic scaler, but loss_scale={self.loss_scale} is a fixed "
                     "scale", "drop them, or pass loss_scale=0 for dynamic scaling")
+        for name, fix in (("initial_scale_power", "pass DeepSpeed's default 16"),
+                          ("loss_scale_window", "pass DeepSpeed's default 1000"),
+                          ("hysteresis", "pass DeepSpeed's default 2")):
+            v = getattr(self, name)  # 2**2.5 was taken as a scale that is no power of two, a window of 2.5 steps
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)) \
+                    or not float(v).is_integer():
+                bad(f"{name}={v!r}", "must be a whole number", fix)
+        if not isinstance(self.consecutive_hysteresis, (bool, np.bool_)):  # 'no' was taken as True
+            bad(f"consecutive_hysteresis={self.consecutive_hysteresis!r}", "must be True or False",
+                "pass DeepSpeed's default False, or True to refill the hysteresis after every step without an overflow")
         if not 0 <= self.initial_scale_power <= 126:
             bad(f"initial_scale_power={self.initial_scale_power}", "must be in 0..126 (2**p a float32)",
                 "pass DeepSpeed's default 16, or a smaller power")
@@ -106,6 +116,17 @@ def next_scale(cfg: LossScaleConfig, state: LossScaleState, overflow: jax.Array)
                           jnp.where(overflow, o_hyst, ok_hyst), state.inner)
 
 
+TORCH_NAMES = {  # torch.amp.GradScaler's argument -> what jaxpar (DeepSpeed) takes instead
+    "init_scale": "initial_scale_power=p for a start at 2**p (16: torch's 65536), or static=S for a fixed scale",
+    "growth_factor": "nothing for growth_factor (DeepSpeed's scale_factor is 2, torch's default)",
+    "backoff_factor": "nothing for backoff_factor (the scale halves, torch's default 0.5), hysteresis=1 to halve at "
+                      "every overflow as torch does",
+    "growth_interval": "loss_scale_window=N for growth_interval (the scale doubles after N clean steps; DeepSpeed's "
+                       "default 1000, torch's 2000)",
+    "enabled": "nothing for enabled (leave the optimizer unwrapped to turn scaling off)",
+}
+
+
 def loss_scaling(tx: optax.GradientTransformation, config: LossScaleConfig | None = None, *,
                  static: float | None = None, **settings) -> optax.GradientTransformationExtraArgs:
     """`tx` behind a loss scaler: dynamic with DeepSpeed's defaults, `static=S` for a fixed scale, or a
@@ -115,6 +136,11 @@ def loss_scaling(tx: optax.GradientTransformation, config: LossScaleConfig | Non
     scale too (which then stays: only the dynamic one halves). It reads the
     norm from the extra argument ``global_norm`` when a strategy gives one (ZeRO, tp and the pipeline do, for
     their shards and stages), else computes it from the updates it is given (the whole gradient)."""
+    torch = {k: TORCH_NAMES[k] for k in settings if k in TORCH_NAMES}
+    if torch:  # torch.amp.GradScaler's names: a TypeError that named no fix
+        raise ValueError(f"{', '.join(f'{k}={settings[k]!r}' for k in torch)}: torch.amp.GradScaler's name(s); "
+                         "jaxpar.loss_scaling takes DeepSpeed's fp16 settings (the scale doubles and halves by 2): "
+                         f"pass {'; '.join(torch.values())}.")
     if config is None:
         config = LossScaleConfig(loss_scale=float(static or 0.0), **settings)
     elif static is not None or settings:

@@ -507,3 +507,26 @@ def test_a_loss_scaler_inside_the_optimizer_is_refused_at_init(name, tx, where):
         strategy.init(jaxpar.init_state(model, tx))
     with pytest.raises(ValueError, match="jaxpar.loss_scaling\\(optax.chain\\(...\\)\\), outermost"):
         loss_scale.wraps(tx, {"w": jnp.zeros(3)})  # the pipeline's and ZeRO's check at construction
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"initial_scale_power": 2.5}, "initial_scale_power=2.5 must be a whole number"),  # 2**2.5: no power of two
+    ({"loss_scale_window": 2.5}, "loss_scale_window=2.5 must be a whole number"),
+    ({"hysteresis": True}, "hysteresis=True must be a whole number"),
+    ({"consecutive_hysteresis": "no"}, "consecutive_hysteresis='no' must be True or False")])  # 'no' read as True
+def test_a_setting_of_the_wrong_kind_is_refused(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LossScaleConfig(**kwargs)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        loss_scaling(optax.sgd(0.1), **kwargs)
+    assert LossScaleConfig(initial_scale_power=np.int64(12), hysteresis=1.0).initial_scale_power == 12
+
+
+def test_torch_grad_scalers_names_are_refused_naming_deepspeeds():
+    """torch.amp.GradScaler(init_scale=, growth_factor=, growth_interval=) written against jaxpar.loss_scaling got
+    Python's "unexpected keyword argument"; now one line names each and what jaxpar takes instead."""
+    with pytest.raises(ValueError, match=re.escape("init_scale=0, growth_factor=1.0: torch.amp.GradScaler's")) as e:
+        loss_scaling(optax.sgd(0.1), init_scale=0, growth_factor=1.0)
+    assert "initial_scale_power=p" in str(e.value) and "scale_factor is 2" in str(e.value)
+    with pytest.raises(ValueError, match="loss_scale_window=N for growth_interval"):
+        loss_scaling(optax.sgd(0.1), growth_interval=2000)

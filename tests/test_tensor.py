@@ -747,7 +747,9 @@ def test_a_users_split_module_equals_single_and_one_that_never_joins_its_ranks_i
 def test_a_token_or_target_outside_the_vocabulary_is_nan_under_every_split():
     """One token id or target beyond the vocabulary made the single step's loss NaN, while tensor parallelism's
     vocabulary-split embedding looked up zeros and its split cross-entropy skipped the target: it trained on. Now
-    every strategy gives NaN, and a negative id counts from the end as nnx.Embed's lookup does."""
+    every strategy gives NaN, and a negative id counts from the end as nnx.Embed's lookup does. That is the step
+    itself, on batches already on a device (Rows of jax.Arrays, which put_batch passes through); on host batches
+    put_batch refuses such an id first (tests/test_target_bounds.py), for every strategy here too."""
     tx = optax.sgd(0.1)
     mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), (DATA, TENSOR))
     make = {"single": lambda: jaxpar.SingleDevice(model(dropout=0.0), tx),
@@ -764,9 +766,16 @@ def test_a_token_or_target_outside_the_vocabulary_is_nan_under_every_split():
         data = {k: np.array(a) for k, a in good.items()}
         data[key][0, 0] = value
         strategy = built[name]
-        return float(strategy.step(strategy.init(state), strategy.put_batch(data))[1]["loss"])
+        placed = jaxpar.Rows(jax.device_put(data), jax.device_put(np.ones(len(data["x"]), np.float32)),
+                             jax.device_put(np.arange(len(data["x"]), dtype=np.int32)))
+        return float(strategy.step(strategy.init(state), strategy.put_batch(placed))[1]["loss"])
 
     for name in make:
+        bad = {k: np.array(a) for k, a in good.items()}
+        bad["x"][0, 0] = v
+        with pytest.raises(ValueError, match=f"batch\\['x'\\] holds token id {v} at \\(0, 0\\)"):
+            built[name].init(state)
+            built[name].put_batch(bad)  # a host batch: refused before any work
         assert np.isfinite(loss(name, "x", v - 1))
         assert np.isnan(loss(name, "x", v)) and np.isnan(loss(name, "y", v)) and np.isnan(loss(name, "y", -1))
         np.testing.assert_allclose(loss(name, "x", -1), loss(name, "x", v - 1), rtol=1e-6)

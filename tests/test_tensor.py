@@ -596,6 +596,58 @@ def test_the_users_model_stays_whole_and_bad_layouts_are_refused():
         TensorParallel(Misnamed(), TX, tensor_parallel=2)
 
 
+class Declared(nnx.Module):
+    """A user's MLP whose tensor_layout() is the test's: `up` [4, 8] by columns, `down` [8, 3] by rows."""
+
+    tensor_axis, tensor_size = None, 1
+
+    def __init__(self):
+        rngs = nnx.Rngs(0)
+        self.up, self.down = nnx.Linear(4, 8, rngs=rngs), nnx.Linear(8, 3, rngs=rngs)
+
+    @staticmethod
+    def declaring(layout) -> Declared:
+        return type("Declared", (Declared,), {"tensor_layout": lambda self: layout})()
+
+    def __call__(self, x):
+        h = megatron.column_linear(self.up, megatron.f(x, self.tensor_axis))
+        return megatron.row_linear(self.down, nnx.relu(h), self.tensor_axis)
+
+
+GOOD = {("up", "kernel"): ("columns", 1), ("up", "bias"): ("columns", 0), ("down", "kernel"): ("rows", 0)}
+
+
+@pytest.mark.parametrize("change,message", [
+    ({("up", "kernel"): ("column", 1)}, r"Declared.tensor_layout\(\) gives up.kernel the kind 'column', which is not "
+                                        r"one of columns, qkv, rows, vocab; use one of them"),  # split as columns
+    ({("up", "kernel"): ("columns", 2)}, r"splits up.kernel along axis 2, which its shape \(4, 8\) does not have; "
+                                         r"give an axis in 0..1"),  # IndexError
+    ({("up", "kernel"): ("columns", 1.0)}, r"gives up.kernel the axis 1.0; the axis is an int"),  # TypeError
+    ({("up", "kernel"): ("columns", 1, 0)}, r"gives up.kernel the unit 0; the unit is an int >= 1"),  # ZeroDivision
+    ({("up", "kernel"): "columns"}, r"gives up.kernel 'columns'; a split is a tuple \(kind, axis\[, unit\]\)"),
+    ({"up.kernel": ("columns", 1)}, r"has the key 'up.kernel'; a key is a tuple of attribute names"),  # TypeError
+    ({("up", "kernel"): ("columns", 0)}, r"splits up.kernel by columns along axis 0; an nnx.Linear's kernel is "
+                                         r"\[in, out\] and columns split axis 1: declare \('columns', 1\)"),  # dot
+    ({("up", "bias"): None}, r"splits up.kernel by columns but not up.bias; .* declare \('up', 'bias'\): "
+                             r"\('columns', 0\)"),  # a broadcasting error in the first step
+    ({("down", "bias"): ("rows", 0)}, r"splits down.bias by rows, but a row-parallel Linear's bias is added once .* "
+                                      r"drop down.bias from the layout"),  # "does not split evenly" (3 by 2)
+    ("a list", r"Declared.tensor_layout\(\) returned a str; it returns a dict"),  # AttributeError
+])
+def test_a_wrong_tensor_layout_is_refused_in_one_line_before_any_work(change, message):
+    """Each wrong tensor_layout() declaration is refused by TensorParallel's constructor in one line naming the entry,
+    the rule and the fix. Before: a misspelt kind trained (as columns), and the rest raised IndexError, TypeError,
+    ZeroDivisionError or AttributeError from the plan, or a shape error from the first step naming no leaf."""
+    layout = change if isinstance(change, str) else \
+        {k: v for k, v in {**GOOD, **change}.items() if v is not None}
+    with pytest.raises(ValueError, match=message) as err:
+        TensorParallel(Declared.declaring(layout), TX, tensor_parallel=2)
+    assert "\n" not in str(err.value)
+    negative = {**GOOD, ("up", "kernel"): ("columns", -1)}  # counted from the end, as numpy's axes
+    assert TensorParallel(Declared.declaring(negative), TX, tensor_parallel=2).plan == \
+        TensorParallel(Declared.declaring(GOOD), TX, tensor_parallel=2).plan
+
+
 @pytest.mark.parametrize("frozen,zero_stage", [("mlp", 0), ("attn wte", 1)])
 def test_frozen_split_weights_stay_split_and_the_rest_trains_as_single(frozen, zero_stage):
     """A fine-tune that freezes split weights (wrt= leaving out the MLP; or the attention, qkv columns included,

@@ -95,11 +95,13 @@ def tensor_plan(model: nnx.Module, tp: int, wrt: Any = nnx.Param, *, rest: bool 
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     paths = [tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in p) for p, _ in flat]
     paths = [p[:-1] if p and p[-1] == "value" else p for p in paths]
-    wanted: dict[tuple, tuple[str, int]] = {}
+    wanted: dict[tuple, tuple[str, int, int]] = {}
+    modules: dict[tuple, Any] = {}
     for where, node in nnx.iter_graph(model):
+        modules[tuple(where)] = node
         layout = getattr(node, "tensor_layout", None)
         if isinstance(node, nnx.Module) and callable(layout):
-            wanted.update({tuple(where) + rel: how for rel, how in layout().items()})
+            wanted.update({tuple(where) + rel: how for rel, how in checked_layout(node, layout()).items()})
     if not wanted:
         raise ValueError(f"{type(model).__name__} has no module that tensor parallelism can split (none defines "
                          "tensor_layout()); use a model built for it, such as jaxpar.models.gpt.GPT.")
@@ -115,7 +117,12 @@ def tensor_plan(model: nnx.Module, tp: int, wrt: Any = nnx.Param, *, rest: bool 
         if path not in wanted:
             out.append(Layout())
             continue
-        kind, axis, unit = (*wanted[path], 1)[:3]
+        kind, axis, unit = wanted[path]
+        if not -leaf.ndim <= axis < leaf.ndim:
+            raise ValueError(f"tensor_layout() splits {'.'.join(map(str, path))} along axis {axis}, which its "
+                             f"shape {tuple(leaf.shape)} does not have; give an axis in 0..{leaf.ndim - 1}.")
+        axis %= leaf.ndim
+        linear_rules(modules.get(path[:-1]), path, kind, axis, wanted)
         size = leaf.shape[axis]
         groups = 3 if kind == "qkv" else 1
         if kind == "vocab" and size % tp:
@@ -127,6 +134,68 @@ def tensor_plan(model: nnx.Module, tp: int, wrt: Any = nnx.Param, *, rest: bool 
                              f"evenly; use a tensor-parallel size dividing {size // groups // unit}.")
         out.append(Layout(axis, grouped_order(size, groups, tp) if kind == "qkv" else None))
     return out
+
+
+def checked_layout(module: nnx.Module, layout) -> dict[tuple, tuple[str, int, int]]:
+    """A module's tensor_layout() with every entry checked before any work: a key is a tuple of attribute names
+    ending in the leaf's, a value (kind, axis[, unit]) with kind one of KINDS, axis an int and unit an int >= 1;
+    returns {key: (kind, axis, unit)}. ValueError naming the entry, the rule and the fix otherwise (a misspelt
+    kind split as columns, an axis of another type or a unit of 0 failed deep in the plan with a bare TypeError or
+    ZeroDivisionError)."""
+    name = f"{type(module).__name__}.tensor_layout()"
+    if not isinstance(layout, dict):
+        raise ValueError(f"{name} returned a {type(layout).__name__}; it returns a dict {{(attribute, ..., leaf): "
+                         "(kind, axis[, unit])}, e.g. {('up', 'kernel'): ('columns', 1)}.")
+    out = {}
+    for key, how in layout.items():
+        if not isinstance(key, tuple) or not key or not all(isinstance(k, (str, int)) for k in key):
+            raise ValueError(f"{name} has the key {key!r}; a key is a tuple of attribute names ending in the "
+                             "leaf's, e.g. ('up', 'kernel').")
+        where = ".".join(map(str, key))
+        if not isinstance(how, tuple) or len(how) not in (2, 3):
+            raise ValueError(f"{name} gives {where} {how!r}; a split is a tuple (kind, axis[, unit]), e.g. "
+                             "('columns', 1).")
+        kind, axis, unit = (*how, 1)[:3]
+        if kind not in KINDS:
+            raise ValueError(f"{name} gives {where} the kind {kind!r}, which is not one of {', '.join(KINDS)}; "
+                             "use one of them.")
+        for what, value, least in (("axis", axis, None), ("unit", unit, 1)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or \
+                    (least is not None and value < least):
+                rule = "an int" if least is None else f"an int >= {least}"
+                raise ValueError(f"{name} gives {where} the {what} {value!r}; the {what} is {rule} "
+                                 f"(e.g. ({kind!r}, {1 if what == 'axis' else axis}"
+                                 f"{', 64' if what == 'unit' else ''})).")
+        out[key] = (kind, int(axis), int(unit))
+    return out
+
+
+def linear_rules(module, path: tuple, kind: str, axis: int, wanted: dict) -> None:
+    """The splits that megatron.column_linear / row_linear can run on an nnx.Linear (kernel [in, out], bias
+    [out]): columns and qkv split the kernel's axis 1 and the bias with it; rows split the kernel's axis 0 and
+    leave the bias whole (added once after the sum). ValueError naming the leaf and the fix otherwise (they failed
+    in the first step with a shape error naming no leaf)."""
+    if not isinstance(module, nnx.Linear) or path[-1] not in ("kernel", "bias"):
+        return
+    where, mod = ".".join(map(str, path)), ".".join(map(str, path[:-1]))
+    if kind == "vocab":
+        raise ValueError(f"tensor_layout() splits the nnx.Linear leaf {where} by vocabulary rows ('vocab' is for an "
+                         "embedding table); split a Linear by 'columns', 'qkv' or 'rows'.")
+    want = {("kernel", "rows"): 0, ("kernel", "columns"): 1, ("kernel", "qkv"): 1, ("bias", "columns"): 0,
+            ("bias", "qkv"): 0}.get((path[-1], kind))
+    if want is None:  # a row split's bias
+        raise ValueError(f"tensor_layout() splits {where} by rows, but a row-parallel Linear's bias is added once "
+                         f"after the ranks' sum (megatron.row_linear) and stays whole; drop {where} from the layout.")
+    if axis != want:
+        raise ValueError(f"tensor_layout() splits {where} by {kind} along axis {axis}; an nnx.Linear's "
+                         f"{'kernel is [in, out] and' if path[-1] == 'kernel' else 'bias is [out]:'} {kind} split "
+                         f"axis {want}: declare ({kind!r}, {want}{', unit' if kind == 'qkv' else ''}).")
+    if path[-1] == "kernel" and kind != "rows" and module.bias is not None:
+        bias = wanted.get(path[:-1] + ("bias",))
+        if bias is None or bias[0] != kind:
+            raise ValueError(f"tensor_layout() splits {where} by {kind} but not {mod}.bias; each rank adds its "
+                             f"columns' bias (megatron.column_linear): declare {tuple(path[:-1]) + ('bias',)!r}: "
+                             f"({kind!r}, 0{', unit' if kind == 'qkv' else ''}).")
 
 
 def set_tensor_axis(model: nnx.Module, axis: str | None, tp: int, sequence_parallel: bool = False,

@@ -632,6 +632,9 @@ GOOD = {("up", "kernel"): ("columns", 1), ("up", "bias"): ("columns", 0), ("down
                              r"\('columns', 0\)"),  # a broadcasting error in the first step
     ({("down", "bias"): ("rows", 0)}, r"splits down.bias by rows, but a row-parallel Linear's bias is added once .* "
                                       r"drop down.bias from the layout"),  # "does not split evenly" (3 by 2)
+    ({("up", "kernel"): ("columns", 1, 3), ("up", "bias"): ("columns", 0, 3)},
+     r"splits up.bias \(columns\) in units of 3, but its axis 0 has 8 entries, not a multiple of 3; give the unit "
+     r"of one head's size, dividing 8"),  # "has 2 heads, which --tensor-parallel 2 does not split evenly"
     ("a list", r"Declared.tensor_layout\(\) returned a str; it returns a dict"),  # AttributeError
 ])
 def test_a_wrong_tensor_layout_is_refused_in_one_line_before_any_work(change, message):

@@ -128,6 +128,11 @@ def tensor_plan(model: nnx.Module, tp: int, wrt: Any = nnx.Param, *, rest: bool 
         if kind == "vocab" and size % tp:
             out.append(Layout(whole=f"{'.'.join(map(str, path))}: vocabulary {size} is not a multiple of {tp}"))
             continue
+        if size % (groups * unit):  # a wrong declaration, whatever T: no count of heads to name
+            raise ValueError(f"tensor_layout() splits {'.'.join(map(str, path))} ({kind}) in units of {unit}, but its "
+                             f"axis {axis} has {size} entries{', three equal parts of them' if groups == 3 else ''}"
+                             f", not a multiple of {groups * unit}; give the unit of one head's size, dividing "
+                             f"{size // groups if size % groups == 0 else size}.")
         if size % (groups * tp * unit):
             what = f"{size // groups // unit} heads" if unit > 1 else f"{size} entries along axis {axis}"
             raise ValueError(f"{'.'.join(map(str, path))} has {what}, which --tensor-parallel {tp} does not split "

@@ -651,6 +651,34 @@ def test_a_wrong_tensor_layout_is_refused_in_one_line_before_any_work(change, me
         TensorParallel(Declared.declaring(GOOD), TX, tensor_parallel=2).plan
 
 
+def test_a_replicated_weight_inside_the_split_region_is_named_as_such():
+    """A replicated (undeclared) weight applied after megatron.f, inside the split region, gets only its rank's share
+    of the gradient; the split check refused it, but told the user to join ranks with f and g, which the module does.
+    The refusal now says the leaf is replicated and where to apply it."""
+    class ScaledInside(Declared):
+        def __init__(self):
+            super().__init__()
+            self.scale = nnx.Param(jnp.full((4,), 1.5))
+
+        def tensor_layout(self):
+            return GOOD
+
+        def __call__(self, x):
+            h = megatron.f(x, self.tensor_axis) * self.scale[...]
+            return megatron.row_linear(self.down, nnx.relu(megatron.column_linear(self.up, h)), self.tensor_axis)
+
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), (DATA, TENSOR))
+    tp = TensorParallel(ScaledInside(), TX, tensor_parallel=2, mesh=mesh,
+                        loss_fn=jaxpar.OutputLoss(jaxpar.cross_entropy))
+    tp.init(jaxpar.init_state(ScaledInside(), TX))
+    rng = np.random.default_rng(0)
+    with pytest.raises(ValueError, match=r"the gradient of scale off by .*; scale is replicated \(in no "
+                                         r"tensor_layout\(\)\), and a replicated weight used between megatron.f and "
+                                         r"the split .* apply it before f or after g, or declare its split; or pass "
+                                         r"check_split=False\.$"):
+        tp.put_batch({"x": rng.normal(size=(4, 4)).astype(np.float32), "y": rng.integers(0, 3, 4)})
+
+
 @pytest.mark.parametrize("frozen,zero_stage", [("mlp", 0), ("attn wte", 1)])
 def test_frozen_split_weights_stay_split_and_the_rest_trains_as_single(frozen, zero_stage):
     """A fine-tune that freezes split weights (wrt= leaving out the MLP; or the attention, qkv columns included,

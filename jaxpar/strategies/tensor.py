@@ -577,11 +577,12 @@ def check_split_computes(strategy: TensorParallel, params, model_state, rows: Ro
     flat = jax.tree_util.tree_flatten_with_path(expected)[0]
     norms = [float(np.linalg.norm(np.asarray(e, np.float64))) for _, e in flat]
     floor = 0.1 * float(np.sqrt(sum(n * n for n in norms)))
-    worst, name = 0.0, ""
-    for (path, e), n, got in zip(flat, norms, jax.tree.leaves(grads)):
+    worst, name, replicated = 0.0, "", False
+    for (path, e), n, got, lay in zip(flat, norms, jax.tree.leaves(grads), strategy.plan):
         gap = float(np.linalg.norm(np.asarray(got, np.float64) - np.asarray(e, np.float64))) / max(n, floor, 1e-30)
         if gap > worst:
             worst, name = gap, jax.tree_util.keystr(path, simple=True, separator=".").removesuffix(".value")
+            replicated = lay.axis is None and not lay.whole
     want = float(want)
     if worst > tol or abs(value - want) > tol * max(abs(want), 1e-30) or np.isfinite(value) != np.isfinite(want):
         modules = ", ".join(strategy.foreign) or "its modules"
@@ -592,6 +593,10 @@ def check_split_computes(strategy: TensorParallel, params, model_state, rows: Ro
                          "column split and megatron.g (or row_linear) after a row split, and a dropout on a split "
                          "tensor must draw the whole tensor's mask (jaxpar.comm.megatron.split_dropout), not its "
                          "slice's on every rank"
+                         + (f"; {name} is replicated (in no tensor_layout()), and a replicated weight used between "
+                            "megatron.f and the split (or on a rank's slice) gets only that rank's share of its "
+                            "gradient: apply it before f or after g, or declare its split" if replicated and
+                            worst > tol else "")
                          + ("; or the loss reads a split weight outside the model's __call__ (a weight penalty), "
                             "where each rank sees its slice: compute it inside the model's __call__, or write the "
                             "loss on the model's outputs (jaxpar.OutputLoss)" if strategy.model_loss else "")

@@ -326,6 +326,23 @@ def test_bad_combinations_are_named():
         Pipeline(model(vocab_size=25), TX, loss_fn=LOSS, num_stages=2, tensor_parallel=2, sequence_parallel=True)
 
 
+def test_a_device_count_past_the_devices_present_is_refused_not_cut():
+    """pipeline_mesh(16, 2, 2) on 8 devices built an 8-device mesh in silence (half the data replicas asked for), 0
+    an empty mesh and -4 one of 4 devices (a slice from the end); Pipeline(num_stages=2, tensor_parallel=8) with no
+    mesh on 8 devices was told num_devices=8 is no multiple of 2 x 8. Each is refused in one line now."""
+    n = jax.device_count()
+    for devices in (2 * n, 0, -4, True, 2.0):
+        with pytest.raises(ValueError, match=rf"pipeline_mesh\(devices={devices!r}\): a device count is an int "
+                                             rf"between 1 and the {n} devices present"):
+            pipeline_mesh(devices, 2, 2)
+        with pytest.raises(ValueError, match=rf"pipeline_mesh\(devices={devices!r}\)"):
+            pipeline_mesh(devices, 2)
+    assert dict(pipeline_mesh(np.int64(4), 2, 2).shape) == {DATA: 1, PIPE: 2, TENSOR: 2}
+    with pytest.raises(ValueError, match=rf"num_stages x tensor_parallel = 2 x {n} needs {2 * n} devices, but {n} "
+                                         r"are present"):
+        Pipeline(model(n_head=n), TX, loss_fn=LOSS, num_stages=2, tensor_parallel=n)
+
+
 # the schedules the two-process case runs, D x S x T = 2 x 2 x 2 (the last with sequence parallelism and ZeRO-1)
 ACROSS = ("1f1b", "interleaved", "1f1b-sp")
 

@@ -61,7 +61,13 @@ def pipeline_mesh(devices: int | Sequence | None = None, num_stages: int = 1, te
     (the most communication) is T consecutive devices and stage s holds the consecutive ``s*D*T .. (s+1)*D*T - 1``.
     """
     all_devices = jax.devices()
-    devices = all_devices[:devices] if isinstance(devices, int) else list(devices or all_devices)
+    if isinstance(devices, (bool, float)) or (isinstance(devices, (int, np.integer)) and
+                                              not 1 <= devices <= len(all_devices)):
+        # a count past the devices was cut to those present in silence (16 gave 8), 0 an empty mesh, -4 all but 4
+        raise ValueError(f"pipeline_mesh(devices={devices!r}): a device count is an int between 1 and the "
+                         f"{len(all_devices)} devices present (or a list of devices, or None for all); pass at most "
+                         f"{len(all_devices)}, or more --cpu-devices.")
+    devices = all_devices[:devices] if isinstance(devices, (int, np.integer)) else list(devices or all_devices)
     n = len(devices)
     if tensor_parallel != 1:
         T, S = tensor_parallel, num_stages
@@ -239,6 +245,10 @@ class Pipeline:
             module.cut()  # the layers as they are now: an Embed's dtype set after the module was built
         self.objective.output_loss()  # a one-line ValueError for a loss(model, batch)
         S, V, M = module.num_stages, module.virtual_stages, micro_batches
+        if mesh is None and S * T > jax.device_count():
+            raise ValueError(f"num_stages x tensor_parallel = {S} x {T} needs {S * T} devices, but "
+                             f"{jax.device_count()} are present; use fewer stages or a smaller tensor_parallel (their "
+                             "product at most the devices), or more --cpu-devices.")
         self.mesh = pipeline_mesh(S * T, S, T) if mesh is None else mesh
         self.tp = T
         # after the objective: the whole model's graph stays unsplit; the last stage's head hands the loss its

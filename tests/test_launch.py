@@ -92,6 +92,13 @@ def read_rank_pids(proc: subprocess.Popen, pids: list[int], count: int) -> None:
             pids.append(int(line.split()[-1]))
 
 
+def launch_two(script, term_timeout: int) -> subprocess.Popen:
+    """`python -m jaxpar.launch` of `script` on 2 local ranks, its output piped as text (read_rank_pids reads it)."""
+    return subprocess.Popen([sys.executable, "-m", "jaxpar.launch", "--term-timeout", str(term_timeout),
+                             "--nproc-per-node", "2", str(script)], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_ranks_die_with_a_sigkilled_launcher(tmp_path):
     """Ranks in jax.distributed (whose runtime catches SIGTERM as a preemption notice: ranks sent SIGTERM lived on,
@@ -298,9 +305,7 @@ def test_a_second_ctrl_c_kills_the_ranks_at_once_without_a_traceback(tmp_path):
     script = tmp_path / "stubborn.py"
     script.write_text("import os, signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
                       "print('pid', os.getpid(), flush=True)\ntime.sleep(120)\n")
-    proc = subprocess.Popen([sys.executable, "-m", "jaxpar.launch", "--term-timeout", "60", "--nproc-per-node", "2",
-                             str(script)], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = launch_two(script, 60)
     pids: list[int] = []
     try:
         read_rank_pids(proc, pids, 2)
@@ -322,7 +327,6 @@ def test_a_second_ctrl_c_kills_the_ranks_at_once_without_a_traceback(tmp_path):
                 os.kill(p, 9)
 
 
-
 def test_one_stop_request_delivered_twice_lets_the_ranks_save(tmp_path):
     """`timeout` (coreutils) signals the launcher, then its whole process group, so one stop arrives as two
     SIGTERMs microseconds apart; the launcher took the second for a second Ctrl-C and SIGKILLed the ranks at once,
@@ -336,9 +340,7 @@ def test_one_stop_request_delivered_twice_lets_the_ranks_save(tmp_path):
                       "    sys.exit(0)\n"
                       "signal.signal(signal.SIGTERM, on_term)\n"
                       "print('pid', os.getpid(), flush=True)\ntime.sleep(120)\n")
-    proc = subprocess.Popen([sys.executable, "-m", "jaxpar.launch", "--term-timeout", "30", "--nproc-per-node", "2",
-                             str(script)], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = launch_two(script, 30)
     pids: list[int] = []
     try:
         read_rank_pids(proc, pids, 2)

@@ -111,6 +111,16 @@ def test_bad_devices_are_named():
         DataParallel(model, TX, device_ids=[])  # QA: TypeError '<=' not supported between int and NoneType
 
 
+def test_torchs_dim_is_refused_naming_the_leading_axis():
+    """torch's DataParallel(module, device_ids, output_device, dim): a port's dim= (QA: refused only as an
+    "unexpected keyword argument", which named no replacement) says the batch is split along axis 0."""
+    model = TutorialModel(nnx.Rngs(0))
+    for dim in (0, 1):
+        with pytest.raises(TypeError, match=f"DataParallel\\(dim={dim}\\) is torch's argument.*leading axis.*"
+                                            "move the batch axis to 0"):
+            DataParallel(model, TX, dim=dim)
+
+
 def test_gathering_outputs_needs_a_loss_on_outputs():
     model = TutorialModel(nnx.Rngs(0))
 

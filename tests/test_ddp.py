@@ -333,6 +333,34 @@ def test_bad_options_name_the_fix():
     assert (ddp.grad_accum, ddp.overlap) == (2, False) and type(ddp.grad_accum) is int
 
 
+def test_torchs_constructor_arguments_are_refused_naming_what_to_pass():
+    """Every argument of torch 2.13's DistributedDataParallel but bucket_cap_mb (QA: each was refused only as an
+    "unexpected keyword argument" that named no replacement) says in one line what jaxpar does instead."""
+    import inspect
+
+    from jaxpar.strategies.ddp import TORCH_ONLY, DistributedDataParallel
+
+    objective, tx, _, _ = problem()
+    torch_args = {"device_ids", "output_device", "dim", "broadcast_buffers", "init_sync", "process_group",
+                  "find_unused_parameters", "check_reduction", "gradient_as_bucket_view", "static_graph",
+                  "delay_all_reduce_named_params", "param_to_hook_all_reduce", "mixed_precision", "device_mesh",
+                  "skip_all_reduce_unused_params", "bucket_cap_mb_list", "batched_grad_copy", "forward_sync_buffers"}
+    assert set(TORCH_ONLY) == torch_args
+    assert not torch_args & set(inspect.signature(DistributedDataParallel).parameters)
+    fixes = {"device_ids": "pass mesh=jaxpar.make_mesh\\(N\\)", "broadcast_buffers": "from replica 0",
+             "find_unused_parameters": "zero gradient.*leave it out of wrt", "static_graph": "leave it out",
+             "mixed_precision": "compute_dtype=jnp.bfloat16.*grad_comm_dtype='bf16'",
+             "bucket_cap_mb_list": "pass bucket_cap_mb=MB"}
+    for key, fix in fixes.items():
+        with pytest.raises(TypeError, match=f"^DistributedDataParallel\\({key}=True\\) is torch's argument, not an "
+                                            f"option of jaxpar's: .*{fix}"):
+            DistributedDataParallel(objective, tx, **{key: True})
+    for key in torch_args:  # one line each
+        with pytest.raises(TypeError, match=f"\\({key}=") as info:
+            DistributedDataParallel(objective, tx, **{key: None})
+        assert "\n" not in str(info.value)
+
+
 def test_a_plan_that_leaves_a_leaf_out_or_names_a_stranger_is_refused():
     """make_ddp_step(plan=...) trained a leaf in no bucket unreduced, each replica with its own gradient, without a
     word; a leaf index past the end failed with a bare IndexError under overlap (QA 51). Both are refused at trace

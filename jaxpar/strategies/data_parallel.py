@@ -41,8 +41,8 @@ from jaxpar.config import Config
 from jaxpar.objective import Objective, OutputLoss, check_rows_leading, metrics_of
 from jaxpar.run import memory
 from jaxpar.step import TrainState, apply_updates, grad_norm
-from jaxpar.strategies.base import (LayersCheck, cfg_objective, check_placed, check_state, objective_of,
-                                    arm_first_batch, refuse_sync_batch_norm, to_device)
+from jaxpar.strategies.base import (LayersCheck, cfg_objective, check_placed, check_state, check_torch_only,
+                                    objective_of, arm_first_batch, refuse_sync_batch_norm, to_device)
 
 
 def chunk_sizes(batch_size: int, num_devices: int) -> list[int]:
@@ -140,6 +140,10 @@ def _shape(tree) -> tuple:
     return shapes[0] if len(shapes) == 1 else tuple(shapes)
 
 
+TORCH_ONLY = {"dim": "the batch is scattered along every leaf's leading axis (torch's default dim=0) and the "
+                      "outputs gathered along it; move the batch axis to 0"}
+
+
 class DataParallel:
     """PyTorch's nn.DataParallel over `device_ids` (indices into jax.local_devices(); default all):
     `DataParallel(model, tx, loss_fn=...)` or `DataParallel(objective, tx)`."""
@@ -150,6 +154,7 @@ class DataParallel:
                  device_ids: Sequence[int] | None = None, output_device: int | None = None, loss_on_device: bool = False,
                  print_shapes: bool = False, **objective_options):
         self._layers_check = LayersCheck()  # armed by init where the layers run instead of __call__
+        check_torch_only("DataParallel", objective_options, TORCH_ONLY)  # before "unexpected keyword argument"
         if jax.process_count() > 1:
             raise ValueError(f"strategy='dp' runs in one process, but jax.process_count()={jax.process_count()}; "
                              "use DistributedDataParallel (--strategy ddp) across processes.")

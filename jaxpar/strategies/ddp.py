@@ -40,11 +40,36 @@ from jaxpar.mesh import DATA, check_data_mesh, make_mesh
 from jaxpar.objective import Objective, Sums, advance_rng, metrics_of
 from jaxpar.step import TrainState, apply_updates, grad_norm
 from jaxpar.strategies.base import (LayersCheck, arm_first_batch, cfg_objective, check_batch_size,
-                                    check_not_consumed, check_placed, check_state, from_process_0, objective_of,
-                                    processes)
+                                    check_not_consumed, check_placed, check_state, check_torch_only, from_process_0,
+                                    objective_of, processes)
 from jaxpar.types import Params
 
 SPMD = ("shard_map", "pmap")
+_MESH = "one replica runs on every device of the mesh; pass mesh=jaxpar.make_mesh(N) (train.py: --num-devices N)"
+_BUFFERS = ("the model state the forward assigns (nnx.BatchStat running buffers) is taken from replica 0 after every "
+            "step, torch's default broadcast_buffers=True; there is no per-replica mode, so leave it out")
+_SCHEDULE = ("each bucket is all-reduced from inside the backward as soon as its last gradient is ready "
+             "(overlap=True) or every bucket after the backward (overlap=False); leave it out")
+TORCH_ONLY = {
+    "device_ids": _MESH, "output_device": _MESH + "; the loss is taken on every device", "process_group": _MESH,
+    "device_mesh": _MESH,
+    "dim": "the rows are every batch leaf's leading axis; move the batch axis to 0",
+    "broadcast_buffers": _BUFFERS, "forward_sync_buffers": _BUFFERS,
+    "init_sync": "init() always starts every replica from process 0's state (torch's init_sync=True); leave it out",
+    "find_unused_parameters": "a parameter the forward does not use gets a zero gradient, reduced with the rest, and "
+                              "the optimizer still applies to it (weight decay, momentum; torch leaves its grad None "
+                              "and skips it): leave it out of wrt to keep it fixed",
+    "skip_all_reduce_unused_params": "every gradient is reduced; leave it out",
+    "check_reduction": "leave it out (torch deprecated it)",
+    "gradient_as_bucket_view": "XLA places the gradients and bucket buffers itself; leave it out",
+    "batched_grad_copy": "XLA places the gradients and bucket buffers itself; leave it out",
+    "static_graph": "the step is traced and compiled once per batch shape, always static; leave it out",
+    "delay_all_reduce_named_params": _SCHEDULE, "param_to_hook_all_reduce": _SCHEDULE,
+    "bucket_cap_mb_list": "pass bucket_cap_mb=MB (one cap; left out: torch's 25 MiB with a 1 MiB first bucket), or "
+                          "a plan of your own to jaxpar.make_ddp_step(plan=...)",
+    "mixed_precision": "pass compute_dtype=jnp.bfloat16 (the weights stay float32) and grad_comm_dtype='bf16' to "
+                       "communicate the gradients in bf16",
+}
 COMM_DTYPES = {None: None, "fp32": None, "bf16": jnp.bfloat16}
 
 
@@ -265,6 +290,7 @@ class DistributedDataParallel:
                  grad_accum: int = 1, grad_comm_dtype: str | None = None, spmd: str = "shard_map",
                  batch_size: int | None = None, leaf_order: Sequence[int] | None = None, **objective_options):
         self._layers_check = LayersCheck()  # armed by init where the layers run instead of __call__
+        check_torch_only("DistributedDataParallel", objective_options, TORCH_ONLY)  # before "unexpected keyword"
         check_options(allreduce=allreduce, spmd=spmd, grad_accum=grad_accum, grad_comm_dtype=grad_comm_dtype,
                       bucket_cap_mb=bucket_cap_mb, overlap=overlap)
         overlap, grad_accum = bool(overlap), int(grad_accum)

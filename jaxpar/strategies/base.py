@@ -353,13 +353,13 @@ def objective_of(model: nnx.Module | Objective, loss_fn=None, *, who: str = "the
     return Objective.of(model, loss_fn, **kwargs).check_trains()
 
 
-def check_torch_only(who: str, options: dict, table: dict) -> None:
-    """TypeError in one line for a torch constructor argument that `who` does not take (`table`: the argument ->
-    what to pass instead), before the generic "unexpected keyword argument", which named no replacement."""
+def check_foreign_options(who: str, options: dict, table: dict, whose: str = "torch's argument") -> None:
+    """TypeError in one line for an option of the original (torch's constructor argument, a DeepSpeed config key)
+    that `who` does not take (`table`: the option -> what to pass instead), before the generic "unexpected keyword
+    argument", which named no replacement."""
     for key in options:
         if key in table:
-            raise TypeError(f"{who}({key}={options[key]!r}) is torch's argument, not an option of jaxpar's: "
-                            f"{table[key]}.")
+            raise TypeError(f"{who}({key}={options[key]!r}) is {whose}, not an option of jaxpar's: {table[key]}.")
 
 
 def check_objective_options(who: str, options: dict) -> None:

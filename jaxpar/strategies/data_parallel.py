@@ -41,7 +41,7 @@ from jaxpar.config import Config
 from jaxpar.objective import Objective, OutputLoss, check_rows_leading, metrics_of
 from jaxpar.run import memory
 from jaxpar.step import TrainState, apply_updates, grad_norm
-from jaxpar.strategies.base import (LayersCheck, cfg_objective, check_placed, check_state, check_torch_only,
+from jaxpar.strategies.base import (LayersCheck, cfg_objective, check_foreign_options, check_placed, check_state,
                                     objective_of, arm_first_batch, refuse_sync_batch_norm, to_device)
 
 
@@ -154,7 +154,7 @@ class DataParallel:
                  device_ids: Sequence[int] | None = None, output_device: int | None = None, loss_on_device: bool = False,
                  print_shapes: bool = False, **objective_options):
         self._layers_check = LayersCheck()  # armed by init where the layers run instead of __call__
-        check_torch_only("DataParallel", objective_options, TORCH_ONLY)  # before "unexpected keyword argument"
+        check_foreign_options("DataParallel", objective_options, TORCH_ONLY)  # before "unexpected keyword argument"
         if jax.process_count() > 1:
             raise ValueError(f"strategy='dp' runs in one process, but jax.process_count()={jax.process_count()}; "
                              "use DistributedDataParallel (--strategy ddp) across processes.")

@@ -40,8 +40,8 @@ from jaxpar.mesh import DATA, check_data_mesh, make_mesh
 from jaxpar.objective import Objective, Sums, advance_rng, metrics_of
 from jaxpar.step import TrainState, apply_updates, grad_norm
 from jaxpar.strategies.base import (LayersCheck, arm_first_batch, cfg_objective, check_batch_size,
-                                    check_not_consumed, check_placed, check_state, check_torch_only, from_process_0,
-                                    objective_of, processes)
+                                    check_foreign_options, check_not_consumed, check_placed, check_state,
+                                    from_process_0, objective_of, processes)
 from jaxpar.types import Params
 
 SPMD = ("shard_map", "pmap")
@@ -290,7 +290,7 @@ class DistributedDataParallel:
                  grad_accum: int = 1, grad_comm_dtype: str | None = None, spmd: str = "shard_map",
                  batch_size: int | None = None, leaf_order: Sequence[int] | None = None, **objective_options):
         self._layers_check = LayersCheck()  # armed by init where the layers run instead of __call__
-        check_torch_only("DistributedDataParallel", objective_options, TORCH_ONLY)  # before "unexpected keyword"
+        check_foreign_options("DistributedDataParallel", objective_options, TORCH_ONLY)  # before "unexpected keyword"
         check_options(allreduce=allreduce, spmd=spmd, grad_accum=grad_accum, grad_comm_dtype=grad_comm_dtype,
                       bucket_cap_mb=bucket_cap_mb, overlap=overlap)
         overlap, grad_accum = bool(overlap), int(grad_accum)

@@ -50,8 +50,8 @@ from jaxpar.objective import Objective, advance_rng, check_wrt_within, metrics_o
 from jaxpar.step import TrainState
 from jaxpar.strategies import zero_optim
 from jaxpar.strategies.base import (LayersCheck, arm_first_batch, cfg_objective, check_batch_size,
-                                    check_not_consumed, check_placed, check_state, from_process_0, objective_of,
-                                    processes)
+                                    check_foreign_options, check_not_consumed, check_placed, check_state,
+                                    from_process_0, objective_of, processes)
 from jaxpar.strategies.ddp import from_replica_0, local_devices, place_rows, psum_sums, replicate
 
 STAGES = (1, 2, 3)
@@ -203,14 +203,6 @@ DEEPSPEED_ONLY = {
 }
 
 
-def check_deepspeed_only(options: dict) -> None:
-    """TypeError in one line for a DeepSpeed ZeRO config key given as a keyword, naming what jaxpar takes."""
-    for key in options:
-        if key in DEEPSPEED_ONLY:
-            raise TypeError(f"ZeroRedundancy({key}={options[key]!r}) is DeepSpeed's config key, not an option of "
-                            f"jaxpar's: {DEEPSPEED_ONLY[key]}.")
-
-
 class ZeroRedundancy:
     """DeepSpeed ZeRO on a 1-D DATA mesh: `ZeroRedundancy(model, tx, stage=2, loss_fn=..., mesh=...)` or
     `ZeroRedundancy(objective, tx, ...)`. `batch_size` (global) fixes every batch's padded shape (one compile);
@@ -227,7 +219,8 @@ class ZeroRedundancy:
                  grad_accum: int = 1, batch_size: int | None = None, leaf_order: Sequence[int] | None = None,
                  prefetch: bool = True, fetch: str = "layer", **objective_options):
         self._layers_check = LayersCheck()  # armed by init where the layers run instead of __call__
-        check_deepspeed_only(objective_options)  # before the objective's "unexpected keyword argument"
+        # DeepSpeed's config keys: named before the objective's "unexpected keyword argument"
+        check_foreign_options("ZeroRedundancy", objective_options, DEEPSPEED_ONLY, "DeepSpeed's config key")
         check_options(stage=stage, reduce=reduce, grad_accum=grad_accum, bucket_cap_mb=bucket_cap_mb)
         grad_accum = int(grad_accum)
         if not isinstance(prefetch, (bool, np.bool_)):  # "no" would run with the prefetch on

@@ -60,10 +60,11 @@ def generate(model, prompt_BxT, max_new_tokens: int, *, temperature: float = 1.0
                                     or not 1 <= vocab_limit <= cfg.vocab_size):
         raise ValueError(f"vocab_limit={vocab_limit!r} must be an int in 1..{cfg.vocab_size} (the vocabulary), or "
                          "None for every token.")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer))
-                              or not 1 <= top_k <= cfg.vocab_size):
-        raise ValueError(f"top_k={top_k!r} must be an int in 1..{cfg.vocab_size} (the vocabulary), or None for every "
-                         "token.")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1):
+        raise ValueError(f"top_k={top_k!r} must be an int >= 1 (a k above the vocabulary, {cfg.vocab_size}, keeps "
+                         "every token, as nanoGPT's min(top_k, vocab)), or None for every token.")
+    if top_k is not None:  # nanoGPT's torch.topk(logits, min(top_k, logits.size(-1))): sample.py's top_k=200 on
+        top_k = min(int(top_k), cfg.vocab_size)  # a 65-character vocabulary keeps all 65
     b, t0 = prompt.shape
     total = t0 + int(max_new_tokens)
     if not max_new_tokens:

@@ -124,6 +124,14 @@ def test_draws_follow_the_tempered_softmax(model):
     np.testing.assert_array_less(np.abs(freq - p), 3 * np.sqrt(p * (1 - p) / n) + 1e-3)
 
 
+def test_top_k_above_the_vocabulary_keeps_every_token_as_nanogpt(model):
+    """nanoGPT's generate crops to min(top_k, vocab): sample.py's top_k=200 on its 65-character shakespeare_char
+    model keeps all 65. generate(top_k=200) on a 16-token model draws what top_k=None draws (it was refused)."""
+    want = model.generate(PROMPT, 9, temperature=1.5, top_k=None, seed=4)
+    np.testing.assert_array_equal(model.generate(PROMPT, 9, temperature=1.5, top_k=200, seed=4), want)
+    np.testing.assert_array_equal(model.generate(PROMPT, 9, temperature=1.5, top_k=np.int64(17), seed=4), want)
+
+
 @pytest.mark.parametrize("args, kwargs, message", [
     ((np.array([1, 2]), 3), {}, r"shape \(2,\).*pass integer tokens \[B, T\]"),
     ((np.array([[1, 16]]), 3), {}, "token 16, outside the model's vocabulary 0..15"),
@@ -134,9 +142,9 @@ def test_draws_follow_the_tempered_softmax(model):
     ((PROMPT, 2), {"temperature": float("inf")}, "temperature=inf must be a finite number >= 0"),
     ((PROMPT, 2), {"temperature": "0.8"}, "temperature='0.8' must be a finite number"),
     ((PROMPT, 2), {"seed": 1.5}, "seed=1.5 must be an int"),
-    ((PROMPT, 2), {"top_k": 17}, r"top_k=17 must be an int in 1..16"),
-    ((PROMPT, 2), {"top_k": 2.5}, r"top_k=2.5 must be an int in 1..16"),
-    ((PROMPT, 2), {"top_k": True}, r"top_k=True must be an int in 1..16"),
+    ((PROMPT, 2), {"top_k": 0}, r"top_k=0 must be an int >= 1"),
+    ((PROMPT, 2), {"top_k": 2.5}, r"top_k=2.5 must be an int >= 1"),
+    ((PROMPT, 2), {"top_k": True}, r"top_k=True must be an int >= 1"),
     ((PROMPT, 2), {"vocab_limit": 17}, r"vocab_limit=17 must be an int in 1..16"),
     ((PROMPT, 2), {"vocab_limit": 0}, r"vocab_limit=0 must be an int in 1..16"),
 ])

@@ -18,6 +18,16 @@ def test_split_overlap_counts_shared_samples():
     assert trainer.split_overlap("test[:10]", "test", "text", {}, windows) == 10
 
 
+def test_text_overlap_check_loads_only_the_named_split():
+    """A validation slice of train ('train[90%:]') must not load the held-out part: on a corpus whose held-out 5 %
+    is shorter than one window, that load refused the run ('too few for windows') though nothing reads it."""
+    def windows(split):
+        assert split == "train", f"the {split!r} split was loaded"
+        return range(100)
+    assert trainer.split_overlap("train[:90%]", "train[90%:]", "text", {}, windows) == 0
+    assert trainer.split_overlap("train[:50]", "train[40:]", "text", {}, windows) == 10
+
+
 def test_overlapping_eval_split_warns_before_training_and_is_recorded(tmp_path, capsys):
     rng = np.random.default_rng(0)
     x, xt = rng.normal(size=(16, 4)).astype(np.float32), rng.normal(size=(12, 4)).astype(np.float32)

@@ -116,7 +116,10 @@ def test_default_corpus_is_the_standard_librarys_python_sources():
     (dict(split="test[0:0]"), "selects no windows"),
     (dict(split="test[:8000]"), "the bound 8000 lies beyond the 2 windows .test. has"),
     (dict(seq_len=0), "--seq-len 0 must be an int >= 1"),
-    (dict(seq_len=600), "too few for windows of --seq-len 600"),
+    (dict(split="test", seq_len=600), r"held-out last 5% holds 513, too few for one window of --seq-len 600 \(601 "
+                                      r"bytes with its last target\); pass at least 12020 bytes.*--eval-split 'train\[90%:\]'"),
+    (dict(seq_len=9735), r"the training part \(the first 95%\) holds 9735, too few for one window of --seq-len "
+                         r"9735.*at least 10249 bytes of text, or a shorter --seq-len\.$"),
     (dict(path="/nonexistent/text"), "neither a file nor a folder"),
 ])
 def test_bad_input_is_one_line_naming_the_fix(corpus_file, kwargs, message):
@@ -124,6 +127,17 @@ def test_bad_input_is_one_line_naming_the_fix(corpus_file, kwargs, message):
     with pytest.raises(ValueError, match=message) as e:
         text.load(kwargs.pop("split"), **kwargs)
     assert "\n" not in str(e.value)
+
+
+def test_a_held_out_part_too_short_refuses_only_the_test_split(corpus_file):
+    """10,248 bytes hold 601-byte windows in the training part (9,735 bytes) but not in the held-out 513: a run
+    that never reads the held-out part (--eval-split '', or a validation slice of train) trains (both splits were
+    refused, 'too few for windows of --seq-len 600 in both parts')."""
+    train = text.load("train", corpus_file, seq_len=600)
+    assert len(train) == 16 and train.batch(np.arange(16))["x"].shape == (16, 600)
+    assert len(text.load("train[80%:]", corpus_file, seq_len=600)) == 3
+    with pytest.raises(ValueError, match="held-out last 5% holds 513"):
+        text.load("test", corpus_file, seq_len=600)
 
 
 def test_percent_bounds_round_to_the_closest_window():

@@ -176,10 +176,20 @@ def load(split: str = "train", path: str | None = None, seq_len: int = 256, seed
     n_train = int(len(data) * (1 - HELD_OUT))
     n_test = len(data) - n_train
     what = path or "the standard library's sources"
-    if min(n_train, n_test) < seq_len + 1:
-        need = math.ceil((seq_len + 1) / HELD_OUT)
-        raise TextError(f"{what} has {len(data)} bytes, too few for windows of --seq-len {seq_len} in both parts "
-                        f"(held-out {HELD_OUT:.0%}); pass at least {need} bytes of text, or a shorter --seq-len.")
+    # only the part this split reads must hold a window: a run that skips evaluation (--eval-split '') or carves
+    # its validation from train ('train[90%:]') never reads the held-out part (it was refused for a short one)
+    part = re.match(r"\s*(\w+)", split)
+    part = part.group(1) if part else None
+    if part in SPLITS and (n_train if part == "train" else n_test) < seq_len + 1:
+        share = 1 - HELD_OUT if part == "train" else HELD_OUT
+        need = math.ceil((seq_len + 1) / share)
+        how = (f"the held-out last {HELD_OUT:.0%} holds {n_test}" if part == "test" else
+               f"the training part (the first {1 - HELD_OUT:.0%}) holds {n_train}")
+        fix = "or a shorter --seq-len" + ("; or validate on a slice of train, which reads no held-out part "
+                                          "(--train-split 'train[:90%]' --eval-split 'train[90%:]')"
+                                          if part == "test" else "")
+        raise TextError(f"{what} has {len(data)} bytes: {how}, too few for one window of --seq-len {seq_len} "
+                        f"({seq_len + 1} bytes with its last target); pass at least {need} bytes of text, {fix}.")
     sizes = {"train": (n_train - 1) // seq_len, "test": (n_test - 1) // seq_len}
     name, lo, hi = parse_split(split, sizes)
     if name == "train":

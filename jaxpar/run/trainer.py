@@ -1191,7 +1191,8 @@ def split_ranges(spec: str, dataset: str, count: Callable[[str], int], names: se
         if name not in names:
             continue
         if dataset == "text":
-            _, lo, hi = text.parse_split(part, {s: count(s) for s in ("train", "test")})
+            _, lo, hi = text.parse_split(part, {name: count(name)})  # the split it names alone: a held-out part
+            # too short for a window was refused here when both splits read train ('train[90%:]')
         else:
             info = {name: SimpleNamespace(num_examples=count(name), shard_lengths=[count(name)])}
             (a,) = tfds_splits.ReadInstruction.from_spec(part.strip()).to_absolute(info)

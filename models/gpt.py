@@ -65,7 +65,8 @@ LN_EPS = 1e-5  # torch's LayerNorm default, GPT-2's
 class GPTConfig:
     """nanoGPT's GPTConfig, but for `vocab_size`: GPT-2's 50257 by default (Hugging Face's, and nanoGPT's
     from_pretrained), where nanoGPT's GPTConfig() pads it to 50304 (124,475,904 parameters against 124,439,808 here;
-    pass vocab_size=50304 for nanoGPT's, which --tensor-parallel also splits evenly). `bias`: biases in Linears and LayerNorms (GPT-2: True). `attention`: auto | xla | cudnn.
+    pass vocab_size=50304 for nanoGPT's, which --tensor-parallel also splits evenly). `bias`: biases in Linears and
+    LayerNorms (GPT-2: True). `attention`: auto | xla | cudnn.
     `activation_function`: the MLP's GELU, by transformers' name: gelu_new (GPT-2's tanh form) or gelu (the erf
     form, nanoGPT's nn.GELU()). `recompute_granularity` "selective": Megatron's selective recompute, each block's
     core attention (q k^T, softmax, dropout, the weighted sum of v) recomputed in the backward from q, k, v instead

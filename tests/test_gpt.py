@@ -806,7 +806,7 @@ def test_cli_gpt_model_from_init_torch_and_npz_tokens(tmp_path, corpus):
                                                                   "pass --weight-decay"),
     (["--weight-decay-params", "some"], "--weight-decay-params 'some' is not known; use one of: all, matrices"),
     (["--sample", "10", "--dataset", "synthetic"], "--sample 10 prints bytes a GPT generates.*--dataset synthetic"),
-    (["--sample", "10", "--sample-top-k", "300"], "--sample-top-k 300 must be in 1..256"),
+    (["--sample", "10", "--sample-top-k", "-3"], r"--sample-top-k -3 must be >= 1 \(256 or more: every byte"),
     (["--recompute-granularity", "full"], "--recompute-granularity 'full' is not known; use selective.*"
                                           "--activation-checkpoint-interval N"),
     (["--recompute-granularity", "selective", "--activation-checkpoint-interval", "1"],

@@ -197,9 +197,9 @@ def validate(cfg: Config) -> None:
         if not 0 <= cfg.sample_temperature < math.inf:
             raise ValueError(f"--sample-temperature {cfg.sample_temperature} must be a finite number >= 0 (0: greedy); "
                              "pass e.g. 0.8 (nanoGPT's).")
-        if not 1 <= cfg.sample_top_k <= 256:
-            raise ValueError(f"--sample-top-k {cfg.sample_top_k} must be in 1..256 (the bytes); pass e.g. 200 "
-                             "(nanoGPT's), or 256 for no cut.")
+        if not cfg.sample_top_k >= 1:  # a k above the 256 bytes keeps every byte: nanoGPT's min(top_k, vocab)
+            raise ValueError(f"--sample-top-k {cfg.sample_top_k} must be >= 1 (256 or more: every byte, as nanoGPT "
+                             "takes min(top_k, vocabulary)); pass e.g. 200 (nanoGPT's).")
         if not cfg.sample_prompt:
             raise ValueError("--sample-prompt is empty; pass the text to continue, e.g. a newline (nanoGPT's).")
     if cfg.recompute_granularity is not None:

@@ -1015,3 +1015,22 @@ def test_the_cut_check_compares_each_stages_shapes_and_the_stage_set():
         pipe.step(placed._replace(params={**placed.params, 2: []}), pipe.put_batch(batch))
     with pytest.raises(TypeError, match=r"^Pipeline\.unplace\(\) got a TrainState, not the PipelineState"):
         pipe.unplace(state)
+
+
+def test_a_schedule_written_as_data_runs_equal_to_single_and_mismatches_are_refused():
+    """Pipeline(schedule=<a Schedule>): W's placed by hand, validated and run as written (it was refused as an
+    unknown name); one for other counts than the Pipeline's is refused before any work, naming the count."""
+    A = sch.Action.parse
+    programs = [[A(x) for x in "0F0 0F1 0I0 0F2 0I1 0F3 0I2 0W0 0I3 0W1 0W2 0W3".split()],
+                [A(x) for x in "1F0 1I0 1F1 1I1 1W0 1F2 1I2 1W1 1F3 1I3 1W2 1W3".split()]]
+    custom = sch.from_programs(programs, name="hand-w", num_microbatches=4)
+    assert_can_fail("mlp")
+    pipe, placed, losses = run("mlp", micro_batches=4, schedule=custom)
+    assert pipe.schedule.name == "hand-w" and pipe.schedule.grid == custom.grid
+    assert_equal_states(pipe.unplace(placed), reference("mlp")[1])
+    np.testing.assert_allclose(losses, reference("mlp")[2], rtol=RTOL)
+    model, loss, _ = mlp()
+    for other, match in ((sch.one_f_one_b(2, 3), "is for micro_batches=3, but this Pipeline runs micro_batches=4"),
+                         (sch.one_f_one_b(3, 4), "is for num_stages=3, but this Pipeline runs num_stages=2")):
+        with pytest.raises(ValueError, match=match):
+            pipeline(model, TX, loss_fn=loss, num_stages=2, micro_batches=4, schedule=other)

@@ -505,3 +505,17 @@ def test_defer_wgrad_bubble_and_refusal():
     assert sch.make("zbv+dw", 2, 4, 2) == d == sch.defer_wgrad(d) and d.name == "zbv+dw"
     with pytest.raises(ValueError, match=r"schedule '\+dw' is not known"):
         sch.make("+dw", 2, 4)
+
+
+def test_a_receive_at_a_tick_before_its_send_is_refused():
+    """The engine walks the ticks in order: a receive placed before its send (which the blocking dry run alone
+    would let through) found nothing and raised deep inside a step; validate() refuses it, naming both."""
+    from jaxpar.pipeline.schedule import Action, ScheduleError, add_communication, one_f_one_b, validate
+    s = add_communication(one_f_one_b(2, 2))
+    for recv, src, dst in (("0RG0", 3, 1), ("1RA1", 3, 0)):
+        steps = [[list(ins) for ins in row] for row in s.steps]
+        steps[src][int(recv[0])].remove(Action.parse(recv))
+        steps[dst][int(recv[0])].append(Action.parse(recv))
+        bad = dataclasses.replace(s, steps=tuple(tuple(map(tuple, row)) for row in steps))
+        with pytest.raises(ScheduleError, match=rf"rule 6 .* {recv} at tick {dst} receives before \dS[AG]\d sends"):
+            validate(bad)

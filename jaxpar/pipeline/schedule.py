@@ -59,7 +59,8 @@ RULES = {
     3: "a virtual stage forwards a micro-batch strictly after the previous virtual stage forwarded it",
     4: "a virtual stage backwards a micro-batch strictly after the next virtual stage backwarded it",
     5: "at most one compute action per stage per tick, in that stage's row",
-    6: "the per-stage programs with blocking receives run to completion (no deadlock, every send received)",
+    6: "the per-stage programs with blocking receives run to completion (no deadlock, every send received, each "
+       "receive at a later tick than its send)",
 }
 _ACTION_RE = re.compile(r"^(\d+)([A-Z]+)(\d*)(?:c(\d+))?$")
 
@@ -343,6 +344,23 @@ def _dry_run(schedule: Schedule) -> None:
     left = sorted(k for k, n in in_flight.items() if n)
     if left:
         raise ScheduleError(6, f"sends never received (kind, virtual stage, micro-batch): {left}", grid_text(schedule))
+    sent: dict[tuple, int] = {}  # each message's first send tick; the engine walks the ticks in order
+    for t, row in enumerate(schedule.steps):
+        for ins in row:
+            for a in ins:
+                msg = message(a, S, place)
+                if msg and msg[0] == "send":
+                    sent.setdefault(msg[1], t)
+    for t, row in enumerate(schedule.steps):
+        for ins in row:
+            for a in ins:
+                msg = message(a, S, place)
+                if msg and msg[0] == "recv" and sent[msg[1]] >= t:
+                    cells = [(t, a.stage)]
+                    raise ScheduleError(6, f"{a!r} at tick {t} receives before {_sender(a, S, place)!r} sends at tick "
+                                           f"{sent[msg[1]]}: the ticks run in order, so a receive must come at a later "
+                                           "tick than its send; move it after the send (add_communication places it "
+                                           "at its consumer's tick)", grid_text(schedule, cells), cells)
 
 
 def _check_table(schedule: Schedule) -> None:

@@ -166,7 +166,8 @@ def check_module_args(module: PipelineModule, cut: dict, example_input, options:
 class Pipeline:
     """The pipeline strategy: `model` (an NNX module with flat ``layers``, or a PipelineModule) cut into
     `num_stages` stages on `mesh` (default: the first num_stages devices, one per stage), trained on `schedule`
-    with `micro_batches` micro-batches. ``tensor_parallel`` T > 1: 3-D parallelism, every stage's blocks split
+    (a name, or a jaxpar.schedule.Schedule written as data: validated, and its stage, chunk and micro-batch counts
+    must be the Pipeline's; unset num_stages / virtual_stages are read from it) with `micro_batches` micro-batches. ``tensor_parallel`` T > 1: 3-D parallelism, every stage's blocks split
     over T devices as Megatron's (jaxpar.strategies.tensor's plan; the model must define tensor_layout(), as
     jaxpar.models.gpt's blocks do), on a (DATA, PIPE, TENSOR) mesh in Megatron's device order (`pipeline_mesh`;
     default: S x T devices; `sequence_parallel` and `parallel_output` as TensorParallel's, the activations between
@@ -179,7 +180,7 @@ class Pipeline:
     name = "pipeline"
 
     def __init__(self, model: nnx.Module | PipelineModule, tx: optax.GradientTransformation, *, loss_fn=None,
-                 num_stages: int | None = None, micro_batches: int = 4, schedule: str = "1f1b",
+                 num_stages: int | None = None, micro_batches: int = 4, schedule: str | schedule_lib.Schedule = "1f1b",
                  virtual_stages: int | None = None, partition_method: str | None = None,
                  activation_checkpoint_interval: int | None = None, mesh=None, batch_size: int | None = None,
                  example_input=None, seed: int | None = None, compiler_options: dict | None = None,
@@ -226,10 +227,17 @@ class Pipeline:
         if mesh is not None and mesh.shape.get(TENSOR, 1) != T:
             raise ValueError(f"mesh {dict(mesh.shape)} must have a {TENSOR!r} axis of tensor_parallel={T}; build it "
                              "with jaxpar.strategies.pipeline.pipeline_mesh(devices, num_stages, tensor_parallel).")
-        placement = "v" if schedule == "zbv" else "loop"  # the schedules' chunk placement (schedule.virtual)
+        custom = schedule if isinstance(schedule, schedule_lib.Schedule) else None  # one written as data
+        if custom is None and not isinstance(schedule, str):
+            raise ValueError(f"schedule={type(schedule).__name__} must be a name ({', '.join(generators.SCHEDULES)}) "
+                             "or a jaxpar.schedule.Schedule (e.g. from_programs(...)).")
+        placement = custom.placement if custom else "v" if schedule == "zbv" else "loop"  # schedule.virtual's
         if isinstance(model, PipelineModule):
             module = model
         else:
+            if custom is not None:  # a schedule written as data says how many stages and chunks it runs
+                own = {"num_stages": custom.num_stages, "virtual_stages": custom.virtual_stages}
+                cut = {k: own.get(k) if v is None else v for k, v in cut.items()}
             defaults = {k: DEFAULT_CUT[k] if v is None else v for k, v in cut.items()}
             if T > 1:  # its own copy, pointed at the tensor axis below: the user's model stays whole
                 model = nnx.clone(model)
@@ -274,25 +282,39 @@ class Pipeline:
         if self.mesh.shape.get(PIPE) != S:
             raise ValueError(f"mesh {dict(self.mesh.shape)} must have a {PIPE!r} axis of num_stages={S}; build it "
                              "with jaxpar.strategies.pipeline.pipeline_mesh(devices, num_stages).")
-        if schedule == "forward":
+        if custom is not None:
+            schedule_lib.validate(custom)  # its own steps, if it has them, as written: that is what would run
+            have = (custom.num_stages, custom.num_microbatches, custom.virtual_stages)
+            for label, got, want, fix in zip(("num_stages", "micro_batches", "virtual_stages"), have, (S, M, V),
+                                             ("num_stages", "micro_batches", "virtual_stages")):
+                if got != want:
+                    raise ValueError(f"schedule {custom.name!r} is for {label}={got}, but this Pipeline runs "
+                                     f"{label}={want}; build the schedule for {want} or pass {fix}={got}.")
+            if not custom.training:
+                raise ValueError(f"schedule {custom.name!r} is forward-only (backward='') and cannot train; give it "
+                                 "B's (or I's and W's) (the strategy evaluates with the forward schedule by itself).")
+            schedule = custom.name
+        elif schedule == "forward":
             raise ValueError("schedule='forward' has no backward and cannot train; use gpipe, 1f1b, interleaved, "
                              "zbh1 or zbv (the strategy evaluates with the forward schedule by itself).")
-        if schedule == "zbv" and V != 2:
+        if custom is None and schedule == "zbv" and V != 2:
             fix = ("build the PipelineModule with virtual_stages=2, placement='v'" if model is module else
                    "pass virtual_stages=2 (--virtual-stages 2)")
             raise ValueError(f"schedule='zbv' runs two model chunks per stage in a V; got virtual_stages={V}; {fix}.")
-        if schedule == "interleaved" and V == 1:  # the generator's V=1 is 1F1B: not what was asked for
+        if custom is None and schedule == "interleaved" and V == 1:  # the generator's V=1 is 1F1B: not what was asked for
             raise ValueError("schedule='interleaved' needs virtual_stages >= 2 model chunks per stage (got 1, whose "
                              "ticks are 1F1B's); pass virtual_stages=2 (--virtual-stages 2), or schedule='1f1b'.")
-        if V > 1 and schedule not in ("interleaved", "zbv"):
+        if custom is None and V > 1 and schedule not in ("interleaved", "zbv"):
             raise ValueError(f"virtual_stages={V} needs schedule='interleaved' or 'zbv' (model chunks); got "
                              f"{schedule!r}.")
         if module.placement != placement:
             raise ValueError(f"the PipelineModule places its chunks {module.placement!r} but schedule={schedule!r} "
                              f"runs them {placement!r}; build it with PipelineModule(..., placement={placement!r}).")
-        grid = generators.make(schedule, S, M, V)
-        self.schedule = schedule_lib.validate(schedule_lib.add_communication(
-            generators.defer_wgrad(grid) if defer_wgrad else grid))
+        grid = custom if custom is not None else generators.make(schedule, S, M, V)
+        if defer_wgrad:
+            grid = generators.defer_wgrad(grid)
+        has_comm = any(x.op not in schedule_lib.COMPUTE for row in grid.steps for ins in row for x in ins)
+        self.schedule = schedule_lib.validate(grid if has_comm else schedule_lib.add_communication(grid))
         self.eval_schedule = schedule_lib.validate(schedule_lib.add_communication(
             generators.forward_only(S, M, V, placement=placement)))
         self.micro_batches, self.D = M, self.mesh.shape[DATA]

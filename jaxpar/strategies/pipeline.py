@@ -164,16 +164,17 @@ def check_module_args(module: PipelineModule, cut: dict, example_input, options:
 
 
 class Pipeline:
-    """The pipeline strategy: `model` (an NNX module with flat ``layers``, or a PipelineModule) cut into
-    `num_stages` stages on `mesh` (default: the first num_stages devices, one per stage), trained on `schedule`
-    (a name, or a jaxpar.schedule.Schedule written as data: validated, and its stage, chunk and micro-batch counts
-    must be the Pipeline's; unset num_stages / virtual_stages are read from it) with `micro_batches` micro-batches. ``tensor_parallel`` T > 1: 3-D parallelism, every stage's blocks split
-    over T devices as Megatron's (jaxpar.strategies.tensor's plan; the model must define tensor_layout(), as
-    jaxpar.models.gpt's blocks do), on a (DATA, PIPE, TENSOR) mesh in Megatron's device order (`pipeline_mesh`;
-    default: S x T devices; `sequence_parallel` and `parallel_output` as TensorParallel's, the activations between
-    stages then split by tokens over TENSOR too; `check_split` as TensorParallel's, on one tensor group of the
-    whole model before the first step). ``loss_fn`` must be an OutputLoss (the last
-    stage runs it on the outputs). `batch_size` (global) fixes every batch's padded shape (one compile).
+    """The pipeline strategy: `model` (an NNX module with flat ``layers``, or a PipelineModule) cut into `num_stages`
+    stages on `mesh` (default: the first num_stages devices, one per stage), trained on `schedule` (a name, or a
+    jaxpar.schedule.Schedule written as data: validated, and its stage, chunk and micro-batch counts must be the
+    Pipeline's; unset num_stages / virtual_stages are read from it) with `micro_batches` micro-batches.
+    ``tensor_parallel`` T > 1: 3-D parallelism, every stage's blocks split over T devices as Megatron's
+    (jaxpar.strategies.tensor's plan; the model must define tensor_layout(), as jaxpar.models.gpt's blocks do), on a
+    (DATA, PIPE, TENSOR) mesh in Megatron's device order (`pipeline_mesh`; default: S x T devices; `sequence_parallel`
+    and `parallel_output` as TensorParallel's, the activations between stages then split by tokens over TENSOR too;
+    `check_split` as TensorParallel's, on one tensor group of the whole model before the first step). ``loss_fn`` must
+    be an OutputLoss (the last stage runs it on the outputs). `batch_size` (global) fixes every batch's padded shape
+    (one compile).
     ``compiler_options`` go to every jit (e.g. {"xla_backend_optimization_level": 0}: a third of the compile time,
     slower code)."""
 
@@ -301,7 +302,7 @@ class Pipeline:
             fix = ("build the PipelineModule with virtual_stages=2, placement='v'" if model is module else
                    "pass virtual_stages=2 (--virtual-stages 2)")
             raise ValueError(f"schedule='zbv' runs two model chunks per stage in a V; got virtual_stages={V}; {fix}.")
-        if custom is None and schedule == "interleaved" and V == 1:  # the generator's V=1 is 1F1B: not what was asked for
+        if custom is None and schedule == "interleaved" and V == 1:  # the generator's V=1 is 1F1B: not asked for
             raise ValueError("schedule='interleaved' needs virtual_stages >= 2 model chunks per stage (got 1, whose "
                              "ticks are 1F1B's); pass virtual_stages=2 (--virtual-stages 2), or schedule='1f1b'.")
         if custom is None and V > 1 and schedule not in ("interleaved", "zbv"):

@@ -474,15 +474,7 @@ class Objective:
                 reseed(model, sid)
             before = _fixed_leaves(model)
             out = self._call_loss(model, _expand(row), "loss_fn (on one row)")
-            after = _fixed_leaves(model)
-            if [id(a) for a in after] != [id(a) for a in before]:
-                name = next(jax.tree_util.keystr(p) for (p, _), a, b in zip(_fixed_paths(model), after, before)
-                            if a is not b)
-                raise ValueError(f"{type(model).__name__} replaced its variable {name} (not a weight, not RNG state) "
-                                 "in the forward, which differs row by row under per_sample=True; use "
-                                 "per_sample=False (the loss sees whole shards, as torch DDP's replicas do). A "
-                                 "constant that nnx.remat or nnx.scan passes back as a new value reads as replaced "
-                                 "too: use activation_checkpoint_interval instead of nnx.remat there.")
+            _refuse_replaced(model, before)
             return out
 
         out = jax.vmap(one, in_axes=(0, 0, None, None))(rows.data, rows.ids, params, model_state)
@@ -829,7 +821,9 @@ class Objective:
         def one(row, sid, params, model_state):
             model = nnx.merge(self.graphdef, params, model_state)
             reseed(model, sid)
+            before = _fixed_leaves(model)
             out = run(model, _expand(row))
+            _refuse_replaced(model, before)  # as the loss's forward does (DataParallel ran here and dropped it)
             check_rows_leading(out, 1)
             return jax.tree.map(lambda a: a[0], out)
 
@@ -878,6 +872,19 @@ def _fixed_leaves(model: nnx.Module) -> list:
     replaced one: a statistic or buffer of the model's own). Parameters are left out: nnx.remat and nnx.scan write
     every variable they pass back as a new value, and no forward updates a weight."""
     return [v.get_value() for _, v in _fixed_paths(model)]
+
+
+def _refuse_replaced(model: nnx.Module, before: list) -> None:
+    """Refuse a per-sample forward that replaced a variable of the model's own other than its weights."""
+    after = _fixed_leaves(model)
+    if [id(a) for a in after] != [id(a) for a in before]:
+        name = next(jax.tree_util.keystr(p) for (p, _), a, b in zip(_fixed_paths(model), after, before)
+                    if a is not b)
+        raise ValueError(f"{type(model).__name__} replaced its variable {name} (not a weight, not RNG state) "
+                         "in the forward, which differs row by row under per_sample=True; use "
+                         "per_sample=False (the loss sees whole shards, as torch DDP's replicas do). A "
+                         "constant that nnx.remat or nnx.scan passes back as a new value reads as replaced "
+                         "too: use activation_checkpoint_interval instead of nnx.remat there.")
 
 
 def metrics_of(sums: Sums, grad_norm: jax.Array | None = None) -> dict[str, jax.Array]:

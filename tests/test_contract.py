@@ -797,6 +797,19 @@ def test_bad_contract_use_is_named():
         jaxpar.objective.default_inputs({"image": 1})
 
 
+def test_dataparallel_gathering_outputs_refuses_a_forward_that_replaces_a_variable_per_sample():
+    """Every strategy refused a per-sample forward that changes a variable of the model's own (a step counter),
+    but DataParallel gathering the outputs (its default, loss off the device) ran Objective.outputs, which did not
+    check: it trained and silently dropped the change (the counter stayed 0), where the first-batch row-mixing
+    check did not run (per_sample=True as asked, or a model drawing random numbers in eval mode). A QA finding."""
+    _, _, batches, _, _ = problem("regression")
+    strategy = jaxpar.DataParallel(Counting(nnx.Rngs(0)), TX, loss_fn=OutputLoss(regression.loss),
+                                   per_sample=True)  # as asked: no first-batch row-mixing check refuses it
+    placed = strategy.init(jaxpar.init_state(Counting(nnx.Rngs(0)), TX))
+    with pytest.raises(ValueError, match=r"Counting replaced its variable \['calls'\] .*per_sample=False"):
+        strategy.step(placed, strategy.put_batch(batches[0].data))
+
+
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 def test_cross_entropy_is_torchs(smoothing):
     """jaxpar.cross_entropy against torch's CrossEntropyLoss written out in numpy (reduction='sum'): ignored

@@ -880,11 +880,15 @@ def _refuse_replaced(model: nnx.Module, before: list) -> None:
     if [id(a) for a in after] != [id(a) for a in before]:
         name = next(jax.tree_util.keystr(p) for (p, _), a, b in zip(_fixed_paths(model), after, before)
                     if a is not b)
-        raise ValueError(f"{type(model).__name__} replaced its variable {name} (not a weight, not RNG state) "
-                         "in the forward, which differs row by row under per_sample=True; use "
-                         "per_sample=False (the loss sees whole shards, as torch DDP's replicas do). A "
-                         "constant that nnx.remat or nnx.scan passes back as a new value reads as replaced "
-                         "too: use activation_checkpoint_interval instead of nnx.remat there.")
+        raise replaced_error(type(model).__name__, name)
+
+
+def replaced_error(owner: str, name: str) -> ValueError:
+    """The refusal of a per-sample forward in which `owner` replaced its variable `name`."""
+    return ValueError(f"{owner} replaced its variable {name} (not a weight, not RNG state) in the forward, which "
+                      "differs row by row under per_sample=True; use per_sample=False (the loss sees whole shards, "
+                      "as torch DDP's replicas do). A constant that nnx.remat or nnx.scan passes back as a new value "
+                      "reads as replaced too: use activation_checkpoint_interval instead of nnx.remat there.")
 
 
 def metrics_of(sums: Sums, grad_norm: jax.Array | None = None) -> dict[str, jax.Array]:

@@ -797,16 +797,30 @@ def test_bad_contract_use_is_named():
         jaxpar.objective.default_inputs({"image": 1})
 
 
-def test_dataparallel_gathering_outputs_refuses_a_forward_that_replaces_a_variable_per_sample():
-    """Every strategy refused a per-sample forward that changes a variable of the model's own (a step counter),
-    but DataParallel gathering the outputs (its default, loss off the device) ran Objective.outputs, which did not
-    check: it trained and silently dropped the change (the counter stayed 0), where the first-batch row-mixing
-    check did not run (per_sample=True as asked, or a model drawing random numbers in eval mode). A QA finding."""
+class CountingLayers(nnx.Module):
+    """Counting as a layer of a `layers` model, the form ZeRO-3's per-layer fetch runs."""
+
+    def __init__(self, rngs):
+        self.layers = nnx.List([Counting(rngs)])
+
+    def __call__(self, x):
+        return self.layers[0](x)
+
+
+@pytest.mark.parametrize("name", ["dp", "zero3"])
+def test_a_forward_that_replaces_a_variable_per_sample_is_refused_by_dataparallel_and_zero3(name):
+    """Every strategy refused a per-sample forward that changes a variable of the model's own (a call counter), but
+    DataParallel gathering the outputs (its default, loss off the device) ran Objective.outputs, and ZeRO-3 ran each
+    layer through its fetch, which kept only the RNG draws: neither checked, so both trained and silently dropped
+    the change (the counter stayed 0), where the first-batch row-mixing check did not run (per_sample=True as
+    asked, or a model drawing random numbers in eval mode). A QA finding."""
     _, _, batches, _, _ = problem("regression")
-    strategy = jaxpar.DataParallel(Counting(nnx.Rngs(0)), TX, loss_fn=OutputLoss(regression.loss),
-                                   per_sample=True)  # as asked: no first-batch row-mixing check refuses it
-    placed = strategy.init(jaxpar.init_state(Counting(nnx.Rngs(0)), TX))
-    with pytest.raises(ValueError, match=r"Counting replaced its variable \['calls'\] .*per_sample=False"):
+    make = lambda: CountingLayers(nnx.Rngs(0))  # noqa: E731
+    loss = OutputLoss(regression.loss)
+    strategy = (jaxpar.DataParallel(make(), TX, loss_fn=loss, per_sample=True) if name == "dp" else
+                jaxpar.ZeroRedundancy(make(), TX, loss_fn=loss, stage=3, mesh=jaxpar.make_mesh(4), per_sample=True))
+    placed = strategy.init(jaxpar.init_state(make(), TX))
+    with pytest.raises(ValueError, match=r"Counting(Layers)? replaced its variable .*\['calls'\] .*per_sample=False"):
         strategy.step(placed, strategy.put_batch(batches[0].data))
 
 

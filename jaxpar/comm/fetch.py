@@ -41,6 +41,7 @@ from jax.extend.core import Literal
 
 from jaxpar.comm.overlap import tie, zero_after
 from jaxpar.comm.shards import ShardPlan, all_gather_shards
+from jaxpar.objective import replaced_error
 
 NAME = "zero3_gathered"  # the checkpoint name of every gathered weight: never saved for the backward
 META = "zero3_shape"  # Variable metadata: the full shape of the leaf whose piece the Variable holds
@@ -130,6 +131,13 @@ def _full(tree, s: Settings, frozen: bool):
                               [v.replace(w) for v, w in zip(vs, gather(vs, s.axis_name, dtype, frozen))])
 
 
+def _kept(layer: nnx.Module) -> dict:
+    """{path: value} of the layer's variables that a per-sample forward may not replace: all but its weights,
+    RNG streams and sown values (as jaxpar.objective's check, which cannot see a layer the fetch ran)."""
+    state = nnx.state(layer, nnx.Not(nnx.Any(nnx.RngState, nnx.Param, nnx.Intermediate)))
+    return {tuple(path): v.get_value() for path, v in nnx.to_flat_state(state)}
+
+
 def _refuse_changed(given: list, after, shared: frozenset | None) -> None:
     """ValueError (at trace time) if the forward assigned or replaced a partitioned frozen weight (`given`: (path,
     value) as the unit gave them, `after`: the frozen State after the forward): its pieces cannot keep the change.
@@ -165,16 +173,23 @@ def _unit(graphdef, call: Callable, s: Settings, axes, last: bool, shared: froze
     assigns (or replaces) a frozen weight is refused in batch mode, where the single step keeps the change. Per
     sample the single step drops every change but the RNG streams' at the end of the step (jaxpar.objective), and
     so does the fetch, but a later layer reads the changed value within the forward: refused where another unit
-    holds the weight too (`shared`, its paths in this layer), which would gather the old one."""
+    holds the weight too (`shared`, its paths in this layer), which would gather the old one. Per sample a forward
+    that replaces any other variable but the RNG streams and sown values (a counter, a statistic) is refused, as
+    the single step refuses it (the fetch kept only the draws and trained on, dropping the change)."""
     def region(lp, fz, x, rest):
         full, frozen = _full(lp, s, False), _full(fz, s, True)
 
         def apply(x, rest, frozen):  # frozen passed in: under vmap, Variables of this trace (the forward may assign)
             model = nnx.merge(graphdef, full, frozen, rest)
             given = [(tuple(p), v.get_value()) for p, v in nnx.to_flat_state(frozen)]  # merge shares the Variables
+            kept = _kept(model) if s.per_sample else {}
             y = call(model, x)
             _, _, frozen_after, rest_after = nnx.split(model, s.wrt, is_tagged, ...)
             _refuse_changed(given, frozen_after, shared if s.per_sample else None)
+            now = _kept(model) if s.per_sample else {}
+            changed = [path for path, a in kept.items() if now.get(path) is not a]
+            if changed:  # the update below keeps only the draws: the single step refuses it, so does the fetch
+                raise replaced_error(type(model).__name__, "".join(f"[{k!r}]" for k in changed[0]))
             return y, rest_after
 
         return apply(x, rest, frozen) if axes is None else jax.vmap(apply, in_axes=(*axes, None))(x, rest, frozen)

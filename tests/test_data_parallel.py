@@ -127,7 +127,10 @@ def test_gathering_outputs_needs_a_loss_on_outputs():
     def loss(model, batch):
         return jnp.sum(model(batch["x"])), batch["x"].shape[0]
 
-    with pytest.raises(ValueError, match="OutputLoss"):
+    # the refusal names the strategy and both fixes (it said only "this needs ... OutputLoss", a QA finding: a loss
+    # that reads the model twice or its attributes cannot be an OutputLoss, but runs with loss_on_device=True)
+    with pytest.raises(ValueError, match=r"DataParallel gathers the replicas' outputs .*OutputLoss.*, or "
+                                         r"loss_on_device=True"):
         DataParallel(model, TX, loss_fn=loss)
     DataParallel(model, TX, loss_fn=loss, loss_on_device=True)  # each device runs its own loss: any form
     # ... but the "In Model" lines print the outputs' shape, which such a loss never shows: refused before any

@@ -159,8 +159,15 @@ class DataParallel:
             raise ValueError(f"strategy='dp' runs in one process, but jax.process_count()={jax.process_count()}; "
                              "use DistributedDataParallel (--strategy ddp) across processes.")
         self.objective = objective_of(model, loss_fn, who="DataParallel", **objective_options)
-        if not loss_on_device:
-            self.objective.output_loss()  # gathering the outputs needs the loss on outputs: fail now, not mid-step
+        if not loss_on_device:  # gathering the outputs needs the loss on outputs: fail now, not mid-step
+            try:
+                self.objective.output_loss()
+            except ValueError:
+                raise ValueError("DataParallel gathers the replicas' outputs and runs the loss on them (torch's "
+                                 "DataParallel), which needs a loss on the model's outputs, not a loss(model, batch): "
+                                 "pass jaxpar.OutputLoss(fn, inputs=...) with fn(outputs, batch) -> (loss_sum, "
+                                 "weight_sum[, metrics]), or loss_on_device=True (each replica runs the loss on "
+                                 "its own rows).") from None
         elif print_shapes:  # the "In Model" line shows the outputs' shape, which loss(model, batch) hides
             try:
                 self.objective.output_loss()

@@ -167,6 +167,10 @@ def to_loss_output(out: Any, what: str = "loss_fn") -> LossOutput:
         raise TypeError(f"{what} returned metrics as {_kind(metrics)}, not a dict; return (loss_sum, weight_sum, "
                         "{'name': summed_value, ...}).")
     metrics = dict(metrics or {})
+    named = [k for k in metrics if not isinstance(k, str)]  # else JAX's "Comparator raised exception while sorting
+    if named:                                                # pytree dictionary keys" beside the str ones
+        raise TypeError(f"{what} returned metrics named {named[0]!r} ({type(named[0]).__name__}); name each metric "
+                        f"by a str, e.g. {{{str(named[0])!r}: summed_value}}.")
     clash = [k for k in metrics if k in RESERVED]
     if clash:
         raise TypeError(f"{what} returned metrics named {clash}; {RESERVED} are reported by the step itself: "

@@ -776,6 +776,9 @@ def test_bad_contract_use_is_named():
     with pytest.raises(TypeError, match="shape \\(1, 2\\); return scalars"):
         Objective.of(regression.make_model(rngs=nnx.Rngs(0)), lambda m, b: (m(b["x"]), 1.0)).sums(
             state.params, state.model_state, batches[0])
+    with pytest.raises(TypeError, match="metrics named 0 \\(int\\); name each metric by a str, e.g. \\{'0': "):
+        Objective.of(regression.make_model(rngs=nnx.Rngs(0)), lambda m, b: (1.0, 1.0, {0: 1.0})).sums(
+            state.params, state.model_state, batches[0])  # JAX's "Comparator raised exception ... keys" (QA)
     with pytest.raises(TypeError, match="metrics named \\['loss'\\]"):
         Objective.of(regression.make_model(rngs=nnx.Rngs(0)), lambda m, b: (1.0, 1.0, {"loss": 1.0})).sums(
             state.params, state.model_state, batches[0])

@@ -187,6 +187,16 @@ def to_loss_output(out: Any, what: str = "loss_fn") -> LossOutput:
     return LossOutput(f32(loss), f32(weight), {k: f32(v) for k, v in metrics.items()})
 
 
+def refuse_keyed_layers(model: Any, who: str, fix: str) -> None:
+    """ValueError if `model.layers` is a mapping (nnx.Dict, dict): iterating it, as `who` runs the layers, gives its
+    keys, and each strategy failed somewhere else ("'str' object is not callable", parameters "belong to no layer")."""
+    layers = getattr(model, "layers", None)
+    if isinstance(layers, Mapping):
+        raise ValueError(f"{who} runs {type(model).__name__}.layers one after another, but it is a "
+                         f"{type(layers).__name__} (keys {list(layers)[:4]}), whose iteration gives its keys: hold "
+                         f"the layers in an nnx.List (or nnx.Sequential) in the order __call__ runs them, {fix}.")
+
+
 def default_inputs(batch: PyTree) -> PyTree:
     """What the model is called on by default: ``batch["x"]`` for a dict, ``batch[0]`` for a tuple or list."""
     if isinstance(batch, dict):

@@ -108,6 +108,9 @@ def checkpointed(model: nnx.Module, interval: int) -> nnx.Module:
                          "every activation) or N (recompute each N-layer segment in the backward).")
     if not interval:
         return model
+    from jaxpar.objective import refuse_keyed_layers  # objective imports this module
+
+    refuse_keyed_layers(model, f"activation_checkpoint_interval={interval}", "or use 0")
     layers = getattr(model, "layers", None)
     if not layers or not all(callable(layer) for layer in layers):
         raise ValueError(f"activation_checkpoint_interval={interval} needs {type(model).__name__}'s flat `layers` "

@@ -827,6 +827,37 @@ def test_a_forward_that_replaces_a_variable_per_sample_is_refused_by_dataparalle
         strategy.step(placed, strategy.put_batch(batches[0].data))
 
 
+class KeyedLayers(nnx.Module):
+    """Layers held in an nnx.Dict: iterating `layers` gives the keys."""
+
+    def __init__(self, rngs):
+        self.layers = nnx.Dict({"enc": nnx.Linear(8, 4, rngs=rngs), "out": nnx.Linear(4, 2, rngs=rngs)})
+
+    def __call__(self, x):
+        return self.layers["out"](self.layers["enc"](x))
+
+
+@pytest.mark.parametrize("name", ["zero3", "pipeline", "recompute"])
+def test_layers_held_in_a_dict_are_refused_where_the_layers_run_in_turn(name):
+    """ZeRO-3's per-layer fetch, the pipeline and activation checkpointing iterate `model.layers`; an nnx.Dict gives
+    its keys, and each failed elsewhere: "'str' object is not callable" in ZeRO-3's layers check, "parameters ...
+    belong to no layer" in the pipeline, "needs a flat layers sequence" under recompute. A QA finding: now one line
+    naming the Dict, its keys and the fix."""
+    make = lambda: KeyedLayers(nnx.Rngs(0))  # noqa: E731
+    loss = OutputLoss(regression.loss)
+    with pytest.raises(ValueError, match=r"runs KeyedLayers.layers one after another, but it is a Dict \(keys "
+                                         r"\['enc', 'out'\]\), whose iteration gives its keys: hold the layers in an "
+                                         r"nnx.List"):
+        if name == "zero3":
+            jaxpar.ZeroRedundancy(make(), TX, loss_fn=loss, stage=3, mesh=jaxpar.make_mesh(2)).init(
+                jaxpar.init_state(make(), TX))
+        elif name == "pipeline":
+            jaxpar.Pipeline(make(), TX, loss_fn=loss, num_stages=2, micro_batches=2)
+        else:
+            jaxpar.DistributedDataParallel(make(), TX, loss_fn=loss, mesh=jaxpar.make_mesh(2),
+                                           activation_checkpoint_interval=1)
+
+
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 def test_cross_entropy_is_torchs(smoothing):
     """jaxpar.cross_entropy against torch's CrossEntropyLoss written out in numpy (reduction='sum'): ignored

@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.objective import check_wrt_within
+from jaxpar.objective import check_wrt_within, refuse_keyed_layers
 from jaxpar.pipeline import partition as partition_lib
 from jaxpar.pipeline import schedule as schedule_lib
 
@@ -312,6 +312,7 @@ class PipelineModule:
     @classmethod
     def from_model(cls, model: nnx.Module, num_stages: int, **kwargs) -> "PipelineModule":
         """Cut `model`'s flat layer sequence ``model.layers``; the canonical state is ``nnx.split(model, ...)``."""
+        refuse_keyed_layers(model, "the pipeline", "or pass PipelineModule a list")
         layers = getattr(model, "layers", None)
         if layers is None or isinstance(model, nnx.List):
             raise ValueError(f"{type(model).__name__} has no `layers`; a pipeline cuts a flat layer sequence: give "

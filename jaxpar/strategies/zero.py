@@ -46,7 +46,7 @@ from jaxpar.comm import shards as sh
 from jaxpar.comm.buckets import check_mib, plan_buckets
 from jaxpar.config import Config
 from jaxpar.mesh import DATA, check_data_mesh, make_mesh
-from jaxpar.objective import Objective, advance_rng, check_wrt_within, metrics_of
+from jaxpar.objective import Objective, advance_rng, check_wrt_within, metrics_of, refuse_keyed_layers
 from jaxpar.step import TrainState
 from jaxpar.strategies import zero_optim
 from jaxpar.strategies.base import (LayersCheck, arm_first_batch, cfg_objective, check_batch_size,
@@ -281,6 +281,8 @@ class ZeroRedundancy:
             model = self.objective.merge(params, state.model_state)
             paths = {tuple(p) for p, _ in nnx.to_flat_state(params)}
             trained = {id(v) for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable) and tuple(p) in paths}
+            if self.fetch == "layer":
+                refuse_keyed_layers(model, "ZeRO stage 3 (fetch='layer')", "or pass fetch='model' (--zero-fetch model)")
             self._fetches_layers = self.fetch == "layer" and bool(getattr(model, "layers", None))  # (fetch.py)
             for i, layer in enumerate(model.layers if self._fetches_layers else ()):
                 if isinstance(layer, nnx.Module):

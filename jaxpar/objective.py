@@ -877,14 +877,16 @@ def _draws_random_bits(jaxpr) -> bool:
 
 def _fixed_paths(model: nnx.Module) -> list:
     """(path, variable) of each of `_fixed_leaves`' values, in the same order."""
-    state = nnx.state(model, nnx.Not(nnx.Any(nnx.RngState, nnx.Param)))
+    state = nnx.state(model, nnx.Not(nnx.Any(nnx.RngState, nnx.Param, nnx.Intermediate)))
     return jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_variable)[0]
 
 
 def _fixed_leaves(model: nnx.Module) -> list:
-    """The raw values of every variable but the RNG state and the parameters (identity tells whether the forward
-    replaced one: a statistic or buffer of the model's own). Parameters are left out: nnx.remat and nnx.scan write
-    every variable they pass back as a new value, and no forward updates a weight."""
+    """The raw values of every variable but the RNG state, the parameters and sown values (identity tells whether
+    the forward replaced one: a statistic or buffer of the model's own). Parameters are left out: nnx.remat and
+    nnx.scan write every variable they pass back as a new value, and no forward updates a weight. Sown values
+    (`self.sow(nnx.Intermediate, ...)`) are new variables the forward makes, which the step drops per sample (a
+    loss may pop them); they made the lists differ in length, and the check died in a bare StopIteration."""
     return [v.get_value() for _, v in _fixed_paths(model)]
 
 
@@ -892,8 +894,9 @@ def _refuse_replaced(model: nnx.Module, before: list) -> None:
     """Refuse a per-sample forward that replaced a variable of the model's own other than its weights."""
     after = _fixed_leaves(model)
     if [id(a) for a in after] != [id(a) for a in before]:
-        name = next(jax.tree_util.keystr(p) for (p, _), a, b in zip(_fixed_paths(model), after, before)
-                    if a is not b)
+        paths = _fixed_paths(model)
+        name = next((jax.tree_util.keystr(p) for (p, _), a, b in zip(paths, after, before) if a is not b),
+                    jax.tree_util.keystr(paths[-1][0]) if paths else "?")  # one the forward added
         raise replaced_error(type(model).__name__, name)
 
 

@@ -257,12 +257,26 @@ def reseed(model: nnx.Module, salt: jax.Array) -> None:
         stream.count.set_value(stream.count.get_value() * 0)
 
 
+def drop_sown(model_state: PyTree, previous: PyTree) -> PyTree:
+    """`model_state` without the values a batch-mode forward sowed (nnx.Intermediate variables `previous` lacks)
+    and the loss did not pop: dropped, as per sample (the state's tree grew, and the step died in a pytree
+    structure error)."""
+    if not (isinstance(model_state, nnx.State) and isinstance(previous, nnx.State)):
+        return model_state
+    had = {tuple(p) for p, _ in nnx.to_flat_state(previous)}
+    flat = nnx.to_flat_state(model_state)
+    if not any(tuple(p) not in had and isinstance(v, nnx.Intermediate) for p, v in flat):
+        return model_state
+    return nnx.from_flat_state([(p, v) for p, v in flat if tuple(p) in had or not isinstance(v, nnx.Intermediate)])
+
+
 def advance_rng(model_state: PyTree, previous: PyTree | None = None, by: int = 1) -> PyTree:
     """`model_state` with its RNG streams taken from `previous` (default: itself), each count advanced `by`.
 
     ``by=0`` restores the streams a forward pass reseeded (gradient accumulation keeps them for every
     micro-batch and advances once per step)."""
     previous = model_state if previous is None else previous
+    model_state = drop_sown(model_state, previous)
 
     def one(new, old):
         if isinstance(old, nnx.RngKey):

@@ -44,7 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxpar.batch import Rows
 from jaxpar.loss_scale import power_of_two
 from jaxpar.mesh import DATA, TENSOR
-from jaxpar.objective import (Objective, Sums, _fresh, advance_rng, cast_floating,
+from jaxpar.objective import (Objective, Sums, _fresh, advance_rng, drop_sown, cast_floating,
                               refuse_one_value_per_channel, reseed)
 from jaxpar.pipeline.module import apply_layers
 
@@ -255,7 +255,7 @@ class PartFns:
                 reseed(model, shard)
                 refuse_one_value_per_channel(model)
             y = run(model, x)
-            new = nnx.split(model, obj.wrt, ...)[2]
+            new = drop_sown(nnx.split(model, obj.wrt, ...)[2], st)
             if train and self.D > 1:  # buffers (BatchNorm running stats) of replica 0, as DDP's broadcast_buffers:
                 from jaxpar.strategies.ddp import from_replica_0  # the state's spec says replicated
 

@@ -100,6 +100,8 @@ def record_classes(classes: int) -> None:
     seen = _CLASSES.get()
     if seen is not None:
         seen.append(int(classes))
+
+
 _LIBRARIES = ("jax", "jaxlib", "flax", "opt_einsum", "numpy")  # whose shape rules refuse an input
 _ABOUT_SHAPES = re.compile(r"shape|dimension|size|broadcast|rank|type|expect", re.IGNORECASE)
 

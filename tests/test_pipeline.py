@@ -978,7 +978,7 @@ def test_a_state_placed_by_another_pipeline_is_refused_in_one_line():
             with pytest.raises(ValueError, match=rf"^Pipeline\.{who}\(\) got a placed state that is not this "
                                                  r"pipeline's cut \(its stage \d holds .*other\.unplace\(placed\)"):
                 call(other.init(state))
-    with pytest.raises(ValueError, match="schedule None is not known"):
+    with pytest.raises(ValueError, match="schedule=None must be a name"):
         Pipeline(model, TX, loss_fn=loss, schedule=None)
 
 

@@ -230,7 +230,7 @@ class Pipeline:
                              "with jaxpar.strategies.pipeline.pipeline_mesh(devices, num_stages, tensor_parallel).")
         custom = schedule if isinstance(schedule, schedule_lib.Schedule) else None  # one written as data
         if custom is None and not isinstance(schedule, str):
-            raise ValueError(f"schedule={type(schedule).__name__} must be a name ({', '.join(generators.SCHEDULES)}) "
+            raise ValueError(f"schedule={schedule!r} must be a name ({', '.join(generators.SCHEDULES)}) "
                              "or a jaxpar.schedule.Schedule (e.g. from_programs(...)).")
         placement = custom.placement if custom else "v" if schedule == "zbv" else "loop"  # schedule.virtual's
         if isinstance(model, PipelineModule):

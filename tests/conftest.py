@@ -13,7 +13,6 @@ rounding: programs that split the batch differently then drift further apart (Ze
 suite would no longer test the numbers users get.
 """
 import os
-import shutil
 
 N_DEVICES = 8
 os.environ["XLA_FLAGS"] = (
@@ -26,7 +25,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # 2026-11-30 XLA crashed twice while serializing one executable into it (a segfault / abort inside JAX's
 # compilation_cache.put_executable_and_time, test_3d's single reference step), which killed a pytest-xdist worker
 # and left the run hanging; the suite is slower without it, and it changed nothing a test reads.
-_CACHE = None
 
 from jaxpar.run.hostmem import tune_host_allocator  # noqa: E402
 
@@ -47,8 +45,3 @@ FIRST = ("test_pipeline", "test_gpt", "test_3d", "test_tensor", "test_zero", "te
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(FIRST)}
     items.sort(key=lambda item: rank.get(item.path.stem, len(FIRST)))  # stable: the order within a file is kept
-
-
-def pytest_unconfigure(config):
-    if _CACHE is not None:  # the process that made the cache folder removes it
-        shutil.rmtree(_CACHE, ignore_errors=True)

@@ -519,3 +519,37 @@ def test_a_receive_at_a_tick_before_its_send_is_refused():
         bad = dataclasses.replace(s, steps=tuple(tuple(map(tuple, row)) for row in steps))
         with pytest.raises(ScheduleError, match=rf"rule 6 .* {recv} at tick {dst} receives before \dS[AG]\d sends"):
             validate(bad)
+
+
+def test_rule_1_to_5_errors_say_how_to_fix_the_schedule():
+    """Each rule's message ends in the fix for that case: a duplicate (keep one), a micro-batch or chunk the schedule
+    was not built for (its count), an op of the other backward kind (the backward to build), a missing action (add
+    it to its stage's row), an order rule (which tick to move it to), and instructions out of step with an edited
+    grid (re-derive them)."""
+    base = sch.gpipe(2, 1)
+    cases = [
+        (["F0 .", ". F0", ". B0", "B0 .", "F0 ."], r"rule 1 .*0F0 occurs 2 times .*; keep one 0F0 and make the other "
+                                                   r"cells None"),
+        (["F0 .", ". F0", ". B0", "B0 .", "F1 ."], r"rule 1 .*0F1 occurs 1 times .*; remove it, or build the schedule "
+                                                   r"with num_microbatches=2 or more"),
+        (["F0 .", ". F0", ". B0", "B0 .", "F0c1 ."], r"rule 1 .*; remove it, or build the schedule with "
+                                                     r"virtual_stages=2 or more"),
+        (["F0 .", ". F0", ". B0", "B0 .", "W0 ."], r"rule 1 .*0W0 occurs 1 times .*; remove it, or build the schedule "
+                                                   r"with backward='IW'"),
+        (["F0 .", ". F0", ". B0", ". ."], r"rule 1 .*0B0 never runs; add it to stage 0's row at a tick after its "
+                                          r"dependencies"),
+        (["F0 .", ". F0", "B0 B0"], r"rule 4 .*0B0 at tick 2 must follow 1B0 at tick 2; move 0B0 to a tick after 2 "
+                                    r"\(or 1B0 before 2\)"),
+    ]
+    for rows, message in cases:
+        with pytest.raises(ScheduleError, match="^" + message):
+            sch.validate(with_grid(base, rows))
+    c = sch.add_communication(base)
+    with pytest.raises(ScheduleError, match=r"^rule 5 .*: 3 instruction ticks for 4 grid ticks; after editing the "
+                                            r"grid, re-derive the instructions: dataclasses.replace\(schedule, "
+                                            r"grid=new_grid, steps=\(\)\)"):
+        sch.validate(dataclasses.replace(c, steps=c.steps[:-1]))
+    moved = dataclasses.replace(c, grid=(c.grid[1],) + (c.grid[0],) + c.grid[2:])
+    with pytest.raises(ScheduleError, match=r"^rule 5 .*compute instructions .*; a cell holds one compute action of "
+                                            r"its own stage, .*re-derive them"):
+        sch.validate(moved)

@@ -200,11 +200,19 @@ def _check_once(where: dict[Action, list], S: int, M: int, V: int, backward: str
     ops = (Op.F,) + BACKWARDS[backward]
     for a, places in where.items():
         if len(places) > 1 or a.microbatch not in range(M) or a.chunk not in range(V) or a.op not in ops:
+            fix = (f"keep one {a!r} and make the other cells None (a bubble)" if len(places) > 1 else
+                   f"remove it, or build the schedule with num_microbatches={a.microbatch + 1} or more"
+                   if a.microbatch not in range(M) else
+                   f"remove it, or build the schedule with virtual_stages={a.chunk + 1} or more"
+                   if a.chunk not in range(V) else
+                   f"remove it, or build the schedule with backward="
+                   f"{'IW' if a.op in (Op.I, Op.W) else 'B' if a.op is Op.B else ''!r}")
             fail(1, f"{a!r} occurs {len(places)} times (micro-batches 0..{M - 1}, chunks 0..{V - 1}, "
-                    f"ops {'/'.join(o.value for o in ops)})", places)
+                    f"ops {'/'.join(o.value for o in ops)}); {fix}", places)
     for a in (Action(s, op, m, c) for s in range(S) for m in range(M) for c in range(V) for op in ops):
         if a not in where:
-            fail(1, f"{a!r} never runs", [])
+            fail(1, f"{a!r} never runs; add it to stage {a.stage}'s row at a tick after its dependencies (or "
+                    f"build the schedule for fewer micro-batches than {M})", [])
 
 
 def _check_programs(programs: Sequence[Sequence[Action]], M: int, V: int, backward: str) -> None:
@@ -399,16 +407,19 @@ def validate(schedule: Schedule) -> Schedule:
 
     _check_table(schedule)
     if len(schedule.steps) != schedule.num_ticks:
-        fail(5, f"{len(schedule.steps)} instruction ticks for {schedule.num_ticks} grid ticks", [])
+        fail(5, f"{len(schedule.steps)} instruction ticks for {schedule.num_ticks} grid ticks; after editing the "
+                "grid, re-derive the instructions: dataclasses.replace(schedule, grid=new_grid, steps=())", [])
     where: dict[Action, list[tuple[int, int]]] = {}
     for t, row in enumerate(schedule.grid):
         if len(row) != S or len(schedule.steps[t]) != S:
             fail(5, f"tick {t} has {len(row)} grid cells and {len(schedule.steps[t])} instruction lists "
-                    f"for {S} stages", [])
+                    f"for {S} stages; give every tick one cell and one list per stage", [])
         for s, a in enumerate(row):
             compute = [x for x in schedule.steps[t][s] if x.op in COMPUTE]
             if (a is not None and (a.stage != s or a.op not in COMPUTE)) or compute != ([a] if a else []):
-                fail(5, f"stage {s} at tick {t}: grid cell {a!r}, compute instructions {compute}", [(t, s)])
+                fail(5, f"stage {s} at tick {t}: grid cell {a!r}, compute instructions {compute}; a cell holds "
+                        "one compute action of its own stage, and its instructions that action alone: re-derive "
+                        "them with dataclasses.replace(schedule, grid=new_grid, steps=())", [(t, s)])
             if a is not None:
                 where.setdefault(a, []).append((t, s))
     _check_once(where, S, M, V, bw, fail)
@@ -418,7 +429,8 @@ def validate(schedule: Schedule) -> Schedule:
         for d in deps(a, S, V, bw, schedule.placement):
             if tick[d] >= t:
                 rule = 3 if a.op is Op.F else 2 if d.op is Op.F or a.op is Op.W else 4
-                fail(rule, f"{a!r} at tick {t} must follow {d!r} at tick {tick[d]}", [(t, a.stage)])
+                fail(rule, f"{a!r} at tick {t} must follow {d!r} at tick {tick[d]}; move {a!r} to a tick after "
+                           f"{tick[d]} (or {d!r} before {t})", [(t, a.stage)])
     has_comm = any(x.op not in COMPUTE for row in schedule.steps for ins in row for x in ins)
     _dry_run(schedule if has_comm else add_communication(schedule))
     return schedule

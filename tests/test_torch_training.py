@@ -67,8 +67,8 @@ def test_the_cases_moved_and_differ(fx):
 
 @pytest.mark.parametrize("case, kind", [(c, "single") for c in CASES] + list(PARALLEL.items()))
 def test_six_steps_match_torch(fx, case, kind):
-    """6 steps of the optimizer train.py builds from the case's flags (2 steps an epoch for StepLR; the cosine
-    decays over the 6) end at torch's parameters, and each step's loss is torch's."""
+    """6 steps of the optimizer train.py builds from the case's flags (2 steps an epoch for StepLR; nanoGPT's
+    warmup over 2 and cosine to step 4, min_lr after) end at torch's parameters, and each step's loss is torch's."""
     name = CASES[case][0]
     cfg = Config(model=name, **_flags(case))
     validate(cfg)

@@ -92,6 +92,27 @@ def _same_trace(f: Callable, g: Callable, arg: Any) -> bool:
 _INPUTS_CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # objective -> {batch signature:
 # the number of classes jaxpar.cross_entropy saw in the logits when check_inputs traced the loss on it, or None}
 _CLASSES: contextvars.ContextVar = contextvars.ContextVar("jaxpar_classes", default=None)  # check_inputs' recorder
+_UNREAD: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # objective -> (indices of the parameter leaves
+# the eval-mode loss traced by check_inputs does not read, the Rows spec it was traced on): unused_params' candidates
+
+
+def _slash_path(path) -> str:
+    """A parameter's path as nnx writes it ('layers/0/kernel'), from a pytree key path of an nnx.State."""
+    keys = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path]
+    return "/".join(str(k) for k in (keys[:-1] if keys and keys[-1] == "value" else keys))
+
+
+def _unread_inputs(closed, n: int) -> list[int]:
+    """Indices among the first `n` inputs of the closed jaxpr that its first output (the loss) does not depend on,
+    by JAX's dead-code elimination; [] where it cannot tell (a primitive without a DCE rule keeps all its inputs)."""
+    try:
+        from jax._src.interpreters import partial_eval as pe
+
+        jaxpr = closed.jaxpr
+        _, used = pe.dce_jaxpr(jaxpr, [True] + [False] * (len(jaxpr.outvars) - 1))
+    except Exception:  # noqa: BLE001 -- an internal API of JAX: without it, no check (never a false refusal)
+        return []
+    return [i for i in range(min(n, len(used))) if not used[i]]
 
 
 def record_classes(classes: int) -> None:
@@ -572,7 +593,9 @@ class Objective:
         classes: list = []
         token = _CLASSES.set(classes)
         try:
-            jax.eval_shape(trace, *self.shapes, rows)
+            closed = jax.make_jaxpr(trace)(*self.shapes, rows)  # a trace, no compute (as jax.eval_shape)
+            if self not in _UNREAD:
+                _UNREAD[self] = (_unread_inputs(closed, len(jax.tree.leaves(self.shapes[0]))), rows)
         except Exception as e:  # noqa: BLE001
             classes.clear()  # the loss did not trace: nothing to hold the targets to
             if refused:
@@ -700,6 +723,21 @@ class Objective:
                                  "parameters NaN (or, below 0, read another token's row; torch's nn.Embedding raises "
                                  f"'index out of range in self'); give token ids 0..{vocab - 1}, or build the model "
                                  f"with vocab_size={max(v + 1, vocab)} or more.")
+
+    def unused_params(self) -> list[str]:
+        """The paths of the trained parameters that the loss does not read, in eval mode and in training mode, on
+        the shapes of the first batch check_inputs saw ([] before it saw one): torch leaves such a parameter's
+        .grad None and its optimizers skip it, where here it gets a zero gradient (see check_unused_params)."""
+        if self not in _UNREAD or not _UNREAD[self][0]:
+            return []
+        candidates, rows = _UNREAD[self]
+        try:  # training mode can read more (an auxiliary head, a branch taken in training only)
+            closed = jax.make_jaxpr(lambda p, s, r: self.sums(p, s, r, train=True)[0])(*self.shapes, rows)
+        except Exception:  # noqa: BLE001 -- the step raises it, where it always has
+            return []
+        unread = set(_unread_inputs(closed, len(jax.tree.leaves(self.shapes[0]))))
+        paths = [_slash_path(path) for path, _ in jax.tree_util.tree_flatten_with_path(self.shapes[0])[0]]
+        return [paths[i] for i in candidates if i in unread]
 
     def check_rows_apart(self, params: nnx.State, model_state: nnx.State, rows: Rows, count: int = 3) -> None:
         """ValueError when per_sample=True came by default and the mean loss (loss sum / weight sum) over the first

@@ -1455,3 +1455,57 @@ def test_bad_init_state_loss_outputs_and_devices_are_named():
     with pytest.raises(TypeError, match="^device=1 is not a jax.Device; pass one, e.g. device=jax.local_devices"):
         jaxpar.SingleDevice(model, TX, device=1)
     jaxpar.SingleDevice(model, TX, device=jax.local_devices()[1])  # a device: taken
+
+
+class Spare(nnx.Module):
+    """A layer holding a weight its forward reads only in training (`in_training`) or never: an auxiliary head."""
+
+    def __init__(self, rngs, in_training: bool = False):
+        self.w = nnx.Linear(4, 4, rngs=rngs)
+        self.spare = nnx.Linear(4, 4, rngs=rngs)
+        self.in_training, self.dropout = in_training, nnx.Dropout(0.0, rngs=rngs)
+
+    def __call__(self, x):
+        y = self.w(x)
+        return y + 0.0 * self.spare(y) if self.in_training and not self.dropout.deterministic else y
+
+
+def test_parameters_the_loss_never_reads_are_refused_only_where_the_optimizer_would_move_them():
+    """torch leaves an unused parameter's .grad None and its optimizers skip it; jaxpar gives it a zero gradient, on
+    which an optimizer with weight decay still moves it (AdamW shrinks it, Adam's L2 turns the decay into a step of
+    about lr): it drifted where torch keeps it, without a word. Now every strategy refuses that on the first batch,
+    naming the parameter and the wrt filter that freezes it; an optimizer that a zero gradient leaves still (Adam),
+    the parameter frozen by wrt, or one read in training only, trains as before."""
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(8, 4)).astype(np.float32), "y": rng.integers(0, 4, 8).astype(np.int32)}
+    loss = OutputLoss(jaxpar.cross_entropy)
+    frozen = nnx.All(nnx.Param, nnx.Not(nnx.PathContains("spare")))
+
+    def run(kind, tx, in_training=False, wrt=nnx.Param):
+        model = nnx.Sequential(Spare(nnx.Rngs(0), in_training), nnx.relu, nnx.Linear(4, 4, rngs=nnx.Rngs(1)))
+        kw = dict(loss_fn=loss, wrt=wrt)
+        strategy = {"single": lambda: jaxpar.SingleDevice(model, tx, **kw),
+                    "ddp": lambda: jaxpar.DistributedDataParallel(model, tx, mesh=jaxpar.make_mesh(2), **kw),
+                    "zero3": lambda: jaxpar.ZeroRedundancy(model, tx, stage=3, mesh=jaxpar.make_mesh(2), **kw),
+                    "pipeline": lambda: jaxpar.Pipeline(model, tx, num_stages=2, micro_batches=2,
+                                                        mesh=pipeline_mesh(2, 2), **kw)}[kind]()
+        state = jaxpar.init_state(model, tx, wrt=wrt)
+        placed, _ = strategy.step(strategy.init(state), strategy.put_batch(batch))
+        return state.params, strategy.unplace(placed).params
+
+    # the drift the refusal prevents: AdamW's update of a parameter on a zero gradient is not zero
+    w, adamw = {"a": jnp.ones((2, 2))}, optax.adamw(1e-2, weight_decay=0.1)
+    assert float(jnp.abs(adamw.update(jax.tree.map(jnp.zeros_like, w), adamw.init(w), w)[0]["a"]).max()) > 1e-4
+    for kind in ("single", "ddp", "zero3", "pipeline"):
+        for tx in (optax.adamw(1e-2), jaxpar.optim.make_optimizer("adam", 1e-2, weight_decay=0.1)):
+            with pytest.raises(ValueError, match=r"^trained parameter layers/0/spare/kernel is never read by the loss, "
+                                                 r"yet the optimizer moves .* \(weight decay\): torch leaves an unused "
+                                                 r"parameter's .grad None .*wrt=nnx.All\(nnx.Param, nnx.Not\("
+                                                 r"nnx.PathContains\('spare'\)\)\)"):
+                run(kind, tx)
+        before, after = run(kind, optax.adam(1e-2))  # a zero gradient moves nothing: torch's skip, in effect
+        spare = lambda p: p["layers"][0]["spare"]["kernel"][...]  # noqa: E731
+        np.testing.assert_array_equal(spare(after), spare(before))
+        assert float(jnp.abs(after["layers"][0]["w"]["kernel"][...] - before["layers"][0]["w"]["kernel"][...]).max()) > 1e-4
+        run(kind, optax.adamw(1e-2), wrt=frozen)  # frozen: not trained, not decayed
+        run(kind, optax.adamw(1e-2), in_training=True)  # read in training: it has a gradient

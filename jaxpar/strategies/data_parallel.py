@@ -212,7 +212,7 @@ class DataParallel:
     # -- the Strategy protocol --
     def init(self, state: TrainState) -> TrainState:
         check_state(state, self.tx, self.objective)
-        arm_first_batch(self.objective, state, self._layers_check)
+        arm_first_batch(self.objective, state, self._layers_check, self.tx)
         refuse_sync_batch_norm(self.objective.merge(state.params, state.model_state),
                                "DataParallel's per-device forwards")
         return to_device(state, self.master)

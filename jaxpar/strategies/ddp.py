@@ -315,7 +315,7 @@ class DistributedDataParallel:
     def init(self, state: TrainState):
         check_state(state, self.tx, self.objective)
         state = from_process_0(state)  # torch DDP's broadcast of rank 0's parameters at construction
-        arm_first_batch(self.objective, state, self._layers_check)
+        arm_first_batch(self.objective, state, self._layers_check, self.tx)
         if self.plan is None:
             order = self.leaf_order
             if order is None:

@@ -375,7 +375,7 @@ class Pipeline:
         refuse_sync_batch_norm(self.objective.merge(state.params, state.model_state), "the pipeline's stages")
         if self._split_checker is not None:
             self._split_check = (jax.tree.map(np.asarray, state.params), state.model_state)
-        self._layers_check.arm_rows(self.objective, state)
+        self._layers_check.arm_rows(self.objective, state, self.tx)
         if self._own_model:
             self._layers_check.arm(self.objective, state, "the pipeline runs the model's",
                                    "pass a PipelineModule built from a layer list", self.module.unpack)

@@ -47,7 +47,7 @@ class SingleDevice:
 
     def init(self, state: TrainState) -> TrainState:
         check_state(state, self.tx, self.objective)
-        arm_first_batch(self.objective, state, self._layers_check)
+        arm_first_batch(self.objective, state, self._layers_check, self.tx)
         return to_device(state, self.device)
 
     def put_batch(self, batch) -> Rows:

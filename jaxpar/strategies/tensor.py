@@ -361,7 +361,7 @@ class TensorParallel:
         state = from_process_0(state)  # torch DDP's broadcast of rank 0's parameters at construction
         if self.check_split:
             self._split_check = (jax.tree.map(np.asarray, state.params), state.model_state)
-        self._rows_check.arm_rows(self.eval_objective, state)  # unsplit: runs outside the mesh
+        self._rows_check.arm_rows(self.eval_objective, state, self.tx)  # unsplit: runs outside the mesh
         host = state._replace(params=map_params(in_tensor_order, state.params, state.params, self.plan),
                               opt_state=map_params(in_tensor_order, state.opt_state, state.params, self.plan),
                               model_state=split_leaves(in_tensor_order, state.model_state, self.state_plan))

@@ -334,7 +334,7 @@ class ZeroRedundancy:
         """The canonical state onto the mesh: sharded leaves as [N S] arrays split over DATA, the rest replicated."""
         check_state(state, self.tx, self.objective)
         state = from_process_0(state)  # torch DDP's broadcast of rank 0's parameters at construction
-        arm_first_batch(self.objective, state, self._layers_check)  # stage 3 refuses an interval
+        arm_first_batch(self.objective, state, self._layers_check, self.tx)  # stage 3 refuses an interval
         if self.plan is None:
             self._setup(state)
         if self.stage == 3 and self._fetches_layers:

@@ -328,8 +328,8 @@ def check_unused_params(objective: Objective, tx: Any, params: Any) -> None:
                          "zero gradient (weight decay): torch leaves an unused parameter's .grad None and its "
                          "optimizer skips it, so it would drift where torch keeps it; leave it out of what is trained "
                          "(wrt=nnx.All("
-                         f"nnx.Param, nnx.Not(nnx.PathContains({name!r})))), remove them from the model, or use an "
-                         "optimizer without weight decay.")
+                         f"nnx.Param, nnx.Not(nnx.PathContains({name!r}))) to a strategy), remove it from the model, "
+                         "or train without weight decay (weight_decay=0, train.py's --weight-decay 0).")
 
 
 def arm_first_batch(objective: Objective, state: TrainState, check: LayersCheck, tx: Any = None) -> None:

@@ -3,6 +3,8 @@ parameter or on the matrices only (nanoGPT's and Megatron's parameter groups), a
 strategies can feed."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -117,6 +119,19 @@ def state_kind(state) -> str:
     if isinstance(state, (tuple, list)) and not hasattr(state, "_fields"):
         return "(" + ", ".join(state_kind(x) for x in state) + ")"
     return type(state).__name__
+
+
+def op_by_op(fn):
+    """`fn` run under jax.disable_jit(): the strategies' optimizer probes (a few update steps on tiny copies of the
+    parameters), op by op. A lax.cond inside the optimizer (optax.MultiSteps, a loss scaler's skip) then runs the
+    branch it takes, where outside jit each call compiled a program of its own (ZeRO's init with MultiSteps around
+    a masked AdamW: 4.8 s, now 0.4 s)."""
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with jax.disable_jit():
+            return fn(*args, **kwargs)
+
+    return wrapped
 
 
 def probe_gradients(shapes: list[tuple], rng: np.random.Generator) -> list[list[np.ndarray]]:

@@ -210,6 +210,7 @@ def probe(tx: optax.GradientTransformation, module, rtol: float = 1e-5) -> bool:
     params = [rng.standard_normal(s).astype(np.float32) for s in shrink]
     grads = optim.probe_gradients(shrink, rng)  # unit, then 1e12 with an inf: clipping and skipping show
 
+    @optim.op_by_op
     def run(stage, norm: bool):
         idx = list(range(len(shrink))) if stage is None else module.stage_params[stage]
         p = _tree(module, stage, [jnp.asarray(params[j]) for j in idx])

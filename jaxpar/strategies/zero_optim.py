@@ -117,6 +117,7 @@ def check(tx: optax.GradientTransformation, params, rtol: float = 1e-5, slices: 
     cuts = sorted({0, sum(sizes[:big]) + sizes[big] // 2, total // 2, total})
     decays = decay_mask(shrink)  # what ZeRO's step gives a masked weight decay for its flat pieces
 
+    @optim.op_by_op
     def run(tree_of, norm: bool, mask=None) -> list[np.ndarray]:
         p, out = tree_of(p0), []
         state = tx.init(p)
@@ -181,6 +182,7 @@ def check_slices(tx: optax.GradientTransformation, params, slices: list, axes: l
             return xs
         return [x if ax is None else np.split(x, tp, axis=ax)[r] for x, ax in zip(xs, axes)]
 
+    @optim.op_by_op
     def run(r, norm: bool) -> list[list[np.ndarray]]:  # each step's update leaves on rank r
         tree = lambda xs: jax.tree.unflatten(treedef, [jnp.asarray(x) for x in cut(xs, r)])  # noqa: E731
         p, out = tree(p0), []

@@ -52,7 +52,11 @@ def forward_leaf_order(model: nnx.Module, wrt=nnx.Param, registration: bool = Tr
                and (key := tuple(map(str, path))) in index}
     order: list[int] = []
     seen: set[int] = set()
-    for layer in getattr(model, "layers", None) or ():  # a plain function (relu) holds no Variable
+    try:  # `layers` as a sequence of layers; a model's own attribute of that name holding one module is not one
+        layers = list(getattr(model, "layers", None) or ())
+    except TypeError:
+        layers = []
+    for layer in layers:  # a plain function (relu) holds no Variable
         for var in _defined_variables(layer, seen, registration):
             if id(var) in leaf_of and leaf_of[id(var)] not in order:
                 order.append(leaf_of[id(var)])

@@ -218,6 +218,13 @@ def refuse_keyed_layers(model: Any, who: str, fix: str) -> None:
         raise ValueError(f"{who} runs {type(model).__name__}.layers one after another, but it is a "
                          f"{type(layers).__name__} (keys {list(layers)[:4]}), whose iteration gives its keys: hold "
                          f"the layers in an nnx.List (or nnx.Sequential) in the order __call__ runs them, {fix}.")
+    if layers is not None:
+        try:
+            iter(layers)
+        except TypeError:  # one module under that name: "'Linear' object is not iterable" deep inside
+            raise ValueError(f"{who} runs {type(model).__name__}.layers one after another, but it is one "
+                             f"{type(layers).__name__}, not a sequence of layers: hold the layers in an nnx.List "
+                             f"(or make the model an nnx.Sequential) in the order __call__ runs them, {fix}.") from None
 
 
 def default_inputs(batch: PyTree) -> PyTree:

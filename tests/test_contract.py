@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -1534,3 +1535,13 @@ def test_a_model_whose_layers_attribute_is_one_module_trains():
         strategy = make(model, tx)
         placed, metrics = strategy.step(strategy.init(jaxpar.init_state(model, tx)), strategy.put_batch(batch))
         assert np.isfinite(float(metrics["loss"]))
+    # the strategies that run `layers` in turn say in one line that one module is not a sequence of them
+    for make, who in ((lambda m, tx: jaxpar.Pipeline(m, tx, num_stages=2, micro_batches=2), "the pipeline"),
+                      (lambda m, tx: jaxpar.ZeroRedundancy(m, tx, stage=3, mesh=jaxpar.make_mesh(2)), "ZeRO stage 3"),
+                      (lambda m, tx: jaxpar.SingleDevice(m, tx, activation_checkpoint_interval=1),
+                       "activation_checkpoint_interval=1")):
+        model, tx = OneLayer(nnx.Rngs(0)), optax.sgd(0.1)
+        with pytest.raises(ValueError, match=rf"^{re.escape(who)}.* runs OneLayer.layers one after another, but it is "
+                                             r"one Linear, not a sequence of layers: hold the layers in an nnx.List"):
+            strategy = make(model, tx)
+            strategy.step(strategy.init(jaxpar.init_state(model, tx)), strategy.put_batch(batch))

@@ -98,8 +98,9 @@ _UNREAD: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # objective 
 
 def _slash_path(path) -> str:
     """A parameter's path as nnx writes it ('layers/0/kernel'), from a pytree key path of an nnx.State."""
-    keys = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path]
-    return "/".join(str(k) for k in (keys[:-1] if keys and keys[-1] == "value" else keys))
+    from jaxpar.comm.overlap import _path_of
+
+    return "/".join(map(str, _path_of(path)))
 
 
 def _unread_inputs(closed, n: int) -> list[int]:
@@ -211,8 +212,9 @@ def to_loss_output(out: Any, what: str = "loss_fn") -> LossOutput:
 
 
 def refuse_keyed_layers(model: Any, who: str, fix: str) -> None:
-    """ValueError if `model.layers` is a mapping (nnx.Dict, dict): iterating it, as `who` runs the layers, gives its
-    keys, and each strategy failed somewhere else ("'str' object is not callable", parameters "belong to no layer")."""
+    """ValueError if `model.layers` is a mapping (nnx.Dict, dict) or one module: iterating a mapping, as `who` runs
+    the layers, gives its keys, and each strategy failed somewhere else ("'str' object is not callable", parameters
+    "belong to no layer"); iterating one module failed ("'Linear' object is not iterable")."""
     layers = getattr(model, "layers", None)
     if isinstance(layers, Mapping):
         raise ValueError(f"{who} runs {type(model).__name__}.layers one after another, but it is a "

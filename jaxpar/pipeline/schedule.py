@@ -431,9 +431,15 @@ def validate(schedule: Schedule) -> Schedule:
                 rule = 3 if a.op is Op.F else 2 if d.op is Op.F or a.op is Op.W else 4
                 fail(rule, f"{a!r} at tick {t} must follow {d!r} at tick {tick[d]}; move {a!r} to a tick after "
                            f"{tick[d]} (or {d!r} before {t})", [(t, a.stage)])
-    has_comm = any(x.op not in COMPUTE for row in schedule.steps for ins in row for x in ins)
-    _dry_run(schedule if has_comm else add_communication(schedule))
+    _dry_run(with_communication(schedule))
     return schedule
+
+
+def with_communication(schedule: Schedule) -> Schedule:
+    """The schedule as it runs: as written if its steps hold communication (loads, sends, receives), else with
+    ``add_communication``'s."""
+    has_comm = any(x.op not in COMPUTE for row in schedule.steps for ins in row for x in ins)
+    return schedule if has_comm else add_communication(schedule)
 
 
 # the generators and the analysis, importable from here as before

@@ -314,8 +314,7 @@ class Pipeline:
         grid = custom if custom is not None else generators.make(schedule, S, M, V)
         if defer_wgrad:
             grid = generators.defer_wgrad(grid)
-        has_comm = any(x.op not in schedule_lib.COMPUTE for row in grid.steps for ins in row for x in ins)
-        self.schedule = schedule_lib.validate(grid if has_comm else schedule_lib.add_communication(grid))
+        self.schedule = schedule_lib.validate(schedule_lib.with_communication(grid))
         self.eval_schedule = schedule_lib.validate(schedule_lib.add_communication(
             generators.forward_only(S, M, V, placement=placement)))
         self.micro_batches, self.D = M, self.mesh.shape[DATA]

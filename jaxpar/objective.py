@@ -116,6 +116,75 @@ def _unread_inputs(closed, n: int) -> list[int]:
     return [i for i in range(min(n, len(used))) if not used[i]]
 
 
+_SAME_VALUES = {"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "copy", "copy_p", "transpose"}
+_LOOKUP_MODES = ("FILL_OR_DROP", "PROMISE_IN_BOUNDS")  # jnp.take's default (NaN rows) and table[ids] (clamped on a
+# CPU or GPU); an explicit mode="clip" is the user's choice and is left alone
+
+
+def _lookups(closed, n_params: int, first_data: int, n_data: int) -> list[tuple[int, int, int]]:
+    """The embedding lookups of a traced loss: (batch leaf i, parameter leaf j, rows n) for each gather that reads
+    rows of parameter j (an nnx.Embed's table, `table[ids]`, jnp.take) at indices that are batch leaf i's own values
+    (reshaped, broadcast, widened, with jnp.take's wrap of negative ids), so every value of leaf i must lie in
+    [0, n) as torch's nn.Embedding requires ('index out of range in self'). Inputs: the closed jaxpr's first
+    `n_params` invars are the parameters, invars first_data .. first_data + n_data the batch's leaves. Anything else
+    (ids computed from the batch, a loop body, a lookup with mode='clip') is not a lookup here: never a false
+    refusal."""
+    try:
+        from jax.extend import core as jex_core
+    except ImportError:  # pragma: no cover -- an older JAX: no check
+        return []
+    found: list = []
+
+    def walk(jaxpr, origin: dict) -> dict:
+        def of(v):
+            return None if isinstance(v, jex_core.Literal) else origin.get(v)
+
+        for eqn in jaxpr.eqns:
+            name, ins = eqn.primitive.name, [of(v) for v in eqn.invars]
+            out = None
+            if name in _SAME_VALUES and ins and ins[0] is not None:
+                out = ins[0]
+            elif name == "convert_element_type" and ins[0] is not None:
+                src, dst = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
+                if ins[0][0] == "param" or (jnp.issubdtype(dst, jnp.integer) and dst.itemsize >= src.itemsize):
+                    out = ins[0]
+            elif name == "add" and ins[0] is not None and ins[0][0] == "data" and isinstance(eqn.invars[1],
+                                                                                            jex_core.Literal):
+                out = ("wrapped", ins[0][1])  # jnp.take's ids + n, chosen where ids < 0
+            elif name == "select_n" and len(ins) == 3 and None not in ins[1:] and ins[1][1] == ins[2][1] \
+                    and {ins[1][0], ins[2][0]} == {"data", "wrapped"}:
+                out = ("data", ins[1][1])  # ids where >= 0, ids + n where < 0: ids in [0, n) are read as they are
+            elif name == "gather" and ins[0] is not None and ins[0][0] == "param" and ins[1] is not None \
+                    and ins[1][0] == "data" and eqn.params["mode"].name in _LOOKUP_MODES:
+                dims = eqn.params["dimension_numbers"]
+                if len(dims.start_index_map) == 1 and not dims.operand_batching_dims:
+                    found.append((ins[1][1], ins[0][1], int(eqn.invars[0].aval.shape[dims.start_index_map[0]])))
+            else:  # a call (jit, remat, custom_jvp/vjp): its body, its inputs and outputs one to one
+                for sub in eqn.params.values():
+                    sub = getattr(sub, "jaxpr", sub)
+                    if isinstance(sub, jex_core.Jaxpr) and len(sub.invars) == len(eqn.invars) \
+                            and len(sub.outvars) == len(eqn.outvars):
+                        inner = walk(sub, {w: o for w, o in zip(sub.invars, ins) if o is not None})
+                        for w, v in zip(sub.outvars, eqn.outvars):
+                            if not isinstance(w, jex_core.Literal) and inner.get(w) is not None:
+                                origin[v] = inner[w]
+                        break
+            if out is not None and len(eqn.outvars) == 1:
+                origin[eqn.outvars[0]] = out
+        return origin
+
+    try:
+        invars = closed.jaxpr.invars
+        start = {v: ("param", j) for j, v in enumerate(invars[:n_params])}
+        for i, v in enumerate(invars[first_data:first_data + n_data]):
+            if jnp.issubdtype(v.aval.dtype, jnp.integer):
+                start[v] = ("data", i)
+        walk(closed.jaxpr, start)
+    except Exception:  # noqa: BLE001 -- JAX's jaxpr internals: without them, no check (never a false refusal)
+        return []
+    return found
+
+
 def record_classes(classes: int) -> None:
     """Called by jaxpar.cross_entropy with its logits' class count (a static shape) while check_inputs traces the
     loss: the bound check_inputs then holds the batch's class targets to, on the host, at every step."""
@@ -585,7 +654,7 @@ class Objective:
         key = (treedef, tuple(zip(shapes, map(str, dtypes))))
         seen = _INPUTS_CHECKED.setdefault(self, {})
         if key in seen:
-            self.check_ids(data, row_mask, seen[key])
+            self.check_ids(data, row_mask, *seen[key])
             return
         specs = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes)])
         rows = Rows(specs, jax.ShapeDtypeStruct((n,), jnp.float32), jax.ShapeDtypeStruct((n,), jnp.int32))
@@ -600,11 +669,14 @@ class Objective:
                 raise
 
         classes: list = []
+        lookups: list = []
         token = _CLASSES.set(classes)
         try:
             closed = jax.make_jaxpr(trace)(*self.shapes, rows)  # a trace, no compute (as jax.eval_shape)
+            n_params = len(jax.tree.leaves(self.shapes[0]))
             if self not in _UNREAD:
-                _UNREAD[self] = (_unread_inputs(closed, len(jax.tree.leaves(self.shapes[0]))), rows)
+                _UNREAD[self] = (_unread_inputs(closed, n_params), rows)
+            lookups = _lookups(closed, n_params, n_params + len(jax.tree.leaves(self.shapes[1])), len(leaves))
         except Exception as e:  # noqa: BLE001
             classes.clear()  # the loss did not trace: nothing to hold the targets to
             if refused:
@@ -623,8 +695,8 @@ class Objective:
             # not the batch's shape: the step itself raises it, where it always has
         finally:
             _CLASSES.reset(token)
-        seen[key] = classes[0] if len(set(classes)) == 1 else None
-        self.check_ids(data, row_mask, seen[key])
+        seen[key] = (classes[0] if len(set(classes)) == 1 else None, tuple(lookups))
+        self.check_ids(data, row_mask, *seen[key])
 
     def _cross_entropy_options(self) -> tuple[str, int] | None:
         """(key, ignore_index) where the loss is jaxpar.cross_entropy on the model's outputs (the default, train.py's
@@ -648,26 +720,14 @@ class Objective:
             return None
         return options.get("key", "y"), options.get("ignore_index", IGNORE_INDEX)
 
-    def _vocabulary(self) -> int | None:
-        """The rows of jaxpar.GPT's token table (wte) where the model is one and takes ``batch["x"]`` (the default
-        inputs), else None."""
-        from jaxpar.models.gpt import GPT
-
-        if not (isinstance(self.loss_fn, OutputLoss) and self.loss_fn.inputs is default_inputs and self.shapes
-                and issubclass(self.eval_graphdef.nodes[0].type, GPT)):
-            return None
-        try:
-            return int(jnp.shape(self.shapes[0]["wte"]["embedding"])[0])
-        except (KeyError, TypeError, IndexError):
-            return None
-
-    def check_ids(self, data: PyTree, row_mask: Any, classes: int | None) -> None:
+    def check_ids(self, data: PyTree, row_mask: Any, classes: int | None, lookups: tuple = ()) -> None:
         """ValueError, before any work, for a counted class target outside [0, `classes`) of jaxpar.cross_entropy
-        (not its ignore_index, its batch["mask"] not 0, in a real row: `row_mask` > 0 under per_sample), and for a
-        token id outside jaxpar.GPT's vocabulary in batch["x"] (a real row's), where torch raises ('Target 10 is
-        out of bounds', 'index out of range in self') and a jitted step cannot: the step reported a NaN loss (the
-        target left out of the gradient but counted in the weight); a token id >= the vocabulary turned the loss
-        and the parameters NaN, one below 0 read another token's row. On host (numpy) values only: min and max,
+        (not its ignore_index, its batch["mask"] not 0, in a real row: `row_mask` > 0 under per_sample), and for an
+        id outside the rows of a parameter table the model looks it up in (`lookups`, from _lookups: nnx.Embed,
+        jaxpar.GPT's wte, `table[ids]`; a real row's), where torch raises ('Target 10 is out of bounds', 'index out
+        of range in self') and a jitted step cannot: the step reported a NaN loss (the target left out of the
+        gradient but counted in the weight); an id >= the table's rows turned the loss and the parameters NaN
+        (jnp.take's NaN rows) or read the last row (table[ids]), one below 0 read another row. On host (numpy) values only: min and max,
         O(batch), no trace, compile or sync; a leaf that is a jax.Array (Rows placed on a device, which put_batch passes through) is not read, and
         trains as before."""
         def host(a):
@@ -721,17 +781,26 @@ class Objective:
                                  f"target out of the gradient, not of the weight (torch's CrossEntropyLoss raises "
                                  f"'Target {v} is out of bounds'); give class ids 0..{classes - 1}, skip a target with "
                                  f"ignore_index={ignore} or batch['mask'] 0{grow}.")
-        vocab = self._vocabulary()
-        if vocab is not None and isinstance(data, dict):
-            found = outside(host(data.get("x")), vocab)
+        if not lookups:
+            return
+        leaves = jax.tree_util.tree_flatten_with_path(data)[0]
+        rows_of: dict = {}  # batch leaf -> (the table with the fewest rows it indexes, its rows)
+        for i, j, n in lookups:
+            if i < len(leaves) and (i not in rows_of or n < rows_of[i][1]):
+                rows_of[i] = (j, n)
+        params = [_slash_path(path) for path, _ in jax.tree_util.tree_flatten_with_path(self.shapes[0])[0]]
+        for i, (j, n) in sorted(rows_of.items()):
+            found = outside(host(leaves[i][1]), n)
             if found:
-                v, at, n = found
-                more = f", and {n - 1} more" if n > 1 else ""
-                raise ValueError(f"batch['x'] holds token id {v} at {at}{more}, outside GPT's vocabulary [0, {vocab}): "
-                                 "its embedding lookup would turn the logits, the loss and, after the update, the "
-                                 "parameters NaN (or, below 0, read another token's row; torch's nn.Embedding raises "
-                                 f"'index out of range in self'); give token ids 0..{vocab - 1}, or build the model "
-                                 f"with vocab_size={max(v + 1, vocab)} or more.")
+                v, at, k = found
+                name, table = "batch" + jax.tree_util.keystr(leaves[i][0]), params[j] if j < len(params) else "?"
+                more = f", and {k - 1} more" if k > 1 else ""
+                grow = f", or build the model with a table of {v + 1} rows or more (GPT's vocab_size, nnx.Embed's " \
+                    "num_embeddings)" if v >= n else ""
+                raise ValueError(f"{name} holds token id {v} at {at}{more}, outside the vocabulary [0, {n}) of the "
+                                 f"model's {table}: its embedding lookup would turn the logits, the loss and, after "
+                                 "the update, the parameters NaN (or read a row it was not given; torch's "
+                                 f"nn.Embedding raises 'index out of range in self'); give token ids 0..{n - 1}{grow}.")
 
     def unused_params(self) -> list[str]:
         """The paths of the trained parameters that the loss does not read, in eval mode and in training mode, on

@@ -111,8 +111,9 @@ def test_a_gpt_token_id_outside_the_vocabulary_is_refused():
     y = np.ones((2, 8), np.int32)
     for bad in (16, -1):
         x[1, 5] = bad
-        with pytest.raises(ValueError, match=f"^batch\\['x'\\] holds token id {bad} at \\(1, 5\\), outside GPT's "
-                                             "vocabulary \\[0, 16\\).*give token ids 0..15"):
+        with pytest.raises(ValueError, match=f"^batch\\['x'\\] holds token id {bad} at \\(1, 5\\), outside the "
+                                             "vocabulary \\[0, 16\\) of the model's wte/embedding.*give token ids "
+                                             "0..15"):
             strategy.put_batch({"x": x, "y": y})
     x[1, 5] = 3
     y[0, 2] = 16
@@ -145,7 +146,8 @@ def test_the_pipeline_and_tensor_parallelism_refuse_them_too():
     with pytest.raises(ValueError, match="^batch\\['y'\\] holds class target 16 at \\(1, 7\\), outside \\[0, 16\\)"):
         tp.put_batch({"x": x, "y": np.where((np.arange(2)[:, None] == 1) & (np.arange(8) == 7), 16, y)})
     x[0, 1] = -1
-    with pytest.raises(ValueError, match="^batch\\['x'\\] holds token id -1 at \\(0, 1\\), outside GPT's vocabulary"):
+    with pytest.raises(ValueError, match="^batch\\['x'\\] holds token id -1 at \\(0, 1\\), outside the vocabulary "
+                                         "\\[0, 16\\) of the model's wte/embedding"):
         tp.put_batch({"x": x, "y": y})
 
 
@@ -163,3 +165,49 @@ def test_a_pipeline_modules_own_cross_entropy_refuses_them_too(loss):
     pipe.put_batch(batch([0, 1, 2, 3]))
     with pytest.raises(ValueError, match="^batch\\['y'\\] holds class target 10 at \\(3,\\), outside \\[0, 10\\)"):
         pipe.put_batch(batch([0, 1, 2, C]))
+
+
+class TinyLM(nnx.Module):
+    """A user's own language model: its table read by nnx.Embed, by `table[ids]`, by jnp.take(mode='clip') (the
+    user's choice to clamp) or at ids it computes (ids % rows)."""
+
+    def __init__(self, how: str, rows: int = 11):
+        self.how, self.rows = how, rows
+        self.emb = nnx.Embed(rows, 4, rngs=nnx.Rngs(0))
+        self.out = nnx.Linear(4, rows, rngs=nnx.Rngs(1))
+
+    def __call__(self, x):
+        table = self.emb.embedding[...]
+        h = {"embed": lambda: self.emb(x), "index": lambda: table[x],
+             "clip": lambda: jax.numpy.take(table, x, axis=0, mode="clip"),
+             "mod": lambda: self.emb(x % self.rows)}[self.how]()
+        return self.out(h)
+
+
+@pytest.mark.parametrize("name", ["single", "ddp"])
+def test_a_users_embedding_refuses_ids_outside_its_table_wherever_the_lookup_reads_them_as_given(name):
+    """Any table the model looks a batch leaf up in, not only jaxpar.GPT's (a review finding): an id past an
+    nnx.Embed's rows made jnp.take return NaN rows, and -1 read the last row without a word; `table[ids]` clamped.
+    torch's nn.Embedding raises 'index out of range in self'. Found in the loss's trace (a gather of a parameter at
+    the batch leaf's own values), checked on the host like the class targets. A lookup the user clamps
+    (mode='clip') or at ids the model computes is left alone, and trains."""
+    y = np.zeros((2, 8), np.int32)
+    for how in ("embed", "index", "clip", "mod"):
+        model = TinyLM(how)
+        strategy = STRATEGIES[name](model, jaxpar.OutputLoss(jaxpar.cross_entropy))
+        placed = strategy.init(jaxpar.init_state(model, TX))
+        x = np.arange(16, dtype=np.int32).reshape(2, 8) % 11
+        placed, metrics = strategy.step(placed, strategy.put_batch({"x": x, "y": y}))  # ids 0..10: trains
+        assert np.isfinite(float(metrics["loss"]))
+        for bad in (11, -1, 40):
+            x[1, 5] = bad
+            if how in ("embed", "index"):
+                grow = "or build the model with a table of" if bad >= 11 else ""
+                with pytest.raises(ValueError, match=f"^batch\\['x'\\] holds token id {bad} at \\(1, 5\\), outside the "
+                                                     "vocabulary \\[0, 11\\) of the model's emb/embedding.*"
+                                                     f"index out of range in self.*give token ids 0..10.*{grow}"):
+                    strategy.put_batch({"x": x, "y": y})
+            else:  # clamped by the user's own choice, or a computed id: trains
+                placed, metrics = strategy.step(placed, strategy.put_batch({"x": x, "y": y}))
+                assert np.isfinite(float(metrics["loss"])), how
+            x[1, 5] = 3

@@ -121,14 +121,14 @@ _LOOKUP_MODES = ("FILL_OR_DROP", "PROMISE_IN_BOUNDS")  # jnp.take's default (NaN
 # CPU or GPU); an explicit mode="clip" is the user's choice and is left alone
 
 
-def _lookups(closed, n_params: int, first_data: int, n_data: int) -> list[tuple[int, int, int]]:
-    """The embedding lookups of a traced loss: (batch leaf i, parameter leaf j, rows n) for each gather that reads
-    rows of parameter j (an nnx.Embed's table, `table[ids]`, jnp.take) at indices that are batch leaf i's own values
-    (reshaped, broadcast, widened, with jnp.take's wrap of negative ids), so every value of leaf i must lie in
-    [0, n) as torch's nn.Embedding requires ('index out of range in self'). Inputs: the closed jaxpr's first
-    `n_params` invars are the parameters, invars first_data .. first_data + n_data the batch's leaves. Anything else
-    (ids computed from the batch, a loop body, a lookup with mode='clip') is not a lookup here: never a false
-    refusal."""
+def _lookups(closed, first_data: int, n_data: int) -> list[tuple[int, int, int]]:
+    """The embedding lookups of a traced loss: (batch leaf i, model leaf j, rows n) for each gather that reads rows
+    of the model's leaf j (an nnx.Embed's table, trained or frozen; `table[ids]`, jnp.take) at indices that are batch
+    leaf i's own values (reshaped, broadcast, widened, with jnp.take's wrap of negative ids), so every value of leaf
+    i must lie in [0, n) as torch's nn.Embedding requires ('index out of range in self'). Inputs: the closed jaxpr's
+    first `first_data` invars are the model's (parameters, then state), the next `n_data` the batch's leaves.
+    Anything else (ids computed from the batch, a loop body, a lookup with mode='clip') is not a lookup here: never
+    a false refusal."""
     try:
         from jax.extend import core as jex_core
     except ImportError:  # pragma: no cover -- an older JAX: no check
@@ -175,7 +175,7 @@ def _lookups(closed, n_params: int, first_data: int, n_data: int) -> list[tuple[
 
     try:
         invars = closed.jaxpr.invars
-        start = {v: ("param", j) for j, v in enumerate(invars[:n_params])}
+        start = {v: ("param", j) for j, v in enumerate(invars[:first_data])}
         for i, v in enumerate(invars[first_data:first_data + n_data]):
             if jnp.issubdtype(v.aval.dtype, jnp.integer):
                 start[v] = ("data", i)
@@ -676,7 +676,7 @@ class Objective:
             n_params = len(jax.tree.leaves(self.shapes[0]))
             if self not in _UNREAD:
                 _UNREAD[self] = (_unread_inputs(closed, n_params), rows)
-            lookups = _lookups(closed, n_params, n_params + len(jax.tree.leaves(self.shapes[1])), len(leaves))
+            lookups = _lookups(closed, n_params + len(jax.tree.leaves(self.shapes[1])), len(leaves))
         except Exception as e:  # noqa: BLE001
             classes.clear()  # the loss did not trace: nothing to hold the targets to
             if refused:
@@ -727,9 +727,9 @@ class Objective:
         jaxpar.GPT's wte, `table[ids]`; a real row's), where torch raises ('Target 10 is out of bounds', 'index out
         of range in self') and a jitted step cannot: the step reported a NaN loss (the target left out of the
         gradient but counted in the weight); an id >= the table's rows turned the loss and the parameters NaN
-        (jnp.take's NaN rows) or read the last row (table[ids]), one below 0 read another row. On host (numpy) values only: min and max,
-        O(batch), no trace, compile or sync; a leaf that is a jax.Array (Rows placed on a device, which put_batch passes through) is not read, and
-        trains as before."""
+        (jnp.take's NaN rows) or read the last row (table[ids]), one below 0 read another row. On host (numpy)
+        values only: min and max, O(batch), no trace, compile or sync; a leaf that is a jax.Array (Rows placed on a
+        device, which put_batch passes through) is not read, and trains as before."""
         def host(a):
             return a if isinstance(a, np.ndarray) and not isinstance(a, jax.Array) else None
 
@@ -788,12 +788,13 @@ class Objective:
         for i, j, n in lookups:
             if i < len(leaves) and (i not in rows_of or n < rows_of[i][1]):
                 rows_of[i] = (j, n)
-        params = [_slash_path(path) for path, _ in jax.tree_util.tree_flatten_with_path(self.shapes[0])[0]]
         for i, (j, n) in sorted(rows_of.items()):
             found = outside(host(leaves[i][1]), n)
             if found:
                 v, at, k = found
-                name, table = "batch" + jax.tree_util.keystr(leaves[i][0]), params[j] if j < len(params) else "?"
+                model = [_slash_path(path) for tree in self.shapes  # the model's leaves: parameters, then state
+                         for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+                name, table = "batch" + jax.tree_util.keystr(leaves[i][0]), model[j] if j < len(model) else "?"
                 more = f", and {k - 1} more" if k > 1 else ""
                 grow = f", or build the model with a table of {v + 1} rows or more (GPT's vocab_size, nnx.Embed's " \
                     "num_embeddings)" if v >= n else ""

@@ -1,7 +1,8 @@
-"""Class targets (and GPT token ids) outside the model's outputs are refused by put_batch, before any work, when
-they are host values; torch's CrossEntropyLoss raises 'Target 10 is out of bounds', a jitted step cannot: the step
-reported a NaN loss without a word (the target left out of the gradient, so the parameters stayed finite), and a GPT
-token id >= the vocabulary turned the parameters NaN, one below 0 read another token's row (a QA finding). Targets
+"""Class targets outside the model's outputs (and token ids outside a table the model looks them up in) are
+refused by put_batch, before any work, when they are host values; torch's CrossEntropyLoss raises 'Target 10 is
+out of bounds', a jitted step cannot: the step reported a NaN loss without a word (the target left out of the
+gradient, so the parameters stayed finite), and a GPT token id >= the vocabulary turned the parameters NaN, one below
+0 read another token's row (a QA finding). Targets
 already on a device (Rows of jax.Arrays, which put_batch passes through) are not read: the loss is still NaN."""
 from __future__ import annotations
 
@@ -211,3 +212,11 @@ def test_a_users_embedding_refuses_ids_outside_its_table_wherever_the_lookup_rea
                 placed, metrics = strategy.step(placed, strategy.put_batch({"x": x, "y": y}))
                 assert np.isfinite(float(metrics["loss"])), how
             x[1, 5] = 3
+    frozen = nnx.All(nnx.Param, nnx.Not(nnx.PathContains("emb")))  # a fine-tune with the table frozen: still a lookup
+    model = TinyLM("embed")
+    strategy = jaxpar.SingleDevice(model, TX, loss_fn=jaxpar.OutputLoss(jaxpar.cross_entropy), wrt=frozen)
+    strategy.init(jaxpar.init_state(model, TX, frozen))
+    x[1, 5] = 11
+    with pytest.raises(ValueError, match="token id 11 at \\(1, 5\\), outside the vocabulary \\[0, 11\\) of the model's "
+                                         "emb/embedding"):
+        strategy.put_batch({"x": x, "y": y})

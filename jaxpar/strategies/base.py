@@ -260,7 +260,8 @@ class LayersCheck:
     where the strategy runs the model's `layers` instead of its __call__, and Objective.check_rows_apart (armed by
     `arm_first_batch`), run on the first batch's first rows by put_batch, then dropped; and before them, on every
     batch of a shape not seen yet, Objective.check_inputs (a batch the model cannot take, named in one line), and on
-    every batch its check_ids (host class targets or GPT token ids outside the model's outputs or vocabulary)."""
+    every batch its check_ids (host class targets outside the model's outputs, ids outside a table it looks them up
+    in)."""
 
     def __init__(self):
         self.pending: tuple | None = None

@@ -26,9 +26,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # compilation_cache.put_executable_and_time, test_3d's single reference step), which killed a pytest-xdist worker
 # and left the run hanging; the suite is slower without it, and it changed nothing a test reads. A third abort came
 # later with no cache at all (2026-11-30, inside XLA's compile of test_gpt_training's tensor-parallel step, in a
-# worker that had imported torch through test_weights; not reproduced in 40 reruns of that file), so the cache may
-# not have been the cause; it stays off until one is understood. pyproject's --capture=sys keeps the next one's
-# native message in the log.
+# worker that had imported torch through test_weights; not reproduced in 74 reruns of that file: 40 alone, 30 after
+# test_weights, 4 after test_3d), so the cache may not have been the cause; it stays off until one is understood.
+# pyproject's --capture=sys keeps the next one's native message in the log.
 
 from jaxpar.run.hostmem import tune_host_allocator  # noqa: E402
 

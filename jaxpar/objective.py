@@ -126,9 +126,11 @@ def _lookups(closed, first_data: int, n_data: int) -> list[tuple[int, int, int]]
     of the model's leaf j (an nnx.Embed's table, trained or frozen; `table[ids]`, jnp.take) at indices that are batch
     leaf i's own values (reshaped, broadcast, widened, with jnp.take's wrap of negative ids), so every value of leaf
     i must lie in [0, n) as torch's nn.Embedding requires ('index out of range in self'). Inputs: the closed jaxpr's
-    first `first_data` invars are the model's (parameters, then state), the next `n_data` the batch's leaves.
-    Anything else (ids computed from the batch, a loop body, a lookup with mode='clip') is not a lookup here: never
-    a false refusal."""
+    first `first_data` invars are the model's (parameters, then state), the next `n_data` the batch's leaves. Calls
+    (jit, remat, custom_vjp, a scan's or while's body) are followed where their body takes their inputs one to one
+    (a loop's first pass reads the values it was given). Anything else (ids computed from the batch or cut from it
+    by lax.slice, a lookup with mode='clip', a cond's branches) is not a lookup here: no check, never a false
+    refusal."""
     try:
         from jax.extend import core as jex_core
     except ImportError:  # pragma: no cover -- an older JAX: no check

@@ -169,8 +169,9 @@ def test_a_pipeline_modules_own_cross_entropy_refuses_them_too(loss):
 
 
 class TinyLM(nnx.Module):
-    """A user's own language model: its table read by nnx.Embed, by `table[ids]`, by jnp.take(mode='clip') (the
-    user's choice to clamp) or at ids it computes (ids % rows)."""
+    """A user's own language model: its table read by nnx.Embed, by `table[ids]`, a token at a time in a lax.scan,
+    by jnp.take(mode='clip') (the user's choice to clamp), at ids it computes (ids % rows), or at the first 4
+    positions only."""
 
     def __init__(self, how: str, rows: int = 11):
         self.how, self.rows = how, rows
@@ -179,9 +180,14 @@ class TinyLM(nnx.Module):
 
     def __call__(self, x):
         table = self.emb.embedding[...]
+        jnp = jax.numpy
         h = {"embed": lambda: self.emb(x), "index": lambda: table[x],
-             "clip": lambda: jax.numpy.take(table, x, axis=0, mode="clip"),
-             "mod": lambda: self.emb(x % self.rows)}[self.how]()
+             "scan": lambda: jnp.moveaxis(jax.lax.scan(lambda c, ids: (c, jnp.take(table, ids, axis=0)), 0,
+                                                       jnp.moveaxis(x, -1, 0))[1], 0, -2),  # a token at a time
+             "clip": lambda: jnp.take(table, x, axis=0, mode="clip"),
+             "mod": lambda: self.emb(x % self.rows),
+             "slice": lambda: jnp.concatenate([self.emb(x[..., :4]), jnp.zeros(x[..., 4:].shape + (4,))], -2),
+             }[self.how]()
         return self.out(h)
 
 
@@ -193,7 +199,7 @@ def test_a_users_embedding_refuses_ids_outside_its_table_wherever_the_lookup_rea
     the batch leaf's own values), checked on the host like the class targets. A lookup the user clamps
     (mode='clip') or at ids the model computes is left alone, and trains."""
     y = np.zeros((2, 8), np.int32)
-    for how in ("embed", "index", "clip", "mod"):
+    for how in ("embed", "index", "scan", "clip", "mod", "slice"):
         model = TinyLM(how)
         strategy = STRATEGIES[name](model, jaxpar.OutputLoss(jaxpar.cross_entropy))
         placed = strategy.init(jaxpar.init_state(model, TX))
@@ -202,13 +208,13 @@ def test_a_users_embedding_refuses_ids_outside_its_table_wherever_the_lookup_rea
         assert np.isfinite(float(metrics["loss"]))
         for bad in (11, -1, 40):
             x[1, 5] = bad
-            if how in ("embed", "index"):
+            if how in ("embed", "index", "scan"):
                 grow = "or build the model with a table of" if bad >= 11 else ""
                 with pytest.raises(ValueError, match=f"^batch\\['x'\\] holds token id {bad} at \\(1, 5\\), outside the "
                                                      "vocabulary \\[0, 11\\) of the model's emb/embedding.*"
                                                      f"index out of range in self.*give token ids 0..10.*{grow}"):
                     strategy.put_batch({"x": x, "y": y})
-            else:  # clamped by the user's own choice, or a computed id: trains
+            else:  # clamped by the user's own choice, a computed id, or a position the lookup does not read: trains
                 placed, metrics = strategy.step(placed, strategy.put_batch({"x": x, "y": y}))
                 assert np.isfinite(float(metrics["loss"])), how
             x[1, 5] = 3

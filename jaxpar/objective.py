@@ -798,8 +798,9 @@ class Objective:
                          for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
                 name, table = "batch" + jax.tree_util.keystr(leaves[i][0]), model[j] if j < len(model) else "?"
                 more = f", and {k - 1} more" if k > 1 else ""
-                grow = f", or build the model with a table of {v + 1} rows or more (GPT's vocab_size, nnx.Embed's " \
-                    "num_embeddings)" if v >= n else ""
+                top = int(host(leaves[i][1]).max())  # the table must hold the largest id, not only the first bad one
+                grow = f", or build the model with a table of {top + 1} rows or more (GPT's vocab_size, nnx.Embed's " \
+                    "num_embeddings)" if top >= n else ""
                 raise ValueError(f"{name} holds token id {v} at {at}{more}, outside the vocabulary [0, {n}) of the "
                                  f"model's {table}: its embedding lookup would turn the logits, the loss and, after "
                                  "the update, the parameters NaN (or read a row it was not given; torch's "

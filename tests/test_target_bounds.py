@@ -207,17 +207,19 @@ def test_a_users_embedding_refuses_ids_outside_its_table_wherever_the_lookup_rea
         placed, metrics = strategy.step(placed, strategy.put_batch({"x": x, "y": y}))  # ids 0..10: trains
         assert np.isfinite(float(metrics["loss"]))
         for bad in (11, -1, 40):
-            x[1, 5] = bad
+            x[1, 5], x[1, 6] = bad, 40 if bad == 11 else 6  # with 11, a larger one after it: the table must hold 40
             if how in ("embed", "index", "scan"):
-                grow = "or build the model with a table of" if bad >= 11 else ""
-                with pytest.raises(ValueError, match=f"^batch\\['x'\\] holds token id {bad} at \\(1, 5\\), outside the "
-                                                     "vocabulary \\[0, 11\\) of the model's emb/embedding.*"
-                                                     f"index out of range in self.*give token ids 0..10.*{grow}"):
+                more = ", and 1 more" if bad == 11 else ""
+                fix = ", or build the model with a table of 41 rows or more" if bad >= 11 else "\\.$"
+                want = (f"^batch\\['x'\\] holds token id {bad} at \\(1, 5\\){more}, outside the vocabulary "
+                        "\\[0, 11\\) of the model's emb/embedding.*index out of range in self'\\); give token ids "
+                        f"0..10{fix}")
+                with pytest.raises(ValueError, match=want):
                     strategy.put_batch({"x": x, "y": y})
             else:  # clamped by the user's own choice, a computed id, or a position the lookup does not read: trains
                 placed, metrics = strategy.step(placed, strategy.put_batch({"x": x, "y": y}))
                 assert np.isfinite(float(metrics["loss"])), how
-            x[1, 5] = 3
+            x[1, 5], x[1, 6] = 3, 6
     frozen = nnx.All(nnx.Param, nnx.Not(nnx.PathContains("emb")))  # a fine-tune with the table frozen: still a lookup
     model = TinyLM("embed")
     strategy = jaxpar.SingleDevice(model, TX, loss_fn=jaxpar.OutputLoss(jaxpar.cross_entropy), wrt=frozen)

@@ -2,8 +2,8 @@
 refused by put_batch, before any work, when they are host values; torch's CrossEntropyLoss raises 'Target 10 is
 out of bounds', a jitted step cannot: the step reported a NaN loss without a word (the target left out of the
 gradient, so the parameters stayed finite), and a GPT token id >= the vocabulary turned the parameters NaN, one below
-0 read another token's row (a QA finding). Targets
-already on a device (Rows of jax.Arrays, which put_batch passes through) are not read: the loss is still NaN."""
+0 read another token's row (a QA finding). Targets already on a device (Rows of jax.Arrays, which put_batch passes
+through) are not read: the loss is still NaN."""
 from __future__ import annotations
 
 import functools
@@ -193,11 +193,12 @@ class TinyLM(nnx.Module):
 
 @pytest.mark.parametrize("name", ["single", "ddp"])
 def test_a_users_embedding_refuses_ids_outside_its_table_wherever_the_lookup_reads_them_as_given(name):
-    """Any table the model looks a batch leaf up in, not only jaxpar.GPT's (a review finding): an id past an
-    nnx.Embed's rows made jnp.take return NaN rows, and -1 read the last row without a word; `table[ids]` clamped.
-    torch's nn.Embedding raises 'index out of range in self'. Found in the loss's trace (a gather of a parameter at
-    the batch leaf's own values), checked on the host like the class targets. A lookup the user clamps
-    (mode='clip') or at ids the model computes is left alone, and trains."""
+    """Any table the model looks a batch leaf up in, not only jaxpar.GPT's: an id past an nnx.Embed's rows made
+    jnp.take return NaN rows, and -1 read the last row without a word; `table[ids]` clamped. torch's nn.Embedding
+    raises 'index out of range in self'. Found in the loss's trace (a gather of a model leaf at the batch leaf's own
+    values, inside a lax.scan too; a frozen table as well), checked on the host like the class targets; the fix names
+    a table holding the batch's largest id. A lookup the user clamps (mode='clip'), at ids the model computes, or of
+    positions other than the bad one is left alone, and trains."""
     y = np.zeros((2, 8), np.int32)
     for how in ("embed", "index", "scan", "clip", "mod", "slice"):
         model = TinyLM(how)
